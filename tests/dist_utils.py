@@ -1,0 +1,52 @@
+"""Run a function on N gloo ranks (CPU) and collect what each rank returns.
+
+Each call spawns fresh processes, so tests batch many cases into one call to keep CI fast.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args, outdir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    result = None
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = ("ok", fn(rank, world, *args))
+    except BaseException as e:  # report to the parent with the traceback
+        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    finally:
+        with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args):
+    """fn(rank, world, *args) on ``world`` gloo ranks; returns the list of per-rank results.
+    A rank that raised makes this raise with its traceback."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_entry, args=(world, free_port(), fn, args, d), nprocs=world, join=True, start_method="spawn")
+        results = []
+        for r in range(world):
+            with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
+                status, value = pickle.load(f)
+            if status != "ok":
+                raise AssertionError(f"rank {r} failed:\n{value}")
+            results.append(value)
+        return results

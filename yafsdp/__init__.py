@@ -1,0 +1,6 @@
+"""yafsdp: a sharded data-parallel training engine for PyTorch in the style of YaFSDP."""
+from .engine import YaFSDP
+from .units import WrapError
+
+__all__ = ["YaFSDP", "WrapError"]
+__version__ = "0.1.0"

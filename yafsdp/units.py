@@ -1,0 +1,228 @@
+"""Which parameters form which unit: automatic discovery and the wrap-time checks.
+
+Rules (see README "Units"):
+- ``units=None``: every block of the model's repeated block list (the longest run of same-class,
+  parameter-holding children of a ``ModuleList``/``Sequential``; HF: ``model.model.layers``) is a
+  unit. Every other module that directly holds a >=2-D parameter becomes a unit of its own (the
+  embedding before the blocks, the head after them).
+- ``units=[...]``: exactly those modules; every parameter must fall inside one of them.
+- Every 1-D parameter (norm weights, biases) goes to the small group, whatever its unit.
+- A parameter reachable from two units (tied embeddings) is placed in the first; a module of a
+  later unit that holds nothing but such parameters becomes a *member* of the first unit (it
+  gathers that unit when it runs). Any other sharing is an error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .flat import ParamInfo
+
+
+class WrapError(ValueError):
+    """Bad input found at wrap time; the message names the module or parameter at fault."""
+
+
+@dataclass
+class Member:
+    """A module whose forward needs a unit gathered, and which of its attributes to point there."""
+
+    module: nn.Module
+    name: str
+    assignments: list[tuple[nn.Module, str, int]] = field(default_factory=list)  # (owner, attr, param idx)
+
+
+@dataclass
+class UnitSpec:
+    name: str
+    params: list[ParamInfo]  # the >= 2-D parameters (the small ones are in the small group)
+    members: list[Member]
+
+
+def _already_wrapped(root: nn.Module) -> str | None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    kinds = [(DistributedDataParallel, "DistributedDataParallel")]
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        kinds.append((FullyShardedDataParallel, "FSDP"))
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        kinds.append((FSDPModule, "FSDP2 (fully_shard)"))
+    except ImportError:  # pragma: no cover
+        pass
+    for name, m in root.named_modules():
+        if getattr(m, "_is_yafsdp", False):
+            return f"module {name or '<root>'!r} is already wrapped by yafsdp.YaFSDP"
+        for cls, what in kinds:
+            if isinstance(m, cls):
+                return f"module {name or '<root>'!r} is already wrapped by {what}"
+    return None
+
+
+def find_blocks(root: nn.Module) -> list[nn.Module]:
+    """The longest run of same-class, parameter-holding children of a ModuleList/Sequential."""
+    best: list[nn.Module] = []
+    for m in root.modules():
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)):
+            continue
+        run: list[nn.Module] = []
+        for child in m.children():
+            has_params = any(True for _ in child.parameters())
+            if run and has_params and type(child) is type(run[0]):
+                run.append(child)
+            else:
+                run = [child] if has_params else []
+            if len(run) >= 2 and sum(p.numel() for c in run for p in c.parameters()) > sum(
+                p.numel() for c in best for p in c.parameters()
+            ):
+                best = list(run)
+    return best
+
+
+def discover(root: nn.Module, units: list[nn.Module] | None) -> tuple[list[UnitSpec], list[ParamInfo]]:
+    """Return the units (in module order) and the small group's parameters."""
+    why = _already_wrapped(root)
+    if why:
+        raise WrapError(f"yafsdp.YaFSDP: {why}; unwrap it first (wrap the plain model once)")
+
+    names = {id(m): n or "<root>" for n, m in root.named_modules(remove_duplicate=False)}
+    # Every (module, attribute) reference to every parameter, in registration order.
+    infos: dict[int, ParamInfo] = {}
+    for mname, m in root.named_modules(remove_duplicate=False):
+        for attr, p in m._parameters.items():
+            if p is None:
+                continue
+            info = infos.get(id(p))
+            if info is None:
+                fqn = f"{mname}.{attr}" if mname else attr
+                info = infos[id(p)] = ParamInfo(fqn, p.shape, p.dtype, [], small=p.dim() <= 1)
+                info.param = p  # type: ignore[attr-defined]
+            if not any(o is m and a == attr for o, a in info.owners):
+                info.owners.append((m, attr))
+    if not infos:
+        raise WrapError("yafsdp.YaFSDP: the module has no parameters to shard")
+
+    explicit = units is not None
+    if explicit:
+        units = list(units)
+        seen: dict[int, int] = {}
+        for i, u in enumerate(units):
+            if not isinstance(u, nn.Module):
+                raise WrapError(f"units[{i}] is a {type(u).__name__}, not an nn.Module")
+            if id(u) not in names:
+                raise WrapError(f"units[{i}] ({type(u).__name__}) is not a submodule of the wrapped module")
+            if id(u) in seen:
+                raise WrapError(f"module {names[id(u)]!r} is listed twice in units= (positions {seen[id(u)]} and {i})")
+            seen[id(u)] = i
+        for u in units:
+            for sub_name, sub in u.named_modules():
+                if sub is not u and id(sub) in seen:
+                    raise WrapError(
+                        f"unit {names[id(sub)]!r} is nested inside unit {names[id(u)]!r}; units must not overlap"
+                    )
+        for u in units:
+            if not any(True for _ in u.parameters()):
+                raise WrapError(f"unit {names[id(u)]!r} has no parameters")
+    else:
+        units = find_blocks(root)
+
+    owner_of: dict[int, UnitSpec] = {}  # id(ParamInfo) -> unit holding it
+    specs: list[UnitSpec] = []
+
+    def add_unit(module: nn.Module, params: list[ParamInfo]):
+        """A unit rooted at ``module`` holding ``params`` (the large ones not placed yet)."""
+        name = names[id(module)]
+        big = [p for p in params if not p.small]
+        fresh = [p for p in big if id(p) not in owner_of]
+        shared = [p for p in big if id(p) in owner_of]
+        if shared:
+            homes = {id(owner_of[id(p)]) for p in shared}
+            own_params = [infos[id(p)] for p in module._parameters.values() if p is not None]
+            only_shared = not fresh and all(p.small or id(p) in owner_of for p in own_params)
+            if len(homes) > 1 or not only_shared or any(
+                sub is not module and any(True for _ in sub.parameters(recurse=False))
+                for sub in module.modules()
+            ):
+                p = shared[0]
+                raise WrapError(
+                    f"parameter {p.fqn!r} is shared between unit {owner_of[id(p)].name!r} and unit {name!r} in an "
+                    "unsupported way: a shared parameter is supported only when the second unit is a single module "
+                    "holding nothing but parameters of one other unit (tied embeddings)"
+                )
+            home = owner_of[id(shared[0])]
+            home.members.append(_member(module, name, home.params, infos))
+            return
+        if not fresh:
+            return  # only small parameters: they live in the small group
+        spec = UnitSpec(name, fresh, [])
+        for p in fresh:
+            owner_of[id(p)] = spec
+        spec.members.append(_member(module, name, fresh, infos))
+        specs.append(spec)
+
+    unit_ids = {id(u) for u in units}
+    for u in units:
+        add_unit(u, _params_in(u, infos))
+    covered = {id(infos[id(p)]) for u in units for p in u.parameters()}
+    leftovers = [i for i in infos.values() if id(i) not in covered]
+    if explicit and leftovers:
+        listed = ", ".join(repr(i.fqn) for i in leftovers[:5]) + (" ..." if len(leftovers) > 5 else "")
+        raise WrapError(
+            f"{len(leftovers)} parameter(s) are in no unit: {listed}; add their modules to units= or pass units=None"
+        )
+    if not explicit:
+        for mname, m in root.named_modules():
+            if id(m) in unit_ids or any(id(a) in unit_ids for a in _ancestors(root, m)):
+                continue
+            own = [infos[id(p)] for p in m._parameters.values() if p is not None]
+            if any(not p.small for p in own):
+                add_unit(m, own)
+    # Members beyond a unit's home module see parameters owned elsewhere in their subtree only.
+    order = {id(m): i for i, (_, m) in enumerate(root.named_modules())}
+    specs.sort(key=lambda s: order[id(s.members[0].module)])
+    small = [i for i in infos.values() if i.small]
+    return specs, small
+
+
+def _params_in(module: nn.Module, infos: dict[int, ParamInfo]) -> list[ParamInfo]:
+    out, seen = [], set()
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(infos[id(p)])
+    return out
+
+
+def _ancestors(root: nn.Module, target: nn.Module) -> list[nn.Module]:
+    """Modules on the path from root down to target (exclusive of target)."""
+    path: list[nn.Module] = []
+
+    def walk(m: nn.Module) -> bool:
+        if m is target:
+            return True
+        path.append(m)
+        for c in m.children():
+            if walk(c):
+                return True
+        path.pop()
+        return False
+
+    walk(root)
+    return path
+
+
+def _member(module: nn.Module, name: str, unit_params: list[ParamInfo], infos) -> Member:
+    """Which attributes inside ``module``'s subtree point at ``unit_params``."""
+    subtree = {id(m) for m in module.modules()}
+    member = Member(module, name)
+    for idx, p in enumerate(unit_params):
+        for owner, attr in p.owners:
+            if id(owner) in subtree:
+                member.assignments.append((owner, attr, idx))
+    return member
