@@ -10,7 +10,7 @@ import yafsdp
 from models import Stack, batch, loss_of, tiny_llama
 
 STEPS = 3
-LR = 1e-2
+LR = 3e-3
 MAX_NORM = 1.0
 
 # name -> options. kind: llama | stack; dtype: None (fp32) or "bf16".
@@ -26,6 +26,7 @@ CASES = {
     "stack_z3": dict(kind="stack", accum=3),
     "stack_z3_ckpt_units": dict(kind="stack", ckpt=True, units=True),
     "stack_z2": dict(kind="stack", zero=2),
+    "llama_outsized": dict(kind="llama", vocab=1000, accum=3),
     "llama_bf16_z3_tied": dict(kind="llama", tie=True, dtype="bf16"),
     "llama_bf16_z2_accum3": dict(kind="llama", zero=2, accum=3, dtype="bf16"),
 }
@@ -33,7 +34,7 @@ CASES = {
 
 def build(case: dict):
     if case["kind"] == "llama":
-        return tiny_llama(tie=case.get("tie", False), checkpointing=case.get("ckpt", False))
+        return tiny_llama(tie=case.get("tie", False), checkpointing=case.get("ckpt", False), vocab=case.get("vocab", 67))
     return Stack(ckpt=case.get("ckpt", False))
 
 

@@ -21,7 +21,6 @@ before it in forward.
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +31,7 @@ from . import kernels
 from .buffers import GradSlot, WeightSlot
 from .collectives import all_gather, reduce_scatter
 from .flat import FlatLayout, ParamInfo, alias
+from .plan import plan_slots, unit_align
 from .trace import span
 from .units import Member, UnitSpec, WrapError, discover
 
@@ -169,8 +169,7 @@ class YaFSDP(nn.Module):
             else:  # pragma: no cover - a module with a custom state_dict
                 raise WrapError(f"state_dict key {key!r} is neither a parameter nor a buffer of the module")
 
-        elem = min(torch.finfo(self.compute_dtype).bits, torch.finfo(reduce_dtype).bits) // 8
-        align = max(1, align_bytes // elem)
+        align = unit_align(self.compute_dtype, reduce_dtype, align_bytes)
         self.units: list[Unit] = [
             Unit(s.name, i, FlatLayout.build(s.params, self.world_size, self.rank, align), s.members)
             for i, s in enumerate(specs)
@@ -249,54 +248,22 @@ class YaFSDP(nn.Module):
             self.flat.register_parameter(u.name.replace(".", "_"), u.flat_param)
             off += n
 
-        sizes = [u.layout.padded_numel for u in self.units]
-        if len(sizes) >= 3:
-            median = statistics.median_low(sizes)
-            for u in self.units:
-                u.outsized = u.layout.padded_numel > outsized_ratio * median
-        regular = [u for u in self.units if not u.outsized]
-        outsized = [u for u in self.units if u.outsized]
-        cd, rd = self.compute_dtype, self.reduce_dtype
-        self.weight_slots: list[WeightSlot] = []
-        self.grad_slots: list[GradSlot] = []
-
-        def grad_slot(name, group):
-            cap = max(u.layout.padded_numel for u in group)
-            shard_cap = max(u.layout.shard_numel for u in group)
-            s = GradSlot(name, cap, shard_cap, rd, dev)
-            self.grad_slots.append(s)
-            return s
-
-        if regular:
-            gs = [grad_slot(f"grad{i}", regular) for i in range(min(2, len(regular)))]
-            for i, u in enumerate(regular):
-                u.grad_slot = gs[i % len(gs)]
-        if outsized:
-            g = grad_slot("grad_outsized", outsized)
-            for u in outsized:
-                u.grad_slot = g
-        if self.small is not None:
-            self.small.grad_slot = grad_slot("grad_small", [self.small])
-
-        if self.zero_stage == 3:
-            if regular:
-                cap = max(u.layout.padded_numel for u in regular)
-                ws = [WeightSlot(f"weight{i}", cap, cd, dev) for i in range(min(2, len(regular)))]
-                self.weight_slots += ws
-                for i, u in enumerate(regular):
-                    u.slot = ws[i % len(ws)]
-            if outsized:
-                w = WeightSlot("weight_outsized", max(u.layout.padded_numel for u in outsized), cd, dev)
-                self.weight_slots.append(w)
-                for u in outsized:
-                    u.slot = w
-        else:  # ZeRO-2: every unit keeps its gathered weights from forward to backward
-            for u in self.units:
-                u.slot = WeightSlot(f"weight_{u.name}", u.layout.padded_numel, cd, dev)
-                self.weight_slots.append(u.slot)
-        if self.small is not None:
-            self.small.slot = WeightSlot("weight_small", self.small.layout.padded_numel, cd, dev)
-            self.weight_slots.append(self.small.slot)
+        # Buffer sizes come from the plan, so yafsdp.plan can report them without allocating.
+        # See [Note: one plan, one allocator] in plan.py.
+        self.slot_plan = plan = plan_slots(
+            [u.name for u in self.units], [u.layout for u in self.units],
+            self.small.layout if self.small is not None else None,
+            compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
+            zero_stage=self.zero_stage, outsized_ratio=outsized_ratio,
+        )
+        self.grad_slots: list[GradSlot] = [
+            GradSlot(s.name, s.capacity, s.shard_capacity, s.dtype, dev) for s in plan.grad
+        ]
+        self.weight_slots: list[WeightSlot] = [WeightSlot(s.name, s.capacity, s.dtype, dev) for s in plan.weight]
+        for u, w, g in zip(self._all, plan.weight_of, plan.grad_of):
+            u.slot, u.grad_slot = self.weight_slots[w], self.grad_slots[g]
+        for u, big in zip(self.units, plan.outsized):
+            u.outsized = big
         for u in self._all:
             u.aliases = [alias(u.slot.data, p.offset, p.shape) for p in u.params]
 
@@ -460,6 +427,33 @@ class YaFSDP(nn.Module):
             s.owner = None
 
     # ------------------------------------------------------------------ introspection
+    @property
+    def flat_units(self) -> list[Unit]:
+        """Every flat unit in order, the small group (if any) last."""
+        return list(self._all)
+
+    def shard_info(self) -> list[dict]:
+        """Per flat parameter (as named by ``named_parameters()``): its unit and this rank's slice.
+
+        The first ``numel`` elements of a unit's flat layout do not depend on the world size (the
+        padding after them does), which is what lets a sharded checkpoint be resharded."""
+        names = {id(p): n for n, p in self.named_parameters()}
+        return [
+            dict(
+                name=names[id(u.flat_param)], unit=u.name, numel=u.layout.numel,
+                padded_numel=u.layout.padded_numel, shard_start=u.layout.shard_start,
+                shard_numel=u.layout.shard_numel, param_names=[p.fqn for p in u.params],
+                param=u.flat_param,
+            )
+            for u in self._all
+        ]
+
+    def memory_plan(self, **activation_options):
+        """Bytes per rank by role; see yafsdp.plan."""
+        from .plan import memory_plan
+
+        return memory_plan(self, **activation_options)
+
     def allocated_bytes(self) -> dict[str, int]:
         """Bytes of every tensor the engine allocated on this rank, by role."""
         nb = lambda t: t.numel() * t.element_size()  # noqa: E731
