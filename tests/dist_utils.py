@@ -9,6 +9,7 @@ import pickle
 import socket
 import tempfile
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,12 +22,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, outdir):
+def _entry(rank, world, port, fn, args, outdir, backend="gloo"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     result = None
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
         result = ("ok", fn(rank, world, *args))
     except BaseException as e:  # report to the parent with the traceback
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -37,11 +40,13 @@ def _entry(rank, world, port, fn, args, outdir):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args):
-    """fn(rank, world, *args) on ``world`` gloo ranks; returns the list of per-rank results.
+def run_ranks(fn, world: int, *args, backend: str = "gloo"):
+    """fn(rank, world, *args) on ``world`` ranks (gloo by default); returns the per-rank results.
     A rank that raised makes this raise with its traceback."""
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_entry, args=(world, free_port(), fn, args, d), nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(
+            _entry, args=(world, free_port(), fn, args, d, backend), nprocs=world, join=True, start_method="spawn"
+        )
         results = []
         for r in range(world):
             with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
