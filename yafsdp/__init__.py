@@ -1,6 +1,7 @@
 """yafsdp: a sharded data-parallel training engine for PyTorch in the style of YaFSDP."""
 from .engine import YaFSDP
+from .optim import FusedAdamW
 from .units import WrapError
 
-__all__ = ["YaFSDP", "WrapError"]
+__all__ = ["YaFSDP", "FusedAdamW", "WrapError"]
 __version__ = "0.1.0"

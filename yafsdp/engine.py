@@ -18,6 +18,16 @@ are: it is the reliable "unit backward done" point. There the grads are written 
 buffer and the reduce-scatter is issued. ``_PreBackward`` sits on a unit's outputs and runs
 before any of the unit's backward: it re-gathers (ZeRO-3) and prefetches the unit that ran
 before it in forward.
+
+[Note: optimizers that do not bump versions]
+The engine knows a master shard changed (so its compute copy must be cast again and a buffer
+still holding its gathered weights is stale) from the shard's version counter. torch's fused
+optimizers (``AdamW(fused=True)``, ``Adam(fused=True)``, ``SGD(fused=True)``) update parameters
+in place *without* bumping it, which would leave the engine computing with the weights of the
+previous step. A process-wide optimizer step pre/post hook pair (installed by the first
+``YaFSDP``) closes the gap: every yafsdp master shard with a gradient whose version an
+optimizer step left unchanged gets its version bumped. Optimizers that do bump (foreach/for-loop
+torch optimizers, ``yafsdp.FusedAdamW``) are untouched.
 """
 from __future__ import annotations
 
@@ -91,6 +101,31 @@ class _PreBackward(torch.autograd.Function):
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+_OPTIMIZER_HOOKS: list = []  # the process-wide pair, installed once
+
+
+def _versions_before_step(optimizer, args, kwargs):
+    """See [Note: optimizers that do not bump versions]."""
+    optimizer._yafsdp_versions = [
+        (p, p._version) for g in optimizer.param_groups for p in g["params"]
+        if p.grad is not None and hasattr(p, "_yafsdp_unit")
+    ]
+
+
+def _bump_unchanged_after_step(optimizer, args, kwargs):
+    for p, v in optimizer.__dict__.pop("_yafsdp_versions", ()):
+        if p._version == v:
+            torch.autograd.graph.increment_version(p)
+
+
+def _install_optimizer_hooks():
+    if not _OPTIMIZER_HOOKS:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        _OPTIMIZER_HOOKS.append(register_optimizer_step_pre_hook(_versions_before_step))
+        _OPTIMIZER_HOOKS.append(register_optimizer_step_post_hook(_bump_unchanged_after_step))
 
 
 @dataclass
@@ -187,6 +222,7 @@ class YaFSDP(nn.Module):
         module._is_yafsdp = True
         self._materialize_from(module)
         self._install_hooks()
+        _install_optimizer_hooks()  # See [Note: optimizers that do not bump versions]
 
         self._comm = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         # Recorded on the compute stream at each root forward after the cast pass: every gather of
@@ -638,9 +674,9 @@ class YaFSDP(nn.Module):
             pos = len(self._trace)
             if self._order and pos < len(self._order) and self._order[pos - 1] is unit:
                 self._prefetch(self._order[pos])
-            if self.recorder:
-                unit._fw_iv = self.recorder.compute_start("forward", unit.name)
             self._wait_ready(unit.slot)
+            if self.recorder:  # after the wait: waiting for the gather is not compute
+                unit._fw_iv = self.recorder.compute_start("forward", unit.name)
             tensors = [unit.aliases[i] for i in index.pidx]
             if torch.is_grad_enabled():
                 tensors = _Gate.apply(self, unit, member_i, unit.anchor, *tensors)
@@ -675,9 +711,9 @@ class YaFSDP(nn.Module):
             self._acquire(unit)
             unit.bw_held = True
         self._prefetch(prev)
-        if self.recorder:
-            unit._bw_iv = self.recorder.compute_start("backward", unit.name)
         self._wait_ready(unit.slot)
+        if self.recorder:  # after the wait: waiting for the gather is not compute
+            unit._bw_iv = self.recorder.compute_start("backward", unit.name)
 
     def _post_backward(self, unit: Unit, member_i: int, grads):
         """The gate's backward: grads into the grad buffer, reduce-scatter issued, weights released."""
@@ -743,7 +779,7 @@ class YaFSDP(nn.Module):
         """grad shard (+)= reduced sum / world: the one post-divide."""
         with torch.no_grad():
             if fresh:
-                torch.mul(staging, 1.0 / self.world_size, out=target)
+                kernels.cast_(target, staging, 1.0 / self.world_size)  # scaled in fp32, rounded once
             else:
                 kernels.accumulate_(target, staging, 1.0 / self.world_size)
 

@@ -1,0 +1,85 @@
+// Argument checks shared by the CPU, Meta (ops.cpp) and CUDA (cuda_binding.cpp)
+// kernels. Errors name the argument and carry its values. Sizes are read as
+// SymInts so the Meta kernels also run on symbolic shapes (torch.compile).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/SymBool.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "common.h"
+
+namespace yafsdp {
+
+inline DType kernel_dtype(const at::Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kF32;
+    case at::kBFloat16: return DType::kBF16;
+    case at::kHalf: return DType::kF16;
+    default:
+      TORCH_CHECK(false, "yafsdp: ", what, " has dtype=", t.scalar_type(),
+                  "; the kernels take float32, bfloat16 or float16");
+  }
+}
+
+inline void check_contiguous(const at::Tensor& t, const char* what) {
+  TORCH_SYM_CHECK(t.sym_is_contiguous(), "yafsdp: ", what, " must be contiguous (shape=",
+                  t.sym_sizes(), ", strides=", t.sym_strides(), ")");
+}
+
+inline void check_flat(const at::Tensor& t, const char* what, const at::Tensor& like,
+                       const char* like_name) {
+  check_contiguous(t, what);
+  TORCH_SYM_CHECK(t.sym_numel().sym_eq(like.sym_numel()), "yafsdp: ", what, " has numel=",
+                  t.sym_numel(), " but ", like_name, " has numel=", like.sym_numel());
+  TORCH_CHECK(t.device() == like.device(), "yafsdp: ", what, " is on ", t.device(), " but ",
+              like_name, " is on ", like.device());
+}
+
+inline void check_scalar_tensor(const at::Tensor& t, const char* what) {
+  TORCH_SYM_CHECK(t.sym_numel().sym_eq(1), "yafsdp: ", what, " must hold one value, got shape=",
+                  t.sym_sizes());
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), "yafsdp: ", what,
+              " must be a floating-point tensor, got dtype=", t.scalar_type());
+}
+
+inline void check_adamw(const at::Tensor& param, const at::Tensor& grad,
+                        const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                        const at::Tensor& step, const std::optional<at::Tensor>& lr_tensor,
+                        const std::optional<at::Tensor>& copy_out) {
+  TORCH_CHECK(param.scalar_type() == at::kFloat, "yafsdp: adamw_step_ updates float32 params; ",
+              "param has dtype=", param.scalar_type());
+  check_contiguous(param, "param");
+  check_flat(grad, "grad", param, "param");
+  kernel_dtype(grad, "grad");
+  check_flat(exp_avg, "exp_avg", param, "param");
+  check_flat(exp_avg_sq, "exp_avg_sq", param, "param");
+  TORCH_CHECK(exp_avg.scalar_type() == at::kFloat && exp_avg_sq.scalar_type() == at::kFloat,
+              "yafsdp: exp_avg and exp_avg_sq must be float32, got ", exp_avg.scalar_type(),
+              " and ", exp_avg_sq.scalar_type());
+  check_scalar_tensor(step, "step");
+  if (lr_tensor.has_value()) check_scalar_tensor(*lr_tensor, "lr_tensor");
+  if (copy_out.has_value()) {
+    check_flat(*copy_out, "copy_out", param, "param");
+    kernel_dtype(*copy_out, "copy_out");
+  }
+}
+
+inline void check_cast(const at::Tensor& dst, const at::Tensor& src) {
+  check_contiguous(dst, "cast_ dst");
+  check_flat(src, "src", dst, "dst");
+  kernel_dtype(dst, "dst");
+  kernel_dtype(src, "src");
+}
+
+inline void check_accumulate(const at::Tensor& dst, const at::Tensor& src) {
+  TORCH_CHECK(dst.scalar_type() == at::kFloat, "yafsdp: accumulate_ dst must be float32, got ",
+              dst.scalar_type());
+  check_contiguous(dst, "accumulate_ dst");
+  check_flat(src, "src", dst, "dst");
+  kernel_dtype(src, "src");
+}
+
+}  // namespace yafsdp

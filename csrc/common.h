@@ -1,0 +1,85 @@
+// Plain C++ shared by the CPU kernels, the CUDA kernels and their bindings.
+// No torch headers here: the .cu files include this and must compile with nvcc alone.
+#pragma once
+
+#include <math.h>
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define YAFSDP_HOST_DEVICE __host__ __device__
+#else
+#define YAFSDP_HOST_DEVICE
+#endif
+
+namespace yafsdp {
+
+// The element types the kernels read and write. fp32 is the master/state type;
+// bf16 and fp16 are the compute (param_dtype) and reduce types.
+enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+inline const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kF32: return "float32";
+    case DType::kBF16: return "bfloat16";
+    case DType::kF16: return "float16";
+  }
+  return "?";
+}
+
+// One AdamW update's scalar inputs, as the caller has them.
+// lr and step may live in device memory (lr_ptr/step_ptr non-null) so that a
+// CUDA step needs no host synchronisation; otherwise lr/step hold the values.
+// `step` is the 1-based number of this update (the caller has already
+// incremented its step counter), as in torch.optim.AdamW's bias correction.
+// The scalars are doubles, as in torch.optim.AdamW's Python arithmetic, so the
+// derived constants (bias corrections, step size) round the same way.
+struct AdamWHyper {
+  double lr;
+  double beta1;
+  double beta2;
+  double weight_decay;
+  double eps;
+  double step;
+  const float* lr_ptr;    // nullable: overrides lr; float32 in the kernel's memory space
+  const float* step_ptr;  // nullable: overrides step; float32 in the kernel's memory space
+};
+
+// The float constants of one AdamW step, derived in double precision and rounded
+// to float as torch.optim.AdamW does (see [Note: AdamW numerics] in
+// cpu_kernels.cpp). Per element the kernels then compute
+//   p = p * decay
+//   m = fma(lerp_w, g - m, lerp_small ? m : g)         (exp_avg.lerp_(g, 1-b1))
+//   v = fma(w2 * g, g, v * beta2)                       (exp_avg_sq.mul_(b2).addcmul_(g, g, 1-b2))
+//   p = p + (neg_step * m) / (sqrt(v) / bc2_sqrt + eps) (param.addcdiv_(m, denom, -step_size))
+struct AdamWConsts {
+  float decay;      // 1 - lr*wd
+  float lerp_w;     // w = 1-b1 if |w| < 0.5 (lerp_small), else w - 1
+  bool lerp_small;
+  float beta2;
+  float w2;         // 1 - b2
+  float bc2_sqrt;   // sqrt(1 - b2^t)
+  float eps;
+  float neg_step;   // -lr / (1 - b1^t)
+};
+
+// Reads lr_ptr/step_ptr when set: call it where that memory is readable.
+YAFSDP_HOST_DEVICE inline AdamWConsts make_adamw_consts(const AdamWHyper& h) {
+  const double lr = h.lr_ptr ? static_cast<double>(*h.lr_ptr) : h.lr;
+  const double step = h.step_ptr ? static_cast<double>(*h.step_ptr) : h.step;
+  AdamWConsts c;
+  c.decay = static_cast<float>(1.0 - lr * h.weight_decay);
+  const float w = static_cast<float>(1.0 - h.beta1);
+  c.lerp_small = fabsf(w) < 0.5f;
+  c.lerp_w = c.lerp_small ? w : w - 1.0f;
+  c.beta2 = static_cast<float>(h.beta2);
+  c.w2 = static_cast<float>(1.0 - h.beta2);
+  const double bc1 = 1.0 - pow(h.beta1, step);
+  const double bc2 = 1.0 - pow(h.beta2, step);
+  c.bc2_sqrt = static_cast<float>(pow(bc2, 0.5));  // Python's `bc2 ** 0.5`
+  c.eps = static_cast<float>(h.eps);
+  c.neg_step = static_cast<float>(-(lr / bc1));
+  return c;
+}
+
+}  // namespace yafsdp

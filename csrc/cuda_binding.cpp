@@ -1,0 +1,99 @@
+// The CUDA implementations of the yafsdp ops (schemas: ops.cpp): argument checks,
+// device guard and current stream, then the plain-CUDA launchers of
+// cuda_kernels.h. Built only where torch has CUDA, as module `yafsdp._C_cuda`,
+// which must be imported after `yafsdp._C` (it registers into that library).
+
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <pybind11/pybind11.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "cuda_kernels.h"
+
+namespace yafsdp {
+namespace {
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "yafsdp: CUDA kernel of ", op, " failed: ",
+              cudaGetErrorString(err));
+}
+
+void check_device(const at::Tensor& t, const char* op, const char* what) {
+  TORCH_CHECK(t.is_cuda(), "yafsdp: ", op, " CUDA kernel got ", what, " on ", t.device());
+}
+
+// A one-element lr/step tensor: on the param's device the kernel reads it (no host
+// synchronisation); on the CPU it is read here (no synchronisation either).
+const float* device_scalar(const at::Tensor& t, const at::Tensor& param, double* host_value,
+                           const char* what) {
+  if (t.is_cpu()) {
+    *host_value = t.item<double>();
+    return nullptr;
+  }
+  TORCH_CHECK(t.device() == param.device(), "yafsdp: ", what, " is on ", t.device(),
+              " but param is on ", param.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "yafsdp: ", what, " on ", t.device(),
+              " must be float32, got dtype=", t.scalar_type());
+  return t.const_data_ptr<float>();
+}
+
+void adamw_step_cuda(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
+                     at::Tensor& exp_avg_sq, const at::Tensor& step, double lr, double beta1,
+                     double beta2, double weight_decay, double eps,
+                     const std::optional<at::Tensor>& lr_tensor,
+                     const std::optional<at::Tensor>& copy_out) {
+  check_adamw(param, grad, exp_avg, exp_avg_sq, step, lr_tensor, copy_out);
+  check_device(param, "adamw_step_", "param");
+  const c10::cuda::CUDAGuard guard(param.device());
+  AdamWHyper h{};
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.weight_decay = weight_decay;
+  h.eps = eps;
+  h.step_ptr = device_scalar(step, param, &h.step, "step");
+  if (lr_tensor.has_value()) h.lr_ptr = device_scalar(*lr_tensor, param, &h.lr, "lr_tensor");
+  void* out = copy_out.has_value() ? copy_out->data_ptr() : nullptr;
+  const DType out_t = copy_out.has_value() ? kernel_dtype(*copy_out, "copy_out") : DType::kF32;
+  check_launch(cuda::adamw(param.data_ptr<float>(), grad.const_data_ptr(),
+                           kernel_dtype(grad, "grad"), exp_avg.data_ptr<float>(),
+                           exp_avg_sq.data_ptr<float>(), out, out_t, param.numel(), h,
+                           c10::cuda::getCurrentCUDAStream()),
+               "adamw_step_");
+}
+
+void cast_cuda(at::Tensor& dst, const at::Tensor& src, double scale) {
+  check_cast(dst, src);
+  check_device(dst, "cast_", "dst");
+  const c10::cuda::CUDAGuard guard(dst.device());
+  check_launch(cuda::cast(dst.data_ptr(), kernel_dtype(dst, "dst"), src.const_data_ptr(),
+                          kernel_dtype(src, "src"), static_cast<float>(scale), dst.numel(),
+                          c10::cuda::getCurrentCUDAStream()),
+               "cast_");
+}
+
+void accumulate_cuda(at::Tensor& dst, const at::Tensor& src, double scale) {
+  check_accumulate(dst, src);
+  check_device(dst, "accumulate_", "dst");
+  const c10::cuda::CUDAGuard guard(dst.device());
+  check_launch(cuda::accumulate(dst.data_ptr<float>(), src.const_data_ptr(),
+                                kernel_dtype(src, "src"), static_cast<float>(scale), dst.numel(),
+                                c10::cuda::getCurrentCUDAStream()),
+               "accumulate_");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(yafsdp, CUDA, m) {
+  m.impl("adamw_step_", &adamw_step_cuda);
+  m.impl("cast_", &cast_cuda);
+  m.impl("accumulate_", &accumulate_cuda);
+}
+
+}  // namespace yafsdp
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "yafsdp CUDA kernels, registered as the CUDA implementations of torch.ops.yafsdp.*";
+}

@@ -1,0 +1,27 @@
+// CUDA kernels over flat, contiguous device buffers: raw pointers, element
+// counts and a stream. Plain CUDA C++ (no torch headers), so the .cu files
+// compile with nvcc alone; cuda_binding.cpp adapts them to torch tensors.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "common.h"
+
+namespace yafsdp::cuda {
+
+// Same contracts as the CPU kernels in cpu_kernels.h. h.lr_ptr/h.step_ptr, when
+// set, point to float32 device memory: the step then needs no host synchronisation.
+// Each returns the launch's error (cudaSuccess when n == 0: nothing is launched).
+cudaError_t adamw(float* param, const void* grad, DType grad_t, float* exp_avg,
+                  float* exp_avg_sq, void* copy_out, DType out_t, int64_t n,
+                  const AdamWHyper& h, cudaStream_t stream);
+
+cudaError_t cast(void* dst, DType dst_t, const void* src, DType src_t, float scale, int64_t n,
+                 cudaStream_t stream);
+
+cudaError_t accumulate(float* dst, const void* src, DType src_t, float scale, int64_t n,
+                       cudaStream_t stream);
+
+}  // namespace yafsdp::cuda

@@ -1,0 +1,270 @@
+"""Hot-path kernels of the engine and the optimizer, with their pure-PyTorch twins.
+
+The engine and :class:`yafsdp.FusedAdamW` call only the functions below:
+
+- :func:`cast_` — ``dst[:] = src * scale`` converted (fp32 master shard -> ``param_dtype``
+  compute copy, the all-gather input; reduce output * 1/world -> a fresh fp32 grad shard),
+- :func:`accumulate_` — ``dst += src * scale`` (reduce-scatter output -> fp32 grad shard),
+- :func:`adamw_step_` — one fused AdamW step over a flat fp32 buffer, optionally writing the
+  updated param's ``param_dtype`` copy in the same pass.
+
+Each dispatches to the compiled extension (``torch.ops.yafsdp.*``: ``yafsdp._C`` for the CPU,
+``yafsdp._C_cuda`` for CUDA, built from ``csrc/``) when it is built for the tensor's device and
+the arguments are flat (contiguous, same numel, float32/bfloat16/float16), and to its
+pure-PyTorch twin otherwise. The twins (``*_reference``) are also the references in tests.
+
+The choice is made once, at import:
+
+- :func:`backend` says which kernels run on a device type (``"extension"`` or ``"torch"``);
+  :func:`describe` says why, in one line (also logged at INFO by ``yafsdp.kernels``).
+- ``YAFSDP_KERNELS=torch`` forces the twins; ``YAFSDP_KERNELS=extension`` makes a missing CPU
+  extension an import error instead of a fallback.
+- :func:`require_extension` raises, with the install command, when the extension is missing.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional, Union
+
+import torch
+
+__all__ = [
+    "INSTALL_COMMAND",
+    "ExtensionMissingError",
+    "backend",
+    "describe",
+    "require_extension",
+    "cast_",
+    "accumulate_",
+    "adamw_step_",
+    "cast_reference",
+    "accumulate_reference",
+    "adamw_step_reference",
+]
+
+log = logging.getLogger(__name__)
+
+INSTALL_COMMAND = "pip install --no-build-isolation -e .   (in the yafsdp checkout; see docs/kernels.md)"
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class ExtensionMissingError(RuntimeError):
+    """The compiled kernels were asked for explicitly but are not available."""
+
+
+def _load():
+    """Import the extensions once. Returns (cpu module, cuda module, reason or None)."""
+    mode = os.environ.get("YAFSDP_KERNELS", "").strip().lower()
+    if mode not in ("", "auto", "torch", "extension"):
+        raise ValueError(f"YAFSDP_KERNELS={mode!r}: expected 'torch', 'extension' or unset")
+    if mode == "torch":
+        return None, None, "YAFSDP_KERNELS=torch"
+    try:
+        from . import _C  # registers torch.ops.yafsdp.* and their CPU kernels
+    except ImportError as e:
+        if mode == "extension":
+            raise ExtensionMissingError(
+                f"YAFSDP_KERNELS=extension but yafsdp._C cannot be imported ({e}). "
+                f"Build it with: {INSTALL_COMMAND}"
+            ) from e
+        return None, None, f"yafsdp._C is not built ({e})"
+    cuda = None
+    try:
+        from . import _C_cuda  # registers the CUDA kernels of the same ops
+        cuda = _C_cuda
+    except ImportError:
+        pass
+    return _C, cuda, None
+
+
+_C, _C_CUDA, _WHY_NOT = _load()
+_EXT_DEVICES = frozenset(
+    (["cpu"] if _C is not None else []) + (["cuda"] if _C_CUDA is not None else [])
+)
+_ops = torch.ops.yafsdp if _C is not None else None
+
+
+def backend(device_type: Union[str, torch.device] = "cpu") -> str:
+    """Which kernels run on tensors of ``device_type``: ``"extension"`` or ``"torch"`` (the twins)."""
+    if isinstance(device_type, torch.device):
+        device_type = device_type.type
+    return "extension" if device_type in _EXT_DEVICES else "torch"
+
+
+def describe() -> str:
+    """One line: the kernels in use and why."""
+    if _C is None:
+        return f"yafsdp kernels: pure-PyTorch twins ({_WHY_NOT}); build with: {INSTALL_COMMAND}"
+    cuda = "CUDA extension" if _C_CUDA is not None else "no CUDA extension (CUDA runs the twins)"
+    return f"yafsdp kernels: CPU extension ({_C.cpu_isa()}), {cuda}"
+
+
+def require_extension(device_type: Union[str, torch.device] = "cpu") -> None:
+    """Raise :class:`ExtensionMissingError` unless the compiled kernels serve ``device_type``."""
+    if backend(device_type) == "extension":
+        return
+    dt = device_type.type if isinstance(device_type, torch.device) else device_type
+    if _C is None:
+        why = _WHY_NOT
+    elif dt == "cuda":
+        why = "yafsdp._C_cuda is not built (torch without CUDA, nvcc missing, or YAFSDP_NO_CUDA=1)"
+    else:
+        why = f"no yafsdp kernels exist for device type {dt!r}"
+    raise ExtensionMissingError(f"yafsdp's compiled kernels are not available for {dt}: {why}. "
+                                f"Build them with: {INSTALL_COMMAND}")
+
+
+log.info(describe())
+
+
+def _flat(t: torch.Tensor, like: torch.Tensor) -> bool:
+    return (
+        t.is_contiguous()
+        and t.numel() == like.numel()
+        and t.device == like.device
+        and t.dtype in _KERNEL_DTYPES
+    )
+
+
+# ---------------------------------------------------------------------------
+# cast_: fp32 master -> param_dtype compute copy; reduce output -> fresh grad shard
+# ---------------------------------------------------------------------------
+
+
+def cast_reference(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Twin of :func:`cast_`: ``dst.copy_(src)``; with a scale, the product in fp32 first."""
+    if scale == 1.0:
+        return dst.copy_(src)
+    product = src.to(torch.float32) * scale  # fp32 math even for a bf16 src (torch.mul would not)
+    return dst.copy_(product)
+
+
+def cast_(dst: torch.Tensor, src: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``dst[:] = src * scale`` converted to ``dst.dtype``: the product in fp32, then one rounding.
+
+    ``scale=1`` (the default) is a pure conversion: fp32 master -> ``param_dtype`` compute copy.
+    With ``scale=1/world`` it folds a reduce-scatter output into a fresh fp32 grad shard.
+    """
+    if dst.device.type in _EXT_DEVICES and _flat(dst, dst) and _flat(src, dst):
+        _ops.cast_.default(dst, src, float(scale))
+        return dst
+    return cast_reference(dst, src, scale)
+
+
+# ---------------------------------------------------------------------------
+# accumulate_: reduce output -> fp32 grad shard
+# ---------------------------------------------------------------------------
+
+
+def accumulate_reference(dst: torch.Tensor, src: torch.Tensor, scale: float) -> torch.Tensor:
+    """Twin of :func:`accumulate_`: ``dst.add_(src.to(dst.dtype), alpha=scale)``."""
+    return dst.add_(src.to(dst.dtype) if src.dtype != dst.dtype else src, alpha=scale)
+
+
+def accumulate_(dst: torch.Tensor, src: torch.Tensor, scale: float) -> torch.Tensor:
+    """``dst += src * scale``, src in any float dtype, dst fp32 (reduce output -> grad shard)."""
+    if (
+        dst.device.type in _EXT_DEVICES
+        and dst.dtype == torch.float32
+        and dst.is_contiguous()
+        and _flat(src, dst)
+    ):
+        _ops.accumulate_.default(dst, src, float(scale))
+        return dst
+    return accumulate_reference(dst, src, scale)
+
+
+# ---------------------------------------------------------------------------
+# adamw_step_: the fused optimizer step
+# ---------------------------------------------------------------------------
+
+
+def _value(x: Union[float, torch.Tensor]) -> float:
+    return x.item() if isinstance(x, torch.Tensor) else float(x)
+
+
+def adamw_step_reference(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: Union[float, torch.Tensor],
+    *,
+    lr: Union[float, torch.Tensor],
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    copy_out: Optional[torch.Tensor] = None,
+    exact: bool = True,
+) -> None:
+    """Twin of :func:`adamw_step_`, op for op as ``torch.optim.AdamW(foreach=False)``.
+
+    ``exact=True`` takes the square root in float64, which rounds to the IEEE float32 sqrt the
+    kernels compute (torch's CPU sqrt is not correctly rounded); on the CPU the kernels then match
+    this twin bit for bit. The run-time fallback uses ``exact=False`` (no float64 temporary).
+    Reads ``step`` and ``lr`` on the host.
+    """
+    t = _value(step)
+    lr = _value(lr)
+    g = grad if grad.dtype == param.dtype else grad.to(param.dtype)
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias_correction1 = 1 - beta1**t
+    bias_correction2 = 1 - beta2**t
+    root = exp_avg_sq.double().sqrt().float() if exact else exp_avg_sq.sqrt()
+    denom = (root / bias_correction2**0.5).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+    if copy_out is not None:
+        copy_out.copy_(param.view_as(copy_out))
+
+
+def adamw_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    *,
+    lr: Union[float, torch.Tensor],
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    copy_out: Optional[torch.Tensor] = None,
+) -> bool:
+    """One AdamW step (``torch.optim.AdamW`` semantics) on fp32 ``param``, in place.
+
+    ``step`` is this update's 1-based number (a one-element tensor the caller has already
+    incremented); ``lr`` a float or a one-element tensor. On CUDA, tensors on the device are read
+    by the kernel: no host synchronisation. ``copy_out``, when given, receives the updated param
+    in its dtype in the same pass. Returns True when the compiled kernel ran, False for the twin.
+    """
+    if (
+        param.device.type in _EXT_DEVICES
+        and param.dtype == torch.float32
+        and param.is_contiguous()
+        and _flat(grad, param)
+        and exp_avg.dtype == torch.float32
+        and _flat(exp_avg, param)
+        and exp_avg_sq.dtype == torch.float32
+        and _flat(exp_avg_sq, param)
+        and (copy_out is None or _flat(copy_out, param))
+    ):
+        lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+        _ops.adamw_step_.default(
+            param, grad, exp_avg, exp_avg_sq, step,
+            0.0 if lr_tensor is not None else float(lr),
+            float(beta1), float(beta2), float(weight_decay), float(eps),
+            lr_tensor, copy_out,
+        )
+        return True
+    adamw_step_reference(
+        param, grad, exp_avg, exp_avg_sq, step, lr=lr, beta1=beta1, beta2=beta2,
+        weight_decay=weight_decay, eps=eps, copy_out=copy_out, exact=False,
+    )
+    return False

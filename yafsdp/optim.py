@@ -1,0 +1,248 @@
+"""FusedAdamW: torch.optim.AdamW in one memory pass, with the all-gather input written in it.
+
+    opt = yafsdp.FusedAdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+Same constructor, defaults, param-group options and ``state_dict()`` format as
+``torch.optim.AdamW``: a checkpoint of one loads into the other. Each step is one kernel per
+parameter (``yafsdp.kernels.adamw_step_``) reading param, grad, exp_avg, exp_avg_sq and writing
+param, exp_avg, exp_avg_sq: 28 bytes per fp32 parameter.
+
+With a YaFSDP model (``param_dtype`` other than fp32) each flat master shard ``p`` carries
+``p._yafsdp_compute_copy``, the ``param_dtype`` all-gather input. The kernel writes it in the
+same pass (30 bytes per parameter with bf16) and then calls ``p._yafsdp_copy_written()``, so the
+engine skips its own cast pass for that unit. See [Note: copy-out contract].
+
+[Note: copy-out contract]
+For each parameter with a gradient: if ``getattr(p, "_yafsdp_compute_copy", None)`` is a tensor,
+it must be contiguous with ``p.numel()`` elements on ``p``'s device; the step writes
+``p.to(copy.dtype)`` into it and then calls ``p._yafsdp_copy_written()`` (no arguments). The
+engine records ``p._version`` at that call; any later in-place change of ``p`` bumps the version
+and makes the engine cast again. Parameters without the attribute get a plain AdamW step.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import kernels
+
+__all__ = ["FusedAdamW"]
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) as one fused pass per parameter; see the module docstring.
+
+    Arguments are those of ``torch.optim.AdamW``. Supported: ``lr`` as a float or a one-element
+    tensor (on CUDA a device tensor needs no host synchronisation), ``betas``, ``eps``,
+    ``weight_decay``. Not supported, and rejected with an error: ``amsgrad=True``,
+    ``maximize=True``, ``differentiable=True``. ``foreach`` and ``capturable`` are accepted and kept
+    in the param groups for checkpoint compatibility but change nothing: ``step`` always lives on
+    the parameter's device, as with torch's ``capturable``/``fused`` modes. ``fused=None`` (the
+    default) uses the compiled kernels where they are built and the pure-PyTorch twin elsewhere;
+    ``fused=True`` requires the compiled kernels (an error with the install command otherwise);
+    ``fused=False`` always uses the twin.
+
+    Parameters must be contiguous float32 tensors of any shape; gradients float32, bfloat16 or
+    float16 (a YaFSDP grad shard, or a parameter whose ``grad_dtype`` allows it).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+    ) -> None:
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1:
+                raise ValueError(f"Tensor lr must be 1-element, got shape={tuple(lr.shape)}")
+        elif not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        betas = tuple(float(b) for b in betas)
+        if len(betas) != 2:
+            raise ValueError(f"betas must be two values, got {betas}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            decoupled_weight_decay=True,
+        )
+        super().__init__(params, defaults)
+
+    # Same keys and defaults as torch.optim.AdamW, so either loads the other's state_dict.
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", None)
+            group["decoupled_weight_decay"] = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._check_group(self.param_groups[-1])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        # torch.optim.AdamW keeps `step` on the CPU unless capturable/fused; ours lives on the
+        # parameter's device (the kernel reads it there), as float32.
+        for group in self.param_groups:
+            self._check_group(group)
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and "step" in state:
+                    step = state["step"]
+                    if not torch.is_tensor(step):
+                        step = torch.tensor(float(step))
+                    state["step"] = step.to(device=p.device, dtype=torch.float32)
+
+    @staticmethod
+    def _check_group(group: dict[str, Any]) -> None:
+        for option, supported in (("amsgrad", False), ("maximize", False), ("differentiable", False)):
+            if bool(group.get(option, supported)) != supported:
+                raise ValueError(
+                    f"FusedAdamW does not support {option}={group[option]!r}; "
+                    f"use torch.optim.AdamW({option}={group[option]!r})"
+                )
+        if group.get("decoupled_weight_decay", True) is False:
+            raise ValueError("FusedAdamW is AdamW: decoupled_weight_decay must be True")
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError(f"Tensor lr must be 1-element, got shape={tuple(lr.shape)}")
+        if group.get("fused"):
+            for device_type in sorted({p.device.type for p in group["params"]}):
+                kernels.require_extension(device_type)
+
+    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._check_group(group)
+            work = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                work.append((p, self._prepare(p), self._init_state(p)))
+            if not work:
+                continue
+            # Every parameter's step counter, in one op (on CUDA: one launch, no sync).
+            torch._foreach_add_([state["step"] for _, _, state in work], 1.0)
+            beta1, beta2 = group["betas"]
+            use_twin = group.get("fused") is False
+            for p, grad, state in work:
+                copy = getattr(p, "_yafsdp_compute_copy", None)
+                if copy is not None:
+                    _check_copy(p, copy)
+                args = dict(
+                    lr=_lr_for(group["lr"], p),
+                    beta1=float(beta1),
+                    beta2=float(beta2),
+                    weight_decay=float(group["weight_decay"]),
+                    eps=float(group["eps"]),
+                    copy_out=copy,
+                )
+                if use_twin:
+                    kernels.adamw_step_reference(
+                        p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
+                        exact=False, **args,
+                    )
+                else:
+                    kernels.adamw_step_(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], **args)
+                if copy is not None:
+                    p._yafsdp_copy_written()
+        return loss
+
+    @staticmethod
+    def _prepare(p: torch.Tensor) -> torch.Tensor:
+        """Check p and return its grad, ready for the kernel."""
+        grad = p.grad
+        if grad.is_sparse:
+            raise RuntimeError("FusedAdamW does not support sparse gradients")
+        if p.dtype != torch.float32:
+            raise TypeError(
+                f"FusedAdamW updates float32 parameters; got dtype={p.dtype} shape={tuple(p.shape)}. "
+                "Keep fp32 master weights (YaFSDP does) or use torch.optim.AdamW"
+            )
+        if not p.is_contiguous():
+            raise ValueError(
+                f"FusedAdamW needs contiguous parameters; got shape={tuple(p.shape)} "
+                f"strides={p.stride()}"
+            )
+        if grad.dtype not in _GRAD_DTYPES:
+            raise TypeError(f"FusedAdamW takes float32/bfloat16/float16 gradients; got {grad.dtype}")
+        if grad.shape != p.shape:
+            raise ValueError(f"gradient shape={tuple(grad.shape)} != parameter shape={tuple(p.shape)}")
+        return grad if grad.is_contiguous() else grad.contiguous()
+
+
+def _check_copy(p: torch.Tensor, copy: torch.Tensor) -> None:
+    if not (
+        isinstance(copy, torch.Tensor)
+        and copy.is_contiguous()
+        and copy.numel() == p.numel()
+        and copy.device == p.device
+        and copy.dtype in _GRAD_DTYPES
+    ):
+        raise ValueError(
+            "p._yafsdp_compute_copy must be a contiguous float32/bfloat16/float16 tensor with "
+            f"p.numel()={p.numel()} elements on {p.device}; got "
+            + (
+                f"dtype={copy.dtype} numel={copy.numel()} device={copy.device} "
+                f"contiguous={copy.is_contiguous()}"
+                if isinstance(copy, torch.Tensor)
+                else repr(type(copy))
+            )
+        )
+    if not callable(getattr(p, "_yafsdp_copy_written", None)):
+        raise ValueError("a parameter with _yafsdp_compute_copy must have a callable _yafsdp_copy_written")
+
+
+def _lr_for(lr: float | torch.Tensor, p: torch.Tensor) -> float | torch.Tensor:
+    """lr as the kernel takes it: a float, or a tensor on p's device or the CPU (never a sync)."""
+    if not isinstance(lr, torch.Tensor):
+        return float(lr)
+    if lr.device.type == "cpu":
+        return lr  # read on the host by the kernel's binding: no synchronisation
+    if lr.device == p.device:
+        return lr if lr.dtype == torch.float32 else lr.float()  # the kernel reads float32
+    return lr.item()  # an accelerator lr for a parameter elsewhere: read it once
