@@ -1,0 +1,445 @@
+"""Shared plumbing of the benchmark scripts: launching ranks, building the same model for every
+engine, wrapping it with each engine, measuring memory, printing tables.
+
+Nothing here knows which question a script answers; each script stays one standalone file per
+question (bench_step.py, bench_overlap.py, model_scaling.py).
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a plain script from anywhere
+    sys.path.insert(0, ROOT)
+
+import yafsdp  # noqa: E402
+from yafsdp.presets import build_llama  # noqa: E402
+
+ENGINES = ("yafsdp-z3", "yafsdp-z2", "yafsdp-z3+FusedAdamW", "fsdp2", "fsdp1", "ddp")
+
+
+# ---------------------------------------------------------------------------- launching
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_entry(rank: int, world: int, port: int, fn, args, threads: int):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    fn(args)
+
+
+def launch(fn, args, world: int):
+    """Run ``fn(args)`` on every rank. Under torchrun (RANK set) this process is one rank; otherwise
+    spawn ``world`` CPU ranks here (gloo), so ``python benchmarks/x.py`` works without torchrun."""
+    if "RANK" in os.environ:
+        fn(args)
+        return
+    import torch.multiprocessing as mp
+
+    threads = getattr(args, "threads", None) or max(1, (os.cpu_count() or 1) // world)
+    mp.start_processes(_spawn_entry, args=(world, _free_port(), fn, args, threads), nprocs=world, join=True,
+                       start_method="spawn")
+
+
+def init_distributed(device_kind: str) -> torch.device:
+    """Initialise the default group from the torchrun/spawn environment; returns this rank's device."""
+    if device_kind == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=dev)
+        return dev
+    if "OMP_NUM_THREADS" in os.environ and "RANK" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def init_fake(world: int, device: torch.device):
+    """A fake process group of ``world`` ranks in this one process: collectives do nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+def resolve_device(kind: str) -> str:
+    if kind == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return kind
+
+
+# ---------------------------------------------------------------------------- model and data
+def make_model(preset: str, device: torch.device, seed: int = 0, layers: int | None = None, meta_init: bool = False):
+    """The benchmark model: HF LlamaForCausalLM from ``preset``, same weights on every rank and for
+    every engine (HF init under a fixed seed, on ``device``)."""
+    over = {"num_hidden_layers": layers} if layers else {}
+    if meta_init:
+        model = build_llama(preset, device="meta", **over)
+        # Buffers (rotary frequencies) must be real; parameters stay on meta for the engine to fill.
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        model.model.rotary_emb = LlamaRotaryEmbedding(model.config).to(device)
+        return model
+    return build_llama(preset, device=device, seed=seed, **over)
+
+
+def make_batch(step: int, rank: int, batch: int, seq: int, vocab: int, device) -> dict:
+    g = torch.Generator().manual_seed(10_000 * step + rank)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def decoder_layers(model):
+    return list(model.model.layers)
+
+
+# ---------------------------------------------------------------------------- engines
+@dataclass
+class Engine:
+    name: str
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    autocast: torch.dtype | None = None  # DDP's mixed precision
+    device: torch.device = torch.device("cpu")
+    info: dict = field(default_factory=dict)
+
+    def step(self, batch: dict) -> float:
+        if self.autocast is not None:
+            with torch.autocast(self.device.type, dtype=self.autocast):
+                loss = self.model(**batch).loss
+        else:
+            loss = self.model(**batch).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def fused_adamw_available() -> bool:
+    return hasattr(yafsdp, "FusedAdamW")
+
+
+def _adamw(params, lr: float, device: torch.device):
+    """torch AdamW, fused where the build has it for this device (else foreach)."""
+    try:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, fused=True)
+    except (RuntimeError, ValueError):  # pragma: no cover - depends on the build
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, foreach=True)
+
+
+def build_engine(name: str, preset: str, device: torch.device, mixed: bool, *, lr: float = 3e-4, seed: int = 0,
+                 layers: int | None = None, meta_init: bool = False) -> Engine:
+    """``name`` in ENGINES, wrapped around a fresh model from ``preset``. ``mixed``: bf16 compute
+    and fp32 reduce (GPU); otherwise fp32 throughout."""
+    bf16 = torch.bfloat16 if mixed else None
+    model = make_model(preset, device, seed, layers, meta_init=meta_init)
+    if name.startswith("yafsdp"):
+        zero = 2 if name.startswith("yafsdp-z2") else 3
+        wrapped = yafsdp.YaFSDP(model, param_dtype=bf16, reduce_dtype=torch.float32, zero_stage=zero, device=device)
+        if name.endswith("+FusedAdamW"):
+            opt = yafsdp.FusedAdamW(wrapped.parameters(), lr=lr, weight_decay=0.1)
+        else:
+            opt = _adamw(wrapped.parameters(), lr, device)
+        return Engine(name, wrapped, opt, device=device)
+    if name == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mp = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+        if not meta_init:
+            model = model.to(device)
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        if meta_init:
+            model.to_empty(device=device)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+            model.model.rotary_emb = LlamaRotaryEmbedding(model.config).to(device)
+        return Engine(name, model, _adamw(model.parameters(), lr, device), device=device)
+    if name == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import MixedPrecision
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        layer_cls = type(decoder_layers(model)[0])
+        mp = MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32) if mixed else None
+        wrapped = FSDP(
+            model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}), use_orig_params=True, mixed_precision=mp,
+            device_id=device, limit_all_gathers=True,
+        )
+        return Engine(name, wrapped, _adamw(wrapped.parameters(), lr, device), device=device)
+    if name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                      gradient_as_bucket_view=True)
+        return Engine(name, wrapped, _adamw(wrapped.parameters(), lr, device), autocast=bf16, device=device)
+    raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}")
+
+
+def free_engine(e: Engine | None):
+    if e is None:
+        return
+    e.model = e.opt = None
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------- memory
+class CpuAllocTracker:
+    """Live bytes of the torch CPU allocator, from the profiler's memory events.
+
+    Counts every block allocated on this (the main) thread after ``start()`` until it is freed;
+    blocks allocated before ``start()`` are invisible (start it before building the engine).
+    Collectives' internal buffers inside gloo are not torch allocations and are not counted.
+    ``mark(label)`` drops a labelled point on the same clock as the memory events."""
+
+    def __init__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+
+    def start(self):
+        self._prof.__enter__()
+        return self
+
+    @staticmethod
+    def mark(label: str):
+        with torch.profiler.record_function(f"bench.mark {label}"):
+            pass
+
+    def stop(self):
+        """Returns (timeline [(ns, live bytes)] in time order, {label: ns})."""
+        self._prof.__exit__(None, None, None)
+        evs, marks = [], {}
+        for e in self._prof.profiler.kineto_results.events():
+            name = e.name()
+            if name == "[memory]" and str(e.device_type()).endswith("CPU"):
+                evs.append((e.start_ns(), e.nbytes()))
+            elif name.startswith("bench.mark "):
+                marks[name[len("bench.mark "):]] = e.start_ns()
+        evs.sort()
+        timeline, live = [], 0
+        for t, n in evs:
+            live += n
+            timeline.append((t, live))
+        return timeline, marks
+
+
+class HeapSampler:
+    """Process-wide heap bytes in use (glibc ``mallinfo2``: arena chunks in use + mmapped chunks),
+    sampled by a background thread every ``interval`` seconds, with the peak since the last
+    ``take()``. Sees every thread (gloo's included) and everything malloc'd (torch CPU tensors and
+    the little else a step allocates); misses peaks shorter than the interval."""
+
+    def __init__(self, interval: float = 2e-4):
+        import ctypes
+        import threading
+
+        class _MI2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in
+                        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+        self._libc = ctypes.CDLL("libc.so.6")
+        self._libc.mallinfo2.restype = _MI2
+        self.interval = interval
+        self._peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            import ctypes
+
+            return hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
+        except OSError:  # pragma: no cover - not glibc
+            return False
+
+    def now(self) -> int:
+        m = self._libc.mallinfo2()
+        return m.uordblks + m.hblkhd
+
+    def _run(self):
+        while not self._stop.is_set():
+            v = self.now()
+            if v > self._peak:
+                self._peak = v
+            time.sleep(self.interval)
+
+    def start(self):
+        self._old_switch = sys.getswitchinterval()
+        sys.setswitchinterval(self.interval)  # let the sampler in while the step runs Python code
+        self._peak = self.now()
+        self._thread.start()
+        return self
+
+    def take(self) -> tuple[int, int]:
+        """(bytes in use now, peak since the last take)."""
+        now = self.now()
+        peak, self._peak = max(self._peak, now), now
+        return now, peak
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+        sys.setswitchinterval(self._old_switch)
+
+
+def measure_memory(build, step, steps: int, device: torch.device, method: str = "auto") -> dict:
+    """Build an engine (``build()``) and run ``steps`` steps (``step(engine, i)``), measuring the
+    bytes this rank holds. ``method``: "cuda" (the caching allocator's counters), "torch" (a
+    CpuAllocTracker: exact torch CPU allocations, but frees made on other threads are invisible,
+    so use it only where there are none, e.g. with the fake process group) or "heap" (a
+    HeapSampler, relative to the heap before ``build()``); "auto": cuda on GPU, else heap.
+
+    Returns: ``built`` (held after construction), ``step_end`` (after each step), ``peak_first``
+    (peak during step 1, when the optimizer state is created), ``peak_steady`` (peak over steps
+    2..), ``growth_from_step2`` (held at the last step end minus at step 2's end), ``reserved``
+    (CUDA) and ``how``."""
+    if method == "auto":
+        method = "cuda" if device.type == "cuda" else "heap"
+    steady = 1 if steps >= 2 else 0
+    if method == "cuda":
+        torch.cuda.synchronize(device)
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        engine = build()
+        torch.cuda.synchronize(device)
+        built = torch.cuda.memory_allocated(device)
+        ends, peaks = [], []
+        for i in range(steps):
+            torch.cuda.reset_peak_memory_stats(device)
+            step(engine, i)
+            torch.cuda.synchronize(device)
+            ends.append(torch.cuda.memory_allocated(device))
+            peaks.append(torch.cuda.max_memory_allocated(device))
+        reserved = torch.cuda.max_memory_reserved(device)
+        free_engine(engine)
+        return dict(built=built, step_end=ends, peak_first=peaks[0], peak_steady=max(peaks[steady:]),
+                    growth_from_step2=ends[-1] - ends[steady] if steps >= 2 else None, reserved=reserved,
+                    how="torch.cuda.max_memory_allocated / memory_allocated")
+    if method == "heap":
+        gc.collect()
+        hs = HeapSampler().start()
+        base = hs.now()
+        engine = build()
+        built, _ = hs.take()
+        ends, peaks = [], []
+        for i in range(steps):
+            step(engine, i)
+            now, peak = hs.take()
+            ends.append(now - base)
+            peaks.append(peak - base)
+        hs.stop()
+        free_engine(engine)
+        return dict(built=built - base, step_end=ends, peak_first=peaks[0], peak_steady=max(peaks[steady:]),
+                    growth_from_step2=ends[-1] - ends[steady] if steps >= 2 else None, reserved=None,
+                    how="process heap in use above the pre-build baseline (glibc mallinfo2, sampled every 0.2 ms)")
+    tr = CpuAllocTracker().start()
+    engine = build()
+    tr.mark("built")
+    for i in range(steps):
+        step(engine, i)
+        tr.mark(f"step{i}")
+    free_engine(engine)  # inside the trace, but after the last mark: not counted below
+    timeline, marks = tr.stop()
+
+    def live_at(t):
+        v = 0
+        for ts, live in timeline:
+            if ts > t:
+                break
+            v = live
+        return v
+
+    def peak_between(a, b):
+        return max([live for ts, live in timeline if a <= ts <= b] + [live_at(a)])
+
+    t = [marks["built"]] + [marks[f"step{i}"] for i in range(steps)]
+    ends = [live_at(x) for x in t[1:]]
+    return dict(built=live_at(t[0]), step_end=ends, peak_first=peak_between(t[0], t[1]),
+                peak_steady=peak_between(t[steady], t[-1]) if steps else 0,
+                growth_from_step2=ends[-1] - ends[steady] if steps >= 2 else None, reserved=None,
+                how="torch CPU allocator live bytes (profiler memory events)")
+
+
+# ---------------------------------------------------------------------------- reporting
+def versions(device: torch.device | None = None) -> dict:
+    import transformers
+
+    out = dict(
+        python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
+        yafsdp=yafsdp.__version__, host=platform.node(), cpus=os.cpu_count(),
+        date=datetime.date.today().isoformat(),
+        load_avg=[round(x, 2) for x in os.getloadavg()],  # 1/5/15 min, when the report was written
+    )
+    if device is not None and device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+        out["cuda"] = torch.version.cuda
+    else:
+        out["cpu"] = _cpu_model()
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return platform.processor() or platform.machine()
+
+
+def median_min_max(xs: list[float]) -> tuple[float, float, float]:
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def md_table(header: list[str], rows: list[list]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 100 else f"{v:,.0f}"
+        if isinstance(v, int):
+            return f"{v:,}"
+        return "" if v is None else str(v)
+
+    cells = [[fmt(v) for v in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    line = lambda r: "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"  # noqa: E731
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
+
+
+def write_json(path: str, obj):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+
+
+MiB = 1024**2

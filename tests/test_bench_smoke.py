@@ -1,0 +1,112 @@
+"""A tiny run of every benchmark script, so none of them can rot; and the checks those runs make
+possible: every engine trains the same model identically (fp32, same data), yafsdp's memory is
+flat from step 2 on, the overlap timeline has both lanes.
+"""
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--preset", "tiny", "--batch", "2", "--seq", "16"]
+
+
+def _run(script, *args, timeout=300, env=None):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), *args]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    assert out.returncode == 0, f"{' '.join(cmd)}\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    return out.stdout
+
+
+def test_bench_step_cpu(tmp_path):
+    j, md = tmp_path / "step.json", tmp_path / "step.md"
+    text = _run("bench_step.py", *TINY, "--warmup", "0", "--steps", "3", "--mem-steps", "2", "--json", str(j),
+                "--md", str(md))
+    assert "x FSDP2" in text and md.read_text().count("|") > 20
+    r = json.loads(j.read_text())
+    rows = {row["engine"]: row for row in r["rows"]}
+    assert {"yafsdp-z3", "yafsdp-z2", "fsdp2", "fsdp1", "ddp"} <= set(rows)
+    assert rows["fsdp2"]["vs_fsdp2"] == 1.0 and rows["ddp"]["vs_ddp"] == 1.0
+    for name, row in rows.items():
+        assert len(row["times_ms"]) == 3 and all(t > 0 for t in row["times_ms"])
+        assert row["peak_mib"] > 0
+        # Same init, data and optimizer in fp32: every engine's loss sequence matches DDP's.
+        # (This is what caught torch's fused AdamW not bumping parameter versions.)
+        for a, b in zip(row["losses"], rows["ddp"]["losses"]):
+            assert abs(a - b) <= 1e-4 * abs(b), (name, row["losses"], rows["ddp"]["losses"])
+    assert rows["yafsdp-z3"]["plan_mib"] > 0
+    assert len(r["goals"]) == 2 and all("ratio" in g for g in r["goals"])
+
+
+def test_bench_step_fake_worlds(tmp_path):
+    j = tmp_path / "fake.json"
+    text = _run("bench_step.py", *TINY, "--fake-world", "8,64", "--engines", "yafsdp-z3,fsdp2", "--json", str(j))
+    r = json.loads(j.read_text())
+    assert r["flat"] is True, text
+    peak = {(row["world"], row["engine"]): row["peak_mib"] for row in r["rows"]}
+    assert set(peak) == {(w, e) for w in (8, 64) for e in ("yafsdp-z3", "fsdp2")}
+    assert peak[(64, "yafsdp-z3")] < peak[(8, "yafsdp-z3")]
+    for row in r["rows"]:
+        if row["engine"].startswith("yafsdp"):
+            assert row["growth_bytes"] == 0
+            # The state the engine and optimizer hold between steps is what the plan says.
+            assert abs(row["step_end"][-1] / 2**20 - row["plan_engine_mib"]) < 0.01
+
+
+def test_bench_overlap_cpu(tmp_path):
+    png, j, traces = tmp_path / "o.png", tmp_path / "o.json", tmp_path / "traces"
+    _run("bench_overlap.py", *TINY, "--warmup", "1", "--steps", "1", "--png", str(png), "--json", str(j),
+         "--trace-dir", str(traces))
+    assert 0 < png.stat().st_size < 300_000
+    r = json.loads(j.read_text())
+    for name in ("yafsdp-z3", "fsdp2"):
+        s = r["summary"][name]
+        assert s["gathers"] >= 1 and s["reduces"] >= 1
+        assert 0.0 <= s["exposed_fraction"] <= 1.0 and s["step_ms"] > s["exposed_ms"] >= 0
+        step = r["steps"][name][-1]
+        assert step["compute"] and step["comm"]
+    kinds = {(c["kind"], c["unit"]) for c in r["steps"]["yafsdp-z3"][-1]["comm"]}
+    assert ("gather", "model.layers.0") in kinds and ("reduce", "model.layers.0") in kinds
+    view = r["engine_view"]["yafsdp-z3"][-1]
+    assert {iv["kind"] for iv in view["intervals"]} >= {"gather", "reduce", "forward", "backward"}
+    with gzip.open(traces / "yafsdp-z3_cpu_rank0.json.gz", "rt") as f:
+        names = {e.get("name", "") for e in json.load(f)["traceEvents"]}
+    assert any(n.startswith("yafsdp.gather ") for n in names) and any(n.startswith("gloo:") for n in names)
+
+
+def test_model_scaling(tmp_path):
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from benchmarks import model_scaling
+
+    j, png = tmp_path / "s.json", tmp_path / "s.png"
+    r = model_scaling.main(["--json", str(j), "--png", str(png), "--worlds", "8,16,64"])
+    assert json.loads(j.read_text())["table"] == r["table"]
+    rows = {row["world"]: row for row in r["rows"]}
+    for row in rows.values():
+        for k in ("yafsdp", "fsdp2"):
+            assert row[k]["step"] >= row[k]["compute"] > 0 and 0 <= row[k]["exposed"] <= row[k]["comm"]
+    assert rows[16]["yafsdp"]["comm"] > rows[8]["yafsdp"]["comm"]  # the ring leaves the node
+    assert png.stat().st_size < 300_000
+    r = model_scaling.main(["--compute", "measure", *TINY, "--worlds", "8", "--json", "", "--png", ""])
+    assert r["compute"]["layer"][0] > 0 and r["rows"][0]["yafsdp"]["step"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_benchmarks_gpu(tmp_path):
+    j = tmp_path / "g.json"
+    _run("bench_step.py", "--device", "cuda", *TINY, "--warmup", "1", "--steps", "2", "--mem-steps", "2",
+         "--json", str(j))
+    rows = {row["engine"]: row for row in json.loads(j.read_text())["rows"]}
+    assert rows["yafsdp-z3"]["reserved_mib"] > 0 and rows["yafsdp-z3"]["growth_bytes"] == 0
+    _run("bench_step.py", "--device", "cuda", *TINY, "--fake-world", "8", "--json", str(j))
+    assert json.loads(j.read_text())["flat"] is True
+    _run("bench_overlap.py", "--device", "cuda", *TINY, "--warmup", "1", "--steps", "1", "--json", str(j),
+         "--png", str(tmp_path / "o.png"), "--trace-dir", str(tmp_path / "t"))
+    r = json.loads(j.read_text())
+    assert r["engine_view"]["yafsdp-z3"][-1]["intervals"]

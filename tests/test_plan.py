@@ -1,0 +1,226 @@
+"""The memory plan: computed on the meta device, it equals what the engine allocates, byte for byte;
+its activation estimate lands near the measured peak; the CLI prints the Llama-3-8B plan.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import yafsdp
+from dist_utils import run_ranks
+from models import Stack, tiny_llama
+from yafsdp.plan import memory_plan, plan_slots, unit_align
+from yafsdp.presets import build_llama
+
+# (name, builder kwargs, engine options). Uneven sizes; a large vocabulary makes the embedding
+# and head outsized (their own buffer); tied weights; ZeRO-2; bf16 compute copy.
+CASES = [
+    ("llama_z3", dict(kind="llama"), dict()),
+    ("llama_outsized_bf16", dict(kind="llama", vocab=1031, layers=4), dict(param_dtype=torch.bfloat16)),
+    ("llama_tied_z2", dict(kind="llama", tie=True), dict(zero_stage=2)),
+    ("llama_bf16_reduce", dict(kind="llama", vocab=257), dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
+    ("stack_z3", dict(kind="stack"), dict()),
+    ("stack_z2_ratio", dict(kind="stack", n=5), dict(zero_stage=2, outsized_ratio=1.1)),
+]
+
+
+def _build(kind, **kw):
+    if kind == "llama":
+        return tiny_llama(**kw)
+    return Stack(**kw)
+
+
+def _compare(rank, world):
+    out = {}
+    for name, build_kw, opts in CASES:
+        with torch.device("meta"):
+            meta = _build(**build_kw)
+        plan = memory_plan(meta, world_size=world, rank=rank, **opts)
+        model = yafsdp.YaFSDP(_build(**build_kw), **opts)
+        own = model.memory_plan()
+        out[name] = (plan.engine_bytes(), own.engine_bytes(), model.allocated_bytes(), plan.num_params,
+                     sum(p.numel() for p in _build(**build_kw).parameters()))
+    return out
+
+
+def _check(name, rank, res):
+    meta_plan, own_plan, allocated, psi, true_psi = res
+    assert meta_plan == allocated, (name, rank, meta_plan, allocated)
+    assert own_plan == allocated, (name, rank)
+    assert psi == true_psi, name
+    assert sum(allocated.values()) > 0
+
+
+def test_plan_equals_allocated_bytes_gloo_world3():
+    """Every rank of a real gloo world of 3 (uneven: padding differs from a power of two)."""
+    for rank, res in enumerate(run_ranks(_compare, 3)):
+        for name, r in res.items():
+            _check(name, rank, r)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_plan_equals_allocated_bytes_worlds(world):
+    """Every rank of worlds 2 and 4, emulated one rank at a time with the fake process group (the
+    engine allocates exactly as with real ranks; only the collectives do nothing)."""
+    for rank, res in enumerate(_fake_results()["alloc"][world]):
+        for name, r in res.items():
+            _check(name, rank, r)
+
+
+def test_plan_slots_pure_rules():
+    """The rules themselves: two alternating buffers sized by the largest regular unit; an outsized
+    unit gets its own buffer; the small group its own; ZeRO-2 one buffer per unit."""
+    from yafsdp.flat import FlatLayout, ParamInfo
+
+    def lay(n):
+        return FlatLayout.build([ParamInfo("w", torch.Size([n]), torch.float32, [])], 4, 1, 4)
+
+    sizes = [10_000, 100, 120, 110, 9_000]
+    layouts = [lay(n) for n in sizes]
+    names = [f"u{i}" for i in range(5)]
+    p = plan_slots(names, layouts, lay(7), compute_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                   zero_stage=3, outsized_ratio=1.5)
+    assert p.outsized == [True, False, False, False, True]
+    w = {s.name: s for s in p.weight}
+    assert set(w) == {"weight0", "weight1", "weight_outsized", "weight_small"}
+    assert w["weight0"].capacity == w["weight1"].capacity == layouts[2].padded_numel
+    assert w["weight_outsized"].capacity == layouts[0].padded_numel
+    assert [p.weight[i].name for i in p.weight_of] == ["weight_outsized", "weight0", "weight1", "weight0",
+                                                      "weight_outsized", "weight_small"]
+    g = {s.name: s for s in p.grad}
+    assert g["grad0"].dtype == torch.float32 and g["grad0"].shard_capacity == layouts[2].shard_numel
+    z2 = plan_slots(names, layouts, None, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                    zero_stage=2, outsized_ratio=1.5)
+    assert [s.capacity for s in z2.weight] == [x.padded_numel for x in layouts]
+    assert unit_align(torch.bfloat16, torch.float32, 16) == 8
+    assert unit_align(torch.float32, torch.float32, 16) == 4
+
+
+def test_llama3_8b_plan_and_zero_formula():
+    """Built on the meta device (nothing allocated). The sharded model state is 18 bytes per
+    parameter over N (fp32 master + fp32 grad + AdamW m, v + bf16 compute copy) up to padding; the
+    ZeRO paper's 16 Psi/N differs by the fp32 grad shard (+2 Psi/N)."""
+    model = build_llama("llama3-8b", device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    psi = sum(p.numel() for p in model.parameters())
+    assert abs(psi - 8_030_261_248) < 1e6
+    n = 64
+    p = memory_plan(model, world_size=n, param_dtype="bf16")
+    assert p.num_params == psi
+    assert abs(p.model_state - 18 * psi / n) / (18 * psi / n) < 1e-3
+    z = p.zero_formula()
+    assert abs(z["zero_paper"] - 16 * psi / n) < 1
+    assert abs(z["ratio"] - 18 / 16) < 1e-3
+    outs = {u.name for u in p.units if u.outsized}
+    assert outs == {"model.embed_tokens", "lm_head"}
+    layer = next(u for u in p.units if u.name == "model.layers.0")
+    assert p.largest_unit == layer.padded_numel == 218_103_808  # one Llama-3-8B layer: 436 MB in bf16
+    assert p.weight_buffers == 2 * 2 * layer.padded_numel
+    assert p.outsized_buffers == (2 + 4) * 128256 * 4096 + 4 * 128256 * 4096 // n  # bf16 weight, fp32 grad + staging
+    # Activation checkpointing keeps far less.
+    full = memory_plan(model, world_size=n, param_dtype="bf16", batch=1, seq=2048)
+    ckpt = memory_plan(model, world_size=n, param_dtype="bf16", batch=1, seq=2048, checkpointing=True)
+    assert 0 < ckpt.activations.saved < full.activations.saved / 3
+
+
+def test_plan_cli_json():
+    out = subprocess.run(
+        [sys.executable, "-m", "yafsdp.plan", "--preset", "llama3-8b", "--world-size", "64", "--batch", "1",
+         "--seq", "1024", "--checkpointing", "--json"],
+        capture_output=True, text=True, check=True, timeout=120,
+    )
+    d = json.loads(out.stdout)
+    assert d["world_size"] == 64 and d["preset"] == "llama3-8b"
+    roles = d["roles"]
+    assert roles["master shard (fp32)"] == roles["grad shard (fp32)"] == 4 * d["shard_numel"]
+    assert roles["optimizer state (adamw)"] == 8 * d["shard_numel"]
+    assert roles["compute copy (bf16)"] == 2 * d["shard_numel"]
+    assert roles["total"] == sum(v for k, v in roles.items() if k != "total")
+    from yafsdp.plan import main
+
+    plan = main(["--preset", "llama3-1b", "--world-size", "8"])
+    assert plan.units[0].outsized and plan.zero_formula()["ratio"] > 1
+    assert "outsized units" in plan.format() and "ZeRO paper" in plan.format()
+
+
+PEAK_CASES = [("cpu-6x256", 2, 64, 4, False), ("cpu-6x256", 2, 128, 8, True)]
+_FAKE: dict = {}
+
+
+def _fake_checks(rank, world):
+    """In one spawned process, with the fake process group (no other threads, so the torch CPU
+    allocator's live bytes are measured exactly from the profiler's memory events):
+    the allocation check for every rank of worlds 2 and 4, and plan vs measured peak."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
+    from benchmarks._common import build_engine, make_batch, measure_memory
+
+    dist.destroy_process_group()
+    alloc = {}
+    for w in (2, 4):
+        alloc[w] = []
+        for r in range(w):
+            dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=w)
+            alloc[w].append(_compare(r, w))
+            dist.destroy_process_group()
+    peaks = []
+    for preset, b, s, w, ckpt in PEAK_CASES:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=w)
+        meta = build_llama(preset, device="meta")
+        plan = memory_plan(meta, world_size=w, batch=b, seq=s, checkpointing=ckpt)
+
+        def build():
+            e = build_engine("yafsdp-z3", preset, torch.device("cpu"), False, meta_init=True)
+            if ckpt:
+                e.model.module.gradient_checkpointing_enable()
+            return e
+
+        vocab = meta.config.vocab_size
+        m = measure_memory(build, lambda e, i: e.step(make_batch(i, 0, b, s, vocab, "cpu")), 3,
+                           torch.device("cpu"), method="torch")
+        peaks.append((plan.total, plan.engine_total + plan.optimizer_state, m["peak_steady"], m["step_end"],
+                      m["growth_from_step2"]))
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    return dict(alloc=alloc, peaks=peaks)
+
+
+def _fake_results():
+    if not _FAKE:
+        _FAKE.update(run_ranks(_fake_checks, 1)[0])
+    return _FAKE
+
+
+def test_predicted_peak_matches_measured_cpu():
+    """Predicted peak (engine + optimizer + activations) within 10% of the measured peak; the
+    state between steps as planned; no growth from step 2 on."""
+    for (total, state, peak, ends, growth), case in zip(_fake_results()["peaks"], PEAK_CASES):
+        # Between steps: the engine and the optimizer state, as planned (+ AdamW's scalar step counters).
+        assert 0 <= ends[-1] - state <= 64 * 16, (case, ends, state)
+        assert growth == 0, case
+        assert abs(total - peak) / peak <= 0.10, (case, total, peak)
+
+
+def _gpu_peak(rank, world):
+    sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
+    from benchmarks._common import build_engine, make_batch, measure_memory
+
+    dev = torch.device("cuda", 0)
+    b, s = 2, 1024
+    meta = build_llama("llama3-1b", device="meta", num_hidden_layers=4)
+    plan = memory_plan(meta, world_size=world, rank=rank, param_dtype="bf16", batch=b, seq=s)
+    m = measure_memory(lambda: build_engine("yafsdp-z3", "llama3-1b", dev, True, layers=4),
+                       lambda e, i: e.step(make_batch(i, rank, b, s, meta.config.vocab_size, dev)), 3, dev)
+    return plan.total, m["peak_steady"], m["growth_from_step2"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_predicted_peak_matches_measured_gpu():
+    total, peak, growth = run_ranks(_gpu_peak, 1, backend="nccl")[0]
+    assert growth == 0
+    assert abs(total - peak) / peak <= 0.10, (total, peak)
