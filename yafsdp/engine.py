@@ -716,7 +716,7 @@ class YaFSDP(nn.Module):
             unit._bw_iv = self.recorder.compute_start("backward", unit.name)
 
     def _post_backward(self, unit: Unit, member_i: int, grads):
-        """The gate's backward: grads into the grad buffer, reduce-scatter issued, weights released."""
+        """The gate's backward: weights released, grads into the grad buffer, reduce-scatter issued."""
         self._queue_finalize()
         if self.recorder and getattr(unit, "_bw_iv", None) is not None:
             self.recorder.compute_end(unit._bw_iv)
@@ -726,6 +726,11 @@ class YaFSDP(nn.Module):
                 f"yafsdp: unit {unit.name!r} reached its backward without its weights gathered; its output "
                 "escaped the engine's pre-backward hook (return tensors, tuples, lists or dicts from the unit)"
             )
+        if self.zero_stage == 3 and unit.bw_held:
+            # Every node that reads the weights has run: release them first, so a gather deferred
+            # on this buffer is issued ahead of this unit's reduce and does not queue behind it.
+            unit.bw_held = False
+            self._release(unit)
         gs = unit.grad_slot
         self._grad_slot_wait(gs)
         lay = unit.layout
@@ -744,9 +749,6 @@ class YaFSDP(nn.Module):
                 else:
                     dst.view(p.shape).copy_(g)
         self._reduce(unit, gs)
-        if self.zero_stage == 3 and unit.bw_held:
-            unit.bw_held = False
-            self._release(unit)
 
     def _reduce(self, unit: Unit, gs: GradSlot):
         p = unit.flat_param
