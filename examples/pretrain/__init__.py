@@ -1,0 +1,1 @@
+"""Helpers of ``examples/pretrain_llama.py``: presets, data, progress and operations."""

@@ -1,0 +1,286 @@
+"""Tokenizers, corpora and the deterministic, resumable batch order of the pretraining job.
+
+Data sources (``--data``):
+- nothing: the embedded corpus, every ``examples/data/*.txt`` (public-domain texts), one document
+  per file;
+- a text file (any other extension): one document, UTF-8;
+- ``.jsonl``: one JSON object per line, its ``--text-key`` field (default ``text``) a document;
+- ``.bin``: pre-tokenized ids, a flat array of ``--data-dtype`` (default uint16) read with
+  ``numpy.memmap`` (nanoGPT's format); documents are already separated by the tokenizer's EOS;
+- a directory: its ``*.txt`` and ``*.jsonl`` files, in name order.
+Text is encoded with the byte-level tokenizer (default) or a local HF tokenizer (``--tokenizer``);
+each document is followed by the tokenizer's EOS id.
+
+[Note: batch order]
+The token stream is cut into windows of ``seq_len + 1`` tokens starting at multiples of
+``seq_len``. Epoch ``e`` visits the windows in the order of a permutation seeded by
+``(seed, e)``; sample ``g`` of the run (counting from 0 over all epochs) is window
+``perm_e[g mod W]`` with ``e = g div W``. A step takes the next ``world x grad_accum x batch``
+samples from a global ``cursor``: micro-batch ``m`` of rank ``r`` gets samples
+``cursor + (m x world + r) x batch + [0, batch)``. The cursor is all the data position there is:
+it goes into every checkpoint, so a resumed run sees exactly the samples the uninterrupted one
+would. Changing the world size keeps the sample sequence; with ``batch`` and
+``world x grad_accum`` unchanged it also keeps each step's samples and their split into
+micro-batches.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EMBEDDED_DIR = os.path.join(os.path.dirname(HERE), "data")
+
+
+class DataError(ValueError):
+    """Bad ``--data``/``--tokenizer`` input; the message names the file."""
+
+
+# ------------------------------------------------------------------------------------ tokenizers
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; 256 is <bos>, 257 <eos>, 258 <pad>. Lossless for any text."""
+
+    name = "bytes"
+    vocab_size = 259
+    bos_id, eos_id, pad_id = 256, 257, 258
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+    def save_pretrained(self, path: str) -> None:
+        """Write an equivalent HF fast tokenizer (``AutoTokenizer.from_pretrained(path)`` loads it):
+        byte-level BPE with no merges, whose ids are the byte values."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        # GPT-2's printable stand-in for each byte, so every byte is one token of the vocabulary.
+        stand_in = pre_tokenizers.ByteLevel.alphabet()
+        byte_chars = _bytes_to_unicode()
+        assert set(byte_chars.values()) == set(stand_in)
+        vocab = {byte_chars[b]: b for b in range(256)}
+        vocab.update({"<bos>": 256, "<eos>": 257, "<pad>": 258})
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+        fast.save_pretrained(path)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (printable bytes map to themselves)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+class HFTokenizer:
+    """A local HF tokenizer folder (no network)."""
+
+    def __init__(self, path: str):
+        if not os.path.isdir(path):
+            raise DataError(f"--tokenizer {path!r}: not a directory (expected a local HF tokenizer folder)")
+        try:
+            from transformers import AutoTokenizer
+
+            self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - HF raises many kinds
+            raise DataError(f"--tokenizer {path!r}: cannot load a tokenizer from it ({type(e).__name__}: {e})") from None
+        self.name = os.path.abspath(path)
+        self.path = path
+        self.vocab_size = len(self.tok)
+        self.eos_id = self.tok.eos_token_id if self.tok.eos_token_id is not None else self.tok.sep_token_id
+        self.bos_id = self.tok.bos_token_id
+
+    def encode(self, text: str) -> np.ndarray:
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        return np.asarray(ids, dtype=np.uint32 if self.vocab_size > 65535 else np.uint16)
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def save_pretrained(self, path: str) -> None:
+        self.tok.save_pretrained(path)
+
+
+def make_tokenizer(path: str | None):
+    return ByteTokenizer() if path is None else HFTokenizer(path)
+
+
+# ---------------------------------------------------------------------------------------- corpora
+@dataclass
+class Corpus:
+    tokens: np.ndarray  # 1-D integer ids (possibly a read-only memmap)
+    source: str  # for the header: what was read
+    documents: int  # -1 if unknown (.bin)
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise DataError(f"--data {path!r}: cannot read it ({e.strerror})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"--data {path!r}: not UTF-8 text (invalid byte at offset {e.start}); pass text, .jsonl, "
+            "or pre-tokenized ids as .bin"
+        ) from None
+
+
+def _jsonl_docs(path: str, key: str) -> list[str]:
+    docs = []
+    text = _read_text(path)
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise DataError(f"--data {path!r}: line {n} is not JSON ({e})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
+            raise DataError(f"--data {path!r}: line {n} has no string field {key!r} (set --text-key)")
+        docs.append(obj[key])
+    return docs
+
+
+def _encode_docs(docs: list[str], tokenizer) -> np.ndarray:
+    parts = []
+    eos = np.asarray([tokenizer.eos_id], dtype=np.int64) if tokenizer.eos_id is not None else None
+    for d in docs:
+        parts.append(tokenizer.encode(d).astype(np.int64))
+        if eos is not None:
+            parts.append(eos)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def load_corpus(data: str | None, tokenizer, *, text_key: str = "text", bin_dtype: str = "uint16") -> Corpus:
+    """Read ``data`` (see the module docstring); DataError naming the file if it cannot be used."""
+    if data is None:
+        files = sorted(f for f in os.listdir(EMBEDDED_DIR) if f.endswith(".txt"))
+        if not files:
+            raise DataError(f"the embedded corpus is missing: no .txt files in {EMBEDDED_DIR!r}")
+        docs = [_read_text(os.path.join(EMBEDDED_DIR, f)) for f in files]
+        size = sum(len(d.encode()) for d in docs)
+        return Corpus(_encode_docs(docs, tokenizer), f"embedded corpus ({len(files)} public-domain texts, {size / 1e3:.0f} KB)", len(docs))
+    if not os.path.exists(data):
+        raise DataError(f"--data {data!r}: no such file or directory")
+    if os.path.isdir(data):
+        files = sorted(f for f in os.listdir(data) if f.endswith((".txt", ".jsonl")))
+        if not files:
+            raise DataError(f"--data {data!r}: the directory holds no .txt or .jsonl files")
+        docs = []
+        for f in files:
+            p = os.path.join(data, f)
+            docs += _jsonl_docs(p, text_key) if f.endswith(".jsonl") else [_read_text(p)]
+        return Corpus(_encode_docs(docs, tokenizer), f"{data} ({len(files)} files)", len(docs))
+    if data.endswith(".bin"):
+        try:
+            dtype = np.dtype(bin_dtype)
+        except TypeError:
+            raise DataError(f"--data-dtype {bin_dtype!r} is not a NumPy dtype") from None
+        if dtype.kind not in "ui":
+            raise DataError(f"--data-dtype {bin_dtype!r} must be an integer dtype (uint16, uint32, ...)")
+        size = os.path.getsize(data)
+        if size == 0 or size % dtype.itemsize:
+            raise DataError(
+                f"--data {data!r}: {size} bytes is not a whole number of {bin_dtype} token ids "
+                "(wrong file, truncated, or wrong --data-dtype)"
+            )
+        try:
+            tokens = np.memmap(data, dtype=dtype, mode="r")
+        except OSError as e:
+            raise DataError(f"--data {data!r}: cannot map it ({e})") from None
+        return Corpus(tokens, f"{data} ({len(tokens):,} pre-tokenized {bin_dtype} ids)", -1)
+    if data.endswith(".jsonl"):
+        docs = _jsonl_docs(data, text_key)
+        if not docs:
+            raise DataError(f"--data {data!r}: no documents")
+        return Corpus(_encode_docs(docs, tokenizer), f"{data} ({len(docs)} documents)", len(docs))
+    return Corpus(_encode_docs([_read_text(data)], tokenizer), data, 1)
+
+
+def write_bin(tokens: np.ndarray, path: str, dtype: str = "uint16") -> None:
+    """Save ids as a ``.bin`` the job reads with ``--data path --data-dtype dtype``."""
+    arr = np.asarray(tokens)
+    if arr.size and int(arr.max()) > np.iinfo(np.dtype(dtype)).max:
+        raise DataError(f"ids up to {int(arr.max())} do not fit {dtype}; use uint32")
+    arr.astype(dtype).tofile(path)
+
+
+# ----------------------------------------------------------------------------------- batch order
+class Batches:
+    """Windows of a token stream in a seeded, epoch-wise shuffled order. See [Note: batch order]."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, source: str = "data"):
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.seed = seed
+        self.windows = (len(tokens) - 1) // seq_len
+        if self.windows < 1:
+            raise DataError(
+                f"{source} has {len(tokens)} tokens, fewer than --seq-len + 1 = {seq_len + 1}; use a shorter "
+                "--seq-len or more data"
+            )
+        self._epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+            self._perm, self._epoch = rng.permutation(self.windows), epoch
+        return self._perm
+
+    def sample(self, g: int) -> np.ndarray:
+        epoch, i = divmod(g, self.windows)
+        start = int(self._order(epoch)[i]) * self.seq_len
+        return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+
+    def batch(self, first: int, count: int) -> torch.Tensor:
+        """Samples ``first .. first + count - 1`` as a (count, seq_len + 1) int64 tensor."""
+        return torch.from_numpy(np.stack([self.sample(first + k) for k in range(count)]))
+
+    def micro_batch(self, cursor: int, micro: int, rank: int, world: int, batch: int) -> torch.Tensor:
+        return self.batch(cursor + (micro * world + rank) * batch, batch)
+
+    def epoch_of(self, cursor: int) -> float:
+        return cursor / self.windows
+
+
+def split(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Hold out the last ``val_fraction`` of the stream for validation (None if too short)."""
+    n_val = int(len(tokens) * val_fraction)
+    if val_fraction <= 0 or n_val < seq_len + 1 or len(tokens) - n_val < seq_len + 1:
+        return tokens, None
+    return tokens[:-n_val], tokens[-n_val:]
+
+
+if __name__ == "__main__":  # pre-tokenize: python examples/pretrain/data.py IN OUT.bin [--tokenizer DIR]
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Pre-tokenize a text/.jsonl file or directory into a .bin")
+    ap.add_argument("input")
+    ap.add_argument("output")
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--text-key", default="text")
+    ap.add_argument("--dtype", default=None, help="uint16 (default if the vocabulary fits) or uint32")
+    a = ap.parse_args()
+    tok = make_tokenizer(a.tokenizer)
+    corpus = load_corpus(a.input, tok, text_key=a.text_key)
+    dt = a.dtype or ("uint16" if tok.vocab_size <= 65536 else "uint32")
+    write_bin(corpus.tokens, a.output, dt)
+    print(f"wrote {len(corpus.tokens):,} ids ({dt}) from {corpus.source} to {a.output}")

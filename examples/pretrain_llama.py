@@ -1,0 +1,680 @@
+"""Pretrain a Llama (Hugging Face ``LlamaForCausalLM``) with yafsdp -- the project's main job.
+
+On a fresh CPU machine, with nothing downloaded (embedded public-domain corpus, byte-level
+tokenizer, a 0.8 M-parameter Llama; a few minutes on 2 cores):
+
+    torchrun --nproc-per-node 2 examples/pretrain_llama.py
+
+On one GPU node (bf16 compute, fp32 master weights and optimizer state):
+
+    torchrun --nproc-per-node 8 examples/pretrain_llama.py --preset llama3-1b --data corpus.bin --bf16 \\
+        --tokenizer /models/llama3-tokenizer --out runs/llama1b
+
+On two nodes (run the same line on each, NODE_RANK=0 on the first, 1 on the second; --out must be a
+shared filesystem; --max-restarts lets a failed worker group restart and resume):
+
+    torchrun --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 8 \\
+        --rdzv-backend c10d --rdzv-endpoint node0.cluster:29500 --rdzv-id llama8b --max-restarts 3 \\
+        examples/pretrain_llama.py --preset llama3-8b --data /shared/corpus.bin --bf16 \\
+        --activation-checkpointing --out /shared/runs/llama8b --save-every 500
+
+Continue a run (newest complete checkpoint in --out), export it for Hugging Face:
+
+    torchrun --nproc-per-node 2 examples/pretrain_llama.py --resume --steps 600 --export-hf runs/default/hf
+
+Also runs as plain ``python examples/pretrain_llama.py`` (a world of one). Everything the run
+writes goes to --out: metrics.jsonl (one line per step), events.jsonl, loss.png, run.json and
+checkpoints/step_*/ (torch.distributed.checkpoint). See docs/pretrain.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+import traceback
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # yafsdp from a checkout
+
+import yafsdp  # noqa: E402
+from pretrain import data as D  # noqa: E402
+from pretrain import progress as P  # noqa: E402
+from pretrain.ops import JobError, StopSignal, agree, init_distributed  # noqa: E402
+from pretrain.presets import DEFAULT_PRESET, model_config_dict, presets  # noqa: E402
+from yafsdp import checkpoint as C  # noqa: E402
+
+# The config fields that decide parameter shapes: a checkpoint must match them to be resumed.
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+# ------------------------------------------------------------------------------------------ args
+class _Help(argparse.HelpFormatter):
+    """Shows a flag's default where it has one (preset-dependent defaults say [preset])."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    table = presets()
+    p = argparse.ArgumentParser(
+        description="Pretrain a Llama with yafsdp (launch with torchrun; see the file's docstring).",
+        formatter_class=_Help,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(table),
+                   help="model shape + training defaults (see docs/pretrain.md)")
+    g.add_argument("--init-from-hf", metavar="DIR", default=None,
+                   help="start from a local HF checkpoint (config.json + safetensors) instead of random weights")
+    g.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=None, help="text file, .jsonl, pre-tokenized .bin, or a directory; "
+                   "default: the embedded corpus")
+    g.add_argument("--tokenizer", default=None, metavar="DIR", help="local HF tokenizer folder; default: bytes")
+    g.add_argument("--text-key", default="text", help="JSONL field holding the text")
+    g.add_argument("--data-dtype", default="uint16", help="dtype of the ids in a .bin file")
+    g.add_argument("--val-fraction", type=float, default=0.05, help="tail of the data held out for validation")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=None, help="train until this optimizer step [preset]")
+    g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence [preset]")
+    g.add_argument("--batch-size", type=int, default=None, help="sequences per rank per micro-batch [preset]")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate [preset]")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate / peak")
+    g.add_argument("--warmup", type=int, default=None, help="linear warmup steps [preset]")
+    g.add_argument("--decay-steps", type=int, default=None,
+                   help="cosine decay horizon; fixed, so a run stopped early resumes exactly [preset steps]")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of >= 2-D weights")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0: no clipping)")
+    g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 compute (fp32 master weights); default: on for CUDA, off on CPU")
+    g.add_argument("--zero-stage", type=int, default=3, choices=[2, 3],
+                   help="3: gather weights again for backward; 2: keep them from forward")
+    g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
+    g.add_argument("--seed", type=int, default=0, help="init, data order and sampling")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default="runs/default", help="checkpoints, metrics, plots")
+    g.add_argument("--save-every", type=int, default=100, help="checkpoint every K steps (0: only at the end)")
+    g.add_argument("--keep", type=int, default=3, help="complete checkpoints kept")
+    g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="auto|PATH",
+                   help="continue from the newest complete checkpoint in --out (--resume), that one if any "
+                   "(--resume auto), or a given checkpoint directory")
+    g.add_argument("--overwrite", action="store_true", help="start afresh in an --out that holds a run (deletes it)")
+    g.add_argument("--export-hf", default=None, metavar="DIR", help="write a HF checkpoint at the end")
+    g.add_argument("--export-dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--eval-every", type=int, default=0, help="validation loss every K steps (0: at the end)")
+    g.add_argument("--eval-batches", type=int, default=4, help="micro-batches per rank per validation")
+    g.add_argument("--sample-tokens", type=int, default=None,
+                   help="tokens sampled at the end (0: none; default: 120 below 1 B parameters, else 0)")
+    g.add_argument("--prompt", default="We the People", help="prompt of the closing sample")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (metrics and summary only)")
+    args = p.parse_args(argv)
+
+    pr = table[args.preset]
+    for name, value in (("steps", pr.steps), ("seq_len", pr.seq_len), ("batch_size", pr.batch_size),
+                        ("lr", pr.lr), ("warmup", pr.warmup)):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.decay_steps is None:
+        args.decay_steps = pr.steps
+    for name in ("steps", "warmup", "save_every", "eval_every"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("seq_len", "batch_size", "grad_accum", "decay_steps", "keep", "eval_batches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.val_fraction < 0.5:
+        p.error(f"--val-fraction must be in [0, 0.5), got {args.val_fraction}")
+    if args.lr <= 0:
+        p.error(f"--lr must be > 0, got {args.lr}")
+    args.preset_info = pr
+    return args
+
+
+def lr_at(args, step: int) -> float:
+    """Learning rate of optimizer step ``step`` (1-based): linear warmup, cosine to min, then flat."""
+    peak, low = args.lr, args.lr * args.min_lr_ratio
+    if args.warmup and step <= args.warmup:
+        return peak * step / args.warmup
+    if step >= args.decay_steps:
+        return low
+    t = (step - args.warmup) / max(1, args.decay_steps - args.warmup)
+    return low + 0.5 * (peak - low) * (1 + math.cos(math.pi * t))
+
+
+# ----------------------------------------------------------------------------------- checks
+def plan_output(args, env) -> dict:
+    """Decide fresh start vs resume; a problem becomes an error before anything is written."""
+    out = args.out
+    ck_root = os.path.join(out, "checkpoints")
+    complete = C.list_checkpoints(ck_root)
+    metrics = os.path.join(out, "metrics.jsonl")
+    has_metrics = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
+    mode = args.resume
+    if mode is None and env.restart_count > 0:
+        mode = "auto"  # torchrun restarted us after a failure: continue from the last checkpoint
+    plan = dict(resume_path=None, wipe=False, ck_root=ck_root)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise JobError(f"--out {out!r} exists and is not a directory")
+    if mode is None:
+        if (complete or has_metrics) and not args.overwrite:
+            what = f"checkpoints up to {os.path.basename(complete[-1][1])}" if complete else "metrics.jsonl"
+            raise JobError(
+                f"--out {out!r} already holds a run ({what}); pass --resume to continue it, --overwrite to "
+                "discard it, or choose another --out"
+            )
+        plan["wipe"] = args.overwrite and (complete or has_metrics)
+    elif mode in ("latest", "auto"):
+        if complete:
+            plan.update(resume_path=complete[-1][1])
+        elif mode == "latest":
+            partial = C.incomplete_checkpoints(ck_root)
+            extra = f" (only incomplete ones: {', '.join(os.path.basename(x) for x in partial)})" if partial else ""
+            raise JobError(f"--resume: nothing to resume, no complete checkpoint in {ck_root!r}{extra}")
+        else:
+            plan["wipe"] = has_metrics  # a restart before the first checkpoint: start the run again
+    else:
+        if not os.path.isdir(mode):
+            raise JobError(f"--resume {mode!r}: no such checkpoint directory")
+        plan.update(resume_path=mode.rstrip("/"))
+    if args.export_hf and os.path.isdir(args.export_hf) and os.listdir(args.export_hf) and env.restart_count == 0:
+        raise JobError(f"--export-hf {args.export_hf!r} exists and is not empty; choose a new directory")
+    return plan
+
+
+def model_config(args, tokenizer) -> tuple[dict, object]:
+    """(shape dict for checks and checkpoints, the HF config)."""
+    from transformers import LlamaConfig
+
+    from yafsdp.hf import HFCheckpointError, read_hf_config
+
+    if args.init_from_hf:
+        try:
+            cfg = read_hf_config(args.init_from_hf)
+        except HFCheckpointError as e:
+            raise JobError(f"--init-from-hf: {e}") from None
+        if cfg.model_type != "llama":
+            raise JobError(f"--init-from-hf {args.init_from_hf!r} is a {cfg.model_type!r} model; this job trains Llama")
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise JobError(f"the tokenizer has {tokenizer.vocab_size} ids but {args.init_from_hf!r} only "
+                           f"{cfg.vocab_size} embeddings; pass its tokenizer with --tokenizer")
+        cfg._attn_implementation = args.attn
+    else:
+        kw = model_config_dict(args.preset_info, tokenizer.vocab_size, args.seq_len)
+        kw.setdefault("bos_token_id", getattr(tokenizer, "bos_id", None))
+        kw.setdefault("eos_token_id", getattr(tokenizer, "eos_id", None))
+        cfg = LlamaConfig(**kw, attn_implementation=args.attn)
+    d = cfg.to_dict()
+    shape = {k: d.get(k) for k in SHAPE_KEYS}
+    if shape.get("head_dim") is None:
+        shape["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+    return shape, cfg
+
+
+# ------------------------------------------------------------------------------------------- job
+class Job:
+    def __init__(self, args, env):
+        self.args, self.env = args, env
+        self.rank, self.world, self.device = env.rank, env.world, env.device
+        self.main = env.rank == 0
+
+    def say(self, msg: str) -> None:
+        if self.main:
+            print(msg, flush=True)
+
+    # ---------------------------------------------------------------- set-up (nothing written yet)
+    def prepare(self):
+        a, env = self.args, self.env
+        err = None
+        try:
+            self.plan = plan_output(a, env)
+            self.tokenizer = D.make_tokenizer(a.tokenizer)
+            corpus = D.load_corpus(a.data, self.tokenizer, text_key=a.text_key, bin_dtype=a.data_dtype)
+            train, val = D.split(corpus.tokens, a.val_fraction, a.seq_len)
+            if val is not None and len(val) > 4_000_000:  # a large corpus: a fixed-size validation tail
+                train, val = corpus.tokens[:-4_000_000], corpus.tokens[-4_000_000:]
+            self.corpus = corpus
+            self.batches = D.Batches(train, a.seq_len, a.seed, source=f"--data {a.data!r}" if a.data else "the corpus")
+            self.val = D.Batches(val, a.seq_len, a.seed + 1) if val is not None else None
+            self.shape, self.config = model_config(a, self.tokenizer)
+            head = np.asarray(corpus.tokens[: 1 << 20])
+            if head.size and int(head.max()) >= self.shape["vocab_size"]:
+                raise JobError(f"--data holds token id {int(head.max())}, but the model has "
+                               f"{self.shape['vocab_size']} embeddings (wrong --tokenizer or --data-dtype?)")
+            self.manifest = None
+            if self.plan["resume_path"]:
+                self.manifest = C.read_manifest(self.plan["resume_path"])
+                saved = self.manifest.get("meta", {}).get("model_shape")
+                if saved is not None and saved != self.shape:
+                    diff = ", ".join(f"{k} {saved.get(k)} (checkpoint) vs {self.shape.get(k)} (this run)"
+                                     for k in SHAPE_KEYS if saved.get(k) != self.shape.get(k))
+                    raise JobError(
+                        f"checkpoint {self.plan['resume_path']!r} was written for a different model: {diff}; "
+                        f"resume with the --preset/--tokenizer/--init-from-hf of the run that wrote it "
+                        f"(it was: {self.manifest.get('meta', {}).get('preset_args', '?')})"
+                    )
+        except (JobError, D.DataError, C.CheckpointError) as e:
+            err = str(e)
+        except Exception as e:  # noqa: BLE001 - unexpected: still stop every rank together
+            traceback.print_exc()
+            err = f"rank {self.rank}: {type(e).__name__}: {e}"
+        agree(err)
+        if self.plan["resume_path"]:  # every file's size and checksum, before building anything
+            try:
+                C.verify_checkpoint(self.plan["resume_path"])
+            except C.CheckpointError as e:
+                raise JobError(f"{e}; nothing was changed. Delete that checkpoint to fall back to an older one, "
+                               f"or pass --resume PATH") from None
+
+    def build(self):
+        """The model on the meta device, wrapped: each rank allocates only its shards."""
+        from transformers import LlamaForCausalLM
+
+        from yafsdp.init import meta_parameters
+
+        a = self.args
+        with meta_parameters():
+            model = LlamaForCausalLM(self.config)
+        if a.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        self.n_params = sum(p.numel() for p in model.parameters())
+        bf16 = a.bf16 if a.bf16 is not None else self.device.type == "cuda"
+        self.param_dtype = torch.bfloat16 if bf16 else None
+        self.model = yafsdp.YaFSDP(model, param_dtype=self.param_dtype, zero_stage=a.zero_stage, device=self.device)
+        self.opt, self.opt_name = make_optimizer(self.model, a, self.device)
+
+    def initialise(self):
+        """Weights and state: from a checkpoint, a HF checkpoint, or the seeded init."""
+        a, m = self.args, self.model
+        self.step, self.cursor, self.tokens_seen, self.elapsed_before = 0, 0, 0, 0.0
+        self.resumed_from = None
+        if self.plan["resume_path"]:
+            try:
+                loaded = C.load_checkpoint(self.plan["resume_path"], m, self.opt, verify=False)
+            except C.CheckpointError as e:
+                raise JobError(str(e)) from None
+            st = loaded.state
+            self.step, self.cursor = int(st["step"]), int(st["cursor"])
+            self.tokens_seen, self.elapsed_before = int(st.get("tokens", 0)), float(st.get("elapsed", 0.0))
+            self.resumed_from = (loaded.path, loaded.saved_world_size, st.get("global_batch"))
+            set_rng_state(loaded.rank_state, a.seed, self.rank, self.step, self.device)
+            self.init_desc = (f"resumed from {loaded.path} (step {self.step}, written by {loaded.saved_world_size} "
+                              f"rank(s), loaded by {self.world})")
+        elif a.init_from_hf:
+            from yafsdp.hf import HFCheckpointError, load_hf_weights
+
+            try:
+                load_hf_weights(m, a.init_from_hf)
+            except HFCheckpointError as e:
+                raise JobError(f"--init-from-hf: {e}") from None
+            set_rng_state(None, a.seed, self.rank, 0, self.device)
+            self.init_desc = f"weights from {a.init_from_hf} (rank 0 read them; each rank kept its shards)"
+        else:
+            from yafsdp.init import init_shards_, normal_init
+
+            init_shards_(m, normal_init(getattr(self.config, "initializer_range", 0.02)), seed=a.seed)
+            set_rng_state(None, a.seed, self.rank, 0, self.device)
+            self.init_desc = f"seeded init (seed {a.seed}; the same for any world size)"
+
+    def open_output(self):
+        """From here on files are written (rank 0)."""
+        a = self.args
+        out = a.out
+        self.t_session = time.perf_counter()
+        self.metrics_path = os.path.join(out, "metrics.jsonl")
+        self.png_path = os.path.join(out, "loss.png")
+        if self.main:
+            os.makedirs(out, exist_ok=True)
+            if self.plan["wipe"]:
+                for name in ("metrics.jsonl", "events.jsonl", "loss.png", "run.json"):
+                    if os.path.exists(os.path.join(out, name)):
+                        os.remove(os.path.join(out, name))
+                shutil.rmtree(self.plan["ck_root"], ignore_errors=True)
+            if self.plan["resume_path"]:
+                P.truncate_metrics(self.metrics_path, self.step)
+            self.metrics = P.JsonLines(self.metrics_path)
+            self.events = P.Events(os.path.join(out, "events.jsonl"))
+            with open(os.path.join(out, "run.json"), "w") as f:
+                json.dump(dict(argv=sys.argv, args={k: v for k, v in vars(a).items() if k != "preset_info"},
+                               world=self.world, device=str(self.device), torch=torch.__version__,
+                               yafsdp=yafsdp.__version__, optimizer=self.opt_name, model_shape=self.shape,
+                               params=self.n_params), f, indent=1, default=str)
+        dist.barrier()
+
+    # --------------------------------------------------------------------------------- the loop
+    def header(self):
+        a, m = self.args, self.model
+        gb = a.batch_size * self.world * a.grad_accum
+        self.tokens_per_step = gb * a.seq_len
+        ntr = len(self.batches.tokens)
+        nval = len(self.val.tokens) if self.val else 0
+        dtype = "bf16" if self.param_dtype == torch.bfloat16 else "fp32"
+        units = len(m.flat_units)
+        self.say(f"yafsdp {yafsdp.__version__} | pretrain_llama | {self.world} rank(s) on {self.env.nodes} node(s) | "
+                 f"{self.device.type} ({self.env.backend}) | {dtype} compute, fp32 master | ZeRO-{a.zero_stage}")
+        preset = f"--init-from-hf {a.init_from_hf}" if a.init_from_hf else f"preset {a.preset}"
+        c = self.shape
+        self.say(f"model    {preset}: LlamaForCausalLM {P.fmt_count(self.n_params)} params ({c['num_hidden_layers']} "
+                 f"layers x {c['hidden_size']}, vocab {c['vocab_size']}); {units} flat units, built on meta")
+        self.say(f"init     {self.init_desc}")
+        tok = "bytes" if isinstance(self.tokenizer, D.ByteTokenizer) else self.tokenizer.name
+        self.say(f"data     {self.corpus.source}: {len(self.corpus.tokens):,} tokens ({tok}); {ntr:,} train / "
+                 f"{nval:,} val; {self.batches.windows:,} windows of {a.seq_len}")
+        total = max(0, a.steps - self.step)
+        self.say(f"batch    {a.batch_size} seq x {self.world} ranks x {a.grad_accum} accum = {gb} seq = "
+                 f"{self.tokens_per_step:,} tokens/step; steps {self.step} -> {a.steps} "
+                 f"({P.fmt_count(total * self.tokens_per_step)} tokens, "
+                 f"{total * gb / self.batches.windows:.1f} epochs)")
+        self.say(f"optim    {self.opt_name}: lr {a.lr:g} (warmup {a.warmup}, cosine to {a.lr * a.min_lr_ratio:g} at "
+                 f"step {a.decay_steps}), weight decay {a.weight_decay:g}, clip {a.grad_clip:g}")
+        mem = sum(m.allocated_bytes().values())
+        self.say(f"memory   engine allocations per rank: {mem / 2**20:.1f} MiB "
+                 f"(model {4 * self.n_params / 2**20:.1f} MiB in fp32, unsharded)")
+        every = f"every {a.save_every} steps and at the end" if a.save_every else "at the end"
+        self.say(f"out      {a.out}: metrics.jsonl, loss.png, checkpoints/ ({every}, keep {a.keep})")
+        if self.resumed_from and self.resumed_from[2] not in (None, gb):
+            self.say(f"note     the checkpoint's global batch was {self.resumed_from[2]} sequences, this run's is {gb}: "
+                     "the data order continues, the step contents differ")
+        if a.steps > a.decay_steps:
+            self.say(f"note     --steps {a.steps} > --decay-steps {a.decay_steps}: the learning rate stays at "
+                     f"{a.lr * a.min_lr_ratio:g} after step {a.decay_steps}")
+
+    def train(self):
+        a, m, opt = self.args, self.model, self.opt
+        stop = StopSignal().install()
+        bar = P.Bar(self.main and not a.no_progress, a.steps, self.step)
+        self.first_loss = self.last_loss = None
+        self.val_loss = None
+        self.stopped_by = None
+        last_saved = self.step if self.plan["resume_path"] else -1
+        t_start = time.perf_counter()
+        start_step = self.step
+        step_times = []
+        max_norm = a.grad_clip if a.grad_clip > 0 else float("inf")
+        if self.main:
+            kind = "resume" if self.plan["resume_path"] else "start"
+            self.events.write(dict(event=kind, step=self.step, world=self.world, restart=self.env.restart_count,
+                                   checkpoint=self.plan["resume_path"], optimizer=self.opt_name))
+        try:
+            while self.step < a.steps:
+                t0 = time.perf_counter()
+                lr = lr_at(a, self.step + 1)
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                total = torch.zeros((), device=self.device)
+                for micro in range(a.grad_accum):
+                    x = self.batches.micro_batch(self.cursor, micro, self.rank, self.world, a.batch_size)
+                    if int(x.max()) >= self.shape["vocab_size"]:
+                        raise JobError(f"--data holds token id {int(x.max())} >= vocab {self.shape['vocab_size']}")
+                    x = x.to(self.device, non_blocking=True)
+                    loss = causal_lm_loss(m, x)
+                    (loss / a.grad_accum).backward()
+                    total += loss.detach().float()
+                norm = m.clip_grad_norm_(max_norm)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                stats = torch.stack([total / a.grad_accum, torch.tensor(float(stop.signum is not None),
+                                                                         device=self.device)])
+                dist.all_reduce(stats)
+                loss_val, stop_now = stats[0].item() / self.world, stats[1].item() > 0
+                self.step += 1
+                self.cursor += a.batch_size * self.world * a.grad_accum
+                self.tokens_seen += self.tokens_per_step
+                dt = time.perf_counter() - t0
+                step_times.append(dt)
+                mem = P.peak_memory_gb(self.device)
+                row = dict(step=self.step, loss=loss_val, lr=lr, grad_norm=float(norm),
+                           tokens=self.tokens_seen, tokens_per_s=round(self.tokens_per_step / dt, 1),
+                           step_time_s=round(dt, 4), mem_gb=round(mem, 4),
+                           epoch=round(self.batches.epoch_of(self.cursor), 4))
+                if self.first_loss is None:
+                    self.first_loss = loss_val
+                self.last_loss = loss_val
+                if self.val is not None and a.eval_every and self.step % a.eval_every == 0:
+                    row["val_loss"] = self.val_loss = round(self.evaluate(), 6)
+                if self.main:
+                    self.metrics.write(row)
+                bar.update(loss_val, self.tokens_per_step / dt, dt, mem)
+                if stop_now:
+                    self.stopped_by = stop.name or "a signal on another rank"
+                    break
+                if a.save_every and self.step % a.save_every == 0 and self.step < a.steps:
+                    self.save(bar)
+                    last_saved = self.step
+        finally:
+            bar.close()
+            stop.uninstall()
+        self.train_time = time.perf_counter() - t_start
+        self.trained_steps = self.step - start_step
+        self.step_times = step_times
+        if self.stopped_by and self.main:
+            self.events.write(dict(event="signal", signal=self.stopped_by, step=self.step))
+        if self.step != last_saved and (self.trained_steps > 0 or not self.plan["resume_path"]):
+            self.save(None)
+
+    def save(self, bar):
+        a = self.args
+        t0 = time.perf_counter()
+        state = dict(step=self.step, cursor=self.cursor, tokens=self.tokens_seen,
+                     elapsed=self.elapsed_before + time.perf_counter() - self.t_session,
+                     global_batch=a.batch_size * self.world * a.grad_accum, seq_len=a.seq_len, seed=a.seed)
+        meta = dict(model_shape=self.shape, preset_args=describe_model_args(a), optimizer=self.opt_name,
+                    tokenizer="bytes" if isinstance(self.tokenizer, D.ByteTokenizer) else self.tokenizer.name)
+        path = C.save_checkpoint(self.plan["ck_root"], self.step, self.model, self.opt, state=state,
+                                 rank_state=get_rng_state(self.device), meta=meta, keep=a.keep)
+        dt = time.perf_counter() - t0
+        if self.main:
+            self.events.write(dict(event="save", step=self.step, path=path, seconds=round(dt, 3)))
+            msg = f"saved    {path} ({dt:.1f} s)"
+            if bar is not None:
+                bar.write(msg)
+            else:
+                print(msg, flush=True)
+        self.last_checkpoint = path
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        a = self.args
+        total = torch.zeros((), device=self.device)
+        for i in range(a.eval_batches):
+            x = self.val.micro_batch(0, i, self.rank, self.world, a.batch_size).to(self.device)
+            total += causal_lm_loss(self.model, x).float()
+        dist.all_reduce(total)
+        return total.item() / (a.eval_batches * self.world)
+
+    @torch.no_grad()
+    def sample(self, n_tokens: int) -> str:
+        """Collective: sample ``n_tokens`` tokens after ``--prompt`` (temperature 0.8, seeded)."""
+        a, tok = self.args, self.tokenizer
+        ids = torch.as_tensor(tok.encode(a.prompt).astype(np.int64), device=self.device).view(1, -1)
+        g = torch.Generator(device="cpu").manual_seed(a.seed)
+        start = ids.shape[1]
+        for _ in range(n_tokens):
+            logits = self.model(input_ids=ids[:, -a.seq_len:], use_cache=False).logits[0, -1].float().cpu()
+            nxt = torch.multinomial(torch.softmax(logits / 0.8, -1), 1, generator=g).to(self.device)
+            dist.broadcast(nxt, src=0)  # every rank continues with rank 0's token
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+            if tok.eos_id is not None and int(nxt) == tok.eos_id:
+                break
+        return a.prompt + tok.decode(ids[0, start:].tolist())
+
+    def finish(self):
+        a = self.args
+        m = self.model
+        if self.val is not None and self.trained_steps > 0 and not self.stopped_by:
+            self.val_loss = self.evaluate()
+        sample = None
+        n_sample = a.sample_tokens if a.sample_tokens is not None else (120 if self.n_params < 1e9 else 0)
+        readable = a.tokenizer is not None or not (a.data or "").endswith(".bin")  # else: ids of an unknown tokenizer
+        if n_sample > 0 and readable and not self.stopped_by and self.trained_steps > 0:
+            sample = self.sample(n_sample)
+        exported = None
+        if a.export_hf and not self.stopped_by:
+            if os.path.isdir(a.export_hf) and os.listdir(a.export_hf):
+                self.say(f"export   {a.export_hf} already holds an export (restarted run): left as is")
+            else:
+                exported = self.export()
+        if self.main:
+            P.plot_loss(self.metrics_path, self.png_path,
+                        title=f"{a.preset if not a.init_from_hf else 'from HF'}: {P.fmt_count(self.n_params)} params, "
+                              f"{self.world} ranks", final_val=(self.step, self.val_loss))
+            self.summary(sample, exported)
+            self.events.write(dict(event="stopped" if self.stopped_by else "end", step=self.step,
+                                   loss=self.last_loss, val_loss=self.val_loss))
+            self.metrics.close()
+            self.events.close()
+        del m
+
+    def export(self):
+        from yafsdp.hf import export_hf
+
+        a = self.args
+        dtype = torch.bfloat16 if a.export_dtype == "bfloat16" else torch.float32
+        t0 = time.perf_counter()
+        probe = torch.arange(min(32, a.seq_len), device=self.device).view(1, -1) % self.shape["vocab_size"]
+        with torch.no_grad():
+            ours = self.model(input_ids=probe, use_cache=False).logits.float().cpu()
+        tok = self.tokenizer if isinstance(self.tokenizer, (D.ByteTokenizer, D.HFTokenizer)) else None
+        export_hf(self.model, a.export_hf, dtype=dtype, tokenizer=tok)
+        check = None
+        if self.main and self.n_params <= 200_000_000:  # reload on rank 0 and compare the logits
+            from transformers import LlamaForCausalLM
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+            hf, info = LlamaForCausalLM.from_pretrained(a.export_hf, output_loading_info=True, dtype=torch.float32)
+            with torch.no_grad():
+                theirs = hf(input_ids=probe.cpu()).logits.float()
+            check = dict(missing=len(info["missing_keys"]), unexpected=len(info["unexpected_keys"]),
+                         max_abs_diff=float((theirs - ours).abs().max()))
+        if self.main:
+            self.events.write(dict(event="export", path=a.export_hf, dtype=a.export_dtype, check=check,
+                                   seconds=round(time.perf_counter() - t0, 3)))
+        return a.export_hf, check
+
+    def summary(self, sample, exported):
+        a = self.args
+        st = self.step_times
+        if st:
+            med = sorted(st)[len(st) // 2]
+            self.say(f"done     {self.trained_steps} steps in {P.fmt_time(self.train_time)} (median {med * 1e3:.0f} ms/step, "
+                     f"{self.tokens_per_step / med:,.0f} tokens/s, peak memory {P.peak_memory_gb(self.device):.2f} GB "
+                     f"on rank 0); step {self.step}/{a.steps}")
+            val = f", val {self.val_loss:.4f}" if self.val_loss is not None else ""
+            self.say(f"loss     {self.first_loss:.4f} -> {self.last_loss:.4f}{val} (nats/token; "
+                     f"uniform guess {math.log(self.shape['vocab_size']):.2f})")
+        else:
+            self.say(f"done     nothing to train: already at step {self.step} (--steps {a.steps})")
+        if self.stopped_by:
+            self.say(f"stopped  by {self.stopped_by} at step {self.step}; checkpoint {self.last_checkpoint}; "
+                     "continue with --resume")
+        if sample is not None:
+            self.say("sample   " + repr(sample[:300]))
+        if exported:
+            path, check = exported
+            extra = ""
+            if check:
+                extra = (f"; reloaded with from_pretrained: {check['missing']} missing, {check['unexpected']} unexpected "
+                         f"keys, max |logit diff| {check['max_abs_diff']:.2e}")
+            self.say(f"export   {path}: config.json + model.safetensors ({a.export_dtype}){extra}")
+        self.say(f"files    {self.metrics_path}, {self.png_path}, {getattr(self, 'last_checkpoint', '(no checkpoint)')}")
+
+
+# --------------------------------------------------------------------------------------- helpers
+def causal_lm_loss(model, x: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy over all ``seq_len`` positions of windows ``x`` (B, seq_len + 1)."""
+    logits = model(input_ids=x[:, :-1], use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+
+
+def make_optimizer(model, args, device):
+    """yafsdp.FusedAdamW when this install has it, else torch's AdamW (fused where supported)."""
+    groups = model.param_groups(weight_decay=args.weight_decay, small_weight_decay=0.0)
+    kw = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    fused_cls = getattr(yafsdp, "FusedAdamW", None)
+    if fused_cls is None:
+        try:
+            from yafsdp.optim import FusedAdamW as fused_cls  # noqa: N813
+        except Exception:  # noqa: BLE001 - not built / not there: fall back below
+            fused_cls = None
+    if fused_cls is not None:
+        return fused_cls(groups, **kw), "yafsdp.FusedAdamW"
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kw), "torch.optim.AdamW(fused)"
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(groups, foreach=True, **kw), "torch.optim.AdamW(foreach)"
+
+
+def describe_model_args(args) -> str:
+    parts = [f"--init-from-hf {args.init_from_hf}" if args.init_from_hf else f"--preset {args.preset}"]
+    if args.tokenizer:
+        parts.append(f"--tokenizer {args.tokenizer}")
+    return " ".join(parts)
+
+
+def get_rng_state(device) -> dict:
+    st = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate())
+    if device.type == "cuda":
+        st["cuda"] = torch.cuda.get_rng_state(device)
+    return st
+
+
+def set_rng_state(st, seed: int, rank: int, step: int, device) -> None:
+    if st is None:  # a fresh run, or a rank that did not exist in the saved world
+        s = seed * 100003 + rank * 1009 + step
+        torch.manual_seed(s)
+        np.random.seed(s % 2**32)
+        random.seed(s)
+        return
+    torch.set_rng_state(st["torch"])
+    np.random.set_state(st["numpy"])
+    random.setstate(st["python"])
+    if device.type == "cuda" and "cuda" in st:
+        torch.cuda.set_rng_state(st["cuda"], device)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        env = init_distributed(args.device)
+    except JobError as e:
+        print(f"pretrain_llama.py: error: {e}", file=sys.stderr)
+        return 2
+    code = 0
+    try:
+        job = Job(args, env)
+        job.prepare()
+        job.build()
+        job.initialise()
+        job.open_output()
+        job.header()
+        job.train()
+        job.finish()
+    except JobError as e:
+        if env.rank == 0:
+            print(f"pretrain_llama.py: error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

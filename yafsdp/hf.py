@@ -1,0 +1,132 @@
+"""Hugging Face checkpoints in and out of a ``yafsdp.YaFSDP`` model.
+
+    cfg = read_hf_config(path)                       # every rank (a small JSON file)
+    with meta_parameters(): model = LlamaForCausalLM(cfg)
+    model = yafsdp.YaFSDP(model)                     # needs_load: shards allocated, zero
+    load_hf_weights(model, path)                     # collective: rank 0 reads, each rank keeps its shards
+    ...
+    export_hf(model, out_dir)                        # collective: rank 0 writes config.json + model.safetensors
+
+Only rank 0 reads or writes weight files, one whole state dict in host memory; no rank holds the
+whole model on its device (the engine moves one flat unit at a time).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint folder that cannot be used; the message names the file."""
+
+
+def read_hf_config(path: str):
+    """The ``PretrainedConfig`` of local folder ``path`` (no network)."""
+    from transformers import AutoConfig
+
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise HFCheckpointError(f"{path!r} is not a Hugging Face checkpoint: {file!r} is missing")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise HFCheckpointError(f"{file!r} cannot be read as a model config ({type(e).__name__}: {e})") from None
+
+
+def weight_files(path: str) -> list[str]:
+    """The safetensors files of checkpoint ``path``: one file, or the shards its index lists."""
+    single, index = os.path.join(path, WEIGHTS), os.path.join(path, INDEX)
+    if os.path.isfile(single):
+        return [single]
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise HFCheckpointError(f"{index!r} is not a safetensors index ({e})") from None
+        files = [os.path.join(path, s) for s in shards]
+        for f in files:
+            if not os.path.isfile(f):
+                raise HFCheckpointError(f"{index!r} lists {os.path.basename(f)!r}, which is missing")
+        return files
+    raise HFCheckpointError(f"{path!r} holds no {WEIGHTS} or {INDEX} (only safetensors weights are read)")
+
+
+def read_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of checkpoint ``path`` on the CPU (call on rank 0 only)."""
+    from safetensors.torch import load_file
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in weight_files(path):
+        try:
+            sd.update(load_file(f, device="cpu"))
+        except Exception as e:  # noqa: BLE001
+            raise HFCheckpointError(f"{f!r} cannot be read as safetensors ({type(e).__name__}: {e})") from None
+    return sd
+
+
+def load_hf_weights(model, path: str) -> None:
+    """Collective. Rank 0 reads ``path``'s weights and the engine scatters them unit by unit.
+    Missing, unexpected or misshapen keys raise on every rank before anything is modified."""
+    sd = None
+    problem = None
+    if model.rank == 0:
+        try:
+            sd = read_hf_state_dict(path)
+        except HFCheckpointError as e:
+            problem = str(e)
+    box = [problem]
+    src = dist.get_global_rank(model.process_group, 0) if model.process_group is not dist.group.WORLD else 0
+    dist.broadcast_object_list(box, src=src, group=model.process_group)
+    if box[0]:
+        raise HFCheckpointError(box[0])
+    try:
+        model.load_full_state_dict(sd if model.rank == 0 else None)
+    except ValueError as e:
+        raise HFCheckpointError(f"{path!r} does not fit the model: {e}") from None
+
+
+def export_hf(model, out_dir: str, *, dtype: torch.dtype = torch.float32, tokenizer=None) -> str | None:
+    """Collective. Write ``config.json`` + ``model.safetensors`` (+ the tokenizer, if given) of a
+    wrapped HF model into ``out_dir`` on rank 0, via a temporary folder renamed at the end.
+    Tied weights are written once, as ``save_pretrained`` does. Returns ``out_dir`` on rank 0."""
+    from safetensors.torch import save_file
+
+    sd = model.full_state_dict()  # rank 0: the whole model on the CPU; others: {}
+    if model.rank != 0:
+        return None
+    inner = model.module
+    config = inner.config
+    tied = set()
+    if getattr(config, "tie_word_embeddings", False) and hasattr(inner, "_tied_weights_keys"):
+        keys = inner._tied_weights_keys
+        tied = set(keys if not isinstance(keys, dict) else keys.keys())
+    out = {}
+    for k, v in sd.items():
+        if k in tied:
+            continue
+        out[k] = v.to(dtype).contiguous() if v.is_floating_point() else v.contiguous()
+    tmp = out_dir.rstrip("/") + ".tmp-export"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file(out, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
+    cfg = config.__class__.from_dict(config.to_dict())
+    cfg.architectures = [type(inner).__name__]
+    if "dtype" in cfg.to_dict():  # transformers >= 4.56 names it dtype; older ones torch_dtype
+        cfg.dtype = dtype
+    else:
+        cfg.torch_dtype = dtype
+    cfg.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if os.path.isdir(out_dir) and not os.listdir(out_dir):
+        os.rmdir(out_dir)
+    os.rename(tmp, out_dir)
+    return out_dir
