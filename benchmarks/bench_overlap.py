@@ -410,10 +410,7 @@ def draw(results, path: str, title: str = ""):
 
 def main(argv=None):
     a = parse(argv)
-    if a.device == "cuda" and "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29513"))
-    launch(run, a, a.world)
+    launch(run, a, a.world, port=29513)
 
 
 if __name__ == "__main__":

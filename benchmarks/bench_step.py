@@ -320,9 +320,6 @@ def main(argv=None):
     a = parse(argv)
     if a.fake_world:
         return run_fake(a)
-    if a.device == "cuda" and "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
     launch(run_real, a, a.world)
 
 
