@@ -210,3 +210,29 @@ def _inference_and_kwargs(rank, world):
 def test_eval_and_keyword_inputs():
     for same, grads_ok, _ in run_ranks(_inference_and_kwargs, 2):
         assert same and grads_ok
+
+
+def _reentrant(rank, world):
+    from torch.utils.checkpoint import checkpoint
+
+    class Reentrant(Stack):
+        def forward(self, x, target=None):
+            h = self.inp(x)
+            for b in self.blocks:
+                h = checkpoint(b, h, use_reentrant=True)
+            return ((self.head(h) - target) ** 2).mean()
+
+    model = yafsdp.YaFSDP(Reentrant())
+    inputs = batch("stack", 0, 0, rank)
+    try:
+        model(inputs["x"], inputs["target"]).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_reentrant_checkpointing_is_refused():
+    """Reentrant checkpointing would silently drop weight gradients; it is refused by name."""
+    for msg in run_ranks(_reentrant, 1):
+        assert msg is not None and "reentrant activation checkpointing is not supported" in msg
+        assert "'blocks." in msg

@@ -37,6 +37,10 @@ def _wrap_errors(rank, world):
     f2 = Stack()
     fully_shard(f2)
     out["fsdp2"] = _err(lambda: yafsdp.YaFSDP(f2))
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    f1 = FullyShardedDataParallel(Stack(), device_id=torch.device("cpu"), use_orig_params=True)
+    out["fsdp1"] = _err(lambda: yafsdp.YaFSDP(f1))
     wrapped = yafsdp.YaFSDP(Stack())
     out["twice_wrapped"] = _err(lambda: yafsdp.YaFSDP(wrapped))
     out["inner_wrapped"] = _err(lambda: yafsdp.YaFSDP(wrapped.module))
@@ -66,6 +70,7 @@ def errors():
         ("shared", ["WrapError", "'blocks.0.fc1.weight'", "'blocks.0'", "'blocks.1'", "unsupported"]),
         ("ddp", ["WrapError", "'0'", "DistributedDataParallel"]),
         ("fsdp2", ["WrapError", "FSDP2"]),
+        ("fsdp1", ["WrapError", "'<root>'", "already wrapped by FSDP"]),
         ("twice_wrapped", ["WrapError", "already wrapped by yafsdp"]),
         ("inner_wrapped", ["WrapError", "already wrapped by yafsdp"]),
         ("group", ["ValueError", "global rank 1", "not in process_group"]),

@@ -663,6 +663,13 @@ class YaFSDP(nn.Module):
 
         def pre_hook(module, args, kwargs):
             if _in_backward():  # activation-checkpoint recompute: weights must be there, nothing else
+                owner, attr, _ = index.slots[0]
+                if torch.is_grad_enabled() and not owner.__dict__[attr].requires_grad:
+                    raise RuntimeError(
+                        f"yafsdp: unit {unit.name!r} is recomputed in backward but its forward ran without "
+                        "autograd: reentrant activation checkpointing is not supported; use "
+                        "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+                    )
                 if not unit.bw_held:
                     self._acquire(unit)
                     unit.bw_held = True
