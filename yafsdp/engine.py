@@ -61,7 +61,7 @@ class Unit:
         self.slot: WeightSlot | None = None
         self.grad_slot: GradSlot | None = None
         self.aliases: list[torch.Tensor] = []  # per parameter, over self.slot.data
-        self.anchor = torch.empty(0, requires_grad=True)  # input of the gate: makes its backward run
+        self.anchor: torch.Tensor | None = None  # 0-element leaf, input of the gate: makes its backward run
         self.cast_version = -1  # flat_param._version when the compute copy was last written
         self.bw_held = False  # a backward use holds the slot
         self.outsized = False
