@@ -38,6 +38,9 @@ def _entry(rank, world, port, fn, args, outdir, backend="gloo"):
             pickle.dump(result, f)
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Skip interpreter teardown: the result is on disk, and gloo's background threads have been
+    # seen to abort a process at exit ("terminate called without an active exception").
+    os._exit(0)
 
 
 def run_ranks(fn, world: int, *args, backend: str = "gloo"):
