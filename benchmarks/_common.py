@@ -90,6 +90,16 @@ def resolve_device(kind: str) -> str:
     return kind
 
 
+def resolve_run(a) -> bool:
+    """Fill the device, preset, batch and sequence defaults every benchmark shares; True on GPU."""
+    a.device = resolve_device(a.device)
+    gpu = a.device == "cuda"
+    a.preset = a.preset or ("llama3-1b" if gpu else "cpu-6x256")
+    a.batch = a.batch or 2
+    a.seq = a.seq or (2048 if gpu else 128)
+    return gpu
+
+
 # ---------------------------------------------------------------------------- model and data
 def make_model(preset: str, device: torch.device, seed: int = 0, layers: int | None = None, meta_init: bool = False):
     """The benchmark model: HF LlamaForCausalLM from ``preset``, same weights on every rank and for

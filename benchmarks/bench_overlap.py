@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
-    build_engine, free_engine, init_distributed, launch, make_batch, md_table, resolve_device, versions, write_json,
+    build_engine, free_engine, init_distributed, launch, make_batch, md_table, resolve_run, versions, write_json,
 )
 from yafsdp.trace import Recorder, exposed, union  # noqa: E402
 
@@ -73,11 +73,7 @@ def parse(argv=None):
     ap.add_argument("--json", default="runs/bench_overlap.json")
     ap.add_argument("--md", default=None)
     a = ap.parse_args(argv)
-    a.device = resolve_device(a.device)
-    gpu = a.device == "cuda"
-    a.preset = a.preset or ("llama3-1b" if gpu else "cpu-6x256")
-    a.batch = a.batch or 2
-    a.seq = a.seq or (2048 if gpu else 128)
+    gpu = resolve_run(a)
     a.engines = [e for e in a.engines.split(",") if e]
     for e in a.engines:
         if e not in ENGINES:

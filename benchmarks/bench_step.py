@@ -36,7 +36,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks._common import (  # noqa: E402
     ENGINES, MiB, build_engine, free_engine, fused_adamw_available, init_distributed, init_fake, launch,
-    make_batch, md_table, measure_memory, median_min_max, resolve_device, versions, write_json,
+    make_batch, md_table, measure_memory, median_min_max, resolve_run, versions, write_json,
 )
 
 GOALS = {
@@ -65,11 +65,7 @@ def parse(argv=None):
     ap.add_argument("--json", default="runs/bench_step.json")
     ap.add_argument("--md", default=None, help="also write a markdown report here (benchmarks/results/...)")
     a = ap.parse_args(argv)
-    a.device = resolve_device(a.device)
-    gpu = a.device == "cuda"
-    a.preset = a.preset or ("llama3-1b" if gpu else "cpu-6x256")
-    a.batch = a.batch or 2
-    a.seq = a.seq or (2048 if gpu else 128)
+    gpu = resolve_run(a)
     a.interleave = a.interleave or ("round" if gpu else "step")
     a.engines = [e for e in a.engines.split(",") if e]
     for e in a.engines:

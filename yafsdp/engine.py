@@ -319,7 +319,7 @@ class YaFSDP(nn.Module):
                 else:
                     full = None
                     if self.rank == 0:
-                        full = torch.empty(u.layout.padded_numel, dtype=torch.float32, device=dev)
+                        full = self._fp32_scratch(u)
                         u.layout.flatten([p.param.detach().to(dev, torch.float32) for p in u.params], full)
                     self._scatter_into(u, full)
                 for p, a in zip(u.params, u.aliases):
