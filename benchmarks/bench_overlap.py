@@ -6,8 +6,10 @@ ran on the communication side and when compute ran:
 
 - GPU: kernels. NCCL kernels are the comm lane (yafsdp: its one comm stream); every other kernel
   is compute. A kernel belongs to the unit whose host-side range launched it.
-- CPU (gloo): the comm lane is gloo's own execution of each collective (the ``gloo:*`` events on
-  its worker threads); the compute lane is the main thread running ops (``aten::*`` and custom
+- CPU (gloo): the comm lane is, for yafsdp, each collective from its issue to its async handle's
+  completion (the engine's Recorder: yafsdp's gloo collectives are point-to-point messages that
+  gloo's transport threads move unseen by the profiler), and for FSDP2 gloo's own execution of
+  each collective (the ``gloo:*`` events on its worker threads); the compute lane is the main thread running ops (``aten::*`` and custom
   ops, plus gaps between them shorter than ``--gap-us``, i.e. Python between ops; longer gaps are
   the main thread waiting).
 
@@ -120,8 +122,13 @@ def install_unit_marks(model):
 
 
 # ---------------------------------------------------------------------------- extraction
-def extract(prof, device: torch.device, gap_us: float) -> list[dict]:
-    """Per profiled step: the compute lane, the comm lane (with kind/unit), unit ranges."""
+def extract(prof, device: torch.device, gap_us: float, recorded=None) -> list[dict]:
+    """Per profiled step: the compute lane, the comm lane (with kind/unit), unit ranges.
+
+    ``recorded`` (CPU, yafsdp): per step, the engine Recorder's comm intervals as (start, end,
+    kind, unit) in seconds from that step's start; they replace the gloo-thread lane (yafsdp's
+    gloo collectives are point-to-point messages moved by gloo's transport threads, which the
+    profiler does not see; see [Note: gloo point-to-point collectives] in yafsdp/collectives.py)."""
     evs = list(prof.profiler.kineto_results.events())
     steps = sorted((e.start_ns(), e.end_ns()) for e in evs if e.name() == "bench.step")
     if not steps:
@@ -158,6 +165,10 @@ def extract(prof, device: torch.device, gap_us: float) -> list[dict]:
             kind, unit = label_at(t) if t is not None else ("comm", "?")
             comm.append((e.start_ns(), e.end_ns(), kind, unit))
         compute = [(e.start_ns(), e.end_ns(), launch_t.get(e.linked_correlation_id())) for e in comp_k]
+    elif recorded is not None:
+        comm = []
+        for (s0, _), step in zip(steps, recorded):
+            comm += [(s0 + int(a * 1e9), s0 + int(b * 1e9), kind, unit) for a, b, kind, unit in step]
     else:
         gloo = sorted((e.start_ns(), e.end_ns()) for e in host
                       if e.name().startswith("gloo:") and e.start_thread_id() != main_tid)
@@ -165,6 +176,7 @@ def extract(prof, device: torch.device, gap_us: float) -> list[dict]:
         for i, (s, en) in enumerate(gloo):  # gloo runs its queue in issue order
             kind, unit = label_at(issues[i][0]) if i < len(issues) else ("comm", "?")
             comm.append((s, en, kind, unit))
+    if device.type != "cuda":
         ops = sorted((e.start_ns(), e.end_ns()) for e in main
                      if ("::" in e.name() and not e.name().startswith(("c10d::", "FSDP::", "autograd::", "bench.")))
                      and not e.is_user_annotation())
@@ -252,7 +264,6 @@ def run(a):
                     e.step(batch)
                     if dev.type == "cuda":
                         torch.cuda.synchronize(dev)
-        steps = extract(prof, dev, a.gap_us)
         engine_view = None
         if rec is not None:
             e.model.recorder = None
@@ -264,8 +275,14 @@ def run(a):
                 engine_view.append(dict(
                     step_s=s1 - s0, comm_s=fig["comm"], exposed_s=fig["exposed"],
                     exposed_fraction=fig["exposed_fraction"],
-                    intervals=[dict(kind=iv.kind, unit=iv.unit, start=iv.start - s0, end=iv.end - s0) for iv in ivs],
+                    intervals=[dict(kind=iv.kind, unit=iv.unit, start=iv.start - s0, end=iv.end - s0, lane=iv.lane)
+                               for iv in ivs],
                 ))
+        recorded = None
+        if engine_view is not None and dev.type != "cuda":
+            recorded = [[(iv["start"], iv["end"], iv["kind"], iv["unit"]) for iv in v["intervals"] if iv["lane"] == "comm"]
+                        for v in engine_view]
+        steps = extract(prof, dev, a.gap_us, recorded)
         if a.trace_dir and rank == 0:
             os.makedirs(a.trace_dir, exist_ok=True)
             prof.export_chrome_trace(os.path.join(a.trace_dir, f"{name}_{dev.type}_rank0.json.gz"))
@@ -318,8 +335,8 @@ def report(a, dev, world, results):
              f"{a.seq} per rank, {'bf16 + fp32 reduce' if dev.type == 'cuda' else 'fp32'}, {a.warmup} warm-up + "
              f"{a.steps} profiled steps (medians), device {dev.type}")
     how = ("GPU: NCCL kernels vs all other kernels (torch.profiler)" if dev.type == "cuda" else
-           f"CPU: gloo worker-thread execution of each collective vs main-thread ops (gaps <= {a.gap_us:g} us "
-           "count as compute)")
+           f"CPU: yafsdp: issue to completion of each async handle (engine Recorder); FSDP2: gloo worker-thread "
+           f"execution of each collective; compute: main-thread ops (gaps <= {a.gap_us:g} us count as compute)")
     text = "\n".join([f"bench_overlap: {setup}", f"lanes: {how}", "", table, "", "per unit (last profiled step, rank 0):",
                       "", unit_table])
     print(text, flush=True)

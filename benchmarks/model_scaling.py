@@ -20,7 +20,8 @@ Assumptions (all flags):
   (default 48 GB/s) across nodes (a ring crosses node boundaries at the NIC's speed);
 - yafsdp: the protocol of DESIGN.md: one comm stream (gathers and reduces in issue order),
   two alternating weight and grad buffers plus the outsized units' buffer, prefetch of one unit,
-  a gather waits for its buffer's release, a unit's grads wait for its grad buffer's last reduce;
+  a gather waits for its buffer's release, a unit's grads wait for its grad buffer's last reduce,
+  a unit whose backward reads no weights (the embedding) is not re-gathered for backward;
   one cast pass over the local shard at step start (6 bytes per element); optimizer: a fused
   AdamW pass (28 bytes per local element) at memory bandwidth ``--hbm-gbs``;
 - FSDP2-like: the same prefetch-one structure, the root group (embedding, final norm, head) gathered
@@ -208,7 +209,7 @@ class Net:
         return self.latency + self.hop * (world - 1) + nbytes * (world - 1) / world / bw
 
 
-def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp) -> dict:
+def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_free=None) -> dict:
     """Two lanes (compute, comm) of one ZeRO-3 step of the yafsdp protocol; see the docstring."""
     pe = 2 if a.param_dtype == "bf16" else 4
     re_ = 2 if a.reduce_dtype == "bf16" else 4
@@ -222,6 +223,8 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp) -> dict:
     owner: dict[str, str | None] = {}
     release: dict[str, float] = {}
     ready: dict[str, float] = {}
+
+    weight_free = weight_free or {}
 
     def gather(unit, issue_after):
         nonlocal comm, comm_busy
@@ -258,11 +261,15 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp) -> dict:
     grad_free: dict[str, float] = {}
     bwd = [(u.unit, u.bwd) for u in uses][::-1]
     reduced: set[str] = set()
-    gather(bwd[0][0], comp)
+    def bw_gather(unit, issue_after):  # an embedding's backward reads no weights: no re-gather
+        if not weight_free.get(unit):
+            gather(unit, issue_after)
+
+    bw_gather(bwd[0][0], comp)
     for k, (unit, t) in enumerate(bwd):
         if k + 1 < len(bwd):
-            gather(bwd[k + 1][0], comp)
-        start = max(comp, ready.get(unit, 0.0))
+            bw_gather(bwd[k + 1][0], comp)
+        start = comp if weight_free.get(unit) else max(comp, ready.get(unit, 0.0))
         end = start + t
         gs = grad_slot[unit]
         end = max(end, grad_free.get(gs, 0.0)) + sizes[unit] * pe * 2 / hbm  # grads into the buffer
@@ -385,7 +392,8 @@ def main(argv=None):
         sizes = {u.name: u.padded_numel for u in p.units}
         slot_of = {u.name: u.weight_slot for u in p.units}
         outsized = {u.name: u.outsized for u in p.units}
-        y = simulate_yafsdp(uses, slot_of, outsized, sizes, w, net, a, cmp)
+        weight_free = {u.name: u.weight_free_bw for u in p.units}
+        y = simulate_yafsdp(uses, slot_of, outsized, sizes, w, net, a, cmp, weight_free)
         f = simulate_fsdp2(uses, sizes, w, net, a, cmp, n_param_tensors, root)
         gathered = sum(sizes.values())
         out.append(dict(world=w, yafsdp=y, fsdp2=f, gathered_elements=gathered))

@@ -236,3 +236,73 @@ def test_reentrant_checkpointing_is_refused():
     for msg in run_ranks(_reentrant, 1):
         assert msg is not None and "reentrant activation checkpointing is not supported" in msg
         assert "'blocks." in msg
+
+
+def test_weight_free_backward_units():
+    """Which units ZeRO-3 need not re-gather for backward: plain embeddings only."""
+    from yafsdp.units import discover, weight_free_backward
+
+    def flags(model):
+        specs, _ = discover(model, None)
+        return {s.name: weight_free_backward(s) for s in specs}
+
+    got = flags(tiny_llama())
+    assert got["model.embed_tokens"] is True
+    assert not any(v for k, v in got.items() if k != "model.embed_tokens"), got
+    # A tied head reads the embedding's weight in its backward.
+    assert flags(tiny_llama(tie=True))["model.embed_tokens"] is False
+
+    class Scaled(nn.Embedding):  # its own forward could use the weight in any way
+        def forward(self, ids):
+            return super().forward(ids) * self.weight.norm()
+
+    class Model(nn.Module):
+        def __init__(self, emb):
+            super().__init__()
+            self.emb = emb
+            self.out = nn.Linear(8, 3)
+
+    assert flags(Model(nn.Embedding(10, 8)))["emb"] is True
+    assert flags(Model(Scaled(10, 8)))["emb"] is False
+    assert flags(Model(nn.Embedding(10, 8, sparse=True)))["emb"] is False
+    hooked = nn.Embedding(10, 8)
+    hooked.register_forward_hook(lambda m, a, out: out * m.weight.sum())
+    assert flags(Model(hooked))["emb"] is False
+
+
+def _weight_free_run(rank, world, weight_free: bool):
+    torch.manual_seed(0)
+    model = yafsdp.YaFSDP(tiny_llama(vocab=1000))  # embedding and head are outsized: they share a buffer
+    if not weight_free:
+        for u in model.units:
+            u.weight_free_bw = False
+    gathers = []
+    real_gather = model._gather
+    model._gather = lambda unit: (gathers.append(unit.name), real_gather(unit))[1]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, per_step = [], []
+    for step in range(3):
+        gathers.clear()
+        loss = loss_of(model, "llama", batch("llama", step, 0, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        per_step.append(list(gathers))
+    return losses, per_step, model.full_state_dict()
+
+
+def test_weight_free_backward_skips_the_embedding_regather():
+    """ZeRO-3 gathers the embedding once per step (not again for its backward, though the head
+    took its buffer) and trains bit for bit as when it does re-gather it."""
+    fast = run_ranks(_weight_free_run, 2, True)
+    slow = run_ranks(_weight_free_run, 2, False)
+    for (lf, gf, sdf), (ls, gs, sds) in zip(fast, slow):
+        assert lf == ls
+        for step_f, step_s in zip(gf[1:], gs[1:]):  # step 0 has no prefetch plan yet
+            assert step_f.count("model.embed_tokens") == 1, step_f
+            assert step_s.count("model.embed_tokens") == 2, step_s
+            assert sorted(x for x in step_f if x != "model.embed_tokens") == sorted(
+                x for x in step_s if x != "model.embed_tokens")
+    sdf, sds = fast[0][2], slow[0][2]  # rank 0's full state dicts
+    assert sdf and sdf.keys() == sds.keys() and all(torch.equal(sdf[k], sds[k]) for k in sdf)

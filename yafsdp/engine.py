@@ -28,6 +28,16 @@ previous step. A process-wide optimizer step pre/post hook pair (installed by th
 ``YaFSDP``) closes the gap: every yafsdp master shard with a gradient whose version an
 optimizer step left unchanged gets its version bumped. Optimizers that do bump (foreach/for-loop
 torch optimizers, ``yafsdp.FusedAdamW``) are untouched.
+
+[Note: weight-free backward]
+Some units' backward reads none of their weights: a plain ``nn.Embedding`` computes its weight
+gradient from the indices and the output gradient alone, and its integer input has no gradient
+(``units.weight_free_backward`` says which units qualify: every module using the parameters is
+a plain dense embedding, so not a tied head). ZeRO-3 does not re-gather such a unit for backward
+and does not prefetch it there: for a Llama embedding that is one unit-sized all-gather less per
+step, at the very end of backward where nothing is left to hide it behind. The views handed to
+the embedding in forward are not saved by autograd (the embedding saves only its indices), so
+the buffer may hold another unit's weights by then. Its grads are written and reduced as usual.
 """
 from __future__ import annotations
 
@@ -43,7 +53,7 @@ from .collectives import all_gather, reduce_scatter
 from .flat import FlatLayout, ParamInfo, alias
 from .plan import plan_slots, unit_align
 from .trace import span
-from .units import Member, UnitSpec, WrapError, discover
+from .units import Member, UnitSpec, WrapError, discover, weight_free_backward
 
 
 class Unit:
@@ -65,6 +75,7 @@ class Unit:
         self.cast_version = -1  # flat_param._version when the compute copy was last written
         self.bw_held = False  # a backward use holds the slot
         self.outsized = False
+        self.weight_free_bw = False  # ZeRO-3 backward needs no re-gather: see [Note: weight-free backward]
 
     def __repr__(self):
         return f"Unit({self.name!r}, numel={self.layout.numel}, padded={self.layout.padded_numel})"
@@ -209,6 +220,8 @@ class YaFSDP(nn.Module):
             Unit(s.name, i, FlatLayout.build(s.params, self.world_size, self.rank, align), s.members)
             for i, s in enumerate(specs)
         ]
+        for u, s in zip(self.units, specs):
+            u.weight_free_bw = weight_free_backward(s)
         self.small: Unit | None = None
         if small:
             self.small = Unit("small_group", len(self.units), FlatLayout.build(small, self.world_size, self.rank, align), [])
@@ -714,11 +727,14 @@ class YaFSDP(nn.Module):
 
     def _pre_backward(self, unit: Unit, prev: Unit | None):
         self._queue_finalize()
-        if not unit.bw_held:
-            self._acquire(unit)
-            unit.bw_held = True
-        self._prefetch(prev)
-        self._wait_ready(unit.slot)
+        if not unit.weight_free_bw:
+            if not unit.bw_held:
+                self._acquire(unit)
+                unit.bw_held = True
+        if prev is not None and not prev.weight_free_bw:
+            self._prefetch(prev)
+        if not unit.weight_free_bw:
+            self._wait_ready(unit.slot)
         if self.recorder:  # after the wait: waiting for the gather is not compute
             unit._bw_iv = self.recorder.compute_start("backward", unit.name)
 
@@ -728,7 +744,7 @@ class YaFSDP(nn.Module):
         if self.recorder and getattr(unit, "_bw_iv", None) is not None:
             self.recorder.compute_end(unit._bw_iv)
             unit._bw_iv = None
-        if self.zero_stage == 3 and unit is not self.small and not unit.slot.holds(unit):
+        if self.zero_stage == 3 and unit is not self.small and not unit.weight_free_bw and not unit.slot.holds(unit):
             raise RuntimeError(
                 f"yafsdp: unit {unit.name!r} reached its backward without its weights gathered; its output "
                 "escaped the engine's pre-backward hook (return tensors, tuples, lists or dicts from the unit)"

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from .flat import FlatLayout
-from .units import discover, find_blocks
+from .units import discover, find_blocks, weight_free_backward
 
 GiB = 1024**3
 
@@ -178,6 +178,7 @@ class UnitRow:
     weight_slot: str
     grad_slot: str
     outsized: bool
+    weight_free_bw: bool = False  # ZeRO-3 skips its backward re-gather (engine.py [Note: weight-free backward])
 
 
 @dataclass
@@ -371,6 +372,7 @@ def memory_plan(
         layouts = [u.layout for u in eng.units]
         small = eng.small.layout if eng.small is not None else None
         slots = eng.slot_plan
+        weight_free = [u.weight_free_bw for u in eng.units]
         world_size, rank = eng.world_size, eng.rank
         compute_dtype, reduce_dtype, zero_stage = eng.compute_dtype, eng.reduce_dtype, eng.zero_stage
         param_dtype = eng.param_dtype
@@ -384,6 +386,7 @@ def memory_plan(
         align = unit_align(compute_dtype, reduce_dtype, align_bytes)
         specs, small_params = discover(model, units)
         names = [s.name for s in specs]
+        weight_free = [weight_free_backward(s) for s in specs]
         layouts = [FlatLayout.build(s.params, world_size, rank, align) for s in specs]
         small = FlatLayout.build(small_params, world_size, rank, align) if small_params else None
         slots = plan_slots(
@@ -402,6 +405,7 @@ def memory_plan(
         UnitRow(
             names[i], lay.numel, lay.padded_numel, lay.shard_numel,
             slots.weight[slots.weight_of[i]].name, slots.grad[slots.grad_of[i]].name, slots.outsized[i],
+            weight_free[i],
         )
         for i, lay in enumerate(layouts)
     ]

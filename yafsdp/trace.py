@@ -83,7 +83,7 @@ class Recorder:
             return iv
         try:
             fut = work.get_future()
-        except RuntimeError:  # some gloo collectives (reduce-scatter) have no future
+        except (RuntimeError, AttributeError):  # gloo reduce-scatter and point-to-point handles have no future
             self._watch(iv, work)
             return iv
 
@@ -96,7 +96,7 @@ class Recorder:
     def _watch(self, iv: Interval, work):
         """Stamp ``iv.end`` when ``work`` completes: a helper thread blocks in ``work.wait()``
         (which releases the GIL). For collectives whose work has neither a future nor a working
-        ``is_completed()`` (gloo's reduce-scatter in torch 2.13)."""
+        ``is_completed()`` (gloo's reduce-scatter in torch 2.13, yafsdp's point-to-point handles)."""
         import threading
 
         def wait():

@@ -190,6 +190,24 @@ def discover(root: nn.Module, units: list[nn.Module] | None) -> tuple[list[UnitS
     return specs, small
 
 
+def _plain_embedding(module: nn.Module) -> bool:
+    return (
+        isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+        and not module.sparse and not module._forward_hooks and not module._forward_pre_hooks
+    )
+
+
+def weight_free_backward(spec: UnitSpec) -> bool:
+    """True when no backward of ``spec`` reads its weights, so ZeRO-3 need not re-gather it.
+
+    That holds when every module using the unit's parameters is a plain dense ``nn.Embedding``:
+    its weight gradient is built from the indices and the output gradient alone, and its integer
+    input has no gradient. A tied head (a member that is a ``Linear``), a subclass with its own
+    ``forward``, sparse gradients or user forward hooks (which could read the weight) rule it out."""
+    mods = [m.module for m in spec.members] + [owner for p in spec.params for owner, _ in p.owners]
+    return bool(mods) and all(_plain_embedding(m) for m in mods)
+
+
 def _params_in(module: nn.Module, infos: dict[int, ParamInfo]) -> list[ParamInfo]:
     out, seen = [], set()
     for p in module.parameters():
