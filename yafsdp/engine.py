@@ -576,6 +576,8 @@ class YaFSDP(nn.Module):
             return
         if not small.slot.holds(small):
             self._gather(small)
+        if self._order:  # the first unit's gather goes out before the wait for the (tiny) small group
+            self._prefetch(self._order[0])
         self._wait_ready(small.slot)
         tensors = small.aliases
         if torch.is_grad_enabled():
