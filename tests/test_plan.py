@@ -40,6 +40,7 @@ def _compare(rank, world):
         plan = memory_plan(meta, world_size=world, rank=rank, **opts)
         model = yafsdp.YaFSDP(_build(**build_kw), **opts)
         own = model.memory_plan()
+        assert [u.weight_free_bw for u in plan.units] == [u.weight_free_bw for u in own.units], name
         out[name] = (plan.engine_bytes(), own.engine_bytes(), model.allocated_bytes(), plan.num_params,
                      sum(p.numel() for p in _build(**build_kw).parameters()))
     return out
@@ -115,6 +116,8 @@ def test_llama3_8b_plan_and_zero_formula():
     assert abs(z["ratio"] - 18 / 16) < 1e-3
     outs = {u.name for u in p.units if u.outsized}
     assert outs == {"model.embed_tokens", "lm_head"}
+    assert {u.name for u in p.units if u.weight_free_bw} == {"model.embed_tokens"}
+    assert "not re-gathered for backward (weight-free backward): model.embed_tokens" in p.format()
     layer = next(u for u in p.units if u.name == "model.layers.0")
     assert p.largest_unit == layer.padded_numel == 218_103_808  # one Llama-3-8B layer: 436 MB in bf16
     assert p.weight_buffers == 2 * 2 * layer.padded_numel

@@ -638,9 +638,10 @@ class YaFSDP(nn.Module):
                         rec.comm_end(iv, self._comm)
                     slot.ready.record(self._comm)
             else:
+                t = rec.now() if rec else None
                 slot.work = all_gather(out, unit.compute, self.process_group, async_op=True)
                 if rec:
-                    rec.comm("gather", unit.name, slot.work)
+                    rec.comm("gather", unit.name, slot.work, issued=t)
 
     def _prefetch(self, unit: Unit | None):
         if unit is None or unit.slot.holds(unit):
@@ -797,10 +798,11 @@ class YaFSDP(nn.Module):
                         rec.comm_end(iv, self._comm)
                     gs.done.record(self._comm)
             else:
+                t = rec.now() if rec else None
                 work = reduce_scatter(staging, buf, self.process_group, async_op=True)
                 gs.pending = (work, target, staging, fresh)
                 if rec:
-                    rec.comm("reduce", unit.name, work)
+                    rec.comm("reduce", unit.name, work, issued=t)
 
     def _fold(self, target: torch.Tensor, staging: torch.Tensor, fresh: bool):
         """grad shard (+)= reduced sum / world: the one post-divide."""

@@ -306,6 +306,9 @@ class MemoryPlan:
         big = [u.name for u in self.units if u.outsized]
         if big:
             lines.append(f"  outsized units (own shared buffer): {', '.join(big)}")
+        free = [u.name for u in self.units if u.weight_free_bw]
+        if free and self.zero_stage == 3:
+            lines.append(f"  not re-gathered for backward (weight-free backward): {', '.join(free)}")
         w = max(len(r) for r, _ in self.rows())
         lines.append(f"  {'role':<{w}}  {'bytes':>16}  {'GiB':>9}")
         for role, b in self.rows():

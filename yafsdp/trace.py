@@ -70,8 +70,14 @@ class Recorder:
     t0: float = field(default_factory=time.perf_counter)
     steps: list[tuple[float, float]] = field(default_factory=list)  # (start, end) marked by step()
 
-    def comm(self, kind: str, unit: str, work, stream=None):
-        iv = Interval(kind, unit, time.perf_counter() - self.t0)
+    def now(self) -> float:
+        """Seconds on this recorder's clock (for ``comm(..., issued=)``)."""
+        return time.perf_counter() - self.t0
+
+    def comm(self, kind: str, unit: str, work, stream=None, issued: float | None = None):
+        """A collective: on CUDA bracketed by events on ``stream``; on CPU from ``issued`` (taken
+        just before the issuing call, which may itself move data) to ``work``'s completion."""
+        iv = Interval(kind, unit, issued if issued is not None else self.now())
         self.intervals.append(iv)
         if stream is not None:  # CUDA: bracket the collective with events on the comm stream
             start = torch.cuda.Event(enable_timing=True)
