@@ -29,6 +29,7 @@ confused. The returned handle has ``wait()`` and ``is_completed()`` like a torch
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 _TAG_BASE = 1 << 24  # above the tags a user's own point-to-point traffic is likely to use
 _TAG_SPAN = 1 << 24
-_tags: dict[int, int] = {}  # id(group) -> next tag offset; see _next_tag
+_tags: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> next tag offset
 
 
 def _is_gloo(group) -> bool:
@@ -46,10 +47,10 @@ def _is_gloo(group) -> bool:
 
 
 def _next_tag(group) -> int:
-    # Keyed by id(group): a process group lives as long as the program uses it, and a recycled id
-    # only restarts a counter that every rank restarts alike (groups are created collectively).
-    n = _tags.get(id(group), 0)
-    _tags[id(group)] = (n + 1) % _TAG_SPAN
+    # Weakly keyed by the group: a group made anew (after destroy_process_group) starts at 0 on
+    # every rank, as the ranks create groups collectively.
+    n = _tags.get(group, 0)
+    _tags[group] = (n + 1) % _TAG_SPAN
     return _TAG_BASE + n
 
 
