@@ -13,7 +13,8 @@ STEPS = 3
 LR = 3e-3
 MAX_NORM = 1.0
 
-# name -> options. kind: llama | stack; dtype: None (fp32) or "bf16".
+# name -> options. kind: llama | stack; dtype: None (fp32) or "bf16" (param_dtype); reduce: "bf16"
+# for bf16 grad buffers and reduce-scatters (reduce_dtype).
 CASES = {
     "llama_z3": dict(kind="llama"),
     "llama_z3_tied_accum3": dict(kind="llama", tie=True, accum=3),
@@ -29,6 +30,7 @@ CASES = {
     "llama_outsized": dict(kind="llama", vocab=1000, accum=3),
     "llama_bf16_z3_tied": dict(kind="llama", tie=True, dtype="bf16"),
     "llama_bf16_z2_accum3": dict(kind="llama", zero=2, accum=3, dtype="bf16"),
+    "llama_bf16_reduce_bf16": dict(kind="llama", vocab=1000, dtype="bf16", reduce="bf16"),
 }
 
 
@@ -61,7 +63,8 @@ def train_sharded(rank: int, world: int, names: list[str], optimizer_factory=Non
         model = build(case)
         units = explicit_units(model, case) if case.get("units") else None
         dtype = torch.bfloat16 if case.get("dtype") == "bf16" else None
-        sharded = yafsdp.YaFSDP(model, units=units, param_dtype=dtype, zero_stage=case.get("zero", 3))
+        reduce = torch.bfloat16 if case.get("reduce") == "bf16" else torch.float32
+        sharded = yafsdp.YaFSDP(model, units=units, param_dtype=dtype, reduce_dtype=reduce, zero_stage=case.get("zero", 3))
         if case.get("groups"):
             opt = make_optimizer(sharded.param_groups(weight_decay=0.1, small_weight_decay=0.0))
         elif optimizer_factory is not None:

@@ -15,7 +15,8 @@ BF16 = [n for n, c in CASES.items() if c.get("dtype") == "bf16"]
 PLAN = {
     1: ["llama_z3", "stack_z3", "llama_bf16_z3_tied"],
     2: list(CASES),
-    3: ["llama_z3_tied_accum3", "llama_z2", "stack_z3_ckpt_units", "llama_outsized", "llama_bf16_z3_tied"],
+    3: ["llama_z3_tied_accum3", "llama_z2", "stack_z3_ckpt_units", "llama_outsized", "llama_bf16_z3_tied",
+        "llama_bf16_reduce_bf16"],
     4: ["llama_z3", "llama_z3_ckpt", "stack_z2", "llama_units_tied", "llama_bf16_z2_accum3"],
 }
 PAIRS = [(w, n) for w, names in PLAN.items() for n in names]
