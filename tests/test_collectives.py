@@ -41,6 +41,9 @@ def _collectives(rank, world):
     full = torch.empty(3 * world)
     assert all_gather(full, shard, group, async_op=False) is None
     out["sync_gather"] = full
+    full_default = torch.empty(3 * world)
+    all_gather(full_default, shard, None, async_op=False)  # group=None: the default group
+    out["default_group_gather"] = full_default
     s_out = torch.empty(2)
     assert reduce_scatter(s_out, torch.arange(2 * world, dtype=torch.float32) * (rank + 1), group, async_op=False) is None
     out["sync_reduce"] = s_out
@@ -84,6 +87,7 @@ def test_p2p_collectives_match_reference(world):
             total = sum(_data(r, world, n, 10 + i) for r in range(world))
             torch.testing.assert_close(out["reduced"][i], total.chunk(world)[rank], rtol=1e-6, atol=1e-6)
         assert torch.equal(out["sync_gather"], torch.cat([torch.arange(3.0) + 10 * r for r in range(world)]))
+        assert torch.equal(out["default_group_gather"], out["sync_gather"])
         want = (torch.arange(2 * world, dtype=torch.float32) * sum(r + 1 for r in range(world))).chunk(world)[rank]
         torch.testing.assert_close(out["sync_reduce"], want)
         assert not out["two_waiters_alive"]

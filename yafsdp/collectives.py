@@ -72,7 +72,7 @@ class P2PWork:
         with self._lock:
             if not self._done:
                 for w in self._works:
-                    w.wait()
+                    w.wait() if timeout is None else w.wait(timeout)
                 if self._finish is not None:
                     self._finish()
                 self._done = True
@@ -127,6 +127,7 @@ def _gloo_reduce_scatter_pair(shard_out: torch.Tensor, full: torch.Tensor, group
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True):
     """output (world * shard.numel(),) <- concatenation of every rank's ``shard``."""
+    group = group if group is not None else dist.group.WORLD
     if _is_gloo(group) and dist.get_world_size(group) > 1:
         return _gloo_all_gather(output, shard, group, async_op)
     return _all_gather(output, shard, group=group, async_op=async_op)
@@ -136,6 +137,7 @@ def reduce_scatter(shard_out: torch.Tensor, full: torch.Tensor, group, async_op:
     """shard_out <- this rank's slice of the elementwise SUM over ranks of ``full``.
 
     ``full`` is scratch: on gloo it must not be written until the handle's ``wait()`` returned."""
+    group = group if group is not None else dist.group.WORLD
     if _is_gloo(group):
         world = dist.get_world_size(group)
         if world == 2:
