@@ -9,9 +9,9 @@ ran on the communication side and when compute ran:
 - CPU (gloo): the comm lane is, for yafsdp, each collective from its issue to its async handle's
   completion (the engine's Recorder: yafsdp's gloo collectives are point-to-point messages that
   gloo's transport threads move unseen by the profiler), and for FSDP2 gloo's own execution of
-  each collective (the ``gloo:*`` events on its worker threads); the compute lane is the main thread running ops (``aten::*`` and custom
-  ops, plus gaps between them shorter than ``--gap-us``, i.e. Python between ops; longer gaps are
-  the main thread waiting).
+  each collective (the ``gloo:*`` events on its worker threads); the compute lane is the main
+  thread running ops (``aten::*`` and custom ops, plus gaps between them shorter than
+  ``--gap-us``, i.e. Python between ops; longer gaps are the main thread waiting).
 
 Exposed communication = the comm lane's time not covered by the compute lane; the fraction is of
 the comm lane's time. yafsdp's own Recorder (CUDA events on the comm and compute streams; on CPU

@@ -261,6 +261,7 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
     grad_free: dict[str, float] = {}
     bwd = [(u.unit, u.bwd) for u in uses][::-1]
     reduced: set[str] = set()
+
     def bw_gather(unit, issue_after):  # an embedding's backward reads no weights: no re-gather
         if not weight_free.get(unit):
             gather(unit, issue_after)
