@@ -270,7 +270,7 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
     for k, (unit, t) in enumerate(bwd):
         if k + 1 < len(bwd):
             bw_gather(bwd[k + 1][0], comp)
-        start = comp if weight_free.get(unit) else max(comp, ready.get(unit, 0.0))
+        start = max(comp, ready.get(unit, 0.0))  # a weight-free unit's ready is from forward, long past
         end = start + t
         gs = grad_slot[unit]
         end = max(end, grad_free.get(gs, 0.0)) + sizes[unit] * pe * 2 / hbm  # grads into the buffer

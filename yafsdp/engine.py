@@ -730,13 +730,13 @@ class YaFSDP(nn.Module):
 
     def _pre_backward(self, unit: Unit, prev: Unit | None):
         self._queue_finalize()
-        if not unit.weight_free_bw:
-            if not unit.bw_held:
-                self._acquire(unit)
-                unit.bw_held = True
+        needs_weights = not unit.weight_free_bw  # See [Note: weight-free backward]
+        if needs_weights and not unit.bw_held:
+            self._acquire(unit)
+            unit.bw_held = True
         if prev is not None and not prev.weight_free_bw:
-            self._prefetch(prev)
-        if not unit.weight_free_bw:
+            self._prefetch(prev)  # after the acquire, before the wait: the next gather goes out first
+        if needs_weights:
             self._wait_ready(unit.slot)
         if self.recorder:  # after the wait: waiting for the gather is not compute
             unit._bw_iv = self.recorder.compute_start("backward", unit.name)
