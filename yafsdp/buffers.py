@@ -8,10 +8,9 @@ prefetch), it is *deferred* and issued at the release that brings ``busy`` to 0.
 host-side order of "release recorded" before "gather issued", which is what makes the CUDA event
 wait on the comm stream refer to the right release.
 
-CUDA: the comm stream waits on the slot's release event, gathers, and records ``ready``; the
-compute stream waits on ``ready`` before use and records ``release`` after use.
-CPU (gloo): ``ready`` is the collective's async work handle, waited on before use; the compute
-side is synchronous, so a release needs no event.
+How a gather, a use and a release are ordered on the device is the schedule's business
+(``yafsdp.comm``): each slot carries the schedule's ordering state in ``sync`` (CUDA: the
+``ready``/``released`` events; gloo: the pending work handle). See [Note: streams and events].
 """
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ import torch
 class WeightSlot:
     """One weight buffer (1-D, ``param_dtype``, ``capacity`` elements) and its owner."""
 
-    def __init__(self, name: str, capacity: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, name: str, capacity: int, dtype: torch.dtype, device: torch.device, sync):
         self.name = name
         # Gathered weights of the owner unit; allocated once, never resized. The units'
         # parameters during forward/backward alias this storage.
@@ -29,15 +28,8 @@ class WeightSlot:
         self.owner = None  # the Unit whose gathered data is (or is being) in the buffer
         self.owner_version = -1  # the owner's cast version at gather time
         self.busy = 0
-        self.work = None  # CPU: the pending all-gather handle
         self.deferred = None  # a Unit whose gather waits for this slot's release
-        if device.type == "cuda":
-            # ready: recorded on the comm stream after a gather; the compute stream waits on it.
-            self.ready = torch.cuda.Event()
-            # release: recorded on the compute stream when the owner's use ends; gathers wait on it.
-            self.release_event = torch.cuda.Event()
-        else:
-            self.ready = self.release_event = None
+        self.sync = sync  # the schedule's ordering state for this buffer (yafsdp.comm)
 
     @property
     def capacity(self) -> int:
@@ -50,22 +42,14 @@ class WeightSlot:
 class GradSlot:
     """One grad buffer (1-D, ``reduce_dtype``) plus the shard-sized reduce-scatter output."""
 
-    def __init__(self, name: str, capacity: int, shard_capacity: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, name: str, capacity: int, shard_capacity: int, dtype: torch.dtype, device: torch.device,
+                 sync):
         self.name = name
         # Unit gradients, written by the unit's backward gate, read by the reduce-scatter.
         self.data = torch.zeros(capacity, dtype=dtype, device=device)
         # Reduce-scatter output, accumulated (scaled by 1/world) into the fp32 grad shard.
         self.staging = torch.zeros(shard_capacity, dtype=dtype, device=device)
-        self.pending = None  # (unit, work, fresh) of a reduce not yet folded into the grad shard (CPU)
-        if device.type == "cuda":
-            # done: recorded on the comm stream once the reduce and its accumulate have finished
-            # reading this buffer; the compute stream waits on it before writing new grads.
-            self.done = torch.cuda.Event()
-            # grads_ready: recorded on the compute stream after the grads are written; the comm
-            # stream waits on it before the reduce-scatter.
-            self.grads_ready = torch.cuda.Event()
-        else:
-            self.done = self.grads_ready = None
+        self.sync = sync  # the schedule's ordering state for this buffer (yafsdp.comm)
 
     @property
     def capacity(self) -> int:

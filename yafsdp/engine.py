@@ -49,7 +49,8 @@ from torch import nn
 
 from . import kernels
 from .buffers import GradSlot, WeightSlot
-from .collectives import all_gather, reduce_scatter
+from .collectives import all_gather
+from .comm import make_schedule
 from .flat import FlatLayout, ParamInfo, alias
 from .plan import plan_slots, unit_align
 from .trace import span
@@ -230,6 +231,9 @@ class YaFSDP(nn.Module):
             (id(u), i): self._index_member(m) for u in self.units for i, m in enumerate(u.members)
         }
 
+        # How gathers and reduces are ordered against compute: CUDA streams and events, or gloo
+        # work handles. See [Note: streams and events] in comm.py.
+        self.schedule = make_schedule(self.device, group)
         self._allocate(outsized_ratio)
         self.module = module
         module._is_yafsdp = True
@@ -237,14 +241,12 @@ class YaFSDP(nn.Module):
         self._install_hooks()
         _install_optimizer_hooks()  # See [Note: optimizers that do not bump versions]
 
-        self._comm = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
-        # Recorded on the compute stream at each root forward after the cast pass: every gather of
-        # that step waits on it, so the comm stream never reads a compute copy being written.
-        self._step_event = torch.cuda.Event() if self._comm is not None else None
+        # The compute copies changed since the schedule was last told (the optimizer wrote them):
+        # the next step entry records the schedule's copies-ready point. See _ensure_step_ready.
+        self._copies_changed = True
         self._order: list[Unit] = []  # units in the order of the last forward (prefetch plan)
         self._trace: list[Unit] = []  # units used so far in the current forward
         self._finalize_queued = False
-        self.recorder = None  # a trace.Recorder, set by benchmarks
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -306,9 +308,11 @@ class YaFSDP(nn.Module):
             zero_stage=self.zero_stage, outsized_ratio=outsized_ratio,
         )
         self.grad_slots: list[GradSlot] = [
-            GradSlot(s.name, s.capacity, s.shard_capacity, s.dtype, dev) for s in plan.grad
+            GradSlot(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule.grad_sync()) for s in plan.grad
         ]
-        self.weight_slots: list[WeightSlot] = [WeightSlot(s.name, s.capacity, s.dtype, dev) for s in plan.weight]
+        self.weight_slots: list[WeightSlot] = [
+            WeightSlot(s.name, s.capacity, s.dtype, dev, self.schedule.weight_sync()) for s in plan.weight
+        ]
         for u, w, g in zip(self._all, plan.weight_of, plan.grad_of):
             u.slot, u.grad_slot = self.weight_slots[w], self.grad_slots[g]
         for u, big in zip(self.units, plan.outsized):
@@ -317,8 +321,9 @@ class YaFSDP(nn.Module):
             u.aliases = [alias(u.slot.data, p.offset, p.shape) for p in u.params]
 
     def _copy_written_cb(self, unit: Unit):
-        def copy_written():
+        def copy_written():  # the optimizer wrote the compute copy, on the compute side
             unit.cast_version = unit.flat_param._version
+            self._copies_changed = True
         return copy_written
 
     def _materialize_from(self, module: nn.Module):
@@ -365,6 +370,15 @@ class YaFSDP(nn.Module):
                 m.module.register_forward_hook(self._make_post_hook(u, i), with_kwargs=True)
 
     # ------------------------------------------------------------------ public API
+    @property
+    def recorder(self):
+        """A ``yafsdp.trace.Recorder`` collecting what ran when, or None (the default)."""
+        return self.schedule.recorder
+
+    @recorder.setter
+    def recorder(self, rec):
+        self.schedule.recorder = rec
+
     def forward(self, *args, **kwargs):
         self._begin_forward()
         ok = False
@@ -503,19 +517,23 @@ class YaFSDP(nn.Module):
 
         return memory_plan(self, **activation_options)
 
+    def owned_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the engine allocated on this rank, by role: the flat master, grad and
+        compute-copy shards of all units (one tensor each) and the weight and grad buffers."""
+        out = {"master": self._master, "grad": self._grad}
+        if self._compute is not self._master:
+            out["compute_copy"] = self._compute
+        for s in self.weight_slots:
+            out[s.name] = s.data
+        for s in self.grad_slots:
+            out[s.name] = s.data
+            out[s.name + "_staging"] = s.staging
+        return out
+
     def allocated_bytes(self) -> dict[str, int]:
         """Bytes of every tensor the engine allocated on this rank, by role."""
-        nb = lambda t: t.numel() * t.element_size()  # noqa: E731
-        out = {
-            "master": nb(self._master),
-            "grad": nb(self._grad),
-            "compute_copy": 0 if self._compute is self._master else nb(self._compute),
-        }
-        for s in self.weight_slots:
-            out[s.name] = nb(s.data)
-        for s in self.grad_slots:
-            out[s.name] = nb(s.data)
-            out[s.name + "_staging"] = nb(s.staging)
+        out = {k: t.numel() * t.element_size() for k, t in self.owned_tensors().items()}
+        out.setdefault("compute_copy", 0)
         return out
 
     def _check_idle(self, what: str):
@@ -526,7 +544,8 @@ class YaFSDP(nn.Module):
         """fp32 room for one gathered unit: its grad buffer when that is fp32, else a temporary."""
         n = unit.layout.padded_numel
         gs = unit.grad_slot
-        if gs is not None and gs.data.dtype == torch.float32 and gs.capacity >= n and gs.pending is None:
+        if (gs is not None and gs.data.dtype == torch.float32 and gs.capacity >= n
+                and not self.schedule.reduce_pending(gs.sync)):
             return gs.data[:n]
         return torch.empty(n, dtype=torch.float32, device=self.device)
 
@@ -565,9 +584,6 @@ class YaFSDP(nn.Module):
         return "; ".join(msgs) if msgs else None
 
     # ------------------------------------------------------------------ the step protocol
-    def _compute_stream(self):
-        return torch.cuda.current_stream(self.device)
-
     def _begin_forward(self):
         self._trace = []
         self._ensure_step_ready()
@@ -578,7 +594,7 @@ class YaFSDP(nn.Module):
             self._gather(small)
         if self._order:  # the first unit's gather goes out before the wait for the (tiny) small group
             self._prefetch(self._order[0])
-        self._wait_ready(small.slot)
+        self.schedule.wait_gathered(small.slot.sync)
         tensors = small.aliases
         if torch.is_grad_enabled():
             tensors = _Gate.apply(self, small, -1, small.anchor, *small.aliases)
@@ -594,9 +610,14 @@ class YaFSDP(nn.Module):
                 s.busy, s.deferred = 0, None
 
     def _ensure_step_ready(self):
-        """The cast pass: fp32 master -> compute copy for every shard changed since last written."""
+        """The cast pass: fp32 master -> compute copy for every shard changed since last written;
+        then, if any compute copy changed (cast here, or written by the optimizer), the schedule's
+        copies-ready point, which every later gather waits for."""
         stale = [u for u in self._all if u.flat_param._version != u.cast_version]
         if not stale:
+            if self._copies_changed:
+                self._copies_changed = False
+                self.schedule.copies_written()
             return
         with torch.no_grad():
             if self._compute is not self._master:
@@ -608,8 +629,8 @@ class YaFSDP(nn.Module):
                             kernels.cast_(u.compute, u.flat_param.detach())
             for u in stale:
                 u.cast_version = u.flat_param._version
-        if self._step_event is not None:
-            self._step_event.record(self._compute_stream())
+        self._copies_changed = False
+        self.schedule.copies_written()
 
     def _gather(self, unit: Unit):
         slot = unit.slot
@@ -621,27 +642,8 @@ class YaFSDP(nn.Module):
             )
         if slot.deferred is not None and slot.deferred is not unit:
             slot.deferred = None
-        if slot.work is not None:  # CPU: a previous gather into this buffer must land first
-            slot.work.wait()
-            slot.work = None
         slot.owner, slot.owner_version = unit, unit.cast_version
-        out = slot.data[:unit.layout.padded_numel]
-        rec = self.recorder
-        with span("gather", unit.name):
-            if self._comm is not None:
-                with torch.cuda.stream(self._comm):
-                    self._comm.wait_event(slot.release_event)
-                    self._comm.wait_event(self._step_event)
-                    iv = rec.comm("gather", unit.name, None, self._comm) if rec else None
-                    all_gather(out, unit.compute, self.process_group, async_op=True).wait()
-                    if iv is not None:
-                        rec.comm_end(iv, self._comm)
-                    slot.ready.record(self._comm)
-            else:
-                t = rec.now() if rec else None
-                slot.work = all_gather(out, unit.compute, self.process_group, async_op=True)
-                if rec:
-                    rec.comm("gather", unit.name, slot.work, issued=t)
+        self.schedule.gather(slot.sync, slot.data[:unit.layout.padded_numel], unit.compute, unit.name)
 
     def _prefetch(self, unit: Unit | None):
         if unit is None or unit.slot.holds(unit):
@@ -652,11 +654,7 @@ class YaFSDP(nn.Module):
             self._gather(unit)
 
     def _wait_ready(self, slot: WeightSlot):
-        if self._comm is not None:
-            self._compute_stream().wait_event(slot.ready)
-        elif slot.work is not None:
-            slot.work.wait()
-            slot.work = None
+        self.schedule.wait_gathered(slot.sync)
 
     def _acquire(self, unit: Unit):
         if not unit.slot.holds(unit):
@@ -668,8 +666,7 @@ class YaFSDP(nn.Module):
         slot.busy -= 1
         if slot.busy > 0:
             return
-        if slot.release_event is not None:
-            slot.release_event.record(self._compute_stream())
+        self.schedule.released(slot.sync)
         nxt, slot.deferred = slot.deferred, None
         if nxt is not None and not slot.holds(nxt):
             self._gather(nxt)
@@ -758,7 +755,7 @@ class YaFSDP(nn.Module):
             unit.bw_held = False
             self._release(unit)
         gs = unit.grad_slot
-        self._grad_slot_wait(gs)
+        self.schedule.wait_reduced(gs.sync)
         lay = unit.layout
         buf = gs.data[:lay.padded_numel]
         pidx = range(len(unit.params)) if member_i < 0 else self._member_index[(id(unit), member_i)].pidx
@@ -785,24 +782,7 @@ class YaFSDP(nn.Module):
         lay = unit.layout
         buf = gs.data[:lay.padded_numel]
         staging = gs.staging[:lay.shard_numel]
-        rec = self.recorder
-        with span("reduce", unit.name):
-            if self._comm is not None:
-                gs.grads_ready.record(self._compute_stream())
-                with torch.cuda.stream(self._comm):
-                    self._comm.wait_event(gs.grads_ready)
-                    iv = rec.comm("reduce", unit.name, None, self._comm) if rec else None
-                    reduce_scatter(staging, buf, self.process_group, async_op=True).wait()
-                    self._fold(target, staging, fresh)
-                    if iv is not None:
-                        rec.comm_end(iv, self._comm)
-                    gs.done.record(self._comm)
-            else:
-                t = rec.now() if rec else None
-                work = reduce_scatter(staging, buf, self.process_group, async_op=True)
-                gs.pending = (work, target, staging, fresh)
-                if rec:
-                    rec.comm("reduce", unit.name, work, issued=t)
+        self.schedule.reduce(gs.sync, staging, buf, unit.name, lambda: self._fold(target, staging, fresh))
 
     def _fold(self, target: torch.Tensor, staging: torch.Tensor, fresh: bool):
         """grad shard (+)= reduced sum / world: the one post-divide."""
@@ -812,22 +792,11 @@ class YaFSDP(nn.Module):
             else:
                 kernels.accumulate_(target, staging, 1.0 / self.world_size)
 
-    def _grad_slot_wait(self, gs: GradSlot):
-        if self._comm is not None:
-            self._compute_stream().wait_event(gs.done)
-        elif gs.pending is not None:
-            work, target, staging, fresh = gs.pending
-            gs.pending = None
-            work.wait()
-            self._fold(target, staging, fresh)
-
     def _finalize_backward(self):
         """End of backward: every reduce folded, compute waits for comm, every hold dropped."""
         self._finalize_queued = False
         for gs in self.grad_slots:
-            self._grad_slot_wait(gs)
-        if self._comm is not None:
-            self._compute_stream().wait_stream(self._comm)
+            self.schedule.wait_reduced(gs.sync)
         for u in self.units:
             if u.bw_held:
                 u.bw_held = False

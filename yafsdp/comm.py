@@ -1,0 +1,300 @@
+"""The comm interface: how gathers and reduces are ordered against the compute side.
+
+One interface, two concurrency models; the engine's schedule calls only the methods of
+:class:`Schedule` and never asks which model it runs on.
+
+- :class:`StreamSchedule` (CUDA): one dedicated comm stream, ordered against the compute stream
+  by CUDA events. It reaches streams and events only through a :class:`StreamAPI`, so the same
+  code runs over :class:`CudaStreams` on a GPU and over ``yafsdp.streamcheck``'s simulated
+  streams on the CPU, where every kernel's stream and buffer accesses are logged and the
+  happens-before order is checked (see [Note: the stream-protocol checker] there).
+- :class:`HandleSchedule` (gloo, CPU): collectives return asynchronous work handles; the compute
+  side is the host itself, so an ordering point is a ``wait()`` on a handle.
+
+The recorder (``yafsdp.trace.Recorder``), when set on the schedule, times each collective.
+
+[Note: streams and events]
+Which stream every kernel of the CUDA schedule runs on, and why:
+
+- compute stream (the caller's current stream): the cast pass (fp32 master -> compute copy),
+  the optimizer and its copy-out, forward and backward, the grad writes into a grad buffer,
+  clipping, ``zero_grad``, and the collectives of ``full_state_dict`` and friends (called
+  between steps, synchronous on the caller's stream).
+- comm stream (``StreamSchedule.comm``, high priority so a collective is not queued behind the
+  compute kernels): every gather and every reduce-scatter of the step and the fold of a reduced
+  shard into the fp32 grad shard (it reads the reduce's output, so it belongs right behind it;
+  it is the only non-collective kernel there, and it runs after the reduce, never in front of one).
+  Collectives are issued with ``async_op=False`` inside ``torch.cuda.stream(comm)``: since
+  torch 2.8 ProcessGroupNCCL launches a synchronous collective on the *current* stream, so the
+  NCCL kernel runs on the comm stream itself. (``async_op=True`` would launch it on the process
+  group's internal normal-priority stream after a wait on the current stream and need
+  ``work.wait()`` to order it back: two event hops per collective, off the high-priority stream.
+  On torch < 2.8 a synchronous call still orders its internal stream before and after against
+  the current one, so the schedule stays correct there, only with those hops.)
+
+Events, each recorded at the point that defines it (never only "when some work happened"):
+
+- ``copies_ready`` (one): recorded on the compute stream whenever the compute copies changed
+  (the cast pass, or the optimizer writing them: ``Schedule.copies_written``); every gather waits
+  on it, so no gather reads a compute copy being written.
+- per weight buffer ``ready`` (comm, after its gather; compute waits before use) and
+  ``released`` (compute, when the owner's last use ends; the next gather into it waits).
+- per grad buffer ``grads_ready`` (compute, after the grads are written; the reduce waits) and
+  ``done`` (comm, after the reduce and its fold read the buffer; the next grad write waits).
+- end of backward: the compute stream waits on every grad buffer's ``done``; the fold into
+  the fp32 grad shards is the last kernel before each, so the optimizer reads folded shards.
+  (No blanket wait on the comm stream: a gather still in flight there, prefetched for a unit
+  that is used later, is waited on through its own ``ready``.)
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from .collectives import all_gather, reduce_scatter
+from .trace import span
+
+__all__ = ["StreamAPI", "CudaStreams", "Schedule", "StreamSchedule", "HandleSchedule", "make_schedule",
+           "use_stream_api"]
+
+
+class StreamAPI:
+    """What :class:`StreamSchedule` needs from a device's streams and events."""
+
+    def new_stream(self, priority: int = 0):
+        raise NotImplementedError
+
+    def new_event(self, timing: bool = False):
+        raise NotImplementedError
+
+    def current_stream(self):
+        raise NotImplementedError
+
+    def use(self, stream):
+        """Context manager: ``stream`` is the current stream inside it."""
+        raise NotImplementedError
+
+
+class CudaStreams(StreamAPI):
+    """torch.cuda's streams and events on one device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def new_stream(self, priority: int = 0):
+        return torch.cuda.Stream(self.device, priority=priority)
+
+    def new_event(self, timing: bool = False):
+        return torch.cuda.Event(enable_timing=timing)
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def use(self, stream):
+        return torch.cuda.stream(stream)
+
+
+_STREAM_API_OVERRIDE: list[StreamAPI] = []
+
+
+@contextlib.contextmanager
+def use_stream_api(api: StreamAPI):
+    """Engines built inside this context run the stream schedule over ``api`` whatever their
+    device (``yafsdp.streamcheck`` uses it to run the CUDA schedule on the CPU)."""
+    _STREAM_API_OVERRIDE.append(api)
+    try:
+        yield api
+    finally:
+        _STREAM_API_OVERRIDE.remove(api)
+
+
+class _WeightSync:
+    """Ordering state of one weight buffer (see the concrete schedules)."""
+
+    __slots__ = ("ready", "released", "work")
+
+    def __init__(self, ready=None, released=None):
+        self.ready = ready  # stream: event recorded on comm after the gather
+        self.released = released  # stream: event recorded on compute when the owner's use ends
+        self.work = None  # handles: the gather's pending work
+
+
+class _GradSync:
+    """Ordering state of one grad buffer (see the concrete schedules)."""
+
+    __slots__ = ("grads_ready", "done", "pending")
+
+    def __init__(self, grads_ready=None, done=None):
+        self.grads_ready = grads_ready  # stream: recorded on compute after the grads are written
+        self.done = done  # stream: recorded on comm after the reduce and its fold read the buffer
+        self.pending = None  # handles: (work, fold) of a reduce not yet folded
+
+
+class Schedule:
+    """The ordering interface the engine's schedule is written against.
+
+    ``label`` arguments are ``(kind, unit name)`` pairs for profiler ranges and the recorder.
+    """
+
+    recorder = None  # a yafsdp.trace.Recorder, or None
+
+    def weight_sync(self) -> _WeightSync:
+        raise NotImplementedError
+
+    def grad_sync(self) -> _GradSync:
+        raise NotImplementedError
+
+    def copies_written(self) -> None:
+        """The compute copies (all-gather inputs) were just written on the compute side."""
+
+    def gather(self, sync: _WeightSync, out: torch.Tensor, shard: torch.Tensor, unit: str) -> None:
+        """Issue the all-gather of ``shard`` into ``out`` (a weight buffer's storage)."""
+        raise NotImplementedError
+
+    def wait_gathered(self, sync: _WeightSync) -> None:
+        """The compute side waits until the last gather into this buffer has landed."""
+        raise NotImplementedError
+
+    def released(self, sync: _WeightSync) -> None:
+        """The compute side's use of this weight buffer ended (the next gather may overwrite it)."""
+
+    def reduce(self, sync: _GradSync, out: torch.Tensor, full: torch.Tensor, unit: str,
+               fold: Callable[[], None]) -> None:
+        """Issue the reduce-scatter of ``full`` (a grad buffer) into ``out``, then ``fold()``."""
+        raise NotImplementedError
+
+    def wait_reduced(self, sync: _GradSync) -> None:
+        """The compute side waits until the last reduce from this grad buffer is folded."""
+        raise NotImplementedError
+
+    def reduce_pending(self, sync: _GradSync) -> bool:
+        """A reduce from this grad buffer has been issued and not yet waited for (host view)."""
+        return False
+
+
+class StreamSchedule(Schedule):
+    """CUDA: one high-priority comm stream, events between it and the compute stream.
+    See [Note: streams and events]."""
+
+    def __init__(self, streams: StreamAPI, group):
+        self.streams = streams
+        self.group = group
+        # The comm stream: every gather, reduce-scatter and fold of the step runs here; high
+        # priority so a collective is not queued behind compute kernels.
+        self.comm = streams.new_stream(priority=-1)
+        # Recorded on the compute stream each time the compute copies change; gathers wait on it.
+        self.copies_ready = streams.new_event()
+
+    def weight_sync(self) -> _WeightSync:
+        return _WeightSync(ready=self.streams.new_event(), released=self.streams.new_event())
+
+    def grad_sync(self) -> _GradSync:
+        return _GradSync(grads_ready=self.streams.new_event(), done=self.streams.new_event())
+
+    def copies_written(self) -> None:
+        self.copies_ready.record(self.streams.current_stream())
+
+    def _timed(self, kind: str, unit: str):
+        rec = self.recorder
+        if rec is None:
+            return contextlib.nullcontext()
+        return _StreamTiming(rec, kind, unit, self.comm)
+
+    def gather(self, sync, out, shard, unit):
+        with span("gather", unit), self.streams.use(self.comm):
+            self.comm.wait_event(sync.released)
+            self.comm.wait_event(self.copies_ready)
+            with self._timed("gather", unit):
+                all_gather(out, shard, self.group, async_op=False)  # on the comm stream (torch >= 2.8)
+            sync.ready.record(self.comm)
+
+    def wait_gathered(self, sync):
+        self.streams.current_stream().wait_event(sync.ready)
+
+    def released(self, sync):
+        sync.released.record(self.streams.current_stream())
+
+    def reduce(self, sync, out, full, unit, fold):
+        with span("reduce", unit):
+            sync.grads_ready.record(self.streams.current_stream())
+            with self.streams.use(self.comm):
+                self.comm.wait_event(sync.grads_ready)
+                with self._timed("reduce", unit):
+                    reduce_scatter(out, full, self.group, async_op=False)  # on the comm stream
+                    fold()
+                sync.done.record(self.comm)
+
+    def wait_reduced(self, sync):
+        self.streams.current_stream().wait_event(sync.done)
+
+
+class _StreamTiming:
+    def __init__(self, rec, kind, unit, stream):
+        self.rec, self.kind, self.unit, self.stream = rec, kind, unit, stream
+
+    def __enter__(self):
+        self.iv = self.rec.comm(self.kind, self.unit, None, self.stream)
+
+    def __exit__(self, *exc):
+        self.rec.comm_end(self.iv, self.stream)
+        return False
+
+
+class HandleSchedule(Schedule):
+    """gloo (CPU): asynchronous work handles; the host is the compute side."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def weight_sync(self) -> _WeightSync:
+        return _WeightSync()
+
+    def grad_sync(self) -> _GradSync:
+        return _GradSync()
+
+    def gather(self, sync, out, shard, unit):
+        if sync.work is not None:  # a previous gather into this buffer must land first
+            sync.work.wait()
+            sync.work = None
+        rec = self.recorder
+        with span("gather", unit):
+            t = rec.now() if rec else None  # before the issuing call, which may itself move data
+            sync.work = all_gather(out, shard, self.group, async_op=True)
+            if rec:
+                rec.comm("gather", unit, sync.work, issued=t)
+
+    def wait_gathered(self, sync):
+        if sync.work is not None:
+            sync.work.wait()
+            sync.work = None
+
+    def reduce(self, sync, out, full, unit, fold):
+        rec = self.recorder
+        with span("reduce", unit):
+            t = rec.now() if rec else None
+            work = reduce_scatter(out, full, self.group, async_op=True)
+            sync.pending = (work, fold)
+            if rec:
+                rec.comm("reduce", unit, work, issued=t)
+
+    def wait_reduced(self, sync):
+        if sync.pending is not None:
+            work, fold = sync.pending
+            sync.pending = None
+            work.wait()
+            fold()
+
+    def reduce_pending(self, sync) -> bool:
+        return sync.pending is not None
+
+
+def make_schedule(device: torch.device, group) -> Schedule:
+    """The schedule for an engine on ``device``: the stream schedule on CUDA (or over a
+    :func:`use_stream_api` override), work handles elsewhere."""
+    if _STREAM_API_OVERRIDE:
+        return StreamSchedule(_STREAM_API_OVERRIDE[-1], group)
+    if device.type == "cuda":
+        return StreamSchedule(CudaStreams(device), group)
+    return HandleSchedule(group)
