@@ -342,8 +342,8 @@ def _hide_extension(monkeypatch):
 def test_load_without_extension_falls_back(monkeypatch):
     _hide_extension(monkeypatch)
     monkeypatch.delenv("YAFSDP_KERNELS", raising=False)
-    cpu, cuda, why = kernels._load()
-    assert cpu is None and cuda is None and "yafsdp._C is not built" in why
+    cpu, cuda, why, cuda_why = kernels._load()
+    assert cpu is None and cuda is None and "yafsdp._C is not built" in why and cuda_why == why
     # What the module then does, as at import without the extension:
     monkeypatch.setattr(kernels, "_C", None)
     monkeypatch.setattr(kernels, "_C_CUDA", None)
@@ -370,7 +370,7 @@ def test_explicit_extension_request_fails_when_missing(monkeypatch):
 
 def test_env_forces_twins(monkeypatch):
     monkeypatch.setenv("YAFSDP_KERNELS", "torch")
-    assert kernels._load() == (None, None, "YAFSDP_KERNELS=torch")
+    assert kernels._load() == (None, None, "YAFSDP_KERNELS=torch", "YAFSDP_KERNELS=torch")
     monkeypatch.setenv("YAFSDP_KERNELS", "fast")
     with pytest.raises(ValueError, match="YAFSDP_KERNELS='fast'"):
         kernels._load()

@@ -336,3 +336,69 @@ def test_cuda_matches_torch_and_never_syncs():
         assert opt.state[p]["step"].device == p.device
     assert torch.equal(w._yafsdp_compute_copy, w.detach().reshape(-1).to(torch.bfloat16))
     assert kernels.backend("cuda") == "extension", kernels.describe()
+
+
+# ------------------------------------------------------------------ the fallback on accelerators
+class _CountSyncs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts host reads of tensor values (``.item()``, ``float(t)``: aten._local_scalar_dense),
+    which on CUDA are host synchronisations."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("lr_tensor", [False, True])
+def test_fallback_with_device_scalars_reads_nothing_on_the_host(lr_tensor):
+    """The twin as it runs for CUDA parameters (step and lr as tensors where the parameter is):
+    no value is read on the host, and the trajectory is torch's AdamW within a few ulps."""
+    p0 = torch.randn(257)
+    ref = p0.clone().requires_grad_()
+    opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+    p, m, v = p0.clone(), torch.zeros(257), torch.zeros(257)
+    copy = torch.empty(257, dtype=torch.bfloat16)
+    step = torch.zeros(())
+    lr = torch.tensor(1e-2) if lr_tensor else 1e-2
+    mode = _CountSyncs()
+    for g in _grads(257, torch.float32, 5, seed=3):
+        ref.grad = g.clone()
+        opt.step()
+        step += 1
+        with mode:
+            kernels.adamw_step_reference(p, g, m, v, step, lr=lr, beta1=0.9, beta2=0.95, weight_decay=0.1,
+                                         eps=1e-8, copy_out=copy, exact=False, host_scalars=False)
+    assert mode.syncs == 0
+    torch.testing.assert_close(p, ref.detach(), **PARAM_TOL)
+    assert torch.equal(copy, p.to(torch.bfloat16))
+    with mode:  # the host path (CPU tensors) does read them: the counter can see it
+        kernels.adamw_step_reference(p, g, m, v, step, lr=lr, beta1=0.9, beta2=0.95, weight_decay=0.1,
+                                     eps=1e-8, exact=False, host_scalars=True)
+    assert mode.syncs >= 1
+
+
+def test_fallback_warns_once_when_the_kernels_were_expected(monkeypatch):
+    """A device whose compiled kernels are missing (a mis-built GPU machine) runs the twin with a
+    RuntimeWarning naming the reason, once per optimizer and device; fused=False chooses the twin
+    silently."""
+    import warnings
+
+    monkeypatch.setattr(kernels, "_EXT_DEVICES", frozenset())
+    monkeypatch.setattr(kernels, "_TWINS_CHOSEN", False)
+    p = nn.Parameter(torch.randn(17))
+    opt = FusedAdamW([p], lr=1e-3)
+    p.grad = torch.randn(17)
+    with pytest.warns(RuntimeWarning, match=r"cpu parameters run the pure-PyTorch fallback.*no yafsdp kernels"):
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # said once
+        FusedAdamW([p], lr=1e-3, fused=False).step()  # chosen: silent
+    monkeypatch.setattr(kernels, "_EXT_DEVICES", frozenset(["cpu"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FusedAdamW([p], lr=1e-3).step()  # the kernels serve the device: silent

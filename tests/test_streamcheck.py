@@ -77,6 +77,13 @@ def _run_case(rank, case, steps=3):
                 if case.get("sd"):
                     sd = model.full_state_dict()
                     model.load_full_state_dict(sd if rank == 0 else None)
+    # Every kernel of a gather or a reduce (the collective, and the fold behind a reduce) runs on
+    # the comm stream, and nothing else does.
+    kernels = [entry[1:4] for entry in chk.log if entry[0] == "kernel"]  # (stream, op, label)
+    comm_side = [(stream, op, label) for stream, op, label in kernels
+                 if label.startswith(("yafsdp.gather", "yafsdp.reduce")) or stream == "comm"]
+    stray = [k for k in comm_side if k[0] != "comm" or not k[2].startswith(("yafsdp.gather", "yafsdp.reduce"))]
+    assert any(op.startswith("c10d.") for _, op, _ in comm_side) and not stray, stray[:5]
     return chk.report(), [str(r) for r in chk.races], chk.kernels, losses
 
 

@@ -523,7 +523,10 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True) ->
                     st[key] = torch.zeros_like(p.detach(), dtype=getattr(torch, d["dtype"]))
                     entries[name] = _flat_shard(unit, st[key])
                 elif d["kind"] == "tensor":
-                    st[key] = torch.zeros(d["shape"], dtype=getattr(torch, d["dtype"]), device=p.device)
+                    # On the CPU, as in a state_dict: the optimizer's load_state_dict puts it where that
+                    # optimizer keeps it (torch's AdamW keeps `step` on the CPU unless fused or
+                    # capturable; on the device it would read it back with a host sync every step).
+                    st[key] = torch.zeros(d["shape"], dtype=getattr(torch, d["dtype"]), device="cpu")
                     entries[name] = st[key]
                 else:
                     entries[name] = None

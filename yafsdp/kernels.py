@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Optional, Union
 
 import torch
@@ -35,6 +36,7 @@ __all__ = [
     "backend",
     "describe",
     "require_extension",
+    "fallback_reason",
     "cast_",
     "accumulate_",
     "adamw_step_",
@@ -55,12 +57,13 @@ class ExtensionMissingError(RuntimeError):
 
 
 def _load():
-    """Import the extensions once. Returns (cpu module, cuda module, reason or None)."""
+    """Import the extensions once. Returns (cpu module, cuda module, reason or None, reason the
+    CUDA module is missing or None)."""
     mode = os.environ.get("YAFSDP_KERNELS", "").strip().lower()
     if mode not in ("", "auto", "torch", "extension"):
         raise ValueError(f"YAFSDP_KERNELS={mode!r}: expected 'torch', 'extension' or unset")
     if mode == "torch":
-        return None, None, "YAFSDP_KERNELS=torch"
+        return None, None, "YAFSDP_KERNELS=torch", "YAFSDP_KERNELS=torch"
     try:
         from . import _C  # registers torch.ops.yafsdp.* and their CPU kernels
     except ImportError as e:
@@ -69,17 +72,20 @@ def _load():
                 f"YAFSDP_KERNELS=extension but yafsdp._C cannot be imported ({e}). "
                 f"Build it with: {INSTALL_COMMAND}"
             ) from e
-        return None, None, f"yafsdp._C is not built ({e})"
-    cuda = None
+        return None, None, f"yafsdp._C is not built ({e})", f"yafsdp._C is not built ({e})"
+    import importlib.util
+
+    if importlib.util.find_spec(f"{__package__}._C_cuda") is None:
+        return _C, None, None, "yafsdp._C_cuda is not built"
     try:
         from . import _C_cuda  # registers the CUDA kernels of the same ops
-        cuda = _C_cuda
-    except ImportError:
-        pass
-    return _C, cuda, None
+    except ImportError as e:  # built but broken (an ABI or CUDA runtime mismatch): say why
+        return _C, None, None, f"yafsdp._C_cuda is built but cannot be imported ({e})"
+    return _C, _C_cuda, None, None
 
 
-_C, _C_CUDA, _WHY_NOT = _load()
+_C, _C_CUDA, _WHY_NOT, _CUDA_WHY_NOT = _load()
+_TWINS_CHOSEN = os.environ.get("YAFSDP_KERNELS", "").strip().lower() == "torch"
 _EXT_DEVICES = frozenset(
     (["cpu"] if _C is not None else []) + (["cuda"] if _C_CUDA is not None else [])
 )
@@ -109,14 +115,33 @@ def require_extension(device_type: Union[str, torch.device] = "cpu") -> None:
     if _C is None:
         why = _WHY_NOT
     elif dt == "cuda":
-        why = "yafsdp._C_cuda is not built (torch without CUDA, nvcc missing, or YAFSDP_NO_CUDA=1)"
+        why = (f"{_CUDA_WHY_NOT}: it is not built when torch has no CUDA, nvcc is missing or "
+               "YAFSDP_NO_CUDA=1 was set")
     else:
         why = f"no yafsdp kernels exist for device type {dt!r}"
     raise ExtensionMissingError(f"yafsdp's compiled kernels are not available for {dt}: {why}. "
                                 f"Build them with: {INSTALL_COMMAND}")
 
 
+def fallback_reason(device_type: Union[str, torch.device]) -> Optional[str]:
+    """Why tensors on ``device_type`` run the pure-PyTorch twins although nobody asked for them
+    (``YAFSDP_KERNELS=torch``), or None when the compiled kernels serve them or the twins were
+    chosen. A mis-built GPU machine shows up here: ``fallback_reason("cuda")``."""
+    dt = device_type.type if isinstance(device_type, torch.device) else device_type
+    if _TWINS_CHOSEN or dt in _EXT_DEVICES:
+        return None
+    if _C is None:
+        return _WHY_NOT
+    if dt == "cuda":
+        return _CUDA_WHY_NOT or "yafsdp._C_cuda is not loaded"
+    return f"no yafsdp kernels exist for device type {dt!r}"
+
+
 log.info(describe())
+if torch.cuda.is_available() and fallback_reason("cuda") is not None:  # a mis-built GPU machine: say so loudly
+    warnings.warn(f"yafsdp: CUDA is available but its kernels are not: {fallback_reason('cuda')}. FusedAdamW and "
+                  f"the engine's casts run the pure-PyTorch twins (slower). Build with: {INSTALL_COMMAND}",
+                  RuntimeWarning, stacklevel=2)
 
 
 def _flat(t: torch.Tensor, like: torch.Tensor) -> bool:
@@ -199,14 +224,25 @@ def adamw_step_reference(
     eps: float,
     copy_out: Optional[torch.Tensor] = None,
     exact: bool = True,
+    host_scalars: Optional[bool] = None,
 ) -> None:
     """Twin of :func:`adamw_step_`, op for op as ``torch.optim.AdamW(foreach=False)``.
 
     ``exact=True`` takes the square root in float64, which rounds to the IEEE float32 sqrt the
     kernels compute (torch's CPU sqrt is not correctly rounded); on the CPU the kernels then match
     this twin bit for bit. The run-time fallback uses ``exact=False`` (no float64 temporary).
-    Reads ``step`` and ``lr`` on the host.
+
+    ``host_scalars``: read ``step`` and ``lr`` on the host (``.item()``, as torch's for-loop
+    AdamW does). ``None`` (default): only when neither lives on an accelerator; otherwise the
+    bias corrections and the step size stay device tensors and the step never synchronises the
+    host (the run-time fallback for CUDA parameters), rounding within a few ulp of the host path.
     """
+    if host_scalars is None:
+        host_scalars = all(not isinstance(x, torch.Tensor) or x.device.type == "cpu" for x in (step, lr))
+    if not host_scalars:
+        _adamw_device_scalars(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, weight_decay, eps,
+                              copy_out, exact)
+        return
     t = _value(step)
     lr = _value(lr)
     g = grad if grad.dtype == param.dtype else grad.to(param.dtype)
@@ -219,6 +255,26 @@ def adamw_step_reference(
     root = exp_avg_sq.double().sqrt().float() if exact else exp_avg_sq.sqrt()
     denom = (root / bias_correction2**0.5).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+    if copy_out is not None:
+        copy_out.copy_(param.view_as(copy_out))
+
+
+def _adamw_device_scalars(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, weight_decay, eps,
+                          copy_out, exact):
+    """The AdamW step with its scalars as tensors: no ``.item()``, no host synchronisation."""
+    t = step if isinstance(step, torch.Tensor) else torch.tensor(float(step), device=param.device)
+    t = t.to(device=param.device, dtype=torch.float32)
+    g = grad if grad.dtype == param.dtype else grad.to(param.dtype)
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)  # lr a float or a one-element tensor: no sync either way
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias_correction1 = 1 - torch.pow(beta1, t)
+    bias_correction2_sqrt = (1 - torch.pow(beta2, t)).sqrt()
+    root = exp_avg_sq.double().sqrt().float() if exact else exp_avg_sq.sqrt()
+    denom = (root / bias_correction2_sqrt).add_(eps)
+    # param -= lr / bias_correction1 * exp_avg / denom, with the step size folded into the divisor
+    param.addcdiv_(exp_avg, denom.mul_(bias_correction1 / -lr))
     if copy_out is not None:
         copy_out.copy_(param.view_as(copy_out))
 

@@ -21,6 +21,7 @@ and makes the engine cast again. Parameters without the attribute get a plain Ad
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -169,6 +170,8 @@ class FusedAdamW(torch.optim.Optimizer):
             torch._foreach_add_([state["step"] for _, _, state in work], 1.0)
             beta1, beta2 = group["betas"]
             use_twin = group.get("fused") is False
+            if not use_twin:
+                self._warn_fallback(work)
             for p, grad, state in work:
                 copy = getattr(p, "_yafsdp_compute_copy", None)
                 if copy is not None:
@@ -191,6 +194,25 @@ class FusedAdamW(torch.optim.Optimizer):
                 if copy is not None:
                     p._yafsdp_copy_written()
         return loss
+
+    def _warn_fallback(self, work) -> None:
+        """Once per device type: the compiled kernels were expected (``fused=None``) but the
+        parameters there run the pure-PyTorch twin, e.g. a GPU machine whose CUDA extension did
+        not build. Loud, because the twin moves ~3x the bytes of the fused kernel."""
+        warned = self.__dict__.setdefault("_fallback_warned", set())
+        for p, _, _ in work:
+            dt = p.device.type
+            if dt in warned:
+                continue
+            warned.add(dt)
+            why = kernels.fallback_reason(dt)
+            if why is not None:
+                warnings.warn(
+                    f"yafsdp.FusedAdamW: {dt} parameters run the pure-PyTorch fallback, not the fused kernel "
+                    f"({why}). Build the kernels with: {kernels.INSTALL_COMMAND}; pass fused=False to choose "
+                    "the fallback and silence this warning.",
+                    RuntimeWarning, stacklevel=3,
+                )
 
     @staticmethod
     def _prepare(p: torch.Tensor) -> torch.Tensor:
