@@ -168,6 +168,8 @@ def build_engine(name: str, preset: str, device: torch.device, mixed: bool, *, l
     if name.startswith("yafsdp"):
         zero = 2 if name.startswith("yafsdp-z2") else 3
         wrapped = yafsdp.YaFSDP(model, param_dtype=bf16, reduce_dtype=torch.float32, zero_stage=zero, device=device)
+        if meta_init:  # zero shards, like the other engines' meta-built models: timing and memory only
+            wrapped.mark_loaded()
         if name.endswith("+FusedAdamW"):
             opt = yafsdp.FusedAdamW(wrapped.parameters(), lr=lr, weight_decay=0.1)
         else:

@@ -25,6 +25,7 @@ GB/s = bytes per parameter x numel / time. Not a timed test: results go to bench
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -34,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from yafsdp import kernels
+from yafsdp import kernels, shards
 from yafsdp.optim import FusedAdamW
 
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -73,8 +74,7 @@ def build(numel: int, device: torch.device, copy_dtype: torch.dtype, skip: set[s
     add("yafsdp FusedAdamW", 28, opt1.step)
 
     p2 = _param(init, grad)
-    p2._yafsdp_compute_copy = torch.empty(numel, dtype=copy_dtype, device=device)
-    p2._yafsdp_copy_written = lambda: None
+    shards.set_copy_out(p2, torch.empty(numel, dtype=copy_dtype, device=device), lambda: None)
     opt2 = FusedAdamW([p2], **HYPER)
     add("yafsdp FusedAdamW + copy-out", 30, opt2.step)
 
@@ -203,6 +203,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     ap.add_argument("--copy-dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--skip", default="", help="comma-separated substrings of competitor names to leave out (e.g. foreach)")
+    ap.add_argument("--md", default=None, help="also write the report (with versions and command) to this file")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -213,9 +214,12 @@ def main(argv=None) -> None:
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     competitors = build(args.numel, device, getattr(torch, args.copy_dtype), skip)
     measure(competitors, device, args.warmup, args.steps, args.rounds)
-    print(versions(device))
-    print(f"command: python {' '.join(sys.argv)}")
-    print(report(competitors, args.numel, device, args))
+    text = f"{versions(device)}\ncommand: python {' '.join(sys.argv)}\n{report(competitors, args.numel, device, args)}"
+    print(text)
+    if args.md:
+        os.makedirs(os.path.dirname(os.path.abspath(args.md)), exist_ok=True)
+        with open(args.md, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":

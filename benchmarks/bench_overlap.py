@@ -42,6 +42,7 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     build_engine, free_engine, init_distributed, launch, make_batch, md_table, resolve_run, versions, write_json,
 )
+import yafsdp  # noqa: E402
 from yafsdp.trace import Recorder, exposed, union  # noqa: E402
 
 ENGINES = ("yafsdp-z3", "yafsdp-z2", "fsdp2")
@@ -87,7 +88,7 @@ def parse(argv=None):
 # ---------------------------------------------------------------------------- unit ranges
 def _unit_modules(model) -> list[tuple[str, torch.nn.Module]]:
     """The modules each engine treats as a unit, by their name in the HF model."""
-    inner = model.module if hasattr(model, "_is_yafsdp") and hasattr(model, "module") else model
+    inner = model.module if isinstance(model, yafsdp.YaFSDP) else model
     inner = getattr(inner, "_fsdp_wrapped_module", inner)
     out = [("model.embed_tokens", inner.model.embed_tokens)]
     out += [(f"model.layers.{i}", m) for i, m in enumerate(inner.model.layers)]

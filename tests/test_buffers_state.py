@@ -277,8 +277,10 @@ def _weight_free_run(rank, world, weight_free: bool):
         for u in model.units:
             u.weight_free_bw = False
     gathers = []
-    real_gather = model._gather
-    model._gather = lambda unit: (gathers.append(unit.name), real_gather(unit))[1]
+    from yafsdp.buffers import WeightSlot
+
+    real_gather = WeightSlot.gather
+    WeightSlot.gather = lambda slot, unit: (gathers.append(unit.name), real_gather(slot, unit))[1]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, per_step = [], []
     for step in range(3):

@@ -244,17 +244,24 @@ def _meta_init(rank, world):
     bufs_real = all(not b.is_meta for b in model.buffers())
     wrapped = yafsdp.YaFSDP(model)
     needs = wrapped.needs_load
+    ids = torch.arange(10).view(1, 10)
+    try:  # training on shards that hold no values would be silently wrong
+        wrapped(input_ids=ids, labels=ids)
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
     init_shards_(wrapped, normal_init(0.02), seed=7)
     sd = wrapped.full_state_dict()
-    ids = torch.arange(10).view(1, 10)
     loss = wrapped(input_ids=ids, labels=ids).loss.item()
-    return dict(metas=metas, bufs_real=bufs_real, needs=needs, after=wrapped.needs_load, sd=sd, loss=loss)
+    return dict(metas=metas, bufs_real=bufs_real, needs=needs, after=wrapped.needs_load, sd=sd, loss=loss,
+                refused=refused)
 
 
 def test_meta_build_and_world_independent_init(runs):
     one = runs["b"][0]["init"]
     two = [r["init"] for r in runs["d"]]
     assert one["metas"] and one["bufs_real"] and one["needs"] and not one["after"]
+    assert one["refused"] and "built on the meta device" in one["refused"] and "init_shards_" in one["refused"]
     for k, v in one["sd"].items():
         assert torch.equal(v, two[0]["sd"][k]), k  # same initial model on 1 and 2 ranks
     w = one["sd"]["model.layers.0.mlp.up_proj.weight"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from yafsdp import kernels
+from yafsdp import kernels, shards
 from yafsdp.optim import FusedAdamW
 
 HAS_EXT = kernels.backend("cpu") == "extension"
@@ -73,16 +73,16 @@ def test_large_shard_with_copy_out():
     torch.manual_seed(0)
     init = torch.randn(n)
     ours, ref = nn.Parameter(init.clone()), nn.Parameter(init.clone())
-    ours._yafsdp_compute_copy = torch.empty(n, dtype=torch.bfloat16)
+    copy = torch.empty(n, dtype=torch.bfloat16)
     written = []
-    ours._yafsdp_copy_written = lambda: written.append(ours._version)
+    shards.set_copy_out(ours, copy, lambda: written.append(ours._version))
     hyper = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     opt, ref_opt = FusedAdamW([ours], **hyper), torch.optim.AdamW([ref], foreach=False, **hyper)
     for k, grad in enumerate(_grads(n, torch.float32, STEPS, seed=1)):
         ours.grad, ref.grad = grad, grad
         opt.step()
         ref_opt.step()
-        assert torch.equal(ours._yafsdp_compute_copy, ours.detach().to(torch.bfloat16)), f"step {k}"
+        assert torch.equal(copy, ours.detach().to(torch.bfloat16)), f"step {k}"
         assert written[-1] == ours._version  # recorded after the update, nothing changed since
     assert len(written) == STEPS
     assert torch.equal(opt.state[ours]["exp_avg_sq"], ref_opt.state[ref]["exp_avg_sq"])
@@ -209,8 +209,7 @@ def test_bad_parameters_raise():
         FusedAdamW([strided]).step()
     p = nn.Parameter(torch.zeros(4))
     p.grad = torch.zeros(4)
-    p._yafsdp_compute_copy = torch.zeros(5, dtype=torch.bfloat16)
-    p._yafsdp_copy_written = lambda: None
+    shards.set_copy_out(p, torch.zeros(5, dtype=torch.bfloat16), lambda: None)
     with pytest.raises(ValueError, match=r"p.numel\(\)=4 elements .* numel=5"):
         FusedAdamW([p]).step()
 
@@ -312,8 +311,8 @@ def test_engine_trains_identically_with_fused_adamw():
 def test_cuda_matches_torch_and_never_syncs():
     ours, ref = _model().cuda(), _model().cuda()
     w = ours[0].weight
-    w._yafsdp_compute_copy = torch.empty(w.numel(), dtype=torch.bfloat16, device="cuda")
-    w._yafsdp_copy_written = lambda: None
+    w_copy = torch.empty(w.numel(), dtype=torch.bfloat16, device="cuda")
+    shards.set_copy_out(w, w_copy, lambda: None)
     opt = FusedAdamW(_groups(ours), lr=torch.tensor(5e-3, device="cuda"))
     ref_opt = torch.optim.AdamW(_groups(ref), lr=5e-3, foreach=False)
     g = torch.Generator().manual_seed(0)
@@ -334,7 +333,7 @@ def test_cuda_matches_torch_and_never_syncs():
     for p, q in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
         assert opt.state[p]["step"].device == p.device
-    assert torch.equal(w._yafsdp_compute_copy, w.detach().reshape(-1).to(torch.bfloat16))
+    assert torch.equal(w_copy, w.detach().reshape(-1).to(torch.bfloat16))
     assert kernels.backend("cuda") == "extension", kernels.describe()
 
 

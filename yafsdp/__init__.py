@@ -1,5 +1,5 @@
 """yafsdp: a sharded data-parallel training engine for PyTorch in the style of YaFSDP."""
-from .engine import YaFSDP
+from .api import YaFSDP
 from .optim import FusedAdamW
 from .units import WrapError
 

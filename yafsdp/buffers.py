@@ -1,56 +1,144 @@
-"""The preallocated weight and grad buffers, their owners, and the ready/release ordering.
+"""The preallocated weight and grad buffers and their protocol, as methods of the buffers.
 
 [Note: buffer ownership]
-A weight slot holds one gathered flat unit at a time: its *owner*. ``busy`` counts the uses
-(forward calls, backward passes) of the owner that are running on the compute side. A gather of
-another unit into the slot may be issued only when ``busy == 0``; if it is asked for earlier (a
-prefetch), it is *deferred* and issued at the release that brings ``busy`` to 0. This keeps the
-host-side order of "release recorded" before "gather issued", which is what makes the CUDA event
-wait on the comm stream refer to the right release.
+A weight buffer holds one gathered unit at a time: its *owner*, gathered at the owner's
+``version`` (its groups' cast versions; a buffer gathered at an older version is stale).
+``busy`` counts the uses of the owner running on the compute side (a forward call, a backward
+pass). A gather of another unit into the buffer may be issued only when ``busy == 0``; asked for
+earlier (a prefetch), it is *deferred* and issued by the release that brings ``busy`` to 0. This
+keeps the host-side order "release recorded" before "gather issued", which is what makes the
+CUDA event wait on the comm stream refer to the right release.
 
-How a gather, a use and a release are ordered on the device is the schedule's business
-(``yafsdp.comm``): each slot carries the schedule's ordering state in ``sync`` (CUDA: the
-``ready``/``released`` events; gloo: the pending work handle). See [Note: streams and events].
+A grad buffer receives one unit's gradients at a time; the next write waits until the reduce
+of the previous unit (and its fold into the grad shard) has read it.
+
+Only the methods below change a buffer's state. How a gather, a use and a release are ordered on
+the device is the schedule's business (``yafsdp.comm``): each buffer carries the schedule's
+ordering state in ``sync`` (CUDA: events; gloo: the pending work handle). See
+[Note: streams and events] in comm.py.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+__all__ = ["WeightSlot", "GradSlot", "BufferInUse"]
+
+
+class BufferInUse(RuntimeError):
+    """Two units that share a weight buffer were needed at the same time."""
 
 
 class WeightSlot:
     """One weight buffer (1-D, ``param_dtype``, ``capacity`` elements) and its owner."""
 
-    def __init__(self, name: str, capacity: int, dtype: torch.dtype, device: torch.device, sync):
+    def __init__(self, name: str, capacity: int, dtype: torch.dtype, device: torch.device, schedule):
         self.name = name
         # Gathered weights of the owner unit; allocated once, never resized. The units'
         # parameters during forward/backward alias this storage.
         self.data = torch.zeros(capacity, dtype=dtype, device=device)
+        self.schedule = schedule
+        self.sync = schedule.weight_sync()  # the schedule's ordering state for this buffer
         self.owner = None  # the Unit whose gathered data is (or is being) in the buffer
-        self.owner_version = -1  # the owner's cast version at gather time
-        self.busy = 0
-        self.deferred = None  # a Unit whose gather waits for this slot's release
-        self.sync = sync  # the schedule's ordering state for this buffer (yafsdp.comm)
+        self.owner_version: tuple = ()  # the owner's version at gather time
+        self.busy = 0  # uses of the owner running on the compute side
+        self.deferred = None  # a Unit whose gather waits for this buffer's release
 
     @property
     def capacity(self) -> int:
         return self.data.numel()
 
     def holds(self, unit) -> bool:
-        return self.owner is unit and self.owner_version == unit.cast_version
+        return self.owner is unit and self.owner_version == unit.version
+
+    def gather(self, unit) -> None:
+        """Issue the gather of ``unit`` into this buffer (it must not be in use by another unit)."""
+        if self.busy and self.owner is not unit:
+            raise BufferInUse(
+                f"yafsdp: unit {unit.name!r} needs buffer {self.name!r} while unit {self.owner.name!r} is still "
+                "using it (two units that share a buffer are running nested); list them so that they do not "
+                "alternate into the same buffer, or use zero_stage=2"
+            )
+        if self.deferred is not None and self.deferred is not unit:
+            self.deferred = None
+        self.owner, self.owner_version = unit, unit.version
+        for g in unit.groups:
+            out = self.data[g.buffer_offset:g.buffer_offset + g.layout.padded_numel]
+            self.schedule.gather(self.sync, out, g.compute, unit.name)
+
+    def prefetch(self, unit) -> None:
+        """Gather ``unit`` ahead of its use: now if the buffer is free, else at its release."""
+        if self.holds(unit):
+            return
+        if self.busy:
+            self.deferred = unit
+        else:
+            self.gather(unit)
+
+    def acquire(self, unit) -> None:
+        """A use of ``unit`` begins: gather it unless held; the buffer is busy until released."""
+        if not self.holds(unit):
+            self.gather(unit)
+        self.busy += 1
+
+    def wait(self) -> None:
+        """The compute side waits until the gathered data has landed."""
+        self.schedule.wait_gathered(self.sync)
+
+    def release(self) -> None:
+        """A use ends; the last one lets the next gather in (a deferred prefetch is issued now)."""
+        self.busy -= 1
+        if self.busy > 0:
+            return
+        self.schedule.released(self.sync)
+        nxt, self.deferred = self.deferred, None
+        if nxt is not None and not self.holds(nxt):
+            self.gather(nxt)
+
+    def drop_uses(self) -> None:
+        """After an exception inside forward: no use is running any more, no prefetch pending."""
+        self.busy, self.deferred = 0, None
+
+    def drop_deferred(self) -> None:
+        self.deferred = None
+
+    def invalidate(self) -> None:
+        """The data no longer matches any unit (its shards were loaded anew)."""
+        self.owner, self.owner_version = None, ()
 
 
 class GradSlot:
     """One grad buffer (1-D, ``reduce_dtype``) plus the shard-sized reduce-scatter output."""
 
     def __init__(self, name: str, capacity: int, shard_capacity: int, dtype: torch.dtype, device: torch.device,
-                 sync):
+                 schedule):
         self.name = name
         # Unit gradients, written by the unit's backward gate, read by the reduce-scatter.
         self.data = torch.zeros(capacity, dtype=dtype, device=device)
         # Reduce-scatter output, accumulated (scaled by 1/world) into the fp32 grad shard.
         self.staging = torch.zeros(shard_capacity, dtype=dtype, device=device)
-        self.sync = sync  # the schedule's ordering state for this buffer (yafsdp.comm)
+        self.schedule = schedule
+        self.sync = schedule.grad_sync()  # the schedule's ordering state for this buffer
 
     @property
     def capacity(self) -> int:
         return self.data.numel()
+
+    def begin_write(self, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements, once the previous reduce has read them."""
+        self.schedule.wait_reduced(self.sync)
+        return self.data[:numel]
+
+    def reduce(self, unit: str, numel: int, shard_numel: int, fold: Callable[[torch.Tensor], None]) -> None:
+        """Reduce-scatter the first ``numel`` elements; ``fold(reduced shard)`` runs after it."""
+        staging = self.staging[:shard_numel]
+        self.schedule.reduce(self.sync, staging, self.data[:numel], unit, lambda: fold(staging))
+
+    def finish(self) -> None:
+        """The compute side waits until the last reduce from this buffer is folded."""
+        self.schedule.wait_reduced(self.sync)
+
+    @property
+    def reduce_pending(self) -> bool:
+        return self.schedule.reduce_pending(self.sync)

@@ -72,7 +72,7 @@ def alias(base: torch.Tensor, offset: int, shape) -> torch.Tensor:
     """A tensor over ``base``'s storage with its own version counter.
 
     Writing into ``base`` (a gather into a weight buffer) then never trips autograd's
-    saved-tensor version check on tensors that alias it. See [Note: buffer aliases] in engine.py.
+    saved-tensor version check on tensors that alias it. See [Note: buffer aliases] in runtime.py.
     """
     shape = torch.Size(shape)
     stride = torch.empty(shape, device="meta").stride()

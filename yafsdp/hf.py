@@ -17,7 +17,8 @@ import os
 import shutil
 
 import torch
-import torch.distributed as dist
+
+from .dist import raise_together
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -82,11 +83,7 @@ def load_hf_weights(model, path: str) -> None:
             sd = read_hf_state_dict(path)
         except HFCheckpointError as e:
             problem = str(e)
-    box = [problem]
-    src = dist.get_global_rank(model.process_group, 0) if model.process_group is not dist.group.WORLD else 0
-    dist.broadcast_object_list(box, src=src, group=model.process_group)
-    if box[0]:
-        raise HFCheckpointError(box[0])
+    raise_together(problem, model.process_group, HFCheckpointError)
     try:
         model.load_full_state_dict(sd if model.rank == 0 else None)
     except ValueError as e:

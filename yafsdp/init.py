@@ -82,17 +82,16 @@ def init_shards_(model, rule: InitRule, seed: int = 0) -> None:
     Not collective: each rank computes only its own slice. Values do not depend on the world size
     (see [Note: world-size independent init]). Padding is left at zero. Clears ``needs_load``."""
     index = 0
-    for unit in model.flat_units:
-        lay = unit.layout
-        lo, hi = lay.shard_start, lay.shard_start + lay.shard_numel  # this rank's slice of the flat unit
-        shard = unit.flat_param.detach()  # 1-D fp32, shard_numel; writing bumps its version
+    for info in model.shard_info():
+        lo, hi = info.shard_start, info.shard_start + info.shard_numel  # this rank's slice of the flat unit
+        shard = info.param.detach()  # 1-D fp32, shard_numel; writing bumps its version
         shard.zero_()
-        for p in lay.params:
-            a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
+        for name, shape, offset in zip(info.param_names, info.param_shapes, info.param_offsets):
+            a, b = max(lo, offset), min(hi, offset + torch.Size(shape).numel())
             if a < b:
-                _fill(shard[a - lo:b - lo], p.fqn, p.shape, a - p.offset, rule, seed, index)
+                _fill(shard[a - lo:b - lo], name, shape, a - offset, rule, seed, index)
             index += 1
-    model.needs_load = False
+    model.mark_loaded()
 
 
 def _fill(out: torch.Tensor, name: str, shape, start: int, rule: InitRule, seed: int, param_index: int):

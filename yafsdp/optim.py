@@ -7,17 +7,18 @@ Same constructor, defaults, param-group options and ``state_dict()`` format as
 parameter (``yafsdp.kernels.adamw_step_``) reading param, grad, exp_avg, exp_avg_sq and writing
 param, exp_avg, exp_avg_sq: 28 bytes per fp32 parameter.
 
-With a YaFSDP model (``param_dtype`` other than fp32) each flat master shard ``p`` carries
-``p._yafsdp_compute_copy``, the ``param_dtype`` all-gather input. The kernel writes it in the
-same pass (30 bytes per parameter with bf16) and then calls ``p._yafsdp_copy_written()``, so the
-engine skips its own cast pass for that unit. See [Note: copy-out contract].
+With a YaFSDP model (``param_dtype`` other than fp32) each flat master shard ``p`` has a
+registered copy-out (``yafsdp.shards.copy_out_of(p)``): the ``param_dtype`` all-gather input.
+The kernel writes it in the same pass (30 bytes per parameter with bf16) and then tells the
+engine, which skips its own cast pass for that unit. See [Note: copy-out contract].
 
 [Note: copy-out contract]
-For each parameter with a gradient: if ``getattr(p, "_yafsdp_compute_copy", None)`` is a tensor,
-it must be contiguous with ``p.numel()`` elements on ``p``'s device; the step writes
-``p.to(copy.dtype)`` into it and then calls ``p._yafsdp_copy_written()`` (no arguments). The
-engine records ``p._version`` at that call; any later in-place change of ``p`` bumps the version
-and makes the engine cast again. Parameters without the attribute get a plain AdamW step.
+For each parameter with a gradient: if ``yafsdp.shards.copy_out_of(p)`` is set (registered with
+``yafsdp.shards.set_copy_out(p, copy, written)``), ``copy`` must be contiguous with ``p.numel()``
+elements on ``p``'s device; the step writes ``p.to(copy.dtype)`` into it and then calls
+``written()`` (no arguments). The engine records ``p._version`` at that call; any later in-place
+change of ``p`` bumps the version and makes the engine cast again. Parameters without a
+registered copy-out get a plain AdamW step.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import kernels
+from . import kernels, shards
 
 __all__ = ["FusedAdamW"]
 
@@ -173,7 +174,8 @@ class FusedAdamW(torch.optim.Optimizer):
             if not use_twin:
                 self._warn_fallback(work)
             for p, grad, state in work:
-                copy = getattr(p, "_yafsdp_compute_copy", None)
+                out = shards.copy_out_of(p)
+                copy = out.copy if out is not None else None
                 if copy is not None:
                     _check_copy(p, copy)
                 args = dict(
@@ -191,8 +193,8 @@ class FusedAdamW(torch.optim.Optimizer):
                     )
                 else:
                     kernels.adamw_step_(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], **args)
-                if copy is not None:
-                    p._yafsdp_copy_written()
+                if out is not None:
+                    out.written()
         return loss
 
     def _warn_fallback(self, work) -> None:
@@ -246,7 +248,7 @@ def _check_copy(p: torch.Tensor, copy: torch.Tensor) -> None:
         and copy.dtype in _GRAD_DTYPES
     ):
         raise ValueError(
-            "p._yafsdp_compute_copy must be a contiguous float32/bfloat16/float16 tensor with "
+            "the copy-out registered for p (yafsdp.shards.set_copy_out) must be a contiguous float32/bfloat16/float16 tensor with "
             f"p.numel()={p.numel()} elements on {p.device}; got "
             + (
                 f"dtype={copy.dtype} numel={copy.numel()} device={copy.device} "
@@ -255,8 +257,6 @@ def _check_copy(p: torch.Tensor, copy: torch.Tensor) -> None:
                 else repr(type(copy))
             )
         )
-    if not callable(getattr(p, "_yafsdp_copy_written", None)):
-        raise ValueError("a parameter with _yafsdp_compute_copy must have a callable _yafsdp_copy_written")
 
 
 def _lr_for(lr: float | torch.Tensor, p: torch.Tensor) -> float | torch.Tensor:

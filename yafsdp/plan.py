@@ -5,7 +5,7 @@
     python -m yafsdp.plan --preset llama3-8b --world-size 64 --param-dtype bf16 --batch 1 --seq 8192
 
 [Note: one plan, one allocator]
-The engine's buffers are sized by :func:`plan_slots` and nothing else: ``YaFSDP._allocate`` calls
+The engine's buffers are sized by :func:`plan_slots` and nothing else: ``Runtime._allocate`` calls
 it, and the plan of a model that has never been wrapped calls it on layouts built by the engine's
 own unit discovery (``units.discover``) and ``FlatLayout.build``. So the plan equals what the
 engine allocates, byte for byte (tests/test_plan.py checks it against ``allocated_bytes()``).
@@ -178,7 +178,7 @@ class UnitRow:
     weight_slot: str
     grad_slot: str
     outsized: bool
-    weight_free_bw: bool = False  # ZeRO-3 skips its backward re-gather (engine.py [Note: weight-free backward])
+    weight_free_bw: bool = False  # ZeRO-3 skips its backward re-gather (runtime.py [Note: weight-free backward])
 
 
 @dataclass
@@ -369,7 +369,9 @@ def memory_plan(
     given here. ``batch`` and ``seq`` add the activation estimate (HF causal LMs, or any model
     with ``inputs_fn(batch, seq, device) -> kwargs``). ``optimizer``: a name in
     ``OPTIMIZER_BYTES`` or bytes of state per shard element."""
-    if getattr(model, "_is_yafsdp", False) and hasattr(model, "slot_plan"):
+    from .api import YaFSDP
+
+    if isinstance(model, YaFSDP):
         eng = model
         names = [u.name for u in eng.units]
         layouts = [u.layout for u in eng.units]

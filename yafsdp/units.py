@@ -13,11 +13,21 @@ Rules (see README "Units"):
 """
 from __future__ import annotations
 
+import weakref
+
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from .flat import ParamInfo
+
+
+_WRAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules wrapped by a YaFSDP (and the wrappers)
+
+
+def mark_wrapped(module: nn.Module) -> None:
+    """Remember that ``module`` is (or is inside) a YaFSDP: wrapping it again is refused."""
+    _WRAPPED.add(module)
 
 
 class WrapError(ValueError):
@@ -57,7 +67,7 @@ def _already_wrapped(root: nn.Module) -> str | None:
     except ImportError:  # pragma: no cover
         pass
     for name, m in root.named_modules():
-        if getattr(m, "_is_yafsdp", False):
+        if m in _WRAPPED:
             return f"module {name or '<root>'!r} is already wrapped by yafsdp.YaFSDP"
         for cls, what in kinds:
             if isinstance(m, cls):

@@ -1,0 +1,250 @@
+"""``YaFSDP``: the public face of the engine — arguments, forward, optimizer groups, clipping,
+state dicts and introspection. The work is done elsewhere:
+
+- units.py discovers the units; flat.py lays each out as a flat padded tensor;
+- runtime.py owns the shards and buffers and runs the step protocol; autograd.py drives it
+  from autograd nodes and module hooks; comm.py orders it on CUDA streams or gloo handles;
+- state_dict.py gathers and loads the full state dict and materialises the shards at wrap time.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import shards
+from .autograd import gate_small_group, in_backward, install_hooks
+from .comm import make_schedule
+from .plan import unit_align
+from .runtime import Runtime, install_optimizer_hooks
+from .state_dict import StateDictKeys, gather_full, load_full, materialize
+from .units import discover, mark_wrapped
+
+__all__ = ["YaFSDP"]
+
+
+class YaFSDP(nn.Module):
+    """Shard ``module`` over ``process_group`` unit by unit (see README for the contract)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        units: list[nn.Module] | None = None,
+        process_group=None,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        zero_stage: int = 3,
+        device: torch.device | str | None = None,
+        align_bytes: int = 16,
+        outsized_ratio: float = 1.5,
+    ):
+        super().__init__()
+        if zero_stage not in (2, 3):
+            raise ValueError(f"yafsdp.YaFSDP: zero_stage={zero_stage!r} is not supported; use 2 or 3")
+        for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if dt is None and what == "param_dtype":
+                continue
+            if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+                raise ValueError(f"yafsdp.YaFSDP: {what}={dt!r} is not a floating-point torch.dtype")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "yafsdp.YaFSDP needs torch.distributed: call torch.distributed.init_process_group() first "
+                "(launch with torchrun; gloo on CPU, nccl on GPU)"
+            )
+        group = process_group if process_group is not None else dist.group.WORLD
+        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+            raise ValueError(
+                f"yafsdp.YaFSDP: the current rank (global rank {dist.get_rank()}) is not in process_group"
+            )
+        self.process_group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.device = _resolve_device(device, group)
+        self.zero_stage = zero_stage
+        self.param_dtype = param_dtype
+        self.compute_dtype = param_dtype or torch.float32
+        self.reduce_dtype = reduce_dtype
+
+        specs, small = discover(module, units)
+        self._keys = StateDictKeys(module, specs, small)  # before any surgery
+        # How gathers and reduces are ordered against compute: CUDA streams and events, or gloo
+        # work handles. See [Note: streams and events] in comm.py.
+        self.schedule = make_schedule(self.device, group)
+        self._rt = Runtime(
+            specs, small, schedule=self.schedule, world_size=self.world_size, rank=self.rank, device=self.device,
+            compute_dtype=self.compute_dtype, reduce_dtype=reduce_dtype, zero_stage=zero_stage,
+            align=unit_align(self.compute_dtype, reduce_dtype, align_bytes), outsized_ratio=outsized_ratio,
+        )
+        self.flat = self._rt.flat  # the flat master shards, registered as this module's parameters
+        self.module = module
+        mark_wrapped(module)
+        mark_wrapped(self)
+        self._needs_load = materialize(self._rt, module, group, self.rank, self.world_size)
+        install_hooks(self._rt)
+        install_optimizer_hooks()  # See [Note: optimizers that do not bump versions] in runtime.py
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args, **kwargs):
+        if self._needs_load:
+            raise RuntimeError(
+                "yafsdp.YaFSDP: the model was built on the meta device and its shards hold no values yet; "
+                "fill them first with model.load_full_state_dict(sd), yafsdp.init.init_shards_(model, rule), "
+                "yafsdp.hf.load_hf_weights(model, path) or yafsdp.checkpoint.load_checkpoint(path, model)"
+            )
+        rt = self._rt
+        small = rt.begin_forward()
+        if small:
+            gate_small_group(rt, small)
+        ok = False
+        try:
+            out = self.module(*args, **kwargs)
+            ok = True
+            return out
+        finally:
+            rt.end_forward(ok, in_backward())
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None or name == "module":
+                raise
+            return getattr(inner, name)
+
+    @property
+    def recorder(self):
+        """A ``yafsdp.trace.Recorder`` collecting what ran when, or None (the default)."""
+        return self.schedule.recorder
+
+    @recorder.setter
+    def recorder(self, rec):
+        self.schedule.recorder = rec
+
+    # ------------------------------------------------------------------ training
+    def param_groups(self, weight_decay: float, small_weight_decay: float = 0.0, **options) -> list[dict]:
+        """Two optimizer param groups: every unit's shard with ``weight_decay``, and the small group
+        (all 1-D parameters: norm weights and biases) with ``small_weight_decay``."""
+        big = [u.flat_param for u in self._rt.units]
+        groups = [dict(params=big, weight_decay=weight_decay, **options)] if big else []
+        if self._rt.small is not None:
+            groups.append(dict(params=[self._rt.small.flat_param], weight_decay=small_weight_decay, **options))
+        return groups
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of all shards together; returns the total norm (unsharded value)."""
+        norm_type = float(norm_type)
+        grads = [u.flat_param.grad for u in self._rt.all if u.flat_param.grad is not None]
+        if norm_type == float("inf"):
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=self.device)
+            local = local.float()
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
+            total = local
+        else:
+            if grads:
+                local = torch.stack([n.float() ** norm_type for n in torch._foreach_norm(grads, norm_type)]).sum()
+            else:
+                local = torch.zeros((), device=self.device)
+            dist.all_reduce(local, group=self.process_group)
+            total = local ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef)
+        return total
+
+    # ------------------------------------------------------------------ state dicts
+    def check_idle(self, what: str) -> None:
+        """Raise unless the engine is between steps (no forward or backward running)."""
+        if not self._rt.idle:
+            raise RuntimeError(f"yafsdp.YaFSDP.{what} called during forward/backward; call it between steps")
+
+    @property
+    def needs_load(self) -> bool:
+        """True while the shards hold no values yet (the model was built on the meta device):
+        fill them with ``load_full_state_dict``, ``yafsdp.init``, ``yafsdp.hf`` or a checkpoint."""
+        return self._needs_load
+
+    def mark_loaded(self) -> None:
+        """Every shard and buffer now holds the values to train with. The loaders call it; call it
+        yourself only when zero-filled shards are what you want (a speed or memory benchmark)."""
+        self._needs_load = False
+        self._rt.invalidate_buffers()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective. Rank 0: the original module's state_dict (same keys, shapes, dtypes) on CPU;
+        other ranks: {}. Gathers one unit at a time."""
+        self.check_idle("full_state_dict")
+        return gather_full(self._rt, self._keys, self.process_group, self.rank)
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor] | None):
+        """Collective inverse of :meth:`full_state_dict`: rank 0's dict goes to every rank's shards.
+        Other ranks may pass ``None`` or ``{}``. Checked on rank 0 first; nothing is modified on error."""
+        self.check_idle("load_full_state_dict")
+        load_full(self._rt, self._keys, state_dict, self.process_group, self.rank, self.world_size)
+        self.mark_loaded()
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def flat_units(self):
+        """Every flat unit in order, the small group (if any) last."""
+        return list(self._rt.all)
+
+    @property
+    def units(self):
+        """The units in order (the small group not included)."""
+        return list(self._rt.units)
+
+    @property
+    def small(self):
+        """The small group (every 1-D parameter of every unit as one flat unit), or None."""
+        return self._rt.small
+
+    @property
+    def weight_slots(self):
+        return self._rt.weight_slots
+
+    @property
+    def grad_slots(self):
+        return self._rt.grad_slots
+
+    @property
+    def slot_plan(self):
+        return self._rt.slot_plan
+
+    def shard_info(self) -> list[shards.ShardInfo]:
+        """Per flat shard (as named by ``named_parameters()``): its unit and this rank's slice.
+
+        The first ``numel`` elements of a unit's flat layout do not depend on the world size (the
+        padding after them does), which is what lets a sharded checkpoint be resharded."""
+        return [shards.info_of(u.flat_param) for u in self._rt.all]
+
+    def memory_plan(self, **activation_options):
+        """Bytes per rank by role; see yafsdp.plan."""
+        from .plan import memory_plan
+
+        return memory_plan(self, **activation_options)
+
+    def owned_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the engine allocated on this rank, by role: the flat master, grad and
+        compute-copy shards of all units (one tensor each) and the weight and grad buffers."""
+        return self._rt.owned_tensors()
+
+    def allocated_bytes(self) -> dict[str, int]:
+        """Bytes of every tensor the engine allocated on this rank, by role."""
+        out = {k: t.numel() * t.element_size() for k, t in self.owned_tensors().items()}
+        out.setdefault("compute_copy", 0)
+        return out
+
+
+def _resolve_device(device, group) -> torch.device:
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

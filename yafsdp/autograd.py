@@ -1,0 +1,160 @@
+"""The autograd nodes and module hooks that drive the runtime's step protocol.
+
+[Note: the backward gate]
+``_Gate`` is the autograd node that owns a unit's weights for one use. Its backward runs exactly
+once, after every gradient with respect to the unit's weights has been computed (autograd runs a
+node when all of its outputs' gradients are in), whatever the unit's inputs and keyword arguments
+are: it is the reliable "unit backward done" point. There the grads are written into the grad
+buffer and the reduce-scatter is issued. ``_PreBackward`` sits on a unit's outputs and runs
+before any of the unit's backward: it re-gathers (ZeRO-3) and prefetches the unit that ran
+before it in forward. The first of them to run in a backward queues the end-of-backward
+callback (``Runtime.finalize_backward``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .runtime import Runtime
+from .unit import Unit
+from .units import Member
+
+__all__ = ["in_backward", "install_hooks", "gate_small_group"]
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _queue_finalize(rt: Runtime) -> None:
+    if rt.enter_backward():
+        torch.autograd.Variable._execution_engine.queue_callback(rt.finalize_backward)
+
+
+class _Gate(torch.autograd.Function):
+    """See [Note: the backward gate]."""
+
+    @staticmethod
+    def forward(ctx, rt, unit, pidx, anchor, *aliases):
+        ctx.rt, ctx.unit, ctx.pidx = rt, unit, pidx
+        ctx.set_materialize_grads(False)
+        return tuple(a.view_as(a) for a in aliases)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rt, unit = ctx.rt, ctx.unit
+        _queue_finalize(rt)
+        if rt.schedule.recorder is not None and unit.bw_interval is not None:
+            rt.schedule.recorder.compute_end(unit.bw_interval)
+            unit.bw_interval = None
+        rt.post_backward(unit, ctx.pidx, grads)
+        return (None, None, None, None) + (None,) * len(grads)
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a unit's outputs; its backward runs before the unit's backward."""
+
+    @staticmethod
+    def forward(ctx, rt, unit, prev, *tensors):
+        ctx.rt, ctx.unit, ctx.prev = rt, unit, prev
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rt, unit = ctx.rt, ctx.unit
+        _queue_finalize(rt)
+        rt.pre_backward(unit, ctx.prev)
+        if rt.schedule.recorder is not None:  # after the wait: waiting for the gather is not compute
+            unit.bw_interval = rt.schedule.recorder.compute_start("backward", unit.name)
+        return (None, None, None) + grads
+
+
+def _attach_pre_backward(rt: Runtime, unit: Unit, prev: Unit | None, output):
+    """Route every grad-requiring tensor of ``output`` through one _PreBackward node."""
+    leaves, spec = tree_flatten(output)
+    idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not idx:
+        return output
+    outs = _PreBackward.apply(rt, unit, prev, *[leaves[i] for i in idx])
+    for i, t in zip(idx, outs):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
+
+
+@dataclass
+class _MemberIndex:
+    """A member's distinct parameter indices and where each attribute finds its tensor."""
+
+    pidx: list[int]
+    slots: list[tuple[nn.Module, str, int]]  # (owner, attr, position in pidx)
+
+    @classmethod
+    def of(cls, member: Member) -> "_MemberIndex":
+        pidx: list[int] = []
+        slots = []
+        for owner, attr, idx in member.assignments:
+            if idx not in pidx:
+                pidx.append(idx)
+            slots.append((owner, attr, pidx.index(idx)))
+        return cls(pidx, slots)
+
+
+def gate_small_group(rt: Runtime, tensors: list) -> None:
+    """Hand the small group's gathered tensors to their modules (through a gate when training)."""
+    small = rt.small
+    if torch.is_grad_enabled():
+        tensors = _Gate.apply(rt, small, range(len(small.params)), small.anchor, *tensors)
+    for p, t in zip(small.params, tensors):
+        for owner, attr in p.owners:
+            owner.__dict__[attr] = t
+
+
+def _pre_hook(rt: Runtime, unit: Unit, index: _MemberIndex):
+    def pre_hook(module, args, kwargs):
+        if in_backward():  # activation-checkpoint recompute: weights must be there, nothing else
+            owner, attr, _ = index.slots[0]
+            if torch.is_grad_enabled() and not owner.__dict__[attr].requires_grad:
+                raise RuntimeError(
+                    f"yafsdp: unit {unit.name!r} is recomputed in backward but its forward ran without "
+                    "autograd: reentrant activation checkpointing is not supported; use "
+                    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+                )
+            rt.unit_recompute(unit)
+            return None
+        rt.unit_forward(unit)
+        if rt.schedule.recorder is not None:  # after the wait: waiting for the gather is not compute
+            unit.fw_interval = rt.schedule.recorder.compute_start("forward", unit.name)
+        tensors = [unit.aliases[i] for i in index.pidx]
+        if torch.is_grad_enabled():
+            tensors = _Gate.apply(rt, unit, index.pidx, unit.anchor, *tensors)
+        for owner, attr, pos in index.slots:
+            owner.__dict__[attr] = tensors[pos]
+        return None
+
+    return pre_hook
+
+
+def _post_hook(rt: Runtime, unit: Unit):
+    def post_hook(module, args, kwargs, output):
+        if in_backward():
+            return None
+        if rt.schedule.recorder is not None and unit.fw_interval is not None:
+            rt.schedule.recorder.compute_end(unit.fw_interval)
+            unit.fw_interval = None
+        if rt.zero_stage == 3 and torch.is_grad_enabled():
+            output = _attach_pre_backward(rt, unit, rt.previous_in_forward(), output)
+        unit.slot.release()
+        return output
+
+    return post_hook
+
+
+def install_hooks(rt: Runtime) -> None:
+    """A forward pre-hook and post-hook on every member module of every unit."""
+    for u in rt.units:
+        for m in u.members:
+            m.module.register_forward_pre_hook(_pre_hook(rt, u, _MemberIndex.of(m)), with_kwargs=True)
+            m.module.register_forward_hook(_post_hook(rt, u), with_kwargs=True)

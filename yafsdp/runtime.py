@@ -1,0 +1,353 @@
+"""The engine's runtime: the units' shards and buffers, and the step protocol over them.
+
+:class:`Runtime` allocates every tensor the engine owns (one fp32 master, one fp32 grad and one
+compute-copy tensor for all units, then the weight and grad buffers the plan sizes) and runs the
+protocol of a step: the cast pass, the gathers with their prefetch, the gradients' reduce and
+fold, and the end of backward. It calls the buffers' methods (buffers.py) and the schedule
+(comm.py); the autograd nodes and module hooks that drive it are in autograd.py.
+
+[Note: buffer aliases]
+During forward and backward a unit's parameters are *aliases* of its weight buffer: tensors made
+once at wrap time over the buffer's storage (``flat.alias``), each with its own version counter.
+The gate returns views of them, which the modules use as their weights. A gather writes into the
+buffer through the buffer tensor itself, which bumps only the buffer's version counter, so
+autograd's saved-tensor check never fires when ZeRO-3 re-gathers a unit into the same place for
+backward. The same holds for the fp32 master shards: each unit's ``nn.Parameter`` aliases one big
+local tensor (one cast pass per step) but keeps its own version, which is how the engine tells
+which shards changed since their compute copy was written.
+
+[Note: optimizers that do not bump versions]
+The engine knows a master shard changed (so its compute copy must be cast again and a buffer
+still holding its gathered weights is stale) from the shard's version counter. torch's fused
+optimizers (``AdamW(fused=True)``, ``Adam(fused=True)``, ``SGD(fused=True)``) update parameters
+in place *without* bumping it, which would leave the engine computing with the weights of the
+previous step. A process-wide optimizer step pre/post hook pair (installed by the first
+``YaFSDP``) closes the gap: every yafsdp master shard with a gradient whose version an
+optimizer step left unchanged gets its version bumped. Optimizers that do bump (foreach/for-loop
+torch optimizers, ``yafsdp.FusedAdamW``) are untouched.
+
+[Note: weight-free backward]
+Some units' backward reads none of their weights: a plain ``nn.Embedding`` computes its weight
+gradient from the indices and the output gradient alone, and its integer input has no gradient
+(``units.weight_free_backward`` says which units qualify: every module using the parameters is
+a plain dense embedding, so not a tied head). ZeRO-3 does not re-gather such a unit for backward
+and does not prefetch it there: for a Llama embedding that is one unit-sized all-gather less per
+step, at the very end of backward where nothing is left to hide it behind. The views handed to
+the embedding in forward are not saved by autograd (the embedding saves only its indices), so
+the buffer may hold another unit's weights by then. Its grads are written and reduced as usual.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from . import kernels, shards
+from .buffers import GradSlot, WeightSlot
+from .comm import Schedule
+from .flat import FlatLayout, alias
+from .plan import plan_slots
+from .trace import span
+from .unit import FlatGroup, Phase, Unit, trainable_kind
+from .units import UnitSpec, weight_free_backward
+
+__all__ = ["Runtime"]
+
+
+class Runtime:
+    """Shards, buffers and the step protocol of one wrapped model."""
+
+    def __init__(self, specs: list[UnitSpec], small: list, *, schedule: Schedule, world_size: int, rank: int,
+                 device: torch.device, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, zero_stage: int,
+                 align: int, outsized_ratio: float):
+        self.schedule = schedule
+        self.world_size = world_size
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self.zero_stage = zero_stage
+        kind = trainable_kind(compute_dtype)
+
+        def unit(name, index, params, members):
+            return Unit(name, index, [FlatGroup(kind, FlatLayout.build(params, world_size, rank, align))], members)
+
+        self.units: list[Unit] = [unit(s.name, i, s.params, s.members) for i, s in enumerate(specs)]
+        for u, s in zip(self.units, specs):
+            u.weight_free_bw = weight_free_backward(s)
+        self.small: Unit | None = unit("small_group", len(self.units), small, []) if small else None
+        self.all: list[Unit] = self.units + ([self.small] if self.small else [])
+        self.phase = Phase.IDLE
+        self.order: list[Unit] = []  # units in the order of the last forward (the prefetch plan)
+        self.trace: list[Unit] = []  # units used so far in the current forward
+        # The compute copies changed since the schedule was last told (the optimizer wrote them):
+        # the next step entry records the schedule's copies-ready point. See ensure_step_ready.
+        self.copies_changed = True
+        self._allocate(outsized_ratio)
+
+    # ------------------------------------------------------------------ allocation
+    def _allocate(self, outsized_ratio: float):
+        """Local shards (one tensor each for all units), then the weight and grad buffers."""
+        dev = self.device
+        total = sum(u.layout.shard_numel for u in self.all)
+        # 1-D fp32: every unit's master shard end to end (one cast pass covers all of them).
+        self.master = torch.zeros(total, dtype=torch.float32, device=dev)
+        # 1-D fp32: every unit's grad shard; each shard's .grad aliases its slice.
+        self.grad = torch.zeros(total, dtype=torch.float32, device=dev)
+        # 1-D param_dtype: the compute copies (all-gather inputs); the master itself in fp32.
+        self.compute = (
+            self.master if self.compute_dtype == torch.float32
+            else torch.zeros(total, dtype=self.compute_dtype, device=dev)
+        )
+        self.flat = nn.Module()  # holds the flat master shards as registered parameters
+        off = 0
+        for u in self.all:
+            g = u.group
+            n = g.layout.shard_numel
+            g.shard = nn.Parameter(alias(self.master, off, (n,)))
+            g.grad_shard = alias(self.grad, off, (n,))
+            g.compute = self.compute[off:off + n]
+            u.anchor = torch.empty(0, device=dev, requires_grad=True)
+            attr = u.name.replace(".", "_")
+            self.flat.register_parameter(attr, g.shard)
+            shards.register(shards.ShardInfo(
+                name=f"flat.{attr}", unit=u.name, kind=g.kind.name, param_names=[p.fqn for p in g.params],
+                param_shapes=[tuple(p.shape) for p in g.params], param_offsets=[p.offset for p in g.params],
+                numel=g.layout.numel, padded_numel=g.layout.padded_numel, shard_start=g.layout.shard_start,
+                shard_numel=n, param=g.shard,
+            ))
+            if self.compute is not self.master:
+                shards.set_copy_out(g.shard, g.compute, self._copy_written_cb(g))
+            off += n
+
+        # Buffer sizes come from the plan, so yafsdp.plan can report them without allocating.
+        # See [Note: one plan, one allocator] in plan.py.
+        self.slot_plan = plan = plan_slots(
+            [u.name for u in self.units], [u.layout for u in self.units],
+            self.small.layout if self.small is not None else None,
+            compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
+            zero_stage=self.zero_stage, outsized_ratio=outsized_ratio,
+        )
+        self.grad_slots: list[GradSlot] = [
+            GradSlot(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule) for s in plan.grad
+        ]
+        self.weight_slots: list[WeightSlot] = [
+            WeightSlot(s.name, s.capacity, s.dtype, dev, self.schedule) for s in plan.weight
+        ]
+        for u, w, g in zip(self.all, plan.weight_of, plan.grad_of):
+            u.slot, u.grad_slot = self.weight_slots[w], self.grad_slots[g]
+        for u, big in zip(self.units, plan.outsized):
+            u.outsized = big
+        for u in self.all:
+            u.aliases = [alias(u.slot.data, g.buffer_offset + p.offset, p.shape) for g in u.groups for p in g.params]
+
+    def _copy_written_cb(self, group: FlatGroup):
+        me = weakref.ref(self)
+
+        def copy_written():  # the optimizer wrote the compute copy, on the compute side
+            group.mark_cast()
+            rt = me()
+            if rt is not None:
+                rt.copies_changed = True
+
+        return copy_written
+
+    def owned_tensors(self) -> dict[str, torch.Tensor]:
+        out = {"master": self.master, "grad": self.grad}
+        if self.compute is not self.master:
+            out["compute_copy"] = self.compute
+        for s in self.weight_slots:
+            out[s.name] = s.data
+        for s in self.grad_slots:
+            out[s.name] = s.data
+            out[s.name + "_staging"] = s.staging
+        return out
+
+    def fp32_scratch(self, unit: Unit) -> torch.Tensor:
+        """fp32 room for one gathered unit: its grad buffer when that is fp32 and idle, else a temporary."""
+        n = unit.layout.padded_numel
+        gs = unit.grad_slot
+        if gs is not None and gs.data.dtype == torch.float32 and gs.capacity >= n and not gs.reduce_pending:
+            return gs.data[:n]
+        return torch.empty(n, dtype=torch.float32, device=self.device)
+
+    def invalidate_buffers(self) -> None:
+        """The shards were loaded anew: no weight buffer holds a current unit."""
+        for s in self.weight_slots:
+            s.invalidate()
+
+    @property
+    def idle(self) -> bool:
+        return self.phase is not Phase.BACKWARD and not any(s.busy for s in self.weight_slots)
+
+    # ------------------------------------------------------------------ forward
+    def begin_forward(self) -> list:
+        """A root forward starts: the cast pass, then the small group (returns its tensors)."""
+        self.trace = []
+        self.phase = Phase.FORWARD if self.phase is Phase.IDLE else self.phase
+        self.ensure_step_ready()
+        small = self.small
+        if small is None:
+            return []
+        if not small.slot.holds(small):
+            small.slot.gather(small)
+        if self.order:  # the first unit's gather goes out before the wait for the (tiny) small group
+            self.order[0].slot.prefetch(self.order[0])
+        small.slot.wait()
+        return small.aliases
+
+    def end_forward(self, ok: bool, in_backward: bool) -> None:
+        if ok and self.trace:
+            self.order = self.trace
+        if not ok and not in_backward:  # an exception inside forward: drop every hold
+            for s in self.weight_slots:
+                s.drop_uses()
+        if self.phase is Phase.FORWARD:
+            self.phase = Phase.IDLE
+
+    def ensure_step_ready(self) -> None:
+        """The cast pass: fp32 master -> compute copy for every shard changed since last written;
+        then, if any compute copy changed (cast here, or written by the optimizer), the schedule's
+        copies-ready point, which every later gather waits for."""
+        stale = [u for u in self.all if u.group.stale]
+        if not stale:
+            if self.copies_changed:
+                self.copies_changed = False
+                self.schedule.copies_written()
+            return
+        with torch.no_grad():
+            if self.compute is not self.master:
+                with span("cast", "all" if len(stale) == len(self.all) else f"{len(stale)} units"):
+                    if len(stale) == len(self.all):
+                        kernels.cast_(self.compute, self.master)
+                    else:
+                        for u in stale:
+                            kernels.cast_(u.compute, u.flat_param.detach())
+            for u in stale:
+                u.group.mark_cast()
+        self.copies_changed = False
+        self.schedule.copies_written()
+
+    def unit_forward(self, unit: Unit) -> None:
+        """Before a unit's forward: its weights gathered (the next unit's gather issued first)."""
+        self.ensure_step_ready()
+        unit.slot.acquire(unit)
+        self.trace.append(unit)
+        pos = len(self.trace)
+        if self.order and pos < len(self.order) and self.order[pos - 1] is unit:
+            nxt = self.order[pos]
+            nxt.slot.prefetch(nxt)
+        unit.slot.wait()
+
+    def unit_recompute(self, unit: Unit) -> None:
+        """An activation-checkpoint recompute inside backward: the weights must be there."""
+        if not unit.bw_held:
+            unit.slot.acquire(unit)
+            unit.bw_held = True
+        unit.slot.wait()
+
+    def previous_in_forward(self) -> Unit | None:
+        return self.trace[-2] if len(self.trace) >= 2 else None
+
+    # ------------------------------------------------------------------ backward
+    def enter_backward(self) -> bool:
+        """A backward touched the engine; True the first time (the caller queues finalize)."""
+        if self.phase is Phase.BACKWARD:
+            return False
+        self.phase = Phase.BACKWARD
+        return True
+
+    def pre_backward(self, unit: Unit, prev: Unit | None) -> None:
+        """Before a unit's backward (ZeRO-3): re-gather it, prefetch the unit before it."""
+        needs_weights = not unit.weight_free_bw  # See [Note: weight-free backward]
+        if needs_weights and not unit.bw_held:
+            unit.slot.acquire(unit)
+            unit.bw_held = True
+        if prev is not None and not prev.weight_free_bw:
+            prev.slot.prefetch(prev)  # after the acquire, before the wait: the next gather goes out first
+        if needs_weights:
+            unit.slot.wait()
+
+    def post_backward(self, unit: Unit, pidx, grads) -> None:
+        """A unit's backward is done: weights released, grads into the grad buffer, reduce issued."""
+        if self.zero_stage == 3 and unit is not self.small and not unit.weight_free_bw and not unit.slot.holds(unit):
+            raise RuntimeError(
+                f"yafsdp: unit {unit.name!r} reached its backward without its weights gathered; its output "
+                "escaped the engine's pre-backward hook (return tensors, tuples, lists or dicts from the unit)"
+            )
+        if self.zero_stage == 3 and unit.bw_held:
+            # Every node that reads the weights has run: release them first, so a gather deferred
+            # on this buffer is issued ahead of this unit's reduce and does not queue behind it.
+            unit.bw_held = False
+            unit.slot.release()
+        lay = unit.layout
+        buf = unit.grad_slot.begin_write(lay.padded_numel)
+        with torch.no_grad(), span("grads", unit.name):
+            if len(pidx) == len(unit.params):
+                buf[lay.numel:].zero_()
+            else:
+                buf.zero_()
+            for i, g in zip(pidx, grads):
+                p = unit.params[i]
+                dst = buf[p.offset:p.offset + p.numel]
+                if g is None:
+                    dst.zero_()
+                else:
+                    dst.view(p.shape).copy_(g)
+        self._reduce(unit)
+
+    def _reduce(self, unit: Unit) -> None:
+        p = unit.flat_param
+        fresh = p.grad is None
+        if fresh:
+            p.grad = unit.grad_shard
+        target = p.grad
+        scale = 1.0 / self.world_size
+
+        def fold(reduced: torch.Tensor) -> None:
+            """grad shard (+)= reduced sum / world: the one post-divide."""
+            with torch.no_grad():
+                if fresh:
+                    kernels.cast_(target, reduced, scale)  # scaled in fp32, rounded once
+                else:
+                    kernels.accumulate_(target, reduced, scale)
+
+        unit.grad_slot.reduce(unit.name, unit.layout.padded_numel, unit.layout.shard_numel, fold)
+
+    def finalize_backward(self) -> None:
+        """End of backward: every reduce folded, every hold dropped."""
+        for gs in self.grad_slots:
+            gs.finish()
+        for u in self.units:
+            if u.bw_held:
+                u.bw_held = False
+                u.slot.release()
+        for s in self.weight_slots:
+            s.drop_deferred()
+        self.phase = Phase.IDLE
+
+
+_OPTIMIZER_HOOKS: list = []  # the process-wide pair, installed once
+_VERSIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> [(shard, version)]
+
+
+def _versions_before_step(optimizer, args, kwargs):
+    """See [Note: optimizers that do not bump versions]."""
+    _VERSIONS[optimizer] = [
+        (p, p._version) for g in optimizer.param_groups for p in g["params"]
+        if p.grad is not None and shards.info_of(p) is not None
+    ]
+
+
+def _bump_unchanged_after_step(optimizer, args, kwargs):
+    for p, v in _VERSIONS.pop(optimizer, ()):
+        if p._version == v:
+            torch.autograd.graph.increment_version(p)
+
+
+def install_optimizer_hooks() -> None:
+    if not _OPTIMIZER_HOOKS:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        _OPTIMIZER_HOOKS.append(register_optimizer_step_pre_hook(_versions_before_step))
+        _OPTIMIZER_HOOKS.append(register_optimizer_step_post_hook(_bump_unchanged_after_step))

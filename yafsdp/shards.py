@@ -1,0 +1,78 @@
+"""What the engine tells other code about its flat shards: one documented, public protocol.
+
+- :class:`ShardInfo` — per flat shard (a parameter of ``YaFSDP.parameters()``): its unit, group
+  kind, the original parameter names inside it, and this rank's slice of the flat layout. Read
+  it with :func:`info_of` (or ``YaFSDP.shard_info()`` for all of them); checkpoints, init, the
+  plan and the optimizer hooks use nothing else.
+- the copy-out contract (see [Note: copy-out contract] in optim.py): :func:`set_copy_out` tells an
+  optimizer that parameter ``p`` has a ``param_dtype`` copy to be written in its own pass, and
+  whom to tell when it did; :func:`copy_out_of` reads it. The engine registers every trainable
+  shard whose ``param_dtype`` is not fp32; any other engine or test can register its own.
+
+Registrations are keyed by the parameter object and vanish with it.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+__all__ = ["ShardInfo", "CopyOut", "register", "info_of", "set_copy_out", "copy_out_of"]
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One flat shard of a wrapped model (see the module docstring)."""
+
+    name: str  # as named by YaFSDP.named_parameters(), e.g. "flat.model_layers_0"
+    unit: str  # the unit's name (its module path, or "small_group")
+    kind: str  # the flat group's kind ("trainable")
+    param_names: list[str]  # the original parameters inside, in layout order
+    param_shapes: list[tuple[int, ...]]  # their shapes
+    param_offsets: list[int]  # where each starts in the flat layout (elements)
+    numel: int  # elements of the flat layout before padding (independent of the world size)
+    padded_numel: int  # elements of the padded flat layout (a multiple of the world size)
+    shard_start: int  # this rank's slice: [shard_start, shard_start + shard_numel)
+    shard_numel: int
+    param: torch.Tensor = field(repr=False)  # the shard itself (1-D fp32 nn.Parameter)
+
+
+@dataclass(frozen=True)
+class CopyOut:
+    """A parameter's ``param_dtype`` copy, written by the optimizer in its pass."""
+
+    copy: torch.Tensor  # contiguous, p.numel() elements, on p's device
+    written: Callable[[], None]  # called (no arguments) after the optimizer wrote ``copy``
+
+
+_INFO: dict[int, tuple[weakref.ref, ShardInfo]] = {}
+_COPY: dict[int, tuple[weakref.ref, CopyOut]] = {}
+
+
+def _put(table: dict, p: torch.Tensor, value) -> None:
+    key = id(p)
+    table[key] = (weakref.ref(p, lambda _r, key=key, table=table: table.pop(key, None)), value)
+
+
+def _get(table: dict, p: torch.Tensor):
+    entry = table.get(id(p))
+    return entry[1] if entry is not None and entry[0]() is p else None
+
+
+def register(info: ShardInfo) -> None:
+    _put(_INFO, info.param, info)
+
+
+def info_of(p: torch.Tensor) -> ShardInfo | None:
+    """The shard info of ``p``, or None when ``p`` is not a yafsdp shard."""
+    return _get(_INFO, p)
+
+
+def set_copy_out(p: torch.Tensor, copy: torch.Tensor, written: Callable[[], None]) -> None:
+    _put(_COPY, p, CopyOut(copy, written))
+
+
+def copy_out_of(p: torch.Tensor) -> CopyOut | None:
+    return _get(_COPY, p)

@@ -1,0 +1,181 @@
+"""The full (unsharded) state dict: its keys, gathering it, loading it, and the one scatter path
+that wrap-time materialisation and loads share.
+
+:class:`StateDictKeys` remembers, at wrap time and before any module surgery, what each key of the
+original ``module.state_dict()`` refers to: a parameter (a ``ParamInfo`` of some unit) or a buffer
+(module, name). Rank 0 flattens a unit's values into the unit's padded layout in fp32 scratch,
+scatters it over the group (``scatter_unit``) and every rank's master shard receives its slice;
+module buffers are broadcast from rank 0 (``broadcast_buffers``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .dist import raise_together, source_rank
+from .flat import ParamInfo
+from .runtime import Runtime
+from .unit import Unit
+from .units import UnitSpec, WrapError
+
+__all__ = ["StateDictKeys", "gather_full", "load_full", "materialize", "scatter_unit"]
+
+
+class StateDictKeys:
+    """Every key of the original module's state_dict and what it refers to."""
+
+    def __init__(self, module: nn.Module, specs: list[UnitSpec], small: list[ParamInfo]):
+        key_of: dict[int, ParamInfo] = {}
+        for spec in specs:
+            for p in spec.params:
+                key_of[id(p.param)] = p
+        for p in small:
+            key_of[id(p.param)] = p
+        self.entries: list[tuple[str, str, object]] = []  # (key, "param"|"buffer", ParamInfo|(module, name))
+        buf_owner = {}
+        for _, m in module.named_modules(remove_duplicate=False):
+            for bname, b in m._buffers.items():
+                if b is not None:
+                    buf_owner.setdefault(id(b), (m, bname))
+        for key, t in module.state_dict(keep_vars=True).items():
+            if id(t) in key_of:
+                self.entries.append((key, "param", key_of[id(t)]))
+            elif id(t) in buf_owner:
+                self.entries.append((key, "buffer", buf_owner[id(t)]))
+            else:  # pragma: no cover - a module with a custom state_dict
+                raise WrapError(f"state_dict key {key!r} is neither a parameter nor a buffer of the module")
+
+    def validate(self, sd) -> str | None:
+        """None when ``sd`` has exactly the expected keys and shapes, else what is wrong."""
+        if not isinstance(sd, dict):
+            return f"expected a dict on rank 0, got {type(sd).__name__}"
+        names_of: dict[int, list[str]] = {}
+        expected = {}
+        for key, kind, ref in self.entries:
+            expected[key] = ref
+            if kind == "param":
+                names_of.setdefault(id(ref), []).append(key)
+        missing = []
+        for key, kind, ref in self.entries:
+            if key in sd:
+                continue
+            if kind == "param" and any(k in sd for k in names_of[id(ref)]):
+                continue  # a tied alias whose twin is present
+            missing.append(key)
+        unexpected = [k for k in sd if k not in expected]
+        shape_bad = []
+        for key, kind, ref in self.entries:
+            if key not in sd:
+                continue
+            want = ref.shape if kind == "param" else ref[0]._buffers[ref[1]].shape
+            got = tuple(sd[key].shape) if hasattr(sd[key], "shape") else None
+            if got != tuple(want):
+                shape_bad.append(f"{key!r} has shape {got}, expected {tuple(want)}")
+        msgs = []
+        if missing:
+            msgs.append(f"missing keys {missing[:10]}")
+        if unexpected:
+            msgs.append(f"unexpected keys {unexpected[:10]}")
+        if shape_bad:
+            msgs.append("; ".join(shape_bad[:10]))
+        return "; ".join(msgs) if msgs else None
+
+
+def scatter_unit(rt: Runtime, unit: Unit, full: torch.Tensor | None, group, rank: int, world: int) -> None:
+    """Rank 0's ``full`` (fp32, padded_numel) -> every rank's master shard of ``unit``."""
+    out = torch.empty(unit.layout.shard_numel, dtype=torch.float32, device=rt.device)
+    chunks = list(full.chunk(world)) if rank == 0 else None
+    dist.scatter(out, chunks, src=source_rank(group), group=group)
+    unit.flat_param.detach().copy_(out)  # bumps the shard's version: its compute copy is now stale
+
+
+def _broadcast_buffer(b: torch.Tensor, group) -> None:
+    dist.broadcast(b, source_rank(group), group=group)
+
+
+@torch.no_grad()
+def materialize(rt: Runtime, module: nn.Module, group, rank: int, world: int) -> bool:
+    """Rank 0's values into every rank's shards, one unit at a time; then the module surgery
+    (parameters replaced by the buffer aliases). Returns True when something was on the meta
+    device (the model then needs a load: ``load_full_state_dict``, ``yafsdp.init`` or a checkpoint)."""
+    needs_load = False
+    for u in rt.all:
+        if any(p.param.is_meta for p in u.params):
+            needs_load = True  # built on the meta device
+        else:
+            full = None
+            if rank == 0:
+                full = rt.fp32_scratch(u)
+                u.layout.flatten([p.param.detach().to(rt.device, torch.float32) for p in u.params], full)
+            scatter_unit(rt, u, full, group, rank, world)
+        for p, a in zip(u.params, u.aliases):
+            for owner, attr in p.owners:
+                del owner._parameters[attr]
+                owner.__dict__[attr] = a
+            del p.param
+    for _, m in module.named_modules():
+        for bname, b in list(m._buffers.items()):
+            if b is None:
+                continue
+            if b.is_meta:
+                needs_load = True
+                continue
+            b = b.to(rt.device)
+            _broadcast_buffer(b, group)
+            m._buffers[bname] = b
+    return needs_load
+
+
+@torch.no_grad()
+def gather_full(rt: Runtime, keys: StateDictKeys, group, rank: int) -> dict[str, torch.Tensor]:
+    """Collective. Rank 0: the original module's state_dict on CPU; other ranks: {}."""
+    from .collectives import all_gather
+
+    values: dict[int, torch.Tensor] = {}
+    for u in rt.all:
+        full = rt.fp32_scratch(u)
+        all_gather(full, u.flat_param.detach(), group, async_op=False)
+        if rank == 0:
+            for p, v in zip(u.params, u.layout.views(full)):
+                values[id(p)] = v.to("cpu", p.dtype, copy=True)
+    if rank != 0:
+        return {}
+    out = {}
+    for key, kind, ref in keys.entries:
+        if kind == "param":
+            out[key] = values[id(ref)]
+        else:
+            m, bname = ref
+            out[key] = m._buffers[bname].detach().to("cpu", copy=True)
+    return out
+
+
+@torch.no_grad()
+def load_full(rt: Runtime, keys: StateDictKeys, state_dict, group, rank: int, world: int) -> None:
+    """Collective inverse of :func:`gather_full`; checked on rank 0 first, nothing modified on error."""
+    raise_together(keys.validate(state_dict) if rank == 0 else None, group, ValueError,
+                   "yafsdp.YaFSDP.load_full_state_dict: ")
+    by_param: dict[int, torch.Tensor] = {}
+    if rank == 0:
+        for key, kind, ref in keys.entries:
+            if kind == "param" and key in state_dict:
+                by_param.setdefault(id(ref), state_dict[key])
+    for u in rt.all:
+        full = None
+        if rank == 0:
+            full = rt.fp32_scratch(u)
+            u.layout.flatten([by_param[id(p)].to(rt.device, torch.float32) for p in u.params], full)
+        scatter_unit(rt, u, full, group, rank, world)
+    for key, kind, ref in keys.entries:
+        if kind != "buffer":
+            continue
+        m, bname = ref
+        b = m._buffers[bname]
+        if b.is_meta:
+            b = torch.empty_like(b, device=rt.device)
+        if rank == 0:
+            b.copy_(state_dict[key])
+        _broadcast_buffer(b, group)
+        m._buffers[bname] = b
+    rt.invalidate_buffers()

@@ -1,0 +1,124 @@
+"""One unit's runtime state, and the flat groups it is made of.
+
+[Note: unit groups]
+A unit's parameters are grouped by what they need, each group one flat, padded, sharded tensor
+with its own :class:`GroupKind`: how its shard is stored, in which dtype it is gathered, and
+whether it is reduced (has a grad shard, a reduce-scatter and optimizer state). Today every
+unit has one group, ``TRAINABLE`` (fp32 master shard, gathered in ``param_dtype``, reduced).
+Frozen parameters (gathered, never reduced, stored in ``param_dtype``) and compact storage
+(4-bit or fp8 shards gathered compact and expanded into the weight buffer) are further kinds,
+laid after the first group in the unit's weight buffer: a new kind adds a group, not a branch.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .flat import FlatLayout, ParamInfo
+from .units import Member
+
+__all__ = ["GroupKind", "FlatGroup", "Unit", "Phase", "trainable_kind"]
+
+
+@dataclass(frozen=True)
+class GroupKind:
+    """What a flat group needs (see [Note: unit groups])."""
+
+    name: str
+    storage_dtype: torch.dtype  # the shard as kept on this rank (the fp32 master for trainable groups)
+    gather_dtype: torch.dtype  # the all-gather input and the weight buffer's dtype
+    reduced: bool  # gradients are reduce-scattered into a grad shard and stepped by the optimizer
+
+
+def trainable_kind(compute_dtype: torch.dtype) -> GroupKind:
+    return GroupKind("trainable", torch.float32, compute_dtype, reduced=True)
+
+
+class FlatGroup:
+    """One flat group of a unit: its layout and this rank's tensors for it."""
+
+    def __init__(self, kind: GroupKind, layout: FlatLayout, buffer_offset: int = 0):
+        self.kind = kind
+        self.layout = layout
+        self.params: list[ParamInfo] = layout.params
+        self.buffer_offset = buffer_offset  # where the gathered group starts in the unit's weight buffer
+        self.shard: nn.Parameter | None = None  # 1-D storage_dtype, shard_numel: the master shard
+        self.grad_shard: torch.Tensor | None = None  # 1-D fp32, the shard's .grad storage (reduced groups)
+        self.compute: torch.Tensor | None = None  # 1-D gather_dtype, the all-gather input
+        self.cast_version = -1  # shard._version when the compute copy was last written
+
+    @property
+    def stale(self) -> bool:
+        """The master shard changed since its compute copy was written."""
+        return self.shard._version != self.cast_version
+
+    def mark_cast(self) -> None:
+        self.cast_version = self.shard._version
+
+
+class Phase(enum.Enum):
+    """Where the engine is in a step (one value for the whole engine)."""
+
+    IDLE = "idle"  # between steps: state dicts, checkpoints and loads are allowed
+    FORWARD = "forward"  # inside a root forward
+    BACKWARD = "backward"  # a backward touched the engine; finalize is queued
+
+
+class Unit:
+    """Runtime state of one unit (or of the small group); every field declared here."""
+
+    def __init__(self, name: str, index: int, groups: list[FlatGroup], members: list[Member]):
+        self.name = name
+        self.index = index
+        self.groups = groups  # See [Note: unit groups]; today exactly one, trainable
+        self.members = members
+        self.slot = None  # the WeightSlot its gathered weights go to
+        self.grad_slot = None  # the GradSlot its gradients go to
+        self.aliases: list[torch.Tensor] = []  # per parameter, over slot.data: see [Note: buffer aliases]
+        self.anchor: torch.Tensor | None = None  # 0-element leaf, input of the gate: makes its backward run
+        self.bw_held = False  # a backward use (pre-backward or a checkpoint recompute) holds the slot
+        self.outsized = False  # uses the outsized buffer (see the plan)
+        self.weight_free_bw = False  # ZeRO-3 backward needs no re-gather: see [Note: weight-free backward]
+        self.fw_interval = None  # the recorder's open forward interval (yafsdp.trace), if recording
+        self.bw_interval = None  # the recorder's open backward interval
+
+    # The single trainable group's fields, under the names the schedule uses.
+    @property
+    def group(self) -> FlatGroup:
+        return self.groups[0]
+
+    @property
+    def layout(self) -> FlatLayout:
+        return self.groups[0].layout
+
+    @property
+    def params(self) -> list[ParamInfo]:
+        return self.groups[0].params
+
+    @property
+    def flat_param(self) -> nn.Parameter:
+        return self.groups[0].shard
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        return self.groups[0].grad_shard
+
+    @property
+    def compute(self) -> torch.Tensor:
+        return self.groups[0].compute
+
+    @property
+    def version(self) -> tuple[int, ...]:
+        """The cast versions of its groups: a buffer gathered at another version is stale."""
+        return tuple(g.cast_version for g in self.groups)
+
+    @property
+    def buffer_numel(self) -> int:
+        """Elements of the weight buffer this unit's gathered groups occupy."""
+        return max(g.buffer_offset + g.layout.padded_numel for g in self.groups)
+
+    def __repr__(self):
+        return f"Unit({self.name!r}, numel={self.layout.numel}, padded={self.layout.padded_numel})"
