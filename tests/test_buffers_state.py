@@ -10,9 +10,9 @@ from models import VOCAB, Stack, batch, loss_of, tiny_llama
 
 
 def _pointers(model):
-    ptrs = {s.name: s.data.data_ptr() for s in model.weight_slots}
-    ptrs.update({s.name: s.data.data_ptr() for s in model.grad_slots})
-    ptrs.update({s.name + ".staging": s.staging.data_ptr() for s in model.grad_slots})
+    ptrs = {s.name: s.data.data_ptr() for s in model.weight_buffers}
+    ptrs.update({s.name: s.data.data_ptr() for s in model.grad_buffers})
+    ptrs.update({s.name + ".staging": s.staging.data_ptr() for s in model.grad_buffers})
     for u in model.flat_units:
         ptrs[u.name + ".master"] = u.flat_param.data_ptr()
         ptrs[u.name + ".aliases"] = tuple(a.data_ptr() for a in u.aliases)
@@ -26,7 +26,7 @@ def _invariants(rank, world, zero_stage, vocab, param_dtype):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seen = []  # (unit weight tensor ptr, in which buffer) during forward
     slot_ranges = [(s.name, s.data.data_ptr(), s.data.data_ptr() + s.data.numel() * s.data.element_size())
-                   for s in model.weight_slots]
+                   for s in model.weight_buffers]
 
     def where(t):
         for name, lo, hi in slot_ranges:
@@ -50,9 +50,9 @@ def _invariants(rank, world, zero_stage, vocab, param_dtype):
     for h in hooks:
         h.remove()
     return dict(
-        slots=[(s.name, s.capacity, str(s.data.dtype)) for s in model.weight_slots],
-        grad_slots=[(s.name, s.capacity, str(s.data.dtype)) for s in model.grad_slots],
-        units=[(u.name, u.layout.padded_numel, u.slot.name, u.grad_slot.name, u.outsized) for u in model.flat_units],
+        slots=[(s.name, s.capacity, str(s.data.dtype)) for s in model.weight_buffers],
+        grad_buffers=[(s.name, s.capacity, str(s.data.dtype)) for s in model.grad_buffers],
+        units=[(u.name, u.layout.padded_numel, u.buffer.name, u.grad_buffer.name, u.outsized) for u in model.flat_units],
         ptrs=ptrs, seen=seen, bytes=model.allocated_bytes(),
     )
 
@@ -63,7 +63,7 @@ def test_buffer_invariants(zero_stage, vocab, dtype):
     # Storages never change after step 1.
     assert r["ptrs"][0] == r["ptrs"][1] == r["ptrs"][2]
     weight = [s for s in r["slots"] if s[0] != "weight_small"]
-    grads = [s for s in r["grad_slots"] if s[0] != "grad_small"]
+    grads = [s for s in r["grad_buffers"] if s[0] != "grad_small"]
     units = {u[0]: u for u in r["units"]}
     layers = [units[f"model.layers.{i}"] for i in range(3)]
     outsized = vocab > VOCAB
@@ -82,7 +82,7 @@ def test_buffer_invariants(zero_stage, vocab, dtype):
     else:
         assert len(weight) == len(units) - 1  # ZeRO-2: every unit keeps its own gathered weights
     assert len([s for s in grads if s[0] in ("grad0", "grad1")]) == 2 and len(grads) == 2 + outsized
-    assert all(s[2] == "torch.float32" for s in r["grad_slots"])  # reduce_dtype
+    assert all(s[2] == "torch.float32" for s in r["grad_buffers"])  # reduce_dtype
     if dtype is not None:
         assert all(s[2] == "torch.bfloat16" for s in r["slots"])
     # During forward, each unit's weights are views into its weight buffer.
@@ -277,10 +277,10 @@ def _weight_free_run(rank, world, weight_free: bool):
         for u in model.units:
             u.weight_free_bw = False
     gathers = []
-    from yafsdp.buffers import WeightSlot
+    from yafsdp.buffers import WeightBuffer
 
-    real_gather = WeightSlot.gather
-    WeightSlot.gather = lambda slot, unit: (gathers.append(unit.name), real_gather(slot, unit))[1]
+    real_gather = WeightBuffer.gather
+    WeightBuffer.gather = lambda slot, unit: (gathers.append(unit.name), real_gather(slot, unit))[1]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, per_step = [], []
     for step in range(3):

@@ -56,7 +56,7 @@ def _buffer_mismatch(model):
     copy (world 1: the gathered unit is the shard). No host sync."""
     n = torch.zeros((), dtype=torch.int64, device="cuda")
     for u in model.flat_units:
-        slot = u.slot
+        slot = u.buffer
         if slot.holds(u):
             model.schedule.wait_gathered(slot.sync)
             n += (slot.data[:u.layout.padded_numel] != u.compute).sum()

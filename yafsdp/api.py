@@ -202,16 +202,16 @@ class YaFSDP(nn.Module):
         return self._rt.small
 
     @property
-    def weight_slots(self):
-        return self._rt.weight_slots
+    def weight_buffers(self):
+        return self._rt.weight_buffers
 
     @property
-    def grad_slots(self):
-        return self._rt.grad_slots
+    def grad_buffers(self):
+        return self._rt.grad_buffers
 
     @property
-    def slot_plan(self):
-        return self._rt.slot_plan
+    def buffer_plan(self):
+        return self._rt.buffer_plan
 
     def shard_info(self) -> list[shards.ShardInfo]:
         """Per flat shard (as named by ``named_parameters()``): its unit and this rank's slice.

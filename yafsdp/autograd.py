@@ -146,7 +146,7 @@ def _post_hook(rt: Runtime, unit: Unit):
             unit.fw_interval = None
         if rt.zero_stage == 3 and torch.is_grad_enabled():
             output = _attach_pre_backward(rt, unit, rt.previous_in_forward(), output)
-        unit.slot.release()
+        unit.buffer.release()
         return output
 
     return post_hook

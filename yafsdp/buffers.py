@@ -23,14 +23,14 @@ from typing import Callable
 
 import torch
 
-__all__ = ["WeightSlot", "GradSlot", "BufferInUse"]
+__all__ = ["WeightBuffer", "GradBuffer", "BufferInUse"]
 
 
 class BufferInUse(RuntimeError):
     """Two units that share a weight buffer were needed at the same time."""
 
 
-class WeightSlot:
+class WeightBuffer:
     """One weight buffer (1-D, ``param_dtype``, ``capacity`` elements) and its owner."""
 
     def __init__(self, name: str, capacity: int, dtype: torch.dtype, device: torch.device, schedule):
@@ -108,7 +108,7 @@ class WeightSlot:
         self.owner, self.owner_version = None, ()
 
 
-class GradSlot:
+class GradBuffer:
     """One grad buffer (1-D, ``reduce_dtype``) plus the shard-sized reduce-scatter output."""
 
     def __init__(self, name: str, capacity: int, shard_capacity: int, dtype: torch.dtype, device: torch.device,

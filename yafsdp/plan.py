@@ -376,7 +376,7 @@ def memory_plan(
         names = [u.name for u in eng.units]
         layouts = [u.layout for u in eng.units]
         small = eng.small.layout if eng.small is not None else None
-        slots = eng.slot_plan
+        slots = eng.buffer_plan
         weight_free = [u.weight_free_bw for u in eng.units]
         world_size, rank = eng.world_size, eng.rank
         compute_dtype, reduce_dtype, zero_stage = eng.compute_dtype, eng.reduce_dtype, eng.zero_stage

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from . import kernels, shards
-from .buffers import GradSlot, WeightSlot
+from .buffers import GradBuffer, WeightBuffer
 from .comm import Schedule
 from .flat import FlatLayout, alias
 from .plan import plan_slots
@@ -122,24 +122,24 @@ class Runtime:
 
         # Buffer sizes come from the plan, so yafsdp.plan can report them without allocating.
         # See [Note: one plan, one allocator] in plan.py.
-        self.slot_plan = plan = plan_slots(
+        self.buffer_plan = plan = plan_slots(
             [u.name for u in self.units], [u.layout for u in self.units],
             self.small.layout if self.small is not None else None,
             compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
             zero_stage=self.zero_stage, outsized_ratio=outsized_ratio,
         )
-        self.grad_slots: list[GradSlot] = [
-            GradSlot(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule) for s in plan.grad
+        self.grad_buffers: list[GradBuffer] = [
+            GradBuffer(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule) for s in plan.grad
         ]
-        self.weight_slots: list[WeightSlot] = [
-            WeightSlot(s.name, s.capacity, s.dtype, dev, self.schedule) for s in plan.weight
+        self.weight_buffers: list[WeightBuffer] = [
+            WeightBuffer(s.name, s.capacity, s.dtype, dev, self.schedule) for s in plan.weight
         ]
         for u, w, g in zip(self.all, plan.weight_of, plan.grad_of):
-            u.slot, u.grad_slot = self.weight_slots[w], self.grad_slots[g]
+            u.buffer, u.grad_buffer = self.weight_buffers[w], self.grad_buffers[g]
         for u, big in zip(self.units, plan.outsized):
             u.outsized = big
         for u in self.all:
-            u.aliases = [alias(u.slot.data, g.buffer_offset + p.offset, p.shape) for g in u.groups for p in g.params]
+            u.aliases = [alias(u.buffer.data, g.buffer_offset + p.offset, p.shape) for g in u.groups for p in g.params]
 
     def _copy_written_cb(self, group: FlatGroup):
         me = weakref.ref(self)
@@ -156,9 +156,9 @@ class Runtime:
         out = {"master": self.master, "grad": self.grad}
         if self.compute is not self.master:
             out["compute_copy"] = self.compute
-        for s in self.weight_slots:
+        for s in self.weight_buffers:
             out[s.name] = s.data
-        for s in self.grad_slots:
+        for s in self.grad_buffers:
             out[s.name] = s.data
             out[s.name + "_staging"] = s.staging
         return out
@@ -166,19 +166,19 @@ class Runtime:
     def fp32_scratch(self, unit: Unit) -> torch.Tensor:
         """fp32 room for one gathered unit: its grad buffer when that is fp32 and idle, else a temporary."""
         n = unit.layout.padded_numel
-        gs = unit.grad_slot
+        gs = unit.grad_buffer
         if gs is not None and gs.data.dtype == torch.float32 and gs.capacity >= n and not gs.reduce_pending:
             return gs.data[:n]
         return torch.empty(n, dtype=torch.float32, device=self.device)
 
     def invalidate_buffers(self) -> None:
         """The shards were loaded anew: no weight buffer holds a current unit."""
-        for s in self.weight_slots:
+        for s in self.weight_buffers:
             s.invalidate()
 
     @property
     def idle(self) -> bool:
-        return self.phase is not Phase.BACKWARD and not any(s.busy for s in self.weight_slots)
+        return self.phase is not Phase.BACKWARD and not any(s.busy for s in self.weight_buffers)
 
     # ------------------------------------------------------------------ forward
     def begin_forward(self) -> list:
@@ -189,18 +189,18 @@ class Runtime:
         small = self.small
         if small is None:
             return []
-        if not small.slot.holds(small):
-            small.slot.gather(small)
+        if not small.buffer.holds(small):
+            small.buffer.gather(small)
         if self.order:  # the first unit's gather goes out before the wait for the (tiny) small group
-            self.order[0].slot.prefetch(self.order[0])
-        small.slot.wait()
+            self.order[0].buffer.prefetch(self.order[0])
+        small.buffer.wait()
         return small.aliases
 
     def end_forward(self, ok: bool, in_backward: bool) -> None:
         if ok and self.trace:
             self.order = self.trace
         if not ok and not in_backward:  # an exception inside forward: drop every hold
-            for s in self.weight_slots:
+            for s in self.weight_buffers:
                 s.drop_uses()
         if self.phase is Phase.FORWARD:
             self.phase = Phase.IDLE
@@ -231,20 +231,20 @@ class Runtime:
     def unit_forward(self, unit: Unit) -> None:
         """Before a unit's forward: its weights gathered (the next unit's gather issued first)."""
         self.ensure_step_ready()
-        unit.slot.acquire(unit)
+        unit.buffer.acquire(unit)
         self.trace.append(unit)
         pos = len(self.trace)
         if self.order and pos < len(self.order) and self.order[pos - 1] is unit:
             nxt = self.order[pos]
-            nxt.slot.prefetch(nxt)
-        unit.slot.wait()
+            nxt.buffer.prefetch(nxt)
+        unit.buffer.wait()
 
     def unit_recompute(self, unit: Unit) -> None:
         """An activation-checkpoint recompute inside backward: the weights must be there."""
         if not unit.bw_held:
-            unit.slot.acquire(unit)
+            unit.buffer.acquire(unit)
             unit.bw_held = True
-        unit.slot.wait()
+        unit.buffer.wait()
 
     def previous_in_forward(self) -> Unit | None:
         return self.trace[-2] if len(self.trace) >= 2 else None
@@ -261,16 +261,16 @@ class Runtime:
         """Before a unit's backward (ZeRO-3): re-gather it, prefetch the unit before it."""
         needs_weights = not unit.weight_free_bw  # See [Note: weight-free backward]
         if needs_weights and not unit.bw_held:
-            unit.slot.acquire(unit)
+            unit.buffer.acquire(unit)
             unit.bw_held = True
         if prev is not None and not prev.weight_free_bw:
-            prev.slot.prefetch(prev)  # after the acquire, before the wait: the next gather goes out first
+            prev.buffer.prefetch(prev)  # after the acquire, before the wait: the next gather goes out first
         if needs_weights:
-            unit.slot.wait()
+            unit.buffer.wait()
 
     def post_backward(self, unit: Unit, pidx, grads) -> None:
         """A unit's backward is done: weights released, grads into the grad buffer, reduce issued."""
-        if self.zero_stage == 3 and unit is not self.small and not unit.weight_free_bw and not unit.slot.holds(unit):
+        if self.zero_stage == 3 and unit is not self.small and not unit.weight_free_bw and not unit.buffer.holds(unit):
             raise RuntimeError(
                 f"yafsdp: unit {unit.name!r} reached its backward without its weights gathered; its output "
                 "escaped the engine's pre-backward hook (return tensors, tuples, lists or dicts from the unit)"
@@ -279,9 +279,9 @@ class Runtime:
             # Every node that reads the weights has run: release them first, so a gather deferred
             # on this buffer is issued ahead of this unit's reduce and does not queue behind it.
             unit.bw_held = False
-            unit.slot.release()
+            unit.buffer.release()
         lay = unit.layout
-        buf = unit.grad_slot.begin_write(lay.padded_numel)
+        buf = unit.grad_buffer.begin_write(lay.padded_numel)
         with torch.no_grad(), span("grads", unit.name):
             if len(pidx) == len(unit.params):
                 buf[lay.numel:].zero_()
@@ -312,17 +312,17 @@ class Runtime:
                 else:
                     kernels.accumulate_(target, reduced, scale)
 
-        unit.grad_slot.reduce(unit.name, unit.layout.padded_numel, unit.layout.shard_numel, fold)
+        unit.grad_buffer.reduce(unit.name, unit.layout.padded_numel, unit.layout.shard_numel, fold)
 
     def finalize_backward(self) -> None:
         """End of backward: every reduce folded, every hold dropped."""
-        for gs in self.grad_slots:
+        for gs in self.grad_buffers:
             gs.finish()
         for u in self.units:
             if u.bw_held:
                 u.bw_held = False
-                u.slot.release()
-        for s in self.weight_slots:
+                u.buffer.release()
+        for s in self.weight_buffers:
             s.drop_deferred()
         self.phase = Phase.IDLE
 

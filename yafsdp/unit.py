@@ -75,11 +75,11 @@ class Unit:
         self.index = index
         self.groups = groups  # See [Note: unit groups]; today exactly one, trainable
         self.members = members
-        self.slot = None  # the WeightSlot its gathered weights go to
-        self.grad_slot = None  # the GradSlot its gradients go to
-        self.aliases: list[torch.Tensor] = []  # per parameter, over slot.data: see [Note: buffer aliases]
+        self.buffer = None  # the WeightBuffer its gathered weights go to
+        self.grad_buffer = None  # the GradBuffer its gradients go to
+        self.aliases: list[torch.Tensor] = []  # per parameter, over buffer.data: see [Note: buffer aliases]
         self.anchor: torch.Tensor | None = None  # 0-element leaf, input of the gate: makes its backward run
-        self.bw_held = False  # a backward use (pre-backward or a checkpoint recompute) holds the slot
+        self.bw_held = False  # a backward use (pre-backward or a checkpoint recompute) holds the buffer
         self.outsized = False  # uses the outsized buffer (see the plan)
         self.weight_free_bw = False  # ZeRO-3 backward needs no re-gather: see [Note: weight-free backward]
         self.fw_interval = None  # the recorder's open forward interval (yafsdp.trace), if recording

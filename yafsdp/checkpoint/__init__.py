@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..dist import broadcast_object
+from ..dist import raise_if_any, raise_together
 from .dcp_glue import FlatShard, LoadPlanner, SavePlanner
 from .files import (
     FORMAT,
@@ -72,7 +72,6 @@ def _group_info(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-_broadcast = broadcast_object  # rank 0's object on every rank of the group
 
 
 def _all_gather(obj, group) -> list:
@@ -159,19 +158,16 @@ def save_checkpoint(
     final = checkpoint_dir(root, step)
     tmp = os.path.join(root, f"{TMP_PREFIX}{PREFIX}{step:08d}")
 
-    plan = None
+    problem = None
     if rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
             for stale in incomplete_checkpoints(root):  # killed saves: never read, safe to drop
                 remove_checkpoint(stale, root)
             os.makedirs(tmp)
-            plan = ("save", None)
         except OSError as e:
-            plan = ("error", f"cannot prepare {tmp!r}: {e}")
-    plan = _broadcast(plan, group)
-    if plan[0] == "error":
-        raise CheckpointError(plan[1])
+            problem = f"cannot prepare {tmp!r}: {e}"
+    raise_together(problem, group, CheckpointError)
 
     entries: dict[str, Any] = {}
     for i in model.shard_info():
@@ -197,7 +193,7 @@ def save_checkpoint(
     for part in _all_gather(mine, group):
         sums.update(part)
 
-    outcome = None
+    problem = None
     if rank == 0:
         manifest = dict(
             format=FORMAT, step=int(step), world_size=world, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -213,12 +209,9 @@ def save_checkpoint(
             if keep is not None and keep > 0:
                 for _, old in list_checkpoints(root)[:-keep]:
                     remove_checkpoint(old, root)
-            outcome = ("ok", None)
         except OSError as e:
-            outcome = ("error", f"finishing checkpoint {final!r} failed: {e}")
-    outcome = _broadcast(outcome, group)
-    if outcome[0] != "ok":
-        raise CheckpointError(outcome[1])
+            problem = f"finishing checkpoint {final!r} failed: {e}"
+    raise_together(problem, group, CheckpointError)
     return final
 
 
@@ -245,9 +238,7 @@ def verify_checkpoint(path: str, process_group=None, checksums: bool = True) -> 
         manifest = read_manifest(path)
     except CheckpointError as e:
         problem = str(e)
-    problems = _all_gather(problem, group)
-    if any(problems):
-        raise CheckpointError(next(p for p in problems if p))
+    raise_if_any(problem, group, CheckpointError)
     files = manifest.get("files") or {}
     bad = None
     if not files:
@@ -266,9 +257,7 @@ def verify_checkpoint(path: str, process_group=None, checksums: bool = True) -> 
                    f"the manifest says {want['bytes']} (truncated or overwritten)")
         elif checksums and crc32(file) != want["crc32"]:
             bad = f"checkpoint {path!r} is corrupt: file {name!r} fails its CRC-32 check (expected {want['crc32']})"
-    bads = [b for b in _all_gather(bad, group) if b]
-    if bads:
-        raise CheckpointError(bads[0])
+    raise_if_any(bad, group, CheckpointError)
     return manifest
 
 
