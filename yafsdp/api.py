@@ -13,10 +13,12 @@ import torch.distributed as dist
 from torch import nn
 
 from . import shards
-from .autograd import gate_small_group, in_backward, install_hooks
+import sys
+
+from .autograd import gate_small_group, install_hooks
 from .comm import make_schedule
 from .plan import unit_align
-from .runtime import Runtime, install_optimizer_hooks
+from .runtime import Runtime, in_backward, install_optimizer_hooks
 from .state_dict import StateDictKeys, gather_full, load_full, materialize
 from .units import discover, mark_wrapped
 
@@ -83,9 +85,29 @@ class YaFSDP(nn.Module):
         self._needs_load = materialize(self._rt, module, group, self.rank, self.world_size)
         install_hooks(self._rt)
         install_optimizer_hooks()  # See [Note: optimizers that do not bump versions] in runtime.py
+        # See [Note: the root entry]. The wrapped module keeps one empty parameter in the compute
+        # dtype on the device (HF's `model.device` / `model.dtype` read its first parameter);
+        # YaFSDP.parameters() leaves it out.
+        self._device_param = nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device),
+                                          requires_grad=False)
+        module.register_parameter("yafsdp_device_anchor", self._device_param)
+        module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
+        module.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True)
+        module.register_state_dict_pre_hook(_refuse_module_state_dict)
 
     # ------------------------------------------------------------------ forward
+    # [Note: the root entry]
+    # A step begins when the wrapped module's own forward begins, whoever calls it: ``model(...)``,
+    # ``model.module(...)``, a reference to the module kept from before wrapping, or HF
+    # ``generate()`` (reached through ``model.generate``). A forward pre-hook on the module runs
+    # the cast pass, gathers the small group and hands it out; a forward hook that runs even when
+    # the forward raises ends it (an exception drops every hold on the buffers).
     def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _root_pre_forward(self, module, args, kwargs):
+        if in_backward():  # a recompute of the whole module inside backward: the units see to their weights
+            return None
         if self._needs_load:
             raise RuntimeError(
                 "yafsdp.YaFSDP: the model was built on the meta device and its shards hold no values yet; "
@@ -93,16 +115,66 @@ class YaFSDP(nn.Module):
                 "yafsdp.hf.load_hf_weights(model, path) or yafsdp.checkpoint.load_checkpoint(path, model)"
             )
         rt = self._rt
-        small = rt.begin_forward()
-        if small:
-            gate_small_group(rt, small)
-        ok = False
-        try:
-            out = self.module(*args, **kwargs)
-            ok = True
-            return out
-        finally:
-            rt.end_forward(ok, in_backward())
+        rt.root_depth += 1
+        if rt.root_depth == 1:
+            small = rt.begin_forward()
+            if small:
+                gate_small_group(rt, small)
+        return None
+
+    def _root_post_forward(self, module, args, kwargs, output):
+        if in_backward():
+            return None
+        rt = self._rt
+        if rt.root_depth == 0:  # the pre-hook refused (nothing was begun)
+            return None
+        rt.root_depth -= 1
+        if rt.root_depth == 0:
+            # Called from torch's exception handler when the forward raised (see always_call).
+            rt.end_forward(ok=not (output is None and sys.exc_info()[0] is not None))
+        return None
+
+    def named_parameters(self, *args, **kwargs):
+        """The flat master shards (one per unit and the small group) as ``flat.<unit>``."""
+        for name, p in super().named_parameters(*args, **kwargs):
+            if p is not self.__dict__.get("_device_param"):
+                yield name, p
+
+    # ------------------------------------------------------------------ refused PyTorch habits
+    def _apply(self, fn, recurse=True):
+        """``.to(dtype)``, ``.half()``, ``.double()``, ``.bfloat16()``, ``.cuda()``, ``.cpu()`` ...:
+        refused when they would change a dtype or the device (the shards would stop being the
+        engine's); a conversion that changes nothing passes."""
+        probe = torch.empty(1, dtype=torch.float32, device=self.device)
+        out = fn(probe)
+        if isinstance(out, torch.Tensor) and (out.dtype != probe.dtype or out.device != probe.device):
+            raise RuntimeError(
+                f"yafsdp.YaFSDP: converting the wrapped model to dtype={out.dtype}, device={out.device} is not "
+                f"supported: its parameters are fp32 master shards on {self.device} that the engine owns. For "
+                "bf16/fp16 compute pass param_dtype= (and reduce_dtype=) to YaFSDP(...); to use another device, "
+                "move the module before wrapping or pass device= to YaFSDP(...)"
+            )
+        return super()._apply(fn, recurse)
+
+    def state_dict(self, *args, **kwargs):
+        raise RuntimeError(
+            "yafsdp.YaFSDP.state_dict() is not supported: each rank holds only flat shards of the parameters, "
+            "which loaded on another rank would silently mix them up. Use model.full_state_dict() (collective; "
+            "rank 0 gets the original module's keys) or yafsdp.checkpoint.save_checkpoint(root, step, model, opt) "
+            "for sharded checkpoints"
+        )
+
+    def load_state_dict(self, *args, **kwargs):
+        raise RuntimeError(
+            "yafsdp.YaFSDP.load_state_dict() is not supported: use model.load_full_state_dict(sd) (collective; "
+            "rank 0 passes the original module's state_dict) or yafsdp.checkpoint.load_checkpoint(path, model, opt)"
+        )
+
+    def save_pretrained(self, *args, **kwargs):
+        raise RuntimeError(
+            "yafsdp.YaFSDP: save_pretrained() of the wrapped module would write no weights (they are sharded); "
+            "use yafsdp.hf.export_hf(model, out_dir) (collective) to write an HF checkpoint"
+        )
 
     def __getattr__(self, name):
         try:
@@ -135,6 +207,7 @@ class YaFSDP(nn.Module):
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of all shards together; returns the total norm (unsharded value)."""
+        self._rt.recover()
         norm_type = float(norm_type)
         grads = [u.flat_param.grad for u in self._rt.all if u.flat_param.grad is not None]
         if norm_type == float("inf"):
@@ -236,6 +309,14 @@ class YaFSDP(nn.Module):
         out = {k: t.numel() * t.element_size() for k, t in self.owned_tensors().items()}
         out.setdefault("compute_copy", 0)
         return out
+
+
+def _refuse_module_state_dict(module, prefix, keep_vars):
+    raise RuntimeError(
+        f"yafsdp: state_dict() of the module wrapped by yafsdp.YaFSDP ({type(module).__name__}) would hold none of "
+        "its parameters (they are sharded); use model.full_state_dict() on the YaFSDP wrapper, or "
+        "yafsdp.checkpoint / yafsdp.hf.export_hf"
+    )
 
 
 def _resolve_device(device, group) -> torch.device:

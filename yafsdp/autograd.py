@@ -18,15 +18,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .runtime import Runtime
+from .runtime import Runtime, in_backward
 from .unit import Unit
 from .units import Member
 
 __all__ = ["in_backward", "install_hooks", "gate_small_group"]
-
-
-def in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 def _queue_finalize(rt: Runtime) -> None:

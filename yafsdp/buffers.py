@@ -96,9 +96,13 @@ class WeightBuffer:
         if nxt is not None and not self.holds(nxt):
             self.gather(nxt)
 
-    def drop_uses(self) -> None:
-        """After an exception inside forward: no use is running any more, no prefetch pending."""
-        self.busy, self.deferred = 0, None
+    def abandon(self) -> None:
+        """After an exception inside forward or backward: no use is running any more (the
+        compute side's kernels issued so far are the last readers), no prefetch pending."""
+        if self.busy:
+            self.busy = 0
+            self.schedule.released(self.sync)
+        self.deferred = None
 
     def drop_deferred(self) -> None:
         self.deferred = None

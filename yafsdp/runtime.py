@@ -38,6 +38,7 @@ the buffer may hold another unit's weights by then. Its grads are written and re
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -52,7 +53,14 @@ from .trace import span
 from .unit import FlatGroup, Phase, Unit, trainable_kind
 from .units import UnitSpec, weight_free_backward
 
-__all__ = ["Runtime"]
+__all__ = ["Runtime", "in_backward"]
+
+_RUNTIMES: "weakref.WeakSet[Runtime]" = weakref.WeakSet()  # live runtimes (for the optimizer hooks)
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class Runtime:
@@ -83,7 +91,9 @@ class Runtime:
         # The compute copies changed since the schedule was last told (the optimizer wrote them):
         # the next step entry records the schedule's copies-ready point. See ensure_step_ready.
         self.copies_changed = True
+        self.root_depth = 0  # nesting of root forwards (the wrapped module's own forward)
         self._allocate(outsized_ratio)
+        _RUNTIMES.add(self)
 
     # ------------------------------------------------------------------ allocation
     def _allocate(self, outsized_ratio: float):
@@ -178,11 +188,41 @@ class Runtime:
 
     @property
     def idle(self) -> bool:
+        self.recover()
         return self.phase is not Phase.BACKWARD and not any(s.busy for s in self.weight_buffers)
+
+    def recover(self) -> bool:
+        """Make the engine whole again after a backward that raised.
+
+        autograd drops the end-of-backward callback when an exception leaves a backward, so the
+        engine would stay "in backward": reduces never folded, buffers held. Every entry point
+        (forward, clipping, state dicts, checkpoints, an optimizer step) calls this first; outside
+        a running backward, a BACKWARD phase means the last one was aborted. The reduces it issued
+        are completed and folded (the grad shards then hold the partial gradients of the aborted
+        backward, as ``.grad`` does in plain PyTorch), every hold is dropped, and a warning says to
+        call ``opt.zero_grad()`` before the next step. Returns True when it recovered."""
+        if self.phase is not Phase.BACKWARD or in_backward():
+            return False
+        for gs in self.grad_buffers:
+            gs.finish()
+        for u in self.all:
+            u.bw_held = False
+        for s in self.weight_buffers:
+            s.abandon()
+        self.phase = Phase.IDLE
+        self.root_depth = 0
+        warnings.warn(
+            "yafsdp: the last backward raised before it finished; the engine completed its reduces and "
+            "released its buffers. The gradients of that backward are partial: call opt.zero_grad() "
+            "(set_to_none=True, the default) before the next step, as plain PyTorch requires.",
+            RuntimeWarning, stacklevel=3,
+        )
+        return True
 
     # ------------------------------------------------------------------ forward
     def begin_forward(self) -> list:
         """A root forward starts: the cast pass, then the small group (returns its tensors)."""
+        self.recover()
         self.trace = []
         self.phase = Phase.FORWARD if self.phase is Phase.IDLE else self.phase
         self.ensure_step_ready()
@@ -194,14 +234,15 @@ class Runtime:
         if self.order:  # the first unit's gather goes out before the wait for the (tiny) small group
             self.order[0].buffer.prefetch(self.order[0])
         small.buffer.wait()
+        small.forward_versions = small.shard_versions()
         return small.aliases
 
-    def end_forward(self, ok: bool, in_backward: bool) -> None:
+    def end_forward(self, ok: bool) -> None:
         if ok and self.trace:
             self.order = self.trace
-        if not ok and not in_backward:  # an exception inside forward: drop every hold
+        if not ok and not in_backward():  # an exception inside forward: drop every hold
             for s in self.weight_buffers:
-                s.drop_uses()
+                s.abandon()
         if self.phase is Phase.FORWARD:
             self.phase = Phase.IDLE
 
@@ -230,7 +271,14 @@ class Runtime:
 
     def unit_forward(self, unit: Unit) -> None:
         """Before a unit's forward: its weights gathered (the next unit's gather issued first)."""
+        self.recover()
         self.ensure_step_ready()
+        small = self.small
+        if self.root_depth == 0 and small is not None and not small.buffer.holds(small):
+            # A unit run on its own, outside any forward of the wrapped module: the norms and
+            # biases it may use (the small group) must be current too.
+            small.buffer.gather(small)
+            small.buffer.wait()
         unit.buffer.acquire(unit)
         self.trace.append(unit)
         pos = len(self.trace)
@@ -238,6 +286,7 @@ class Runtime:
             nxt = self.order[pos]
             nxt.buffer.prefetch(nxt)
         unit.buffer.wait()
+        unit.forward_versions = unit.shard_versions()
 
     def unit_recompute(self, unit: Unit) -> None:
         """An activation-checkpoint recompute inside backward: the weights must be there."""
@@ -257,8 +306,20 @@ class Runtime:
         self.phase = Phase.BACKWARD
         return True
 
+    def _check_unchanged(self, unit: Unit) -> None:
+        """A shard changed between the unit's forward and its backward: the gradients would be
+        those of other weights (plain PyTorch raises "modified by an inplace operation")."""
+        if unit.forward_versions is not None and unit.shard_versions() != unit.forward_versions:
+            raise RuntimeError(
+                f"yafsdp: the master shard of unit {unit.name!r} changed between its forward and its backward "
+                "(an optimizer step, a state-dict or checkpoint load, or an in-place update of model.parameters() "
+                "in between); its gradients would be computed for other weights. Call backward() before "
+                "opt.step(), and run a new forward after changing the parameters"
+            )
+
     def pre_backward(self, unit: Unit, prev: Unit | None) -> None:
         """Before a unit's backward (ZeRO-3): re-gather it, prefetch the unit before it."""
+        self._check_unchanged(unit)
         needs_weights = not unit.weight_free_bw  # See [Note: weight-free backward]
         if needs_weights and not unit.bw_held:
             unit.buffer.acquire(unit)
@@ -270,6 +331,7 @@ class Runtime:
 
     def post_backward(self, unit: Unit, pidx, grads) -> None:
         """A unit's backward is done: weights released, grads into the grad buffer, reduce issued."""
+        self._check_unchanged(unit)
         if self.zero_stage == 3 and unit is not self.small and not unit.weight_free_bw and not unit.buffer.holds(unit):
             raise RuntimeError(
                 f"yafsdp: unit {unit.name!r} reached its backward without its weights gathered; its output "
@@ -327,12 +389,20 @@ class Runtime:
         self.phase = Phase.IDLE
 
 
+def recover_all() -> None:
+    """Recover every engine whose last backward was aborted (see ``Runtime.recover``)."""
+    for rt in list(_RUNTIMES):
+        rt.recover()
+
+
 _OPTIMIZER_HOOKS: list = []  # the process-wide pair, installed once
 _VERSIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> [(shard, version)]
 
 
 def _versions_before_step(optimizer, args, kwargs):
-    """See [Note: optimizers that do not bump versions]."""
+    """See [Note: optimizers that do not bump versions]. Also: an aborted backward is completed
+    before any optimizer step reads the grad shards."""
+    recover_all()
     _VERSIONS[optimizer] = [
         (p, p._version) for g in optimizer.param_groups for p in g["params"]
         if p.grad is not None and shards.info_of(p) is not None

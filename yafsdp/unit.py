@@ -82,6 +82,7 @@ class Unit:
         self.bw_held = False  # a backward use (pre-backward or a checkpoint recompute) holds the buffer
         self.outsized = False  # uses the outsized buffer (see the plan)
         self.weight_free_bw = False  # ZeRO-3 backward needs no re-gather: see [Note: weight-free backward]
+        self.forward_versions: tuple | None = None  # its shards' versions at its last forward use
         self.fw_interval = None  # the recorder's open forward interval (yafsdp.trace), if recording
         self.bw_interval = None  # the recorder's open backward interval
 
@@ -114,6 +115,10 @@ class Unit:
     def version(self) -> tuple[int, ...]:
         """The cast versions of its groups: a buffer gathered at another version is stale."""
         return tuple(g.cast_version for g in self.groups)
+
+    def shard_versions(self) -> tuple[int, ...]:
+        """The master shards' version counters (any in-place change of a shard bumps its own)."""
+        return tuple(g.shard._version for g in self.groups)
 
     @property
     def buffer_numel(self) -> int:
