@@ -774,6 +774,11 @@ def main(argv=None) -> int:
         job.header()
         job.train()
         job.finish()
+        # [Note: barrier before destroy] A rank that destroys the process group while another is
+        # still receiving from it (the last gathers of finish() go to rank 0) can abort in gloo
+        # ("terminate called without an active exception", exit -6): about one short run in three
+        # on a 2-core machine, which torchrun reports as a failed job. All ranks meet here first.
+        dist.barrier()
     except JobError as e:
         if env.rank == 0:
             print(f"pretrain_llama.py: error: {e}", file=sys.stderr, flush=True)
@@ -785,13 +790,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # [Note: exit without interpreter teardown] Everything is written and closed when main()
-    # returns (metrics and events are flushed per line, checkpoints are complete); gloo's
-    # background threads, still alive after destroy_process_group, have been seen to abort a rank
-    # during interpreter teardown ("terminate called without an active exception", exit -6) --
-    # about one run in three of a short resumed job on a busy 2-core machine -- which torchrun
-    # then reports as a failed job. tests/dist_utils.py ends its ranks the same way.
-    status = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    sys.exit(main())
