@@ -111,7 +111,8 @@ def load_checkpoint(path: str, run_dir: str):
             dist.destroy_process_group()
     model = LlamaForCausalLM(cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if k not in getattr(model, "_tied_weights_keys", None) or ()]:
+    tied = getattr(model, "_tied_weights_keys", None) or ()
+    if unexpected or [k for k in missing if k not in tied]:
         raise GenerateError(f"checkpoint {path!r}: {len(missing)} missing, {len(unexpected)} unexpected keys")
     model.tie_weights()
     return model, tokenizer, f"checkpoint {path} ({shape['num_hidden_layers']} layers x {shape['hidden_size']})"

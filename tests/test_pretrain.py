@@ -389,9 +389,11 @@ def test_progress_mfu_tensorboard_and_windowed_summary(runs):
     assert "--zero-stage" not in flags and "--lr" not in flags  # defaults are not repeated
     assert "MFU against --peak-tflops 0.01" in out
     before, after = [r["loss"] for r in rows[:6]], [r["loss"] for r in rows[9:]]
-    want = (f"loss     {sum(before) / 6:.4f} -> {sum(after) / 3:.4f} (means of steps 1-6 and 10-12; "
+    want = (f"loss     {sum(before) / 6:.4f} (mean of steps 1-6) -> {sum(after) / 3:.4f} (mean of steps 10-12; "
             f"last step {rows[-1]['loss']:.4f})")
     assert want in out, out
+    first = runs["first"].stdout  # a fresh run starts from its first step's loss
+    assert f"loss     {rows[0]['loss']:.4f} (step 1) -> {sum(before[3:]) / 3:.4f} (mean of steps 4-6; " in first, first
     try:
         import tensorboard  # noqa: F401
     except ImportError:

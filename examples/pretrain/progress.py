@@ -138,17 +138,15 @@ def fmt_mfu(mfu: float | None) -> str:
 def loss_windows(before: list[float], session: list[float], first_step: int, last_step: int,
                  width: int = 20) -> str:
     """The summary's loss comparison with windowed means, not two single noisy steps: the mean of
-    the last ``width`` steps before this invocation (a resumed run; ``before``) or of its first
-    ``width`` steps (a fresh one), against the mean of its last ``width`` steps."""
+    the last ``width`` steps before this invocation (a resumed run; ``before``) against the mean of
+    its last ``width`` steps. A fresh run starts from its first step (the loss of the initial
+    weights, not noise)."""
     w = max(1, min(width, len(session) // 2 or 1))
-    end = sum(session[-w:]) / w
+    end = f"{sum(session[-w:]) / w:.4f} (mean of steps {last_step - w + 1}-{last_step}; last step {session[-1]:.4f})"
     if before:
         b = before[-width:]
-        start, span = sum(b) / len(b), f"steps {first_step - len(b) + 1}-{first_step}"
-    else:
-        start, span = sum(session[:w]) / w, f"steps {first_step + 1}-{first_step + w}"
-    return (f"{start:.4f} -> {end:.4f} (means of {span} and {last_step - w + 1}-{last_step}; "
-            f"last step {session[-1]:.4f})")
+        return f"{sum(b) / len(b):.4f} (mean of steps {first_step - len(b) + 1}-{first_step}) -> {end}"
+    return f"{session[0]:.4f} (step {first_step + 1}) -> {end}"
 
 
 class TensorBoard:
