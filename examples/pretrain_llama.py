@@ -114,9 +114,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="auto|PATH",
                    help="continue from the newest complete checkpoint in --out (--resume), that one if any "
                    "(--resume auto), or a given checkpoint directory")
-    g.add_argument("--overwrite", action="store_true", help="start afresh in an --out that holds a run (deletes it)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an --out that holds a run (deletes it, and says what it deleted)")
     g.add_argument("--export-hf", default=None, metavar="DIR", help="write a HF checkpoint at the end")
-    g.add_argument("--export-dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--export-only", action="store_true",
+                   help="no training: load the newest checkpoint in --out (or --resume PATH) and write --export-hf")
+    g.add_argument("--export-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the exported weights")
+    g.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also log the metrics to this TensorBoard directory (needs the tensorboard package)")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s of one device for MFU (default: known GPUs' dense bf16 peak; CPU: n/a)")
     g.add_argument("--eval-every", type=int, default=0, help="validation loss every K steps (0: at the end)")
     g.add_argument("--eval-batches", type=int, default=4, help="micro-batches per rank per validation")
     g.add_argument("--sample-tokens", type=int, default=None,
@@ -142,6 +150,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--val-fraction must be in [0, 0.5), got {args.val_fraction}")
     if args.lr <= 0:
         p.error(f"--lr must be > 0, got {args.lr}")
+    if args.export_only and not args.export_hf:
+        p.error("--export-only needs --export-hf DIR: the directory to write the Hugging Face export to")
+    if args.export_only and args.overwrite:
+        p.error("--export-only reads the run in --out; it cannot be combined with --overwrite")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     args.preset_info = pr
     return args
 
@@ -166,6 +180,8 @@ def plan_output(args, env) -> dict:
     metrics = os.path.join(out, "metrics.jsonl")
     has_metrics = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
     mode = args.resume
+    if mode is None and args.export_only:
+        mode = "latest"  # export the newest complete checkpoint
     if mode is None and env.restart_count > 0:
         mode = "auto"  # torchrun restarted us after a failure: continue from the last checkpoint
     plan = dict(resume_path=None, wipe=False, ck_root=ck_root)
@@ -179,13 +195,17 @@ def plan_output(args, env) -> dict:
                 "discard it, or choose another --out"
             )
         plan["wipe"] = args.overwrite and (complete or has_metrics)
+        if plan["wipe"]:
+            plan["discarded"] = describe_run(out, complete, metrics)
     elif mode in ("latest", "auto"):
         if complete:
             plan.update(resume_path=complete[-1][1])
         elif mode == "latest":
             partial = C.incomplete_checkpoints(ck_root)
             extra = f" (only incomplete ones: {', '.join(os.path.basename(x) for x in partial)})" if partial else ""
-            raise JobError(f"--resume: nothing to resume, no complete checkpoint in {ck_root!r}{extra}")
+            flag = "--export-only" if args.export_only and args.resume is None else "--resume"
+            raise JobError(f"{flag}: nothing to {'export' if flag == '--export-only' else 'resume'}, no complete "
+                           f"checkpoint in {ck_root!r}{extra}")
         else:
             plan["wipe"] = has_metrics  # a restart before the first checkpoint: start the run again
     else:
@@ -195,6 +215,20 @@ def plan_output(args, env) -> dict:
     if args.export_hf and os.path.isdir(args.export_hf) and os.listdir(args.export_hf) and env.restart_count == 0:
         raise JobError(f"--export-hf {args.export_hf!r} exists and is not empty; choose a new directory")
     return plan
+
+
+def describe_run(out: str, complete: list, metrics: str) -> str:
+    """What --overwrite is about to delete in ``out``: checkpoints, metrics steps, other files."""
+    parts = []
+    if complete:
+        names = [os.path.basename(p) for _, p in complete]
+        parts.append(f"{len(names)} checkpoint(s) {', '.join(names)}")
+    rows = P.read_jsonl(metrics)
+    if rows:
+        parts.append(f"metrics.jsonl ({len(rows)} steps, {rows[0].get('step')}-{rows[-1].get('step')}, "
+                     f"last loss {rows[-1].get('loss', float('nan')):.4f})")
+    parts += [n for n in ("events.jsonl", "loss.png", "run.json") if os.path.exists(os.path.join(out, n))]
+    return ", ".join(parts)
 
 
 def model_config(args, tokenizer) -> tuple[dict, object]:
@@ -339,9 +373,14 @@ class Job:
         self.t_session = time.perf_counter()
         self.metrics_path = os.path.join(out, "metrics.jsonl")
         self.png_path = os.path.join(out, "loss.png")
-        if self.main:
+        self.tb = P.TensorBoard(a.tensorboard, self.main and not a.export_only)
+        if self.main and a.export_only:  # the run's files stay as they are; only an "export" event is added
+            self.metrics = None
+            self.events = P.Events(os.path.join(out, "events.jsonl"))
+        elif self.main:
             os.makedirs(out, exist_ok=True)
             if self.plan["wipe"]:
+                print(f"overwrite discarded the run in {out}: {self.plan['discarded']}", flush=True)
                 for name in ("metrics.jsonl", "events.jsonl", "loss.png", "run.json"):
                     if os.path.exists(os.path.join(out, name)):
                         os.remove(os.path.join(out, name))
@@ -366,8 +405,10 @@ class Job:
         nval = len(self.val.tokens) if self.val else 0
         dtype = "bf16" if self.param_dtype == torch.bfloat16 else "fp32"
         units = len(m.flat_units)
+        ac = " | activation checkpointing" if a.activation_checkpointing else ""
         self.say(f"yafsdp {yafsdp.__version__} | pretrain_llama | {self.world} rank(s) on {self.env.nodes} node(s) | "
-                 f"{self.device.type} ({self.env.backend}) | {dtype} compute, fp32 master | ZeRO-{a.zero_stage}")
+                 f"{self.device.type} ({self.env.backend}) | {dtype} compute, fp32 master | ZeRO-{a.zero_stage}{ac}")
+        self.say(f"flags    {non_default_flags(a)}")
         preset = f"--init-from-hf {a.init_from_hf}" if a.init_from_hf else f"preset {a.preset}"
         c = self.shape
         self.say(f"model    {preset}: LlamaForCausalLM {P.fmt_count(self.n_params)} params ({c['num_hidden_layers']} "
@@ -377,18 +418,32 @@ class Job:
         self.say(f"data     {self.corpus.source}: {len(self.corpus.tokens):,} tokens ({tok}); {ntr:,} train / "
                  f"{nval:,} val; {self.batches.windows:,} windows of {a.seq_len}")
         total = max(0, a.steps - self.step)
+        if a.export_only:
+            steps = f"export only (--export-only): no training, the weights of step {self.step}"
+        elif total == 0:
+            steps = f"nothing to train: the checkpoint is at step {self.step}, --steps is {a.steps}"
+        else:
+            steps = (f"steps {self.step} -> {a.steps} ({P.fmt_count(total * self.tokens_per_step)} tokens, "
+                     f"{total * gb / self.batches.windows:.1f} epochs)")
         self.say(f"batch    {a.batch_size} seq x {self.world} ranks x {a.grad_accum} accum = {gb} seq = "
-                 f"{self.tokens_per_step:,} tokens/step; steps {self.step} -> {a.steps} "
-                 f"({P.fmt_count(total * self.tokens_per_step)} tokens, "
-                 f"{total * gb / self.batches.windows:.1f} epochs)")
+                 f"{self.tokens_per_step:,} tokens/step; {steps}")
         self.say(f"optim    {self.opt_name}: lr {a.lr:g} (warmup {a.warmup}, cosine to {a.lr * a.min_lr_ratio:g} at "
                  f"step {a.decay_steps}), weight decay {a.weight_decay:g}, clip {a.grad_clip:g}")
         mem = sum(m.allocated_bytes().values())
         self.say(f"memory   engine allocations per rank: {mem / 2**20:.1f} MiB "
                  f"(model {4 * self.n_params / 2**20:.1f} MiB in fp32, unsharded)")
+        c = self.shape
+        emb = c["vocab_size"] * c["hidden_size"]
+        self.flops_per_token = P.flops_per_token(self.n_params, emb, c["num_hidden_layers"], c["hidden_size"], a.seq_len)
+        self.peak, peak_from = P.peak_tflops(self.device, self.param_dtype == torch.bfloat16, a.peak_tflops)
+        mfu = f"MFU against {peak_from}" if self.peak else f"MFU n/a ({peak_from})"
+        self.say(f"perf     {self.flops_per_token / 1e6:.2f} MFLOP/token (6 N + 12 L H S); {mfu}")
         every = f"every {a.save_every} steps and at the end" if a.save_every else "at the end"
-        self.say(f"out      {a.out}: metrics.jsonl, loss.png, checkpoints/ ({every}, keep {a.keep})")
-        if self.resumed_from and self.resumed_from[2] not in (None, gb):
+        tb = f", TensorBoard {a.tensorboard}" if self.tb.writer is not None else ""
+        self.say(f"out      {a.out}: metrics.jsonl, loss.png, checkpoints/ ({every}, keep {a.keep}){tb}")
+        if self.tb.problem:
+            self.say(f"note     {self.tb.problem}")
+        if self.resumed_from and self.resumed_from[2] not in (None, gb) and not a.export_only:
             self.say(f"note     the checkpoint's global batch was {self.resumed_from[2]} sequences, this run's is {gb}: "
                      "the data order continues, the step contents differ")
         if a.steps > a.decay_steps:
@@ -397,6 +452,11 @@ class Job:
 
     def train(self):
         a, m, opt = self.args, self.model, self.opt
+        if a.export_only:
+            self.first_loss = self.last_loss = self.val_loss = self.stopped_by = None
+            self.train_time, self.trained_steps, self.step_times = 0.0, 0, []
+            self.last_checkpoint = self.plan["resume_path"]
+            return
         stop = StopSignal().install()
         bar = P.Bar(self.main and not a.no_progress, a.steps, self.step)
         self.first_loss = self.last_loss = None
@@ -406,6 +466,8 @@ class Job:
         t_start = time.perf_counter()
         start_step = self.step
         step_times = []
+        self.session_losses = []
+        self.losses_before = [r["loss"] for r in P.read_jsonl(self.metrics_path)] if self.main else []
         max_norm = a.grad_clip if a.grad_clip > 0 else float("inf")
         if self.main:
             kind = "resume" if self.plan["resume_path"] else "start"
@@ -439,18 +501,23 @@ class Job:
                 dt = time.perf_counter() - t0
                 step_times.append(dt)
                 mem = P.peak_memory_gb(self.device)
+                tok_s_dev = self.tokens_per_step / dt / self.world
+                mfu = self.flops_per_token * tok_s_dev / (self.peak * 1e12) if self.peak else None
                 row = dict(step=self.step, loss=loss_val, lr=lr, grad_norm=float(norm),
                            tokens=self.tokens_seen, tokens_per_s=round(self.tokens_per_step / dt, 1),
+                           tokens_per_s_per_device=round(tok_s_dev, 1), mfu=round(mfu, 5) if mfu is not None else None,
                            step_time_s=round(dt, 4), mem_gb=round(mem, 4),
                            epoch=round(self.batches.epoch_of(self.cursor), 4))
                 if self.first_loss is None:
                     self.first_loss = loss_val
                 self.last_loss = loss_val
+                self.session_losses.append(loss_val)
                 if self.val is not None and a.eval_every and self.step % a.eval_every == 0:
                     row["val_loss"] = self.val_loss = round(self.evaluate(), 6)
                 if self.main:
                     self.metrics.write(row)
-                bar.update(loss_val, self.tokens_per_step / dt, dt, mem)
+                    self.tb.write(row)
+                bar.update(loss_val, self.tokens_per_step / dt, dt, mem, tok_s_dev, mfu)
                 if stop_now:
                     self.stopped_by = stop.name or "a signal on another rank"
                     break
@@ -525,6 +592,12 @@ class Job:
         if n_sample > 0 and readable and not self.stopped_by and self.trained_steps > 0:
             sample = self.sample(n_sample)
         exported = None
+        if a.export_only:
+            exported = self.export()
+            if self.main:
+                self.summary(None, exported)
+                self.events.close()
+            return
         if a.export_hf and not self.stopped_by:
             if os.path.isdir(a.export_hf) and os.listdir(a.export_hf):
                 self.say(f"export   {a.export_hf} already holds an export (restarted run): left as is")
@@ -533,12 +606,14 @@ class Job:
         if self.main:
             P.plot_loss(self.metrics_path, self.png_path,
                         title=f"{a.preset if not a.init_from_hf else 'from HF'}: {P.fmt_count(self.n_params)} params, "
-                              f"{self.world} ranks", final_val=(self.step, self.val_loss))
+                              f"{self.world} ranks", final_val=(self.step, self.val_loss),
+                        events_path=os.path.join(a.out, "events.jsonl"))
             self.summary(sample, exported)
             self.events.write(dict(event="stopped" if self.stopped_by else "end", step=self.step,
                                    loss=self.last_loss, val_loss=self.val_loss))
             self.metrics.close()
             self.events.close()
+            self.tb.close()
         del m
 
     def export(self):
@@ -551,6 +626,15 @@ class Job:
         with torch.no_grad():
             ours = self.model(input_ids=probe, use_cache=False).logits.float().cpu()
         tok = self.tokenizer if isinstance(self.tokenizer, (D.ByteTokenizer, D.HFTokenizer)) else None
+        # The exported config names the tokenizer's special tokens (generate() and pipelines read
+        # them). Set here, not at build time: a pad_token_id in the training config would make HF
+        # build the embedding with padding_idx, which changes nothing numerically for this data
+        # but is not what the checkpoint was trained with.
+        cfg = self.model.module.config
+        for key in ("pad", "bos", "eos"):
+            tid = getattr(self.tokenizer, f"{key}_id", None)
+            if tid is not None:
+                setattr(cfg, f"{key}_token_id", int(tid))
         export_hf(self.model, a.export_hf, dtype=dtype, tokenizer=tok)
         check = None
         if self.main and self.n_params <= 200_000_000:  # reload on rank 0 and compare the logits
@@ -573,12 +657,17 @@ class Job:
         st = self.step_times
         if st:
             med = sorted(st)[len(st) // 2]
+            tps = self.tokens_per_step / med
+            mfu = self.flops_per_token * tps / self.world / (self.peak * 1e12) if self.peak else None
             self.say(f"done     {self.trained_steps} steps in {P.fmt_time(self.train_time)} (median {med * 1e3:.0f} ms/step, "
-                     f"{self.tokens_per_step / med:,.0f} tokens/s, peak memory {P.peak_memory_gb(self.device):.2f} GB "
-                     f"on rank 0); step {self.step}/{a.steps}")
-            val = f", val {self.val_loss:.4f}" if self.val_loss is not None else ""
-            self.say(f"loss     {self.first_loss:.4f} -> {self.last_loss:.4f}{val} (nats/token; "
-                     f"uniform guess {math.log(self.shape['vocab_size']):.2f})")
+                     f"{tps:,.0f} tokens/s = {tps / self.world:,.0f} per device, MFU {P.fmt_mfu(mfu)}, peak memory "
+                     f"{P.peak_memory_gb(self.device):.2f} GB on rank 0); step {self.step}/{a.steps}")
+            val = f"; val {self.val_loss:.4f}" if self.val_loss is not None else ""
+            start = self.step - self.trained_steps
+            self.say(f"loss     {P.loss_windows(self.losses_before, self.session_losses, start, self.step)}{val} "
+                     f"(nats/token; uniform guess {math.log(self.shape['vocab_size']):.2f})")
+        elif a.export_only:
+            self.say(f"done     export only: the weights of step {self.step} ({self.plan['resume_path']})")
         else:
             self.say(f"done     nothing to train: already at step {self.step} (--steps {a.steps})")
         if self.stopped_by:
@@ -593,7 +682,9 @@ class Job:
                 extra = (f"; reloaded with from_pretrained: {check['missing']} missing, {check['unexpected']} unexpected "
                          f"keys, max |logit diff| {check['max_abs_diff']:.2e}")
             self.say(f"export   {path}: config.json + model.safetensors ({a.export_dtype}){extra}")
-        self.say(f"files    {self.metrics_path}, {self.png_path}, {getattr(self, 'last_checkpoint', '(no checkpoint)')}")
+        if not a.export_only:
+            self.say(f"files    {self.metrics_path}, {self.png_path}, "
+                     f"{getattr(self, 'last_checkpoint', '(no checkpoint)')}")
 
 
 # --------------------------------------------------------------------------------------- helpers
@@ -619,6 +710,23 @@ def make_optimizer(model, args, device):
         return torch.optim.AdamW(groups, fused=True, **kw), "torch.optim.AdamW(fused)"
     except (RuntimeError, ValueError):
         return torch.optim.AdamW(groups, foreach=True, **kw), "torch.optim.AdamW(foreach)"
+
+
+def non_default_flags(args) -> str:
+    """The flags that differ from their defaults (the preset's, for preset-dependent ones), as a
+    command line: the header shows every setting a reader cannot assume."""
+    ref = parse_args(["--preset", args.preset])
+    skip = {"preset_info", "out", "preset", "no_progress"}
+    diff = []
+    for k, v in vars(args).items():
+        if k in skip or getattr(ref, k, None) == v:
+            continue
+        flag = "--" + k.replace("_", "-")
+        if v is True or (k == "resume" and v == "latest"):
+            diff.append(flag)
+        else:
+            diff.append(f"--no-{k.replace('_', '-')}" if v is False else f"{flag} {v}")
+    return " ".join(diff) if diff else f"all defaults of preset {args.preset}"
 
 
 def describe_model_args(args) -> str:
@@ -666,6 +774,11 @@ def main(argv=None) -> int:
         job.header()
         job.train()
         job.finish()
+        # [Note: barrier before destroy] A rank that destroys the process group while another is
+        # still receiving from it (the last gathers of finish() go to rank 0) can abort in gloo
+        # ("terminate called without an active exception", exit -6): about one short run in three
+        # on a 2-core machine, which torchrun reports as a failed job. All ranks meet here first.
+        dist.barrier()
     except JobError as e:
         if env.rank == 0:
             print(f"pretrain_llama.py: error: {e}", file=sys.stderr, flush=True)

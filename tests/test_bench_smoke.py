@@ -40,6 +40,31 @@ def test_bench_step_cpu(tmp_path):
             assert abs(a - b) <= 1e-4 * abs(b), (name, row["losses"], rows["ddp"]["losses"])
     assert rows["yafsdp-z3"]["plan_mib"] > 0
     assert len(r["goals"]) == 2 and all("ratio" in g for g in r["goals"])
+    # The per-step ratio spread behind each goal, and the machine's noise.
+    assert "spread: yafsdp-z3 / ddp per interleaved step" in text and "own spread (max - min over median)" in text
+    sp = r["noise"]["ratios"]["yafsdp-z3/ddp"]
+    assert sp["min"] <= sp["median"] <= sp["max"] and sp["steps"] == 3
+    assert ("NOISE WARNING" in text) == r["noise"]["busy"]
+
+
+def test_bench_step_noise_report():
+    """[Note: noise]: quiet competitors and an idle machine give no warning; a competitor whose own
+    step times spread by 40% (or a loaded machine) does, with the values."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.bench_step import noise_report
+
+    goals = [dict(engine="yafsdp-z3", vs="ddp", ratio=1.0, limit=1.1, met=True)]
+    quiet = {"yafsdp-z3": [1.00, 1.02, 1.01, 1.05], "ddp": [1.00, 1.01, 0.99, 1.00]}
+    lines, info = noise_report(quiet, goals, True, 0.5, 2)
+    assert not info["busy"] and not any("NOISE" in x for x in lines)
+    r = info["ratios"]["yafsdp-z3/ddp"]  # per-step ratios 1.0, 1.0099, 1.0202, 1.05
+    assert (r["min"], r["max"], r["steps"]) == (1.0, 1.05, 4) and r["median"] == pytest.approx((1.02 / 1.01 + 1.01 / 0.99) / 2)
+    assert "range x1.000-1.050 over 4 steps" in lines[0]
+    busy = {"yafsdp-z3": [1.0, 1.3, 1.1, 1.0], "ddp": [1.0, 1.4, 1.0, 1.0]}
+    lines, info = noise_report(busy, goals, True, 0.5, 2)
+    assert info["busy"] and "NOISE WARNING" in lines[-1] and "ddp 40% (> 20%)" in lines[-1]
+    lines, info = noise_report(quiet, goals, True, 3.1, 2)
+    assert info["busy"] and "load average was 3.10 on 2 cores" in lines[-1]
 
 
 def test_bench_step_fake_worlds(tmp_path):

@@ -227,3 +227,60 @@ def test_predicted_peak_matches_measured_gpu():
     total, peak, growth = run_ranks(_gpu_peak, 1, backend="nccl")[0]
     assert growth == 0
     assert abs(total - peak) / peak <= 0.10, (total, peak)
+
+
+def test_plan_cli_takes_every_preset_helps_every_flag_and_does_not_warn():
+    """One preset table (yafsdp.presets) for the plan, the job and the benchmarks; both spellings
+    of the CLI run without runpy's RuntimeWarning; every flag has a help text."""
+    import os
+
+    from yafsdp.plan import _parser
+    from yafsdp.presets import PRESETS, TRAINING
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "examples"))
+    from pretrain.presets import DEFAULT_PRESET, presets
+
+    assert set(presets()) == set(PRESETS) == set(TRAINING) and DEFAULT_PRESET in PRESETS
+    ap = _parser()
+    assert set(next(a for a in ap._actions if a.dest == "preset").choices) == set(PRESETS)
+    assert [a.dest for a in ap._actions if not a.help] == []
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for cmd in (["-m", "yafsdp.plan"], ["-m", "yafsdp", "plan"]):
+        p = subprocess.run([sys.executable, *cmd, "--preset", DEFAULT_PRESET, "--world-size", "2", "--json"],
+                           capture_output=True, text=True, timeout=120, env=env, cwd=root)
+        assert p.returncode == 0 and p.stderr == "", (cmd, p.stderr)
+        d = json.loads(p.stdout)
+        assert d["preset"] == "cpu-4x128" and d["num_params"] == 869_504  # the job's 0.87 M model
+    p = subprocess.run([sys.executable, "-m", "yafsdp", "nope"], capture_output=True, text=True, env=env, cwd=root)
+    assert p.returncode == 2 and "unknown command 'nope'; choose one of: plan" in p.stderr
+
+
+def test_repeated_blocks_are_never_outsized():
+    """[Note: outsized units]: on every preset no decoder layer is outsized, and on a tiny model
+    (vocab 256, hidden 64, 2 layers: half the units are embedding/head, so the old median rule
+    picked the embedding's size and put both layers in the outsized buffer) nothing is."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from yafsdp.plan import repeated_blocks
+    from yafsdp.presets import PRESETS
+
+    assert repeated_blocks(["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"]) == [
+        False, True, True, False]
+    assert repeated_blocks(["0", "1", "2"]) == [True] * 3 and repeated_blocks(["a.0", "b.0", "u1"]) == [False] * 3
+    for name in PRESETS:
+        p = memory_plan(build_llama(name, device="meta"), world_size=8, param_dtype="bf16")
+        layers = [u for u in p.units if ".layers." in u.name]
+        assert layers and not any(u.outsized for u in layers), name
+        assert p.largest_unit == max(u.padded_numel for u in p.units if not u.outsized), name
+        big = {u.name for u in p.units if u.outsized}
+        # llama3-70b's embedding (1.05 G) is under 1.5 x a layer (0.86 G): it shares the pair.
+        assert big == ({"model.embed_tokens", "lm_head"} if name in ("cpu-6x256", "llama3-8b")
+                       else {"model.embed_tokens"} if name in ("llama3-1b", "llama3-3b") else set()), (name, big)
+    with torch.device("meta"):
+        small = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    p = memory_plan(small, world_size=2)
+    assert [(u.name, u.outsized) for u in p.units] == [
+        ("model.embed_tokens", False), ("model.layers.0", False), ("model.layers.1", False), ("lm_head", False)]
+    assert {s.name for s in p.slots} == {"weight0", "weight1", "weight_small", "grad0", "grad1", "grad_small"}

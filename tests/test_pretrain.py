@@ -120,7 +120,8 @@ def runs(tmp_path_factory):
     def lane_half():  # 1 node x 2 ranks: 6 steps, resumed to 12; the step-6 checkpoint on 1 rank
         first = run_job(["--steps", "6", "--data", bin_path, "--out", out["half"]])
         shutil.copytree(out["half"], out["to1"])
-        second = run_job(["--steps", "12", "--data", bin_path, "--resume", "--out", out["half"]])
+        second = run_job(["--steps", "12", "--data", bin_path, "--resume", "--out", out["half"],
+                          "--peak-tflops", "0.01", "--tensorboard", str(base / "tb")])
         to1 = run_job(["--steps", "12", "--resume", "--grad-accum", "2", "--tokenizer", tok_dir,
                        "--data", str(jsonl_dir / "corpus.jsonl"), "--out", out["to1"]], nproc=1)
         return first, second, to1
@@ -129,7 +130,7 @@ def runs(tmp_path_factory):
     with ThreadPoolExecutor(2) as pool:
         a, b = pool.submit(lane_ref), pool.submit(lane_half)
         (ref_stdout, hf, to2), (first, second, to1) = a.result(), b.result()
-    return dict(out=out, ref_stdout=ref_stdout, first=first, second=second, to1=to1, to2=to2,
+    return dict(out=out, ref_stdout=ref_stdout, first=first, second=second, to1=to1, to2=to2, tb=str(base / "tb"),
                 hf=hf, bin=bin_path, tok=tok_dir, base=str(base))
 
 
@@ -321,3 +322,113 @@ def test_batch_order_is_a_function_of_the_cursor():
     assert all(torch.equal(s, torch.arange(int(s[0]), int(s[0]) + 17)) for s in seen)
     # A fresh object reproduces the order (resume needs nothing but the cursor).
     assert torch.equal(D.Batches(tokens, 16, seed=3).batch(123, 5), b.batch(123, 5))
+
+
+# ------------------------------------------------------------------- after training: export, sample
+GENERATE = os.path.join(ROOT, "examples", "generate.py")
+
+
+def test_export_only_generate_and_special_tokens(runs, tmp_path):
+    """--export-only writes the checkpoint's weights (2 ranks' shards, exported by 1) and touches
+    none of the run's files; examples/generate.py samples the same tokens from the run directory
+    (its newest checkpoint) and from the export; the exported config names the tokenizer's
+    special tokens."""
+    from safetensors.torch import load_file
+
+    run = str(tmp_path / "run")
+    shutil.copytree(runs["out"]["ref"], run, ignore=shutil.ignore_patterns("hf"))
+    before = tree_digest(run)
+    hf = str(tmp_path / "hf")
+    p = run_job(["--export-only", "--out", run, "--export-hf", hf], nproc=0)
+    assert "export only (--export-only): no training, the weights of step 12" in p.stdout
+    assert "done     export only" in p.stdout and "steps 12 ->" not in p.stdout
+    after = tree_digest(run)
+    assert {k: v for k, v in after.items() if k != "events.jsonl"} == {k: v for k, v in before.items()
+                                                                       if k != "events.jsonl"}
+    assert events(run)[-1]["event"] == "export" and events(run)[-1]["check"]["max_abs_diff"] == 0.0
+    a, b = load_file(os.path.join(hf, "model.safetensors")), load_file(os.path.join(runs["out"]["ref"], "hf",
+                                                                                    "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    cfg = json.load(open(os.path.join(hf, "config.json")))
+    assert (cfg["pad_token_id"], cfg["bos_token_id"], cfg["eos_token_id"]) == (258, 256, 257)  # <pad>, <bos>, <eos>
+    bad = subprocess.run([sys.executable, JOB, *FAST, "--export-only", "--out", str(tmp_path / "none"),
+                          "--export-hf", str(tmp_path / "hf3")], capture_output=True, text=True, env=env(), timeout=120)
+    assert bad.returncode == 2 and "--export-only: nothing to export, no complete checkpoint in" in bad.stderr
+    # Sampling (temperature 1, top-k 50): the same ids from the checkpoint and from the export.
+    flags = ["--temperature", "1", "--top-k", "50", "--seed", "3", "--tokens", "30", "--json"]
+    outs = [subprocess.run([sys.executable, GENERATE, src, *flags], capture_output=True, text=True, env=env(),
+                           timeout=120) for src in (run, hf)]
+    for o in outs:
+        assert o.returncode == 0, o.stderr[-3000:]
+    got = [json.loads(o.stdout) for o in outs]
+    assert "checkpoint" in outs[0].stderr and "step_00000012" in outs[0].stderr and "HF export" in outs[1].stderr
+    assert got[0]["ids"] == got[1]["ids"] and len(got[0]["ids"]) == 30 and len(set(got[0]["ids"])) > 3
+    assert got[0]["text"].startswith("We the People") and got[0]["text"] == got[1]["text"]
+    missing = subprocess.run([sys.executable, GENERATE, str(tmp_path)], capture_output=True, text=True, env=env())
+    assert missing.returncode == 2 and "is neither an HF export (config.json), a checkpoint" in missing.stderr
+
+
+def test_progress_mfu_tensorboard_and_windowed_summary(runs):
+    """Per-step tokens/s per device and MFU (n/a on CPU unless --peak-tflops), the resume summary
+    as windowed means, the header's non-default flags, --tensorboard degrading with a message."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from pretrain import progress as P
+
+    ref_rows = metrics(runs["out"]["ref"])
+    assert all(r["mfu"] is None and r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / 2, abs=0.1)
+               for r in ref_rows)
+    assert "MFU n/a (no agreed peak for CPU; pass --peak-tflops to get MFU)" in runs["ref_stdout"]
+    rows = metrics(runs["out"]["half"])
+    fpt = P.flops_per_token(158_016, 512 * 64, 2, 64, 32)  # the tiny preset at --seq-len 32
+    assert fpt == 6 * (158_016 - 512 * 64) + 12 * 2 * 64 * 32
+    for r in rows[6:]:  # the resumed steps ran with --peak-tflops 0.01
+        assert r["mfu"] == pytest.approx(fpt * r["tokens_per_s_per_device"] / 1e10, rel=1e-3, abs=1e-5)
+    out = runs["second"].stdout
+    flags = next(line for line in out.splitlines() if line.startswith("flags    ")).split()
+    assert {"--resume", "--peak-tflops", "0.01", "--tensorboard", "--seq-len", "32"} <= set(flags), flags
+    assert "--zero-stage" not in flags and "--lr" not in flags  # defaults are not repeated
+    assert "MFU against --peak-tflops 0.01" in out
+    before, after = [r["loss"] for r in rows[:6]], [r["loss"] for r in rows[9:]]
+    want = (f"loss     {sum(before) / 6:.4f} (mean of steps 1-6) -> {sum(after) / 3:.4f} (mean of steps 10-12; "
+            f"last step {rows[-1]['loss']:.4f})")
+    assert want in out, out
+    first = runs["first"].stdout  # a fresh run starts from its first step's loss
+    assert f"loss     {rows[0]['loss']:.4f} (step 1) -> {sum(before[3:]) / 3:.4f} (mean of steps 4-6; " in first, first
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        assert "--tensorboard" in out and "not logging, the tensorboard package is not installed" in out
+        assert not os.path.exists(runs["tb"])
+    else:
+        assert any(f.startswith("events.out.tfevents") for f in os.listdir(runs["tb"]))
+    assert "nothing to train: the checkpoint is at step 0, --steps is 0" in runs["to2"].stdout
+
+
+def test_plot_keeps_validation_across_resumes(runs):
+    """half ran twice (to 6, then resumed to 12): both end-of-run validations are plotted, and the
+    legend names the learning-rate line."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from pretrain import progress as P
+
+    half = runs["out"]["half"]
+    ends = [e for e in events(half) if e["event"] == "end"]
+    assert [e["step"] for e in ends] == [6, 12] and all(e["val_loss"] is not None for e in ends)
+    pts = P.validation_points(metrics(half), os.path.join(half, "events.jsonl"), None)
+    assert pts == [(6, ends[0]["val_loss"]), (12, ends[1]["val_loss"])]
+    # A point past the metrics (a branch abandoned by resuming an older checkpoint) is dropped.
+    assert P.validation_points(metrics(half)[:6], os.path.join(half, "events.jsonl"), None) == pts[:1]
+    labels = P.plot_loss(os.path.join(half, "metrics.jsonl"), os.path.join(half, "replot.png"),
+                         events_path=os.path.join(half, "events.jsonl"))
+    assert labels == ["train loss", "val loss", "learning rate (right axis)"]
+
+
+def test_overwrite_says_what_it_discarded(runs, tmp_path):
+    run = str(tmp_path / "run")
+    shutil.copytree(runs["out"]["ref"], run)
+    p = run_job(["--overwrite", "--steps", "1", "--out", run, "--activation-checkpointing"], nproc=0)
+    assert (f"overwrite discarded the run in {run}: 2 checkpoint(s) step_00000006, step_00000012, metrics.jsonl "
+            "(12 steps, 1-12, last loss") in p.stdout
+    assert "ZeRO-3 | activation checkpointing" in p.stdout
+    flags = next(line for line in p.stdout.splitlines() if line.startswith("flags    ")).split()
+    assert {"--activation-checkpointing", "--overwrite"} <= set(flags), flags
+    assert [r["step"] for r in metrics(run)] == [1]

@@ -2,7 +2,7 @@
 
     model.memory_plan(batch=4, seq=2048)                   # a wrapped model (YaFSDP)
     yafsdp.plan.memory_plan(meta_model, world_size=64)     # a plain model, e.g. on the meta device
-    python -m yafsdp.plan --preset llama3-8b --world-size 64 --param-dtype bf16 --batch 1 --seq 8192
+    python -m yafsdp plan --preset llama3-8b --world-size 64 --param-dtype bf16 --batch 1 --seq 8192
 
 [Note: one plan, one allocator]
 The engine's buffers are sized by :func:`plan_slots` and nothing else: ``Runtime._allocate`` calls
@@ -15,8 +15,9 @@ What the engine allocates per rank (Psi parameters, N ranks, every count padded 
 - weight buffers: two in param_dtype holding the largest regular unit each (ZeRO-2: one per unit)
 - grad buffers: two in reduce_dtype, each with a shard-sized reduce-scatter staging area
 - the small group (all 1-D parameters): its own weight and grad buffer
-- outsized units (padded size > outsized_ratio x the median unit; a 128k-vocab embedding or
-  head): one weight and one grad buffer they share, so they do not set the size of the pair
+- outsized units (not a repeated block, padded size > outsized_ratio x the largest block; see
+  [Note: outsized units]; a 128k-vocab embedding or head): one weight and one grad buffer they
+  share, so they do not set the size of the pair
 Outside the engine and estimated here: optimizer state (AdamW: fp32 m and v, 8 bytes per shard
 element) and activations.
 
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
@@ -100,6 +102,26 @@ def unit_align(compute_dtype: torch.dtype, reduce_dtype: torch.dtype, align_byte
     return max(1, align_bytes // elem)
 
 
+def repeated_blocks(names: list[str]) -> list[bool]:
+    """Per unit: is it a member of a repeated block list? See [Note: outsized units]."""
+    prefix = [(m.group(1) or "") if (m := re.fullmatch(r"(.*\.)?\d+", n)) else None for n in names]
+    count: dict[str, int] = {}
+    for p in prefix:
+        if p is not None:
+            count[p] = count.get(p, 0) + 1
+    return [p is not None and count[p] >= 2 for p in prefix]
+
+
+# [Note: outsized units]
+# An outsized unit (a 128k-vocab embedding or head) gets its own buffer so that it does not set
+# the size of the alternating pair. Repeated blocks are what the pair is for, so they are never
+# outsized: a unit is outsized when it is not a block of a repeated block list and is larger than
+# ``outsized_ratio`` x the largest such block. The blocks are recognised by their names (units are
+# named by module path; a ModuleList's children end in ".<index>", e.g. "model.layers.7"), two or
+# more under one prefix. A model without such a list (e.g. explicit units with other names) falls
+# back to ``outsized_ratio`` x the median unit. (The median alone misfires on small models: with
+# vocab 256, hidden 64 and 2 layers the embedding and head are half the units, so the median is
+# the embedding and both decoder layers would be outsized.)
 def plan_slots(
     names: list[str],
     layouts: list[FlatLayout],
@@ -114,7 +136,11 @@ def plan_slots(
     allocation. See [Note: one plan, one allocator]."""
     sizes = [lay.padded_numel for lay in layouts]
     outsized = [False] * len(layouts)
-    if len(sizes) >= 3:
+    repeated = repeated_blocks(names)
+    if any(repeated):  # See [Note: outsized units]
+        largest_block = max(n for n, r in zip(sizes, repeated) if r)
+        outsized = [not r and n > outsized_ratio * largest_block for n, r in zip(sizes, repeated)]
+    elif len(sizes) >= 3:
         median = statistics.median_low(sizes)
         outsized = [n > outsized_ratio * median for n in sizes]
     regular = [i for i, o in enumerate(outsized) if not o]
@@ -554,34 +580,48 @@ def activation_estimate(
 
 
 # ---------------------------------------------------------------------------- CLI
-def _parse(argv=None):
+def _parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
     from .presets import PRESETS
 
     ap = argparse.ArgumentParser(
-        prog="python -m yafsdp.plan",
+        prog=prog,
         description="Print yafsdp's per-rank memory plan for a preset model, built on the meta device "
-        "(nothing is allocated).",
+        "(nothing is allocated). The presets are yafsdp.presets' table, the same as the pretraining "
+        "job's --preset and the benchmarks'.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    ap.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
-    ap.add_argument("--world-size", type=int, default=8)
-    ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--param-dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
-    ap.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    ap.add_argument("--zero-stage", type=int, default=3, choices=[2, 3])
-    ap.add_argument("--outsized-ratio", type=float, default=1.5)
-    ap.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES))
+    ap.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS), help="model shape (yafsdp.presets)")
+    ap.add_argument("--world-size", type=int, default=8, help="ranks the model is sharded over")
+    ap.add_argument("--rank", type=int, default=0, help="the rank whose shard is planned (padding differs by rank)")
+    ap.add_argument("--param-dtype", default="bf16", choices=["fp32", "bf16", "fp16"],
+                    help="compute dtype of the gathered weights (the master shards stay fp32)")
+    ap.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                    help="dtype of the grad buffers and of the reduce-scatter")
+    ap.add_argument("--zero-stage", type=int, default=3, choices=[2, 3],
+                    help="3: two alternating weight buffers; 2: one gathered copy per unit")
+    ap.add_argument("--outsized-ratio", type=float, default=1.5,
+                    help="a unit that is not a repeated block and is larger than this x the largest block gets "
+                    "the outsized buffer")
+    ap.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES),
+                    help="optimizer whose state is counted (bytes per shard element: adamw 8, sgd-momentum 4)")
     ap.add_argument("--batch", type=int, default=None, help="micro-batch per rank (adds the activation estimate)")
-    ap.add_argument("--seq", type=int, default=None, help="sequence length (with --batch)")
+    ap.add_argument("--seq", type=int, default=None,
+                    help="sequence length (with --batch; default: the preset's max_position_embeddings)")
     ap.add_argument("--checkpointing", action="store_true", help="per-layer activation checkpointing")
-    ap.add_argument("--attention", default="fused", choices=["fused", "math"])
+    ap.add_argument("--attention", default="fused", choices=["fused", "math"],
+                    help="fused: what flash/memory-efficient SDPA saves; math: the (seq x seq) probabilities")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    return ap.parse_args(argv)
+    return ap
 
 
-def main(argv=None) -> MemoryPlan:
+def _parse(argv=None, prog="python -m yafsdp plan"):
+    return _parser(prog).parse_args(argv)
+
+
+def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
     from .presets import build_llama
 
-    a = _parse(argv)
+    a = _parse(argv, prog)
     model = build_llama(a.preset, device="meta")
     if a.batch is not None and a.seq is None:
         a.seq = model.config.max_position_embeddings
@@ -598,5 +638,5 @@ def main(argv=None) -> MemoryPlan:
     return plan
 
 
-if __name__ == "__main__":
-    main(sys.argv[1:])
+if __name__ == "__main__":  # the old spelling, python -m yafsdp.plan; see [Note: CLI entry point]
+    main(sys.argv[1:], prog="python -m yafsdp.plan")

@@ -1,12 +1,14 @@
-"""Model size presets: HF ``LlamaConfig`` keyword arguments, the single source for the plan CLI,
-the benchmarks and the examples.
+"""Model presets: the project's one table of Llama shapes (HF ``LlamaConfig`` keyword arguments)
+and the training defaults that suit each, read by the plan CLI (``python -m yafsdp plan``), the
+benchmarks and the examples (``examples/pretrain_llama.py``); a name valid in one is valid in all.
 
-    from yafsdp.presets import PRESETS, llama_config, build_llama
+    from yafsdp.presets import PRESETS, TRAINING, llama_config, build_llama
     model = build_llama("llama3-8b", device="meta")   # no memory allocated
 
 The Llama-3 numbers are the published configurations (Meta's ``config.json``); the small ones are
-chosen for this project's CPU runs. ``cpu-6x256`` is the DESIGN.md anchor model (6 layers x 256
-hidden, fp32 on CPU).
+chosen for this project's CPU runs. ``cpu-4x128`` is the pretraining job's default (a byte-level
+vocabulary: 259 ids rounded up to 320); ``cpu-6x256`` is the DESIGN.md anchor model (6 layers x 256
+hidden, fp32 on CPU). The module imports nothing from the engine, so tools can use it alone.
 """
 from __future__ import annotations
 
@@ -15,6 +17,13 @@ import torch
 _LLAMA3 = dict(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
 
 PRESETS: dict[str, dict] = {
+    # The pretraining job's default: 4 layers x 128 hidden, byte vocabulary (0.87 M parameters);
+    # about 0.5 s per step per rank on one CPU core at seq 256 x batch 8.
+    "cpu-4x128": dict(
+        vocab_size=320, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
     # CI / smoke tests: a few hundred thousand parameters.
     "tiny": dict(
         vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
@@ -45,6 +54,19 @@ PRESETS: dict[str, dict] = {
         num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False,
     ),
 }
+
+
+# Training defaults per preset: (seq_len, batch per rank, peak lr, warmup steps, steps, what it is for).
+TRAINING: dict[str, tuple[int, int, float, int, int, str]] = {
+    "cpu-4x128": (256, 8, 3e-3, 20, 300, "the embedded default: a few minutes on 2 CPU cores"),
+    "tiny": (64, 4, 3e-3, 4, 50, "CI and smoke tests: seconds on CPU"),
+    "cpu-6x256": (256, 8, 1e-3, 20, 300, "DESIGN.md's CPU anchor shape (Llama-2 vocabulary)"),
+    "llama3-1b": (2048, 8, 3e-4, 2000, 100_000, "Llama-3.2-1B shape; GPUs, --bf16"),
+    "llama3-3b": (2048, 4, 3e-4, 2000, 100_000, "Llama-3.2-3B shape; GPUs, --bf16"),
+    "llama3-8b": (4096, 2, 3e-4, 2000, 100_000, "Llama-3-8B shape; GPU nodes, --bf16, --activation-checkpointing"),
+    "llama3-70b": (4096, 1, 1.5e-4, 2000, 100_000, "Llama-3-70B shape; many GPU nodes"),
+}
+assert TRAINING.keys() == PRESETS.keys(), "every preset needs its training defaults"
 
 
 def llama_config(name: str, **overrides):

@@ -1,9 +1,9 @@
 """Which parameters form which unit: automatic discovery and the wrap-time checks.
 
 Rules (see README "Units"):
-- ``units=None``: every block of the model's repeated block list (the longest run of same-class,
-  parameter-holding children of a ``ModuleList``/``Sequential``; HF: ``model.model.layers``) is a
-  unit. Every other module that directly holds a >=2-D parameter becomes a unit of its own (the
+- ``units=None``: every block of each of the model's repeated block lists (each run of two or more
+  same-class, parameter-holding children of a ``ModuleList``/``Sequential``; HF decoders:
+  ``model.model.layers``; T5: ``encoder.block`` and ``decoder.block``) is a unit. Every other module that directly holds a >=2-D parameter becomes a unit of its own (the
   embedding before the blocks, the head after them).
 - ``units=[...]``: exactly those modules; every parameter must fall inside one of them.
 - Every 1-D parameter (norm weights, biases) goes to the small group, whatever its unit.
@@ -75,12 +75,18 @@ def _already_wrapped(root: nn.Module) -> str | None:
     return None
 
 
-def find_blocks(root: nn.Module) -> list[nn.Module]:
-    """The longest run of same-class, parameter-holding children of a ModuleList/Sequential."""
-    best: list[nn.Module] = []
-    for m in root.modules():
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)):
+def find_block_lists(root: nn.Module) -> list[list[nn.Module]]:
+    """Every repeated block list of ``root``, in module order: each maximal run of two or more
+    same-class, parameter-holding children of a ``ModuleList``/``Sequential`` that is not inside a
+    block already found. A decoder-only model has one (HF: ``model.model.layers``); an
+    encoder-decoder has two (T5: ``encoder.block`` and ``decoder.block``); lists nested inside a
+    block (e.g. a block's experts) stay part of that block."""
+    lists: list[list[nn.Module]] = []
+    inside: set[int] = set()  # every module in the subtree of a block found so far
+    for m in root.modules():  # pre-order: an outer list is seen before anything inside it
+        if id(m) in inside or not isinstance(m, (nn.ModuleList, nn.Sequential)):
             continue
+        runs: list[list[nn.Module]] = []
         run: list[nn.Module] = []
         for child in m.children():
             has_params = any(True for _ in child.parameters())
@@ -88,11 +94,17 @@ def find_blocks(root: nn.Module) -> list[nn.Module]:
                 run.append(child)
             else:
                 run = [child] if has_params else []
-            if len(run) >= 2 and sum(p.numel() for c in run for p in c.parameters()) > sum(
-                p.numel() for c in best for p in c.parameters()
-            ):
-                best = list(run)
-    return best
+                runs.append(run)
+        for run in runs:
+            if len(run) >= 2:
+                lists.append(run)
+                inside.update(id(sub) for b in run for sub in b.modules())
+    return lists
+
+
+def find_blocks(root: nn.Module) -> list[nn.Module]:
+    """The blocks of every repeated block list (``find_block_lists``), in module order."""
+    return [b for blocks in find_block_lists(root) for b in blocks]
 
 
 def discover(root: nn.Module, units: list[nn.Module] | None) -> tuple[list[UnitSpec], list[ParamInfo]]:

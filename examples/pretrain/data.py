@@ -103,6 +103,7 @@ class HFTokenizer:
         self.vocab_size = len(self.tok)
         self.eos_id = self.tok.eos_token_id if self.tok.eos_token_id is not None else self.tok.sep_token_id
         self.bos_id = self.tok.bos_token_id
+        self.pad_id = self.tok.pad_token_id  # None when the tokenizer defines no padding token
 
     def encode(self, text: str) -> np.ndarray:
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
