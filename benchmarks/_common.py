@@ -13,19 +13,13 @@ import os
 import platform
 import socket
 import statistics
-import sys
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run as a plain script from anywhere
-    sys.path.insert(0, ROOT)
-
-import yafsdp  # noqa: E402
-from yafsdp.presets import build_llama  # noqa: E402
+import yafsdp
+from yafsdp.presets import build_llama
 
 ENGINES = ("yafsdp-z3", "yafsdp-z2", "yafsdp-z3+FusedAdamW", "fsdp2", "fsdp1", "ddp")
 
@@ -223,186 +217,6 @@ def free_engine(e: Engine | None):
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-
-
-# ---------------------------------------------------------------------------- memory
-class CpuAllocTracker:
-    """Live bytes of the torch CPU allocator, from the profiler's memory events.
-
-    Counts every block allocated on this (the main) thread after ``start()`` until it is freed;
-    blocks allocated before ``start()`` are invisible (start it before building the engine).
-    Collectives' internal buffers inside gloo are not torch allocations and are not counted.
-    ``mark(label)`` drops a labelled point on the same clock as the memory events."""
-
-    def __init__(self):
-        from torch.profiler import ProfilerActivity, profile
-
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
-
-    def start(self):
-        self._prof.__enter__()
-        return self
-
-    @staticmethod
-    def mark(label: str):
-        with torch.profiler.record_function(f"bench.mark {label}"):
-            pass
-
-    def stop(self):
-        """Returns (timeline [(ns, live bytes)] in time order, {label: ns})."""
-        self._prof.__exit__(None, None, None)
-        evs, marks = [], {}
-        for e in self._prof.profiler.kineto_results.events():
-            name = e.name()
-            if name == "[memory]" and str(e.device_type()).endswith("CPU"):
-                evs.append((e.start_ns(), e.nbytes()))
-            elif name.startswith("bench.mark "):
-                marks[name[len("bench.mark "):]] = e.start_ns()
-        evs.sort()
-        timeline, live = [], 0
-        for t, n in evs:
-            live += n
-            timeline.append((t, live))
-        return timeline, marks
-
-
-class HeapSampler:
-    """Process-wide heap bytes in use (glibc ``mallinfo2``: arena chunks in use + mmapped chunks),
-    sampled by a background thread every ``interval`` seconds, with the peak since the last
-    ``take()``. Sees every thread (gloo's included) and everything malloc'd (torch CPU tensors and
-    the little else a step allocates); misses peaks shorter than the interval."""
-
-    def __init__(self, interval: float = 2e-4):
-        import ctypes
-        import threading
-
-        class _MI2(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_size_t) for n in
-                        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-        self._libc = ctypes.CDLL("libc.so.6")
-        self._libc.mallinfo2.restype = _MI2
-        self.interval = interval
-        self._peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def available() -> bool:
-        try:
-            import ctypes
-
-            return hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
-        except OSError:  # pragma: no cover - not glibc
-            return False
-
-    def now(self) -> int:
-        m = self._libc.mallinfo2()
-        return m.uordblks + m.hblkhd
-
-    def _run(self):
-        while not self._stop.is_set():
-            v = self.now()
-            if v > self._peak:
-                self._peak = v
-            time.sleep(self.interval)
-
-    def start(self):
-        self._old_switch = sys.getswitchinterval()
-        sys.setswitchinterval(self.interval)  # let the sampler in while the step runs Python code
-        self._peak = self.now()
-        self._thread.start()
-        return self
-
-    def take(self) -> tuple[int, int]:
-        """(bytes in use now, peak since the last take)."""
-        now = self.now()
-        peak, self._peak = max(self._peak, now), now
-        return now, peak
-
-    def stop(self):
-        self._stop.set()
-        self._thread.join()
-        sys.setswitchinterval(self._old_switch)
-
-
-def measure_memory(build, step, steps: int, device: torch.device, method: str = "auto") -> dict:
-    """Build an engine (``build()``) and run ``steps`` steps (``step(engine, i)``), measuring the
-    bytes this rank holds. ``method``: "cuda" (the caching allocator's counters), "torch" (a
-    CpuAllocTracker: exact torch CPU allocations, but frees made on other threads are invisible,
-    so use it only where there are none, e.g. with the fake process group) or "heap" (a
-    HeapSampler, relative to the heap before ``build()``); "auto": cuda on GPU, else heap.
-
-    Returns: ``built`` (held after construction), ``step_end`` (after each step), ``peak_first``
-    (peak during step 1, when the optimizer state is created), ``peak_steady`` (peak over steps
-    2..), ``growth_from_step2`` (held at the last step end minus at step 2's end), ``reserved``
-    (CUDA) and ``how``."""
-    if method == "auto":
-        method = "cuda" if device.type == "cuda" else "heap"
-    steady = 1 if steps >= 2 else 0
-    if method == "cuda":
-        torch.cuda.synchronize(device)
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        engine = build()
-        torch.cuda.synchronize(device)
-        built = torch.cuda.memory_allocated(device)
-        ends, peaks = [], []
-        for i in range(steps):
-            torch.cuda.reset_peak_memory_stats(device)
-            step(engine, i)
-            torch.cuda.synchronize(device)
-            ends.append(torch.cuda.memory_allocated(device))
-            peaks.append(torch.cuda.max_memory_allocated(device))
-        reserved = torch.cuda.max_memory_reserved(device)
-        free_engine(engine)
-        return dict(built=built, step_end=ends, peak_first=peaks[0], peak_steady=max(peaks[steady:]),
-                    growth_from_step2=ends[-1] - ends[steady] if steps >= 2 else None, reserved=reserved,
-                    how="torch.cuda.max_memory_allocated / memory_allocated")
-    if method == "heap":
-        gc.collect()
-        hs = HeapSampler().start()
-        base = hs.now()
-        engine = build()
-        built, _ = hs.take()
-        ends, peaks = [], []
-        for i in range(steps):
-            step(engine, i)
-            now, peak = hs.take()
-            ends.append(now - base)
-            peaks.append(peak - base)
-        hs.stop()
-        free_engine(engine)
-        return dict(built=built - base, step_end=ends, peak_first=peaks[0], peak_steady=max(peaks[steady:]),
-                    growth_from_step2=ends[-1] - ends[steady] if steps >= 2 else None, reserved=None,
-                    how="process heap in use above the pre-build baseline (glibc mallinfo2, sampled every 0.2 ms)")
-    tr = CpuAllocTracker().start()
-    engine = build()
-    tr.mark("built")
-    for i in range(steps):
-        step(engine, i)
-        tr.mark(f"step{i}")
-    free_engine(engine)  # inside the trace, but after the last mark: not counted below
-    timeline, marks = tr.stop()
-
-    def live_at(t):
-        v = 0
-        for ts, live in timeline:
-            if ts > t:
-                break
-            v = live
-        return v
-
-    def peak_between(a, b):
-        return max([live for ts, live in timeline if a <= ts <= b] + [live_at(a)])
-
-    t = [marks["built"]] + [marks[f"step{i}"] for i in range(steps)]
-    ends = [live_at(x) for x in t[1:]]
-    return dict(built=live_at(t[0]), step_end=ends, peak_first=peak_between(t[0], t[1]),
-                peak_steady=peak_between(t[steady], t[-1]) if steps else 0,
-                growth_from_step2=ends[-1] - ends[steady] if steps >= 2 else None, reserved=None,
-                how="torch CPU allocator live bytes (profiler memory events)")
 
 
 # ---------------------------------------------------------------------------- reporting

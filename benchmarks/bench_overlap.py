@@ -34,16 +34,14 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from benchmarks._common import (  # noqa: E402
+import torch
+import torch.distributed as dist
+from _common import (  # this script's directory is on sys.path: the benchmarks' shared plumbing
     build_engine, free_engine, init_distributed, launch, make_batch, md_table, resolve_run, versions, write_json,
 )
-import yafsdp  # noqa: E402
-from yafsdp.trace import Recorder, exposed, union  # noqa: E402
+
+import yafsdp
+from yafsdp.trace import Recorder, exposed, union
 
 ENGINES = ("yafsdp-z3", "yafsdp-z2", "fsdp2")
 _COMM_ISSUE = re.compile(r"^c10d::(_allgather_base_|allgather|_reduce_scatter_base_|reduce_scatter|allreduce)")
@@ -351,7 +349,7 @@ def report(a, dev, world, results):
     if a.json:
         write_json(a.json, result)
     if a.md:
-        from benchmarks.bench_step import write_md
+        from bench_step import write_md
 
         write_md(a.md, result, text, images=[a.png] if a.png else [])
     return result

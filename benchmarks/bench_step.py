@@ -26,27 +26,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from benchmarks._common import (  # noqa: E402
+import torch
+import torch.distributed as dist
+from _common import (  # this script's directory is on sys.path: the benchmarks' shared plumbing
     ENGINES, MiB, build_engine, free_engine, fused_adamw_available, init_distributed, init_fake, launch,
-    make_batch, md_table, measure_memory, median_min_max, resolve_run, versions, write_json,
+    make_batch, md_table, median_min_max, resolve_run, versions, write_json,
 )
 
-# [Note: noise] A ratio of medians from one run on a shared machine moves with the load: the README's
-# 0.98-1.08x DDP came from runs on a 2-core VM shared with other jobs (load average ~2 before the
-# run), where a newcomer's run of the same command on a busier machine printed 1.35x. So the report
-# gives, for every step-time goal, the spread of the per-step ratio (interleaved steps see the same
-# load), and warns when the competitors' own step times are spread wide -- (max - min) / median over
-# NOISY -- or the machine was already loaded (1-minute load average >= its cores) before the run.
-NOISY = 0.20
+from yafsdp.measure import measure_memory, noise_report
+
 COMPETITORS = ("ddp", "fsdp2", "fsdp1")
 
 GOALS = {
@@ -89,40 +80,6 @@ def parse(argv=None):
     a.argv = " ".join(sys.argv)
     a.load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return a
-
-
-def noise_report(times: dict[str, list[float]], goals: list[dict], paired: bool, load_before: float | None,
-                 cores: int) -> tuple[list[str], dict]:
-    """Lines for the report and a JSON summary: per-goal ratio spread, competitors' own spread, and
-    a warning when the machine looks busy. See [Note: noise]."""
-    lines, ratios = [], {}
-    for g in goals:
-        if g.get("what") or not paired or len(times[g["engine"]]) != len(times[g["vs"]]):
-            continue
-        per_step = [x / y for x, y in zip(times[g["engine"]], times[g["vs"]])]
-        lo, med, hi = min(per_step), statistics.median(per_step), max(per_step)
-        ratios[f"{g['engine']}/{g['vs']}"] = dict(median=med, min=lo, max=hi, steps=len(per_step))
-        lines.append(f"spread: {g['engine']} / {g['vs']} per interleaved step: median x{med:.3f}, "
-                     f"range x{lo:.3f}-{hi:.3f} over {len(per_step)} steps")
-    own = {n: (max(ts) - min(ts)) / statistics.median(ts) for n, ts in times.items() if len(ts) >= 2}
-    wide = {n: v for n, v in own.items() if n in COMPETITORS and v > NOISY}
-    loaded = load_before is not None and load_before >= cores
-    if own:
-        lines.append("own spread (max - min over median): " + ", ".join(f"{n} {100 * v:.0f}%" for n, v in own.items())
-                     + (f"; load average before the run {load_before:.2f} on {cores} cores" if load_before is not None
-                        else ""))
-    if wide or loaded:
-        why = []
-        if wide:
-            why.append("the competitors' own step times spread by " + ", ".join(f"{n} {100 * v:.0f}%"
-                                                                              for n, v in wide.items())
-                       + f" (> {100 * NOISY:.0f}%)")
-        if loaded:
-            why.append(f"the load average was {load_before:.2f} on {cores} cores before the run")
-        lines.append(f"NOISE WARNING: the machine is busy ({'; '.join(why)}): the ratios above can be off by more "
-                     "than the goals' margins. Rerun on an idle machine, with more --steps, and read the per-step "
-                     "ranges; the README's figures are medians of quiet-ish runs (conditions in benchmarks/results/).")
-    return lines, dict(ratios=ratios, own_spread=own, busy=bool(wide or loaded), load_before=load_before, cores=cores)
 
 
 def _sync(dev: torch.device):
@@ -275,7 +232,8 @@ def report_real(a, dev, world, times, losses, mems, plans):
     for g in goals:
         lines.append(f"goal: {g['engine']} {g.get('what', 'step time')} <= {g['limit']:.2f} x {g['vs']}: "
                      f"x{g['ratio']:.3f} -> {'met' if g['met'] else 'NOT met'}")
-    noise_lines, noise = noise_report(times, goals, a.interleave == "step", a.load_before, os.cpu_count() or 1)
+    noise_lines, noise = noise_report(times, goals, a.interleave == "step", a.load_before, os.cpu_count() or 1,
+                                      competitors=COMPETITORS)
     lines += noise_lines
     for s in a.skipped:
         lines.append(f"skipped {s}")

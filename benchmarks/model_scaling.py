@@ -48,13 +48,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+from _common import md_table, versions, write_json  # this script's directory is on sys.path
 
-import torch  # noqa: E402
-
-from benchmarks._common import md_table, versions, write_json  # noqa: E402
-from yafsdp.plan import memory_plan  # noqa: E402
-from yafsdp.presets import build_llama  # noqa: E402
+from yafsdp.plan import memory_plan
+from yafsdp.presets import build_llama
 
 
 def parse(argv=None):
@@ -419,7 +417,7 @@ def main(argv=None):
     if a.json:
         write_json(a.json, result)
     if a.md:
-        from benchmarks.bench_step import write_md
+        from bench_step import write_md
 
         write_md(a.md, result, text + "\n\nAssumptions:\n" + assumptions, images=[a.png] if a.png else [])
     return result

@@ -23,8 +23,6 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))  # yafsdp from a checkout
 
 
 class GenerateError(RuntimeError):

@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # yafsdp from a checkout
-import yafsdp  # noqa: E402
+import yafsdp
 
 files = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "*.txt")))
 text = torch.tensor(list(b"".join(open(f, "rb").read() for f in files)))  # the embedded corpus as byte ids

@@ -43,11 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # yafsdp from a checkout
-
-import yafsdp  # noqa: E402
-from pretrain import data as D  # noqa: E402
+import yafsdp
+from pretrain import data as D  # examples/pretrain, beside this script (its directory is on sys.path)
 from pretrain import progress as P  # noqa: E402
 from pretrain.ops import JobError, StopSignal, agree, init_distributed  # noqa: E402
 from pretrain.presets import DEFAULT_PRESET, model_config_dict, presets  # noqa: E402

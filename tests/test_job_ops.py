@@ -8,7 +8,7 @@ import signal
 import subprocess
 import time
 
-from test_pretrain import FAST, env, events, metrics, torchrun_cmd
+from job_utils import FAST, env, events, metrics, torchrun_cmd
 
 
 def _wait_for(cond, proc, timeout=180.0, what=""):

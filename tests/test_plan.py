@@ -11,7 +11,8 @@ import torch
 import yafsdp
 from dist_utils import run_ranks
 from models import Stack, tiny_llama
-from yafsdp.plan import memory_plan, plan_slots, unit_align
+from yafsdp.measure import measure_memory
+from yafsdp.plan import memory_plan, plan_buffers, unit_align
 from yafsdp.presets import build_llama
 
 # (name, builder kwargs, engine options). Uneven sizes; a large vocabulary makes the embedding
@@ -70,7 +71,7 @@ def test_plan_equals_allocated_bytes_worlds(world):
             _check(name, rank, r)
 
 
-def test_plan_slots_pure_rules():
+def test_plan_buffers_pure_rules():
     """The rules themselves: two alternating buffers sized by the largest regular unit; an outsized
     unit gets its own buffer; the small group its own; ZeRO-2 one buffer per unit."""
     from yafsdp.flat import FlatLayout, ParamInfo
@@ -81,7 +82,7 @@ def test_plan_slots_pure_rules():
     sizes = [10_000, 100, 120, 110, 9_000]
     layouts = [lay(n) for n in sizes]
     names = [f"u{i}" for i in range(5)]
-    p = plan_slots(names, layouts, lay(7), compute_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+    p = plan_buffers(names, layouts, lay(7), compute_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                    zero_stage=3, outsized_ratio=1.5)
     assert p.outsized == [True, False, False, False, True]
     w = {s.name: s for s in p.weight}
@@ -92,7 +93,7 @@ def test_plan_slots_pure_rules():
                                                       "weight_outsized", "weight_small"]
     g = {s.name: s for s in p.grad}
     assert g["grad0"].dtype == torch.float32 and g["grad0"].shard_capacity == layouts[2].shard_numel
-    z2 = plan_slots(names, layouts, None, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+    z2 = plan_buffers(names, layouts, None, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                     zero_stage=2, outsized_ratio=1.5)
     assert [s.capacity for s in z2.weight] == [x.padded_numel for x in layouts]
     assert unit_align(torch.bfloat16, torch.float32, 16) == 8
@@ -148,6 +149,40 @@ def test_plan_cli_json():
     assert "outsized units" in plan.format() and "ZeRO paper" in plan.format()
 
 
+def _llama_step(preset: str, device: torch.device, batch: int, seq: int, *, rank: int = 0, bf16: bool = False,
+                layers: int | None = None, meta: bool = True, checkpointing: bool = False):
+    """(build, step) for yafsdp.measure.measure_memory: ZeRO-3 around a preset Llama (built on the
+    meta device, zero shards: memory only), torch's fused AdamW, random token batches."""
+    over = {"num_hidden_layers": layers} if layers else {}
+
+    def build():
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        model = build_llama(preset, device="meta" if meta else device, **over)
+        if meta:  # buffers must be real; the engine allocates the shards
+            model.model.rotary_emb = LlamaRotaryEmbedding(model.config).to(device)
+        wrapped = yafsdp.YaFSDP(model, param_dtype=torch.bfloat16 if bf16 else None, device=device)
+        if meta:
+            wrapped.mark_loaded()
+        if checkpointing:
+            wrapped.module.gradient_checkpointing_enable()
+        try:
+            opt = torch.optim.AdamW(wrapped.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+        except (RuntimeError, ValueError):  # pragma: no cover - a build without fused AdamW here
+            opt = torch.optim.AdamW(wrapped.parameters(), lr=3e-4, weight_decay=0.1, foreach=True)
+        return wrapped, opt
+
+    def step(engine, i):
+        model, opt = engine
+        g = torch.Generator().manual_seed(10_000 * i + rank)
+        ids = torch.randint(0, model.module.config.vocab_size, (batch, seq), generator=g).to(device)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return build, step
+
+
 PEAK_CASES = [("cpu-6x256", 2, 64, 4, False), ("cpu-6x256", 2, 128, 8, True)]
 _FAKE: dict = {}
 
@@ -158,9 +193,6 @@ def _fake_checks(rank, world):
     the allocation check for every rank of worlds 2 and 4, and plan vs measured peak."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
-    from benchmarks._common import build_engine, make_batch, measure_memory
 
     dist.destroy_process_group()
     alloc = {}
@@ -176,15 +208,8 @@ def _fake_checks(rank, world):
         meta = build_llama(preset, device="meta")
         plan = memory_plan(meta, world_size=w, batch=b, seq=s, checkpointing=ckpt)
 
-        def build():
-            e = build_engine("yafsdp-z3", preset, torch.device("cpu"), False, meta_init=True)
-            if ckpt:
-                e.model.module.gradient_checkpointing_enable()
-            return e
-
-        vocab = meta.config.vocab_size
-        m = measure_memory(build, lambda e, i: e.step(make_batch(i, 0, b, s, vocab, "cpu")), 3,
-                           torch.device("cpu"), method="torch")
+        build, step = _llama_step(preset, torch.device("cpu"), b, s, checkpointing=ckpt)
+        m = measure_memory(build, step, 3, torch.device("cpu"), method="torch")
         peaks.append((plan.total, plan.engine_total + plan.optimizer_state, m["peak_steady"], m["step_end"],
                       m["growth_from_step2"]))
         dist.destroy_process_group()
@@ -209,15 +234,12 @@ def test_predicted_peak_matches_measured_cpu():
 
 
 def _gpu_peak(rank, world):
-    sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
-    from benchmarks._common import build_engine, make_batch, measure_memory
-
     dev = torch.device("cuda", 0)
     b, s = 2, 1024
     meta = build_llama("llama3-1b", device="meta", num_hidden_layers=4)
     plan = memory_plan(meta, world_size=world, rank=rank, param_dtype="bf16", batch=b, seq=s)
-    m = measure_memory(lambda: build_engine("yafsdp-z3", "llama3-1b", dev, True, layers=4),
-                       lambda e, i: e.step(make_batch(i, rank, b, s, meta.config.vocab_size, dev)), 3, dev)
+    build, step = _llama_step("llama3-1b", dev, b, s, rank=rank, bf16=True, layers=4, meta=False)
+    m = measure_memory(build, step, 3, dev)
     return plan.total, m["peak_steady"], m["growth_from_step2"]
 
 
@@ -234,11 +256,10 @@ def test_plan_cli_takes_every_preset_helps_every_flag_and_does_not_warn():
     of the CLI run without runpy's RuntimeWarning; every flag has a help text."""
     import os
 
-    from yafsdp.plan import _parser
+    from yafsdp.plan.cli import parser as _parser
     from yafsdp.presets import PRESETS, TRAINING
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, "examples"))
     from pretrain.presets import DEFAULT_PRESET, presets
 
     assert set(presets()) == set(PRESETS) == set(TRAINING) and DEFAULT_PRESET in PRESETS

@@ -12,7 +12,6 @@ The data-format and tokenizer helpers are tested in-process.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -26,64 +25,8 @@ import torch
 
 from dist_utils import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "examples", "pretrain_llama.py")
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-
-from pretrain import data as D  # noqa: E402
-
-FAST = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "2", "--no-progress", "--sample-tokens", "0",
-        "--eval-batches", "1"]
-
-
-def env():
-    e = dict(os.environ)
-    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
-    e.setdefault("OMP_NUM_THREADS", "1")
-    e.pop("RANK", None)
-    return e
-
-
-def torchrun_cmd(nproc: int, launcher: list[str] | None = None) -> list[str]:
-    launcher = launcher if launcher is not None else ["--master-port", str(free_port())]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *launcher, JOB]
-
-
-def run_job(args: list[str], nproc: int = 2, launcher=None, timeout: int = 240, check: bool = True):
-    cmd = torchrun_cmd(nproc, launcher) if nproc else [sys.executable, JOB]
-    p = subprocess.run(cmd + FAST + args, capture_output=True, text=True, timeout=timeout, env=env())
-    if check and p.returncode != 0:
-        raise AssertionError(f"job failed ({p.returncode}): {' '.join(cmd + args)}\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
-    return p
-
-
-def metrics(out: str) -> list[dict]:
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def events(out: str) -> list[dict]:
-    with open(os.path.join(out, "events.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def losses(out: str) -> list[float]:
-    return [r["loss"] for r in metrics(out)]
-
-
-def tree_digest(path: str) -> dict[str, str]:
-    out = {}
-    for d, _, files in os.walk(path):
-        for f in files:
-            p = os.path.join(d, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, path)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
-
-
-def close(a, b, rel=1e-4):
-    return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
-
+from job_utils import FAST, JOB, ROOT, close, env, events, losses, metrics, run_job, torchrun_cmd, tree_digest  # noqa: F401
+from pretrain import data as D  # examples/ is on pytest's pythonpath (pyproject.toml)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -371,7 +314,6 @@ def test_export_only_generate_and_special_tokens(runs, tmp_path):
 def test_progress_mfu_tensorboard_and_windowed_summary(runs):
     """Per-step tokens/s per device and MFU (n/a on CPU unless --peak-tflops), the resume summary
     as windowed means, the header's non-default flags, --tensorboard degrading with a message."""
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
     from pretrain import progress as P
 
     ref_rows = metrics(runs["out"]["ref"])
@@ -407,7 +349,6 @@ def test_progress_mfu_tensorboard_and_windowed_summary(runs):
 def test_plot_keeps_validation_across_resumes(runs):
     """half ran twice (to 6, then resumed to 12): both end-of-run validations are plotted, and the
     legend names the learning-rate line."""
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
     from pretrain import progress as P
 
     half = runs["out"]["half"]

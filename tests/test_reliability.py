@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import yafsdp
-from dist_utils import run_ranks
 from models import batch, loss_of, tiny_llama
 
 
@@ -56,7 +55,7 @@ def _aborted_backward(rank, world, zero_stage):
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_aborted_backward_then_training_is_as_if_the_batch_was_skipped(zero_stage):
+def test_aborted_backward_then_training_is_as_if_the_batch_was_skipped(zero_stage, run_ranks):
     for r in run_ranks(_aborted_backward, 2, zero_stage):
         assert r["la"] == r["lb"] and r["same"], r
         assert r["warned"]
@@ -138,7 +137,7 @@ def _paths_and_misuse(rank, world):
     return out
 
 
-def test_forward_paths_generate_and_refusals():
+def test_forward_paths_generate_and_refusals(run_ranks):
     for r in run_ranks(_paths_and_misuse, 2):
         for path in ("wrapper", "module", "kept_ref", "layer"):
             assert r[path] < 1e-5, (path, r[path])

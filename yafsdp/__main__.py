@@ -4,11 +4,9 @@
     python -m yafsdp plan --help
 
 [Note: CLI entry point]
-The tools live behind this package entry rather than ``python -m yafsdp.plan``: ``yafsdp``'s
-``__init__`` imports the engine, which imports ``yafsdp.plan``, so running that module as
-``__main__`` executes it a second time and runpy warns ("found in sys.modules after import of
-package 'yafsdp'"). ``yafsdp.__main__`` is imported by nobody, so it runs once, cleanly. The old
-spelling still works and prints no warning (``yafsdp/__init__.py`` silences exactly that one).
+Each tool runs from a module nobody imports (this one, or ``yafsdp/plan/__main__.py`` for the
+spelling ``python -m yafsdp.plan``), so runpy never executes an already-imported module a second
+time and has nothing to warn about.
 """
 from __future__ import annotations
 

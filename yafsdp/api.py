@@ -17,8 +17,9 @@ import sys
 
 from .autograd import gate_small_group, install_hooks
 from .comm import make_schedule
-from .plan import unit_align
-from .runtime import Runtime, in_backward, install_optimizer_hooks
+from .plan.sizing import unit_align
+from .optim_hooks import install_optimizer_hooks
+from .runtime import Runtime, in_backward
 from .state_dict import StateDictKeys, gather_full, load_full, materialize
 from .units import discover, mark_wrapped
 
@@ -84,7 +85,7 @@ class YaFSDP(nn.Module):
         mark_wrapped(self)
         self._needs_load = materialize(self._rt, module, group, self.rank, self.world_size)
         install_hooks(self._rt)
-        install_optimizer_hooks()  # See [Note: optimizers that do not bump versions] in runtime.py
+        install_optimizer_hooks()  # See [Note: optimizers that do not bump versions] in optim_hooks.py
         # See [Note: the root entry]. The wrapped module keeps one empty parameter in the compute
         # dtype on the device (HF's `model.device` / `model.dtype` read its first parameter);
         # YaFSDP.parameters() leaves it out.

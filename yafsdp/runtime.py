@@ -16,16 +16,6 @@ backward. The same holds for the fp32 master shards: each unit's ``nn.Parameter`
 local tensor (one cast pass per step) but keeps its own version, which is how the engine tells
 which shards changed since their compute copy was written.
 
-[Note: optimizers that do not bump versions]
-The engine knows a master shard changed (so its compute copy must be cast again and a buffer
-still holding its gathered weights is stale) from the shard's version counter. torch's fused
-optimizers (``AdamW(fused=True)``, ``Adam(fused=True)``, ``SGD(fused=True)``) update parameters
-in place *without* bumping it, which would leave the engine computing with the weights of the
-previous step. A process-wide optimizer step pre/post hook pair (installed by the first
-``YaFSDP``) closes the gap: every yafsdp master shard with a gradient whose version an
-optimizer step left unchanged gets its version bumped. Optimizers that do bump (foreach/for-loop
-torch optimizers, ``yafsdp.FusedAdamW``) are untouched.
-
 [Note: weight-free backward]
 Some units' backward reads none of their weights: a plain ``nn.Embedding`` computes its weight
 gradient from the indices and the output gradient alone, and its integer input has no gradient
@@ -48,7 +38,7 @@ from . import kernels, shards
 from .buffers import GradBuffer, WeightBuffer
 from .comm import Schedule
 from .flat import FlatLayout, alias
-from .plan import plan_slots
+from .plan.sizing import plan_buffers
 from .trace import span
 from .unit import FlatGroup, Phase, Unit, trainable_kind
 from .units import UnitSpec, weight_free_backward
@@ -131,8 +121,8 @@ class Runtime:
             off += n
 
         # Buffer sizes come from the plan, so yafsdp.plan can report them without allocating.
-        # See [Note: one plan, one allocator] in plan.py.
-        self.buffer_plan = plan = plan_slots(
+        # See [Note: one plan, one allocator] in yafsdp/plan/__init__.py.
+        self.buffer_plan = plan = plan_buffers(
             [u.name for u in self.units], [u.layout for u in self.units],
             self.small.layout if self.small is not None else None,
             compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
@@ -389,35 +379,6 @@ class Runtime:
         self.phase = Phase.IDLE
 
 
-def recover_all() -> None:
-    """Recover every engine whose last backward was aborted (see ``Runtime.recover``)."""
-    for rt in list(_RUNTIMES):
-        rt.recover()
-
-
-_OPTIMIZER_HOOKS: list = []  # the process-wide pair, installed once
-_VERSIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> [(shard, version)]
-
-
-def _versions_before_step(optimizer, args, kwargs):
-    """See [Note: optimizers that do not bump versions]. Also: an aborted backward is completed
-    before any optimizer step reads the grad shards."""
-    recover_all()
-    _VERSIONS[optimizer] = [
-        (p, p._version) for g in optimizer.param_groups for p in g["params"]
-        if p.grad is not None and shards.info_of(p) is not None
-    ]
-
-
-def _bump_unchanged_after_step(optimizer, args, kwargs):
-    for p, v in _VERSIONS.pop(optimizer, ()):
-        if p._version == v:
-            torch.autograd.graph.increment_version(p)
-
-
-def install_optimizer_hooks() -> None:
-    if not _OPTIMIZER_HOOKS:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        _OPTIMIZER_HOOKS.append(register_optimizer_step_pre_hook(_versions_before_step))
-        _OPTIMIZER_HOOKS.append(register_optimizer_step_post_hook(_bump_unchanged_after_step))
+def live_runtimes() -> list[Runtime]:
+    """Every engine alive in this process."""
+    return list(_RUNTIMES)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from yafsdp.dist import raise_if_any
+
 
 class JobError(RuntimeError):
     """Bad input or state the user must fix; printed without a traceback, exit status 2."""
@@ -71,11 +73,7 @@ def init_distributed(device_arg: str) -> Env:
 def agree(error: str | None) -> None:
     """Collective: if any rank found a problem, every rank raises the first one (rank order), so
     all ranks stop together with the same message instead of some hanging in a collective."""
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    for e in errors:
-        if e:
-            raise JobError(e)
+    raise_if_any(error, None, JobError)
 
 
 class StopSignal:

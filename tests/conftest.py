@@ -1,0 +1,32 @@
+"""Shared test set-up.
+
+What spawned ranks need must be importable by name in a fresh process, so the helpers live in
+modules beside this file: ``dist_utils`` (spawning gloo/NCCL ranks), ``models`` (small models with
+uneven sizes, deterministic batches), ``parity`` (the training-parity harness), ``job_utils``
+(launching the main job and reading its files). ``tests/`` and ``examples/`` are on pytest's
+``pythonpath`` (pyproject.toml); nothing edits ``sys.path``. The fixtures below hand the same
+helpers to tests that run in the pytest process.
+"""
+import pytest
+import torch
+
+import dist_utils
+import models
+
+
+def pytest_report_header(config):
+    import yafsdp.kernels as k
+
+    return [f"torch {torch.__version__}; {k.describe()}"]
+
+
+@pytest.fixture
+def run_ranks():
+    """``run_ranks(fn, world, *args, backend="gloo")``: fn(rank, world, *args) on spawned ranks."""
+    return dist_utils.run_ranks
+
+
+@pytest.fixture
+def tiny_llama():
+    """A factory of small HF Llama models (``tiny_llama(tie=False, layers=3, seed=0, ...)``)."""
+    return models.tiny_llama

@@ -1,0 +1,65 @@
+"""Launching the main job (examples/pretrain_llama.py) the way users do, and reading what it wrote:
+shared by the job's tests (test_pretrain.py, test_job_ops.py, test_examples.py)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+from dist_utils import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "examples", "pretrain_llama.py")
+FAST = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "2", "--no-progress", "--sample-tokens", "0",
+        "--eval-batches", "1"]
+
+
+def env():
+    e = dict(os.environ)
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    e.setdefault("OMP_NUM_THREADS", "1")
+    e.pop("RANK", None)
+    return e
+
+
+def torchrun_cmd(nproc: int, launcher: list[str] | None = None) -> list[str]:
+    launcher = launcher if launcher is not None else ["--master-port", str(free_port())]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *launcher, JOB]
+
+
+def run_job(args: list[str], nproc: int = 2, launcher=None, timeout: int = 240, check: bool = True):
+    cmd = torchrun_cmd(nproc, launcher) if nproc else [sys.executable, JOB]
+    p = subprocess.run(cmd + FAST + args, capture_output=True, text=True, timeout=timeout, env=env())
+    if check and p.returncode != 0:
+        raise AssertionError(f"job failed ({p.returncode}): {' '.join(cmd + args)}\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
+    return p
+
+
+def metrics(out: str) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def events(out: str) -> list[dict]:
+    with open(os.path.join(out, "events.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def losses(out: str) -> list[float]:
+    return [r["loss"] for r in metrics(out)]
+
+
+def tree_digest(path: str) -> dict[str, str]:
+    out = {}
+    for d, _, files in os.walk(path):
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, path)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def close(a, b, rel=1e-4):
+    return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))

@@ -1,0 +1,59 @@
+"""The process-wide optimizer hooks the engine needs (installed once, by the first YaFSDP).
+
+[Note: optimizers that do not bump versions]
+The engine knows a master shard changed (so its compute copy must be cast again and a buffer
+still holding its gathered weights is stale) from the shard's version counter. torch's fused
+optimizers (``AdamW(fused=True)``, ``Adam(fused=True)``, ``SGD(fused=True)``) update parameters
+in place *without* bumping it, which would leave the engine computing with the weights of the
+previous step. A process-wide optimizer step pre/post hook pair (installed by the first
+``YaFSDP``) closes the gap: every yafsdp master shard with a gradient whose version an
+optimizer step left unchanged gets its version bumped. Optimizers that do bump (foreach/for-loop
+torch optimizers, ``yafsdp.FusedAdamW``) are untouched.
+
+The same pre-step hook completes an aborted backward (``Runtime.recover``) before any optimizer
+step reads the grad shards.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import shards
+from .runtime import live_runtimes
+
+__all__ = ["install_optimizer_hooks"]
+
+
+def recover_all() -> None:
+    """Recover every engine whose last backward was aborted (see ``Runtime.recover``)."""
+    for rt in live_runtimes():
+        rt.recover()
+
+
+_OPTIMIZER_HOOKS: list = []  # the process-wide pair, installed once
+_VERSIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> [(shard, version)]
+
+
+def _versions_before_step(optimizer, args, kwargs):
+    """See [Note: optimizers that do not bump versions]. Also: an aborted backward is completed
+    before any optimizer step reads the grad shards."""
+    recover_all()
+    _VERSIONS[optimizer] = [
+        (p, p._version) for g in optimizer.param_groups for p in g["params"]
+        if p.grad is not None and shards.info_of(p) is not None
+    ]
+
+
+def _bump_unchanged_after_step(optimizer, args, kwargs):
+    for p, v in _VERSIONS.pop(optimizer, ()):
+        if p._version == v:
+            torch.autograd.graph.increment_version(p)
+
+
+def install_optimizer_hooks() -> None:
+    if not _OPTIMIZER_HOOKS:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        _OPTIMIZER_HOOKS.append(register_optimizer_step_pre_hook(_versions_before_step))
+        _OPTIMIZER_HOOKS.append(register_optimizer_step_post_hook(_bump_unchanged_after_step))

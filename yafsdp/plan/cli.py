@@ -1,0 +1,65 @@
+"""``python -m yafsdp plan`` (also ``python -m yafsdp.plan``): the memory plan of a preset model."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from .report import MemoryPlan, memory_plan
+from .sizing import OPTIMIZER_BYTES
+
+def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
+    from ..presets import PRESETS
+
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        description="Print yafsdp's per-rank memory plan for a preset model, built on the meta device "
+        "(nothing is allocated). The presets are yafsdp.presets' table, the same as the pretraining "
+        "job's --preset and the benchmarks'.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS), help="model shape (yafsdp.presets)")
+    ap.add_argument("--world-size", type=int, default=8, help="ranks the model is sharded over")
+    ap.add_argument("--rank", type=int, default=0, help="the rank whose shard is planned (padding differs by rank)")
+    ap.add_argument("--param-dtype", default="bf16", choices=["fp32", "bf16", "fp16"],
+                    help="compute dtype of the gathered weights (the master shards stay fp32)")
+    ap.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                    help="dtype of the grad buffers and of the reduce-scatter")
+    ap.add_argument("--zero-stage", type=int, default=3, choices=[2, 3],
+                    help="3: two alternating weight buffers; 2: one gathered copy per unit")
+    ap.add_argument("--outsized-ratio", type=float, default=1.5,
+                    help="a unit that is not a repeated block and is larger than this x the largest block gets "
+                    "the outsized buffer")
+    ap.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES),
+                    help="optimizer whose state is counted (bytes per shard element: adamw 8, sgd-momentum 4)")
+    ap.add_argument("--batch", type=int, default=None, help="micro-batch per rank (adds the activation estimate)")
+    ap.add_argument("--seq", type=int, default=None,
+                    help="sequence length (with --batch; default: the preset's max_position_embeddings)")
+    ap.add_argument("--checkpointing", action="store_true", help="per-layer activation checkpointing")
+    ap.add_argument("--attention", default="fused", choices=["fused", "math"],
+                    help="fused: what flash/memory-efficient SDPA saves; math: the (seq x seq) probabilities")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return ap
+
+
+def _parse(argv=None, prog="python -m yafsdp plan"):
+    return parser(prog).parse_args(argv)
+
+
+def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
+    from ..presets import build_llama
+
+    a = _parse(argv, prog)
+    model = build_llama(a.preset, device="meta")
+    if a.batch is not None and a.seq is None:
+        a.seq = model.config.max_position_embeddings
+    plan = memory_plan(
+        model, world_size=a.world_size, rank=a.rank, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype,
+        zero_stage=a.zero_stage, outsized_ratio=a.outsized_ratio, optimizer=a.optimizer,
+        batch=a.batch, seq=a.seq, checkpointing=a.checkpointing, attention=a.attention,
+    )
+    if a.json:
+        print(json.dumps(dict(preset=a.preset, **plan.to_dict()), indent=1, default=str))
+    else:
+        print(f"preset {a.preset}")
+        print(plan.format())
+    return plan
