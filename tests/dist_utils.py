@@ -22,14 +22,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, outdir, backend="gloo"):
+def _entry(rank, world, port, fn, args, outdir, backend="gloo", timeout_s=300.0):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     result = None
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
         result = ("ok", fn(rank, world, *args))
     except BaseException as e:  # report to the parent with the traceback
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -43,12 +43,13 @@ def _entry(rank, world, port, fn, args, outdir, backend="gloo"):
     os._exit(0)
 
 
-def run_ranks(fn, world: int, *args, backend: str = "gloo"):
-    """fn(rank, world, *args) on ``world`` ranks (gloo by default); returns the per-rank results.
-    A rank that raised makes this raise with its traceback."""
+def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 300.0):
+    """fn(rank, world, *args) on ``world`` ranks (gloo by default; ``timeout_s``: the process
+    group's timeout); returns the per-rank results. A rank that raised makes this raise with its
+    traceback."""
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(
-            _entry, args=(world, free_port(), fn, args, d, backend), nprocs=world, join=True, start_method="spawn"
+            _entry, args=(world, free_port(), fn, args, d, backend, timeout_s), nprocs=world, join=True, start_method="spawn"
         )
         results = []
         for r in range(world):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import yafsdp
+from dist_utils import run_ranks
 from models import batch, loss_of, tiny_llama
 
 
@@ -156,3 +157,127 @@ def test_forward_paths_generate_and_refusals(run_ranks):
             assert s[zero] and "changed between its forward and its backward" in s[zero], s
             assert "unit 'model.layers." in s[zero] or "unit 'lm_head'" in s[zero], s[zero]
             assert s[f"{zero}_after"] == s[f"{zero}_after"]  # finite, no exception
+
+
+# ---------------------------------------------------------------------------------- desyncs
+def _desync(rank, world, debug: bool, what: str):
+    import os
+
+    if debug:
+        os.environ["YAFSDP_DEBUG_SYNC"] = "1"
+    model = yafsdp.YaFSDP(tiny_llama())
+    loss_of(model, "llama", batch("llama", 0, 0, rank)).backward()
+    try:
+        if what == "extra_step" and rank == 1:  # one rank runs one more micro-step
+            loss_of(model, "llama", batch("llama", 1, 0, rank)).backward()
+        elif what == "state_dict_alone" and rank == 0:  # one rank gathers the state dict alone
+            model.full_state_dict()
+        else:
+            model.clip_grad_norm_(1.0)
+        return None
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("what", ["extra_step", "state_dict_alone"])
+def test_debug_mode_names_the_first_mismatched_collective(what, run_ranks):
+    msgs = run_ranks(_desync, 2, True, what, timeout_s=60)
+    for r, msg in enumerate(msgs):
+        assert msg and msg.startswith("CollectiveError") and "collective mismatch" in msg, (r, msg)
+        assert "rank 0:" in msg and "rank 1:" in msg
+    want = "gather of unit 'model.embed_tokens'" if what == "extra_step" else "full_state_dict()"
+    assert want in msgs[0] and "clip_grad_norm_()" in msgs[0], msgs[0]
+
+
+def test_a_hung_collective_names_the_unit_and_the_debug_switch(run_ranks):
+    """Without debug mode: gloo's timeout becomes an error naming the collective and the unit."""
+    msgs = run_ranks(_desync, 2, False, "extra_step", timeout_s=4)
+    assert msgs[1] and "did not complete" in msgs[1] and "YAFSDP_DEBUG_SYNC=1" in msgs[1], msgs[1]
+    assert "of unit 'model." in msgs[1] or "of unit 'lm_head'" in msgs[1] or "of unit 'small_group'" in msgs[1]
+
+
+# ---------------------------------------------------------------------------------- unused parameters
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(8, 8)
+        self.unused = torch.nn.Linear(8, 8, bias=False)  # a branch no rank takes (an idle expert)
+
+    def forward(self, x):
+        return torch.tanh(self.used(x))
+
+
+class _WithUnused(torch.nn.Module):
+    """Blocks with a branch no rank uses, and a whole unit no rank calls."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(2))
+        self.spare = torch.nn.Linear(8, 8, bias=False)  # its own unit, never called
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.pow(2).mean()
+
+
+class _DictBlocks(torch.nn.Module):
+    """Blocks that are ModuleDicts (never called themselves: their children are)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict(dict(
+            a=torch.nn.Linear(8, 8), b=torch.nn.Linear(8, 8, bias=False))) for _ in range(2))
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = torch.tanh(blk["b"](torch.relu(blk["a"](x))))
+        return x.pow(2).mean()
+
+
+def _unused(rank, world):
+    model = yafsdp.YaFSDP(_WithUnused())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    before = model.full_state_dict()
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).backward()
+    grads = {i.unit: (None if i.param.grad is None else i.param.grad.clone()) for i in model.shard_info()}
+    opt.step()
+    after = model.full_state_dict()
+
+    # Container blocks train exactly like the unwrapped model (same batch on every rank).
+    ref = _DictBlocks()
+    wrapped = yafsdp.YaFSDP(_DictBlocks())
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in (ref, wrapped)]
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
+    for _ in range(2):
+        for m, o in zip((ref, wrapped), opts):
+            m(x).backward()
+            o.step()
+            o.zero_grad()
+    sd = wrapped.full_state_dict()
+    dict_diff = max((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items()) if rank == 0 else 0.0
+    try:
+        m = _DictBlocks()
+        yafsdp.YaFSDP(m, units=list(m.blocks))
+        refused = None
+    except yafsdp.WrapError as e:
+        refused = str(e)
+    return before, after, grads, dict_diff, refused
+
+
+def test_parameters_no_rank_uses_and_container_blocks():
+    """README "Gradients are DDP's": a parameter of a unit that ran but was used by no rank gets a
+    zero gradient (DDP: None), so weight decay and momentum still move it; a unit no rank ran keeps
+    .grad None and is untouched, as with DDP. Blocks that are ModuleDicts (whose forward never runs)
+    are not units: their children are, and train exactly like the unwrapped model."""
+    before, after, grads, dict_diff, refused = run_ranks(_unused, 2)[0]
+    assert grads["spare"] is None
+    assert torch.equal(after["spare.weight"], before["spare.weight"])
+    for i in range(2):
+        w0, w1 = before[f"blocks.{i}.unused.weight"], after[f"blocks.{i}.unused.weight"]
+        torch.testing.assert_close(w1, w0 * (1 - 0.1 * 0.5))  # decayed by AdamW, no gradient step
+        assert not torch.equal(after[f"blocks.{i}.used.weight"], before[f"blocks.{i}.used.weight"])
+    assert dict_diff < 1e-6, dict_diff
+    assert refused and "ModuleDict, whose forward is never called" in refused and "'blocks.0.a'" in refused

@@ -17,6 +17,7 @@ import sys
 
 from .autograd import gate_small_group, install_hooks
 from .comm import make_schedule
+from .dist import check_collective
 from .plan.sizing import unit_align
 from .optim_hooks import install_optimizer_hooks
 from .runtime import Runtime, in_backward
@@ -209,6 +210,7 @@ class YaFSDP(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of all shards together; returns the total norm (unsharded value)."""
         self._rt.recover()
+        check_collective("clip_grad_norm_()", self.process_group)
         norm_type = float(norm_type)
         grads = [u.flat_param.grad for u in self._rt.all if u.flat_param.grad is not None]
         if norm_type == float("inf"):

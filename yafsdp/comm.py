@@ -54,10 +54,11 @@ from typing import Callable
 import torch
 
 from .collectives import all_gather, reduce_scatter
+from .dist import CollectiveError, check_collective, debug_sync
 from .trace import span
 
-__all__ = ["StreamAPI", "CudaStreams", "Schedule", "StreamSchedule", "HandleSchedule", "make_schedule",
-           "use_stream_api"]
+__all__ = ["StreamAPI", "CudaStreams", "Schedule", "StreamSchedule", "HandleSchedule", "CheckedSchedule",
+           "make_schedule", "use_stream_api"]
 
 
 class StreamAPI:
@@ -113,12 +114,13 @@ def use_stream_api(api: StreamAPI):
 class _WeightSync:
     """Ordering state of one weight buffer (see the concrete schedules)."""
 
-    __slots__ = ("ready", "released", "work")
+    __slots__ = ("ready", "released", "work", "unit")
 
     def __init__(self, ready=None, released=None):
         self.ready = ready  # stream: event recorded on comm after the gather
         self.released = released  # stream: event recorded on compute when the owner's use ends
         self.work = None  # handles: the gather's pending work
+        self.unit = ""  # handles: the unit of that gather (for error messages)
 
 
 class _GradSync:
@@ -129,7 +131,7 @@ class _GradSync:
     def __init__(self, grads_ready=None, done=None):
         self.grads_ready = grads_ready  # stream: recorded on compute after the grads are written
         self.done = done  # stream: recorded on comm after the reduce and its fold read the buffer
-        self.pending = None  # handles: (work, fold) of a reduce not yet folded
+        self.pending = None  # handles: (work, fold, unit) of a reduce not yet folded
 
 
 class Schedule:
@@ -255,46 +257,110 @@ class HandleSchedule(Schedule):
         return _GradSync()
 
     def gather(self, sync, out, shard, unit):
-        if sync.work is not None:  # a previous gather into this buffer must land first
-            sync.work.wait()
-            sync.work = None
+        self.wait_gathered(sync)  # a previous gather into this buffer must land first
         rec = self.recorder
         with span("gather", unit):
             t = rec.now() if rec else None  # before the issuing call, which may itself move data
             sync.work = all_gather(out, shard, self.group, async_op=True)
+            sync.unit = unit
             if rec:
                 rec.comm("gather", unit, sync.work, issued=t)
 
     def wait_gathered(self, sync):
         if sync.work is not None:
-            sync.work.wait()
-            sync.work = None
+            work, sync.work = sync.work, None
+            _wait(work, "gather", sync.unit)
 
     def reduce(self, sync, out, full, unit, fold):
         rec = self.recorder
         with span("reduce", unit):
             t = rec.now() if rec else None
             work = reduce_scatter(out, full, self.group, async_op=True)
-            sync.pending = (work, fold)
+            sync.pending = (work, fold, unit)
             if rec:
                 rec.comm("reduce", unit, work, issued=t)
 
     def wait_reduced(self, sync):
         if sync.pending is not None:
-            work, fold = sync.pending
+            work, fold, unit = sync.pending
             sync.pending = None
-            work.wait()
+            _wait(work, "reduce-scatter", unit)
             fold()
 
     def reduce_pending(self, sync) -> bool:
         return sync.pending is not None
 
 
+# ---------------------------------------------------------------------------- collective mismatches
+# See [Note: collective mismatches] in dist.py.
+def _wait(work, what: str, unit: str) -> None:
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise CollectiveError(
+            f"yafsdp: the {what} of unit {unit!r} did not complete ({type(e).__name__}: {e}). The ranks are most "
+            "likely not running the same collectives: one rank ran an extra forward or backward, skipped one, or "
+            "called full_state_dict() / a checkpoint save or load alone. Set YAFSDP_DEBUG_SYNC=1 on every rank to "
+            "have each collective checked across ranks and the first mismatch named (init_process_group(timeout=) "
+            "bounds the wait)"
+        ) from e
+
+
+class CheckedSchedule(Schedule):
+    """Debug mode: ``inner`` with every gather and reduce checked across ranks first."""
+
+    def __init__(self, inner: Schedule, group):
+        self.inner = inner
+        self.group = group
+
+    @property
+    def recorder(self):
+        return self.inner.recorder
+
+    @recorder.setter
+    def recorder(self, rec):
+        self.inner.recorder = rec
+
+    def __getattr__(self, name):  # comm stream, copies_ready, ... of the inner schedule
+        return getattr(self.__dict__["inner"], name)
+
+    def weight_sync(self):
+        return self.inner.weight_sync()
+
+    def grad_sync(self):
+        return self.inner.grad_sync()
+
+    def copies_written(self):
+        self.inner.copies_written()
+
+    def gather(self, sync, out, shard, unit):
+        check_collective(f"gather of unit {unit!r}", self.group)
+        self.inner.gather(sync, out, shard, unit)
+
+    def wait_gathered(self, sync):
+        self.inner.wait_gathered(sync)
+
+    def released(self, sync):
+        self.inner.released(sync)
+
+    def reduce(self, sync, out, full, unit, fold):
+        check_collective(f"reduce-scatter of unit {unit!r}", self.group)
+        self.inner.reduce(sync, out, full, unit, fold)
+
+    def wait_reduced(self, sync):
+        self.inner.wait_reduced(sync)
+
+    def reduce_pending(self, sync):
+        return self.inner.reduce_pending(sync)
+
+
 def make_schedule(device: torch.device, group) -> Schedule:
     """The schedule for an engine on ``device``: the stream schedule on CUDA (or over a
-    :func:`use_stream_api` override), work handles elsewhere."""
+    :func:`use_stream_api` override), work handles elsewhere; checked across ranks in debug mode."""
     if _STREAM_API_OVERRIDE:
-        return StreamSchedule(_STREAM_API_OVERRIDE[-1], group)
-    if device.type == "cuda":
-        return StreamSchedule(CudaStreams(device), group)
-    return HandleSchedule(group)
+        schedule = StreamSchedule(_STREAM_API_OVERRIDE[-1], group)
+    elif device.type == "cuda":
+        schedule = StreamSchedule(CudaStreams(device), group)
+    else:
+        schedule = HandleSchedule(group)
+    return CheckedSchedule(schedule, group) if debug_sync() else schedule

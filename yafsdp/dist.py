@@ -9,9 +9,13 @@
 """
 from __future__ import annotations
 
+import os
+import weakref
+
 import torch.distributed as dist
 
-__all__ = ["source_rank", "agree", "raise_together", "raise_if_any", "broadcast_object"]
+__all__ = ["source_rank", "agree", "raise_together", "raise_if_any", "broadcast_object", "CollectiveError",
+           "debug_sync", "check_collective"]
 
 
 def source_rank(group=None) -> int:
@@ -47,3 +51,49 @@ def raise_if_any(problem: str | None, group, error: type[Exception]) -> None:
     first = next((p for p in problems if p), None)
     if first:
         raise error(first)
+
+
+# [Note: collective mismatches]
+# Every rank must issue the engine's collectives in the same order (NCCL requires it, and the gloo
+# point-to-point collectives match messages by a per-group counter). A rank that runs one more
+# micro-step, skips a backward, or calls full_state_dict() / a checkpoint alone breaks that; without
+# help the job then hangs until the process group's timeout and gloo says only "Timed out waiting
+# for recv". Two aids:
+# - always (gloo): a failed wait is re-raised naming the collective and the unit, with the likely
+#   causes and how to find the first mismatch;
+# - debug mode, YAFSDP_DEBUG_SYNC=1 (or torch's TORCH_DISTRIBUTED_DEBUG=DETAIL) on every rank: before
+#   each collective the ranks exchange what they are about to run (a small all_gather_object: a host
+#   sync, for debugging only) and the first disagreement raises on every rank, naming each rank's
+#   operation and unit.
+
+class CollectiveError(RuntimeError):
+    """The ranks did not run the same collectives."""
+
+
+def debug_sync() -> bool:
+    """Debug mode on (see [Note: collective mismatches])."""
+    return (os.environ.get("YAFSDP_DEBUG_SYNC", "").strip().lower() in ("1", "true", "yes", "on")
+            or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL")
+
+
+_COUNTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> collectives checked (debug mode)
+
+
+def check_collective(what: str, group) -> None:
+    """Debug mode only: every rank of ``group`` must be about to run ``what`` (as its n-th checked
+    collective); otherwise CollectiveError on every rank, naming each rank's operation."""
+    if not debug_sync():
+        return
+    key = group if group is not None else dist.group.WORLD
+    n = _COUNTS.get(key, 0)
+    _COUNTS[key] = n + 1
+    mine = (n, what)
+    everyone = [None] * dist.get_world_size(key)
+    dist.all_gather_object(everyone, mine, group=key)
+    if any(x != mine for x in everyone):
+        ranks = "; ".join(f"rank {r}: #{c} {w}" for r, (c, w) in enumerate(everyone))
+        raise CollectiveError(
+            f"yafsdp: collective mismatch (YAFSDP_DEBUG_SYNC): the ranks are about to run different collectives "
+            f"({ranks}); this rank ({dist.get_rank(key)}) is at #{n} {what}. Make every rank run the same "
+            "forwards, backwards, state-dict and checkpoint calls in the same order"
+        )

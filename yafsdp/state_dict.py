@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .dist import raise_together, source_rank
+from .dist import check_collective, raise_together, source_rank
 from .flat import ParamInfo
 from .runtime import Runtime
 from .unit import Unit
@@ -132,6 +132,7 @@ def gather_full(rt: Runtime, keys: StateDictKeys, group, rank: int) -> dict[str,
     """Collective. Rank 0: the original module's state_dict on CPU; other ranks: {}."""
     from .collectives import all_gather
 
+    check_collective("full_state_dict()", group)
     values: dict[int, torch.Tensor] = {}
     for u in rt.all:
         full = rt.fp32_scratch(u)
@@ -154,6 +155,7 @@ def gather_full(rt: Runtime, keys: StateDictKeys, group, rank: int) -> dict[str,
 @torch.no_grad()
 def load_full(rt: Runtime, keys: StateDictKeys, state_dict, group, rank: int, world: int) -> None:
     """Collective inverse of :func:`gather_full`; checked on rank 0 first, nothing modified on error."""
+    check_collective("load_full_state_dict()", group)
     raise_together(keys.validate(state_dict) if rank == 0 else None, group, ValueError,
                    "yafsdp.YaFSDP.load_full_state_dict: ")
     by_param: dict[int, torch.Tensor] = {}

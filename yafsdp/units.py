@@ -22,6 +22,10 @@ from torch import nn
 from .flat import ParamInfo
 
 
+# Modules that hold other modules or parameters but have no forward of their own: a unit must be a
+# module whose forward runs (its hooks gather the weights), so these never are units themselves.
+_CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList)
+
 _WRAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules wrapped by a YaFSDP (and the wrappers)
 
 
@@ -89,7 +93,9 @@ def find_block_lists(root: nn.Module) -> list[list[nn.Module]]:
         runs: list[list[nn.Module]] = []
         run: list[nn.Module] = []
         for child in m.children():
-            has_params = any(True for _ in child.parameters())
+            # A container (ModuleDict, ...) is never called: its children are, and they are found
+            # as units (or lists) of their own.
+            has_params = not isinstance(child, _CONTAINERS) and any(True for _ in child.parameters())
             if run and has_params and type(child) is type(run[0]):
                 run.append(child)
             else:
@@ -141,6 +147,13 @@ def discover(root: nn.Module, units: list[nn.Module] | None) -> tuple[list[UnitS
                 raise WrapError(f"units[{i}] ({type(u).__name__}) is not a submodule of the wrapped module")
             if id(u) in seen:
                 raise WrapError(f"module {names[id(u)]!r} is listed twice in units= (positions {seen[id(u)]} and {i})")
+            if isinstance(u, _CONTAINERS):
+                inside = ", ".join(repr(f"{names[id(u)]}.{n}") for n, _ in list(u.named_children())[:3])
+                raise WrapError(
+                    f"unit {names[id(u)]!r} is an {type(u).__name__}, whose forward is never called, so its weights "
+                    f"would never be gathered; list the modules inside it that run instead ({inside or 'its children'}), "
+                    "or the module that reads its parameters"
+                )
             seen[id(u)] = i
         for u in units:
             for sub_name, sub in u.named_modules():
@@ -202,7 +215,12 @@ def discover(root: nn.Module, units: list[nn.Module] | None) -> tuple[list[UnitS
         for mname, m in root.named_modules():
             if id(m) in unit_ids or any(id(a) in unit_ids for a in _ancestors(root, m)):
                 continue
+            if isinstance(m, (nn.ParameterList, nn.ParameterDict)):
+                continue  # never called: the module holding it reads its parameters (below)
             own = [infos[id(p)] for p in m._parameters.values() if p is not None]
+            for c in m.children():
+                if isinstance(c, (nn.ParameterList, nn.ParameterDict)):
+                    own += [infos[id(p)] for p in c._parameters.values() if p is not None]
             if any(not p.small for p in own):
                 add_unit(m, own)
     # Members beyond a unit's home module see parameters owned elsewhere in their subtree only.
