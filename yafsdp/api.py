@@ -187,6 +187,34 @@ class YaFSDP(nn.Module):
                 raise
             return getattr(inner, name)
 
+    def compile_units(self, **compile_options) -> "YaFSDP":
+        """Compile each unit's modules on their own, the torchtitan way: ``torch.compile`` of every
+        member module's ``forward`` (the decoder layers, the embedding, the head), while the engine's
+        gathers, gates and hooks stay outside the compiled regions (they run in the module's
+        ``__call__``). ``compile_options`` go to ``torch.compile`` (e.g. ``mode=``, ``dynamic=``).
+        Call it once, after wrapping and before the first step; returns the model."""
+        if getattr(self, "_compiled_units", False):
+            raise RuntimeError("yafsdp.YaFSDP.compile_units() was already called on this model")
+        if getattr(self.module, "is_gradient_checkpointing", False):
+            import warnings
+
+            warnings.warn(
+                "yafsdp.YaFSDP.compile_units(): HF gradient checkpointing is on; it runs each block inside "
+                "torch.utils.checkpoint, which disables dynamo, so those blocks run uncompiled. Turn it off to "
+                "compile them, or checkpoint inside the block's own forward",
+                RuntimeWarning, stacklevel=2,
+            )
+        seen: set[int] = set()
+        for u in self._rt.units:
+            for m in u.members:
+                mod = m.module
+                if id(mod) in seen:
+                    continue
+                seen.add(id(mod))
+                mod.forward = torch.compile(mod.forward, **compile_options)
+        self._compiled_units = True
+        return self
+
     @property
     def recorder(self):
         """A ``yafsdp.trace.Recorder`` collecting what ran when, or None (the default)."""
