@@ -75,9 +75,13 @@ def test_plan_buffers_pure_rules():
     """The rules themselves: two alternating buffers sized by the largest regular unit; an outsized
     unit gets its own buffer; the small group its own; ZeRO-2 one buffer per unit."""
     from yafsdp.flat import FlatLayout, ParamInfo
+    from yafsdp.plan.sizing import UnitShape
+
+    def flat(n):
+        return FlatLayout.build([ParamInfo("w", torch.Size([n]), torch.float32, [])], 4, 1, 4)
 
     def lay(n):
-        return FlatLayout.build([ParamInfo("w", torch.Size([n]), torch.float32, [])], 4, 1, 4)
+        return UnitShape(flat(n), None)
 
     sizes = [10_000, 100, 120, 110, 9_000]
     layouts = [lay(n) for n in sizes]
@@ -87,15 +91,22 @@ def test_plan_buffers_pure_rules():
     assert p.outsized == [True, False, False, False, True]
     w = {s.name: s for s in p.weight}
     assert set(w) == {"weight0", "weight1", "weight_outsized", "weight_small"}
-    assert w["weight0"].capacity == w["weight1"].capacity == layouts[2].padded_numel
-    assert w["weight_outsized"].capacity == layouts[0].padded_numel
+    assert w["weight0"].capacity == w["weight1"].capacity == layouts[2].weight_numel
+    assert w["weight_outsized"].capacity == layouts[0].weight_numel
     assert [p.weight[i].name for i in p.weight_of] == ["weight_outsized", "weight0", "weight1", "weight0",
                                                       "weight_outsized", "weight_small"]
     g = {s.name: s for s in p.grad}
-    assert g["grad0"].dtype == torch.float32 and g["grad0"].shard_capacity == layouts[2].shard_numel
+    assert g["grad0"].dtype == torch.float32 and g["grad0"].shard_capacity == layouts[2].trainable_shard
     z2 = plan_buffers(names, layouts, None, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                     zero_stage=2, outsized_ratio=1.5)
-    assert [s.capacity for s in z2.weight] == [x.padded_numel for x in layouts]
+    assert [s.capacity for s in z2.weight] == [x.weight_numel for x in layouts]
+    # Frozen groups: the weight buffer holds both groups; grad buffers only the trainable group; an
+    # all-frozen unit has no grad buffer at all.
+    mixed = [UnitShape(flat(100), flat(60)), UnitShape(None, flat(130)), UnitShape(flat(90), None)]
+    f = plan_buffers(["a", "b", "c"], mixed, None, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                     zero_stage=3, outsized_ratio=1.5)
+    assert {s.capacity for s in f.weight} == {mixed[0].weight_numel} == {flat(100).padded_numel + flat(60).padded_numel}
+    assert f.grad_of[1] == -1 and {s.capacity for s in f.grad} == {flat(100).padded_numel}
     assert unit_align(torch.bfloat16, torch.float32, 16) == 8
     assert unit_align(torch.float32, torch.float32, 16) == 4
 

@@ -143,7 +143,7 @@ def test_forward_paths_generate_and_refusals(run_ranks):
         for path in ("wrapper", "module", "kept_ref", "layer"):
             assert r[path] < 1e-5, (path, r[path])
         assert r["generate"][0] == r["generate"][1]
-        assert r["device_dtype"] == ("cpu", "torch.float32", 7)  # 6 unit shards + the small group
+        assert r["device_dtype"] == ("cpu", "torch.float32", 6)  # 5 unit shards + the small group, no anchor
         e = r["errors"]
         for name in ("to_bf16", "double", "half"):
             assert e[name] and "param_dtype=" in e[name], (name, e[name])

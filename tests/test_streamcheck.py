@@ -25,6 +25,10 @@ CASES = {
     "z3_bf16_torch_fused_outsized": dict(zero=3, bf16=True, opt="torch_fused", vocab=1000, reduce_bf16=True),
     "z3_bf16_fusedadamw_state_dict": dict(zero=3, bf16=True, opt="fused_adamw", sd=True, eval=True),
     "stack_z3_ckpt_units": dict(kind="stack", zero=3, opt="fused_adamw", ckpt=True, units=True),
+    # frozen groups: a frozen-only head (released by the node on its inputs), frozen q/k inside the
+    # layers (released after both the gate and that node), a frozen norm in the small group
+    "z3_bf16_frozen": dict(zero=3, bf16=True, opt="fused_adamw", accum=2, eval=True,
+                           freeze=("q_proj", "k_proj", "lm_head", "model.norm")),
 }
 
 
@@ -42,6 +46,9 @@ def _build(case):
         model = tiny_llama(tie=case.get("tie", False), checkpointing=case.get("ckpt", False),
                            vocab=case.get("vocab", 67))
         units = [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
+        for name, p in model.named_parameters():
+            if any(f in name for f in case.get("freeze", ())):
+                p.requires_grad_(False)
     else:
         model = Stack(ckpt=case.get("ckpt", False))
         units = [model.inp, *model.blocks, model.head]
@@ -58,6 +65,7 @@ def _run_case(rank, case, steps=3):
             reduce_dtype=torch.bfloat16 if case.get("reduce_bf16") else torch.float32,
         )
         assert isinstance(model.schedule, comm.StreamSchedule)
+        assert ("frozen" in model.owned_tensors()) == bool(case.get("freeze"))
         opt = _optimizer(case.get("opt", "adamw"), model.parameters())
         chk.watch(model)
         losses = []

@@ -90,9 +90,9 @@ class YaFSDP(nn.Module):
         # See [Note: the root entry]. The wrapped module keeps one empty parameter in the compute
         # dtype on the device (HF's `model.device` / `model.dtype` read its first parameter);
         # YaFSDP.parameters() leaves it out.
-        self._device_param = nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device),
-                                          requires_grad=False)
-        module.register_parameter("yafsdp_device_anchor", self._device_param)
+        anchor = nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device), requires_grad=False)
+        object.__setattr__(self, "_device_param", anchor)  # not a parameter of the wrapper itself
+        module.register_parameter("yafsdp_device_anchor", anchor)
         module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         module.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True)
         module.register_state_dict_pre_hook(_refuse_module_state_dict)
@@ -228,9 +228,9 @@ class YaFSDP(nn.Module):
     def param_groups(self, weight_decay: float, small_weight_decay: float = 0.0, **options) -> list[dict]:
         """Two optimizer param groups: every unit's shard with ``weight_decay``, and the small group
         (all 1-D parameters: norm weights and biases) with ``small_weight_decay``."""
-        big = [u.flat_param for u in self._rt.units]
+        big = [u.flat_param for u in self._rt.units if u.flat_param is not None]
         groups = [dict(params=big, weight_decay=weight_decay, **options)] if big else []
-        if self._rt.small is not None:
+        if self._rt.small is not None and self._rt.small.flat_param is not None:
             groups.append(dict(params=[self._rt.small.flat_param], weight_decay=small_weight_decay, **options))
         return groups
 
@@ -240,7 +240,7 @@ class YaFSDP(nn.Module):
         self._rt.recover()
         check_collective("clip_grad_norm_()", self.process_group)
         norm_type = float(norm_type)
-        grads = [u.flat_param.grad for u in self._rt.all if u.flat_param.grad is not None]
+        grads = [u.flat_param.grad for u in self._rt.all if u.flat_param is not None and u.flat_param.grad is not None]
         if norm_type == float("inf"):
             local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=self.device)
             local = local.float()
@@ -322,7 +322,7 @@ class YaFSDP(nn.Module):
 
         The first ``numel`` elements of a unit's flat layout do not depend on the world size (the
         padding after them does), which is what lets a sharded checkpoint be resharded."""
-        return [shards.info_of(u.flat_param) for u in self._rt.all]
+        return [shards.info_of(g.shard) for u in self._rt.all for g in u.groups]
 
     def memory_plan(self, **activation_options):
         """Bytes per rank by role; see yafsdp.plan."""
@@ -339,6 +339,7 @@ class YaFSDP(nn.Module):
         """Bytes of every tensor the engine allocated on this rank, by role."""
         out = {k: t.numel() * t.element_size() for k, t in self.owned_tensors().items()}
         out.setdefault("compute_copy", 0)
+        out.setdefault("frozen", 0)
         return out
 
 

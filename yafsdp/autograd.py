@@ -9,6 +9,20 @@ buffer and the reduce-scatter is issued. ``_PreBackward`` sits on a unit's outpu
 before any of the unit's backward: it re-gathers (ZeRO-3) and prefetches the unit that ran
 before it in forward. The first of them to run in a backward queues the end-of-backward
 callback (``Runtime.finalize_backward``).
+
+[Note: releasing frozen weights]
+Only trainable weights go through the gate: a frozen weight gets no gradient (the modules see a
+plain view of the buffer, and autograd computes no weight gradient for it). Its backward use is
+then not ordered before the gate: the node that computes an input's gradient from a frozen weight
+(``grad_x = grad_y @ W``) may run after the gate. So for a unit with frozen weights each forward
+use also puts ``_InputsDone`` on the unit's grad-requiring inputs; it runs after every gradient
+with respect to them is computed, i.e. after every node that reads the weights on the way. ZeRO-3
+releases the weights when both the gate and that node have run (``BackwardUse.pending``); with
+no grad-requiring input nothing upstream needs the weights, and with no trainable weight there is
+no gate. A unit without frozen weights keeps the gate as its only point, as before. (In ordinary
+models autograd's ready queue, which runs newer nodes first, already runs a gate after the unit's
+other nodes, since the gate is created before them; the node on the inputs makes the release point
+independent of that order, and it is what releases a unit that is all frozen, which has no gate.)
 """
 from __future__ import annotations
 
@@ -18,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .runtime import Runtime, in_backward
+from .runtime import BackwardUse, Runtime, in_backward
 from .unit import Unit
 from .units import Member
 
@@ -34,8 +48,8 @@ class _Gate(torch.autograd.Function):
     """See [Note: the backward gate]."""
 
     @staticmethod
-    def forward(ctx, rt, unit, pidx, anchor, *aliases):
-        ctx.rt, ctx.unit, ctx.pidx = rt, unit, pidx
+    def forward(ctx, rt, unit, pidx, use, anchor, *aliases):
+        ctx.rt, ctx.unit, ctx.pidx, ctx.use = rt, unit, pidx, use
         ctx.set_materialize_grads(False)
         return tuple(a.view_as(a) for a in aliases)
 
@@ -46,8 +60,24 @@ class _Gate(torch.autograd.Function):
         if rt.schedule.recorder is not None and unit.bw_interval is not None:
             rt.schedule.recorder.compute_end(unit.bw_interval)
             unit.bw_interval = None
-        rt.post_backward(unit, ctx.pidx, grads)
-        return (None, None, None, None) + (None,) * len(grads)
+        rt.post_backward(unit, ctx.pidx, grads, ctx.use)
+        return (None, None, None, None, None) + (None,) * len(grads)
+
+
+class _InputsDone(torch.autograd.Function):
+    """Identity on a unit's grad-requiring inputs; its backward runs once their gradients are
+    computed. See [Note: releasing frozen weights]."""
+
+    @staticmethod
+    def forward(ctx, rt, unit, use, *tensors):
+        ctx.rt, ctx.unit, ctx.use = rt, unit, use
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _queue_finalize(ctx.rt)
+        ctx.rt.use_done(ctx.unit, ctx.use)
+        return (None, None, None) + grads
 
 
 class _PreBackward(torch.autograd.Function):
@@ -86,33 +116,62 @@ class _MemberIndex:
 
     pidx: list[int]
     slots: list[tuple[nn.Module, str, int]]  # (owner, attr, position in pidx)
+    trainable: list[int]  # positions in pidx of the trainable parameters (those the gate hands out)
 
     @classmethod
-    def of(cls, member: Member) -> "_MemberIndex":
+    def of(cls, member: Member, params: list) -> "_MemberIndex":
         pidx: list[int] = []
         slots = []
         for owner, attr, idx in member.assignments:
             if idx not in pidx:
                 pidx.append(idx)
             slots.append((owner, attr, pidx.index(idx)))
-        return cls(pidx, slots)
+        return cls(pidx, slots, [k for k, i in enumerate(pidx) if not params[i].frozen])
+
+
+def _gate(rt: Runtime, unit: Unit, pidx: list[int], trainable: list[int], tensors: list):
+    """The tensors handed to the modules for one grad-enabled use (the trainable ones through a
+    gate), and the use's BackwardUse (see [Note: releasing frozen weights])."""
+    use = BackwardUse(1 if trainable else 0)
+    if not trainable:
+        return tensors, use
+    gated = _Gate.apply(rt, unit, [pidx[k] for k in trainable], use, unit.anchor, *[tensors[k] for k in trainable])
+    tensors = list(tensors)
+    for k, t in zip(trainable, gated):
+        tensors[k] = t
+    return tensors, use
 
 
 def gate_small_group(rt: Runtime, tensors: list) -> None:
     """Hand the small group's gathered tensors to their modules (through a gate when training)."""
     small = rt.small
     if torch.is_grad_enabled():
-        tensors = _Gate.apply(rt, small, range(len(small.params)), small.anchor, *tensors)
+        pidx = list(range(len(small.params)))
+        tensors, _ = _gate(rt, small, pidx, [i for i in pidx if not small.params[i].frozen], tensors)
     for p, t in zip(small.params, tensors):
         for owner, attr in p.owners:
             owner.__dict__[attr] = t
 
 
+def _attach_inputs_done(rt: Runtime, unit: Unit, use: BackwardUse, args, kwargs):
+    """Route the grad-requiring tensors among ``(args, kwargs)`` through one _InputsDone node."""
+    leaves, spec = tree_flatten((args, kwargs))
+    idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not idx:
+        return None
+    use.pending += 1
+    outs = _InputsDone.apply(rt, unit, use, *[leaves[i] for i in idx])
+    for i, t in zip(idx, outs):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
+
+
 def _pre_hook(rt: Runtime, unit: Unit, index: _MemberIndex):
     def pre_hook(module, args, kwargs):
         if in_backward():  # activation-checkpoint recompute: weights must be there, nothing else
-            owner, attr, _ = index.slots[0]
-            if torch.is_grad_enabled() and not owner.__dict__[attr].requires_grad:
+            trainable = [s for s in index.slots if s[2] in index.trainable]
+            owner, attr, _ = trainable[0] if trainable else (None, None, None)
+            if owner is not None and torch.is_grad_enabled() and not owner.__dict__[attr].requires_grad:
                 raise RuntimeError(
                     f"yafsdp: unit {unit.name!r} is recomputed in backward but its forward ran without "
                     "autograd: reentrant activation checkpointing is not supported; use "
@@ -124,11 +183,14 @@ def _pre_hook(rt: Runtime, unit: Unit, index: _MemberIndex):
         if rt.schedule.recorder is not None:  # after the wait: waiting for the gather is not compute
             unit.fw_interval = rt.schedule.recorder.compute_start("forward", unit.name)
         tensors = [unit.aliases[i] for i in index.pidx]
+        new_inputs = None
         if torch.is_grad_enabled():
-            tensors = _Gate.apply(rt, unit, index.pidx, unit.anchor, *tensors)
+            tensors, use = _gate(rt, unit, index.pidx, index.trainable, tensors)
+            if unit.frozen is not None and rt.zero_stage == 3:  # See [Note: releasing frozen weights]
+                new_inputs = _attach_inputs_done(rt, unit, use, args, kwargs)
         for owner, attr, pos in index.slots:
             owner.__dict__[attr] = tensors[pos]
-        return None
+        return new_inputs
 
     return pre_hook
 
@@ -152,5 +214,5 @@ def install_hooks(rt: Runtime) -> None:
     """A forward pre-hook and post-hook on every member module of every unit."""
     for u in rt.units:
         for m in u.members:
-            m.module.register_forward_pre_hook(_pre_hook(rt, u, _MemberIndex.of(m)), with_kwargs=True)
+            m.module.register_forward_pre_hook(_pre_hook(rt, u, _MemberIndex.of(m, u.params)), with_kwargs=True)
             m.module.register_forward_hook(_post_hook(rt, u), with_kwargs=True)

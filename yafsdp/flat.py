@@ -21,6 +21,7 @@ class ParamInfo:
     owners: list[tuple[nn.Module, str]]  # (module, attribute) pairs that hold it (several if tied)
     offset: int = 0  # element offset inside the flat unit
     small: bool = False  # a 1-D parameter that lives in the small group
+    frozen: bool = False  # requires_grad=False at wrap time: gathered, never reduced (a frozen group)
 
     @property
     def numel(self) -> int:

@@ -37,13 +37,13 @@ from torch import nn
 from . import kernels, shards
 from .buffers import GradBuffer, WeightBuffer
 from .comm import Schedule
-from .flat import FlatLayout, alias
-from .plan.sizing import plan_buffers
+from .flat import alias
+from .plan.sizing import plan_buffers, unit_shape
 from .trace import span
-from .unit import FlatGroup, Phase, Unit, trainable_kind
+from .unit import FlatGroup, Phase, Unit, frozen_kind, trainable_kind
 from .units import UnitSpec, weight_free_backward
 
-__all__ = ["Runtime", "in_backward"]
+__all__ = ["Runtime", "BackwardUse", "in_backward"]
 
 _RUNTIMES: "weakref.WeakSet[Runtime]" = weakref.WeakSet()  # live runtimes (for the optimizer hooks)
 
@@ -51,6 +51,17 @@ _RUNTIMES: "weakref.WeakSet[Runtime]" = weakref.WeakSet()  # live runtimes (for 
 def in_backward() -> bool:
     """True while autograd's engine runs a backward on this thread."""
     return torch._C._current_graph_task_id() != -1
+
+
+class BackwardUse:
+    """One grad-enabled forward use of a unit, as its backward sees it: how many backward nodes
+    must still run before ZeRO-3 may release the unit's weights (see [Note: releasing frozen
+    weights] in autograd.py)."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self, pending: int):
+        self.pending = pending
 
 
 class Runtime:
@@ -65,10 +76,18 @@ class Runtime:
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.zero_stage = zero_stage
-        kind = trainable_kind(compute_dtype)
+        kinds = (trainable_kind(compute_dtype), frozen_kind(compute_dtype))
 
         def unit(name, index, params, members):
-            return Unit(name, index, [FlatGroup(kind, FlatLayout.build(params, world_size, rank, align))], members)
+            shape = unit_shape(params, world_size, rank, align)  # the same split the plan makes
+            groups, offset = [], 0
+            for kind, lay in zip(kinds, (shape.trainable, shape.frozen)):
+                if lay is not None:
+                    groups.append(FlatGroup(kind, lay, buffer_offset=offset))
+                    offset += lay.padded_numel
+            u = Unit(name, index, groups, members, list(params))
+            u.shape = shape
+            return u
 
         self.units: list[Unit] = [unit(s.name, i, s.params, s.members) for i, s in enumerate(specs)]
         for u, s in zip(self.units, specs):
@@ -82,6 +101,9 @@ class Runtime:
         # the next step entry records the schedule's copies-ready point. See ensure_step_ready.
         self.copies_changed = True
         self.root_depth = 0  # nesting of root forwards (the wrapped module's own forward)
+        # (weak reference, requires_grad, name) of every original parameter: changing requires_grad
+        # after wrapping would have no effect, so it is refused (see check_frozen).
+        self.originals: list[tuple[weakref.ref, bool, str]] = []
         self._allocate(outsized_ratio)
         _RUNTIMES.add(self)
 
@@ -89,7 +111,8 @@ class Runtime:
     def _allocate(self, outsized_ratio: float):
         """Local shards (one tensor each for all units), then the weight and grad buffers."""
         dev = self.device
-        total = sum(u.layout.shard_numel for u in self.all)
+        trainable = [g for u in self.all for g in u.groups if g.kind.reduced]
+        total = sum(g.layout.shard_numel for g in trainable)
         # 1-D fp32: every unit's master shard end to end (one cast pass covers all of them).
         self.master = torch.zeros(total, dtype=torch.float32, device=dev)
         # 1-D fp32: every unit's grad shard; each shard's .grad aliases its slice.
@@ -99,32 +122,40 @@ class Runtime:
             self.master if self.compute_dtype == torch.float32
             else torch.zeros(total, dtype=self.compute_dtype, device=dev)
         )
+        # 1-D param_dtype: every frozen group's shard end to end, stored only in param_dtype (it is
+        # its own all-gather input; no master, no grad, no optimizer state).
+        frozen_total = sum(g.layout.shard_numel for u in self.all for g in u.groups if not g.kind.reduced)
+        self.frozen_store = torch.zeros(frozen_total, dtype=self.compute_dtype, device=dev)
         self.flat = nn.Module()  # holds the flat master shards as registered parameters
-        off = 0
+        off = foff = 0
         for u in self.all:
-            g = u.group
-            n = g.layout.shard_numel
-            g.shard = nn.Parameter(alias(self.master, off, (n,)))
-            g.grad_shard = alias(self.grad, off, (n,))
-            g.compute = self.compute[off:off + n]
             u.anchor = torch.empty(0, device=dev, requires_grad=True)
             attr = u.name.replace(".", "_")
-            self.flat.register_parameter(attr, g.shard)
-            shards.register(shards.ShardInfo(
-                name=f"flat.{attr}", unit=u.name, kind=g.kind.name, param_names=[p.fqn for p in g.params],
-                param_shapes=[tuple(p.shape) for p in g.params], param_offsets=[p.offset for p in g.params],
-                numel=g.layout.numel, padded_numel=g.layout.padded_numel, shard_start=g.layout.shard_start,
-                shard_numel=n, param=g.shard,
-            ))
-            if self.compute is not self.master:
-                shards.set_copy_out(g.shard, g.compute, self._copy_written_cb(g))
-            off += n
+            for g in u.groups:
+                n = g.layout.shard_numel
+                if g.kind.reduced:
+                    g.shard = nn.Parameter(alias(self.master, off, (n,)))
+                    g.grad_shard = alias(self.grad, off, (n,))
+                    g.compute = self.compute[off:off + n]
+                    self.flat.register_parameter(attr, g.shard)
+                    if self.compute is not self.master:
+                        shards.set_copy_out(g.shard, g.compute, self._copy_written_cb(g))
+                    name, off = f"flat.{attr}", off + n
+                else:
+                    g.shard = g.compute = alias(self.frozen_store, foff, (n,))
+                    name, foff = f"frozen.{attr}", foff + n
+                shards.register(shards.ShardInfo(
+                    name=name, unit=u.name, kind=g.kind.name, param_names=[p.fqn for p in g.params],
+                    param_shapes=[tuple(p.shape) for p in g.params], param_offsets=[p.offset for p in g.params],
+                    numel=g.layout.numel, padded_numel=g.layout.padded_numel, shard_start=g.layout.shard_start,
+                    shard_numel=n, param=g.shard,
+                ))
 
         # Buffer sizes come from the plan, so yafsdp.plan can report them without allocating.
         # See [Note: one plan, one allocator] in yafsdp/plan/__init__.py.
         self.buffer_plan = plan = plan_buffers(
-            [u.name for u in self.units], [u.layout for u in self.units],
-            self.small.layout if self.small is not None else None,
+            [u.name for u in self.units], [u.shape for u in self.units],
+            self.small.shape if self.small is not None else None,
             compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
             zero_stage=self.zero_stage, outsized_ratio=outsized_ratio,
         )
@@ -135,11 +166,11 @@ class Runtime:
             WeightBuffer(s.name, s.capacity, s.dtype, dev, self.schedule) for s in plan.weight
         ]
         for u, w, g in zip(self.all, plan.weight_of, plan.grad_of):
-            u.buffer, u.grad_buffer = self.weight_buffers[w], self.grad_buffers[g]
+            u.buffer, u.grad_buffer = self.weight_buffers[w], (self.grad_buffers[g] if g >= 0 else None)
         for u, big in zip(self.units, plan.outsized):
             u.outsized = big
         for u in self.all:
-            u.aliases = [alias(u.buffer.data, g.buffer_offset + p.offset, p.shape) for g in u.groups for p in g.params]
+            u.aliases = [alias(u.buffer.data, u.group_of[id(p)].buffer_offset + p.offset, p.shape) for p in u.params]
 
     def _copy_written_cb(self, group: FlatGroup):
         me = weakref.ref(self)
@@ -156,6 +187,8 @@ class Runtime:
         out = {"master": self.master, "grad": self.grad}
         if self.compute is not self.master:
             out["compute_copy"] = self.compute
+        if self.frozen_store.numel():
+            out["frozen"] = self.frozen_store
         for s in self.weight_buffers:
             out[s.name] = s.data
         for s in self.grad_buffers:
@@ -163,18 +196,38 @@ class Runtime:
             out[s.name + "_staging"] = s.staging
         return out
 
-    def fp32_scratch(self, unit: Unit) -> torch.Tensor:
-        """fp32 room for one gathered unit: its grad buffer when that is fp32 and idle, else a temporary."""
-        n = unit.layout.padded_numel
+    def fp32_scratch(self, unit: Unit, group: FlatGroup) -> torch.Tensor:
+        """fp32 room for one gathered group: the unit's grad buffer when that is fp32 and idle, else a temporary."""
+        n = group.layout.padded_numel
         gs = unit.grad_buffer
         if gs is not None and gs.data.dtype == torch.float32 and gs.capacity >= n and not gs.reduce_pending:
             return gs.data[:n]
         return torch.empty(n, dtype=torch.float32, device=self.device)
 
     def invalidate_buffers(self) -> None:
-        """The shards were loaded anew: no weight buffer holds a current unit."""
+        """The shards were loaded anew: no weight buffer holds a current unit, and the next gathers
+        wait for the compute side's writes."""
         for s in self.weight_buffers:
             s.invalidate()
+        self.copies_changed = True
+
+    def check_frozen(self) -> None:
+        """requires_grad cannot change after wrapping: the trainable/frozen split is fixed then."""
+        for u in self.all:
+            if u.flat_param is not None and not u.flat_param.requires_grad:
+                raise RuntimeError(
+                    f"yafsdp: the shard of unit {u.name!r} has requires_grad=False: the split into trainable and "
+                    "frozen parameters is made at wrap time. Set requires_grad on the module's parameters before "
+                    "wrapping (or keep the shard out of the optimizer)"
+                )
+        for ref, was, name in self.originals:
+            p = ref()
+            if p is not None and p.requires_grad != was:
+                raise RuntimeError(
+                    f"yafsdp: requires_grad of parameter {name!r} changed after wrapping (was {was}); the engine "
+                    "split trainable and frozen parameters at wrap time and this change would have no effect. "
+                    "Set requires_grad before wrapping"
+                )
 
     @property
     def idle(self) -> bool:
@@ -213,6 +266,7 @@ class Runtime:
     def begin_forward(self) -> list:
         """A root forward starts: the cast pass, then the small group (returns its tensors)."""
         self.recover()
+        self.check_frozen()
         self.trace = []
         self.phase = Phase.FORWARD if self.phase is Phase.IDLE else self.phase
         self.ensure_step_ready()
@@ -240,22 +294,25 @@ class Runtime:
         """The cast pass: fp32 master -> compute copy for every shard changed since last written;
         then, if any compute copy changed (cast here, or written by the optimizer), the schedule's
         copies-ready point, which every later gather waits for."""
-        stale = [u for u in self.all if u.group.stale]
+        groups = [g for u in self.all for g in u.groups]
+        stale = [g for g in groups if g.stale]
         if not stale:
             if self.copies_changed:
                 self.copies_changed = False
                 self.schedule.copies_written()
             return
+        cast = [g for g in stale if g.kind.reduced]  # a frozen shard is its own compute copy
         with torch.no_grad():
-            if self.compute is not self.master:
-                with span("cast", "all" if len(stale) == len(self.all) else f"{len(stale)} units"):
-                    if len(stale) == len(self.all):
+            if cast and self.compute is not self.master:
+                n_trainable = sum(1 for g in groups if g.kind.reduced)
+                with span("cast", "all" if len(cast) == n_trainable else f"{len(cast)} units"):
+                    if len(cast) == n_trainable:
                         kernels.cast_(self.compute, self.master)
                     else:
-                        for u in stale:
-                            kernels.cast_(u.compute, u.flat_param.detach())
-            for u in stale:
-                u.group.mark_cast()
+                        for g in cast:
+                            kernels.cast_(g.compute, g.shard.detach())
+            for g in stale:
+                g.mark_cast()
         self.copies_changed = False
         self.schedule.copies_written()
 
@@ -319,23 +376,30 @@ class Runtime:
         if needs_weights:
             unit.buffer.wait()
 
-    def post_backward(self, unit: Unit, pidx, grads) -> None:
-        """A unit's backward is done: weights released, grads into the grad buffer, reduce issued."""
+    def use_done(self, unit: Unit, use: "BackwardUse") -> None:
+        """One of the backward nodes a forward use of ``unit`` waits for has run; after the last,
+        ZeRO-3 releases the weights. See [Note: releasing frozen weights] in autograd.py."""
+        use.pending -= 1
+        if use.pending == 0 and self.zero_stage == 3 and unit.bw_held:
+            # Release first, so a gather deferred on this buffer is issued ahead of this unit's
+            # reduce and does not queue behind it.
+            unit.bw_held = False
+            unit.buffer.release()
+
+    def post_backward(self, unit: Unit, pidx, grads, use: "BackwardUse") -> None:
+        """The gate of a unit's use: its weight grads are in; grads into the grad buffer, reduce issued."""
         self._check_unchanged(unit)
-        if self.zero_stage == 3 and unit is not self.small and not unit.weight_free_bw and not unit.buffer.holds(unit):
+        if (self.zero_stage == 3 and unit is not self.small and not unit.weight_free_bw and unit.frozen is None
+                and not unit.buffer.holds(unit)):
             raise RuntimeError(
                 f"yafsdp: unit {unit.name!r} reached its backward without its weights gathered; its output "
                 "escaped the engine's pre-backward hook (return tensors, tuples, lists or dicts from the unit)"
             )
-        if self.zero_stage == 3 and unit.bw_held:
-            # Every node that reads the weights has run: release them first, so a gather deferred
-            # on this buffer is issued ahead of this unit's reduce and does not queue behind it.
-            unit.bw_held = False
-            unit.buffer.release()
+        self.use_done(unit, use)
         lay = unit.layout
         buf = unit.grad_buffer.begin_write(lay.padded_numel)
         with torch.no_grad(), span("grads", unit.name):
-            if len(pidx) == len(unit.params):
+            if len(pidx) == len(lay.params):
                 buf[lay.numel:].zero_()
             else:
                 buf.zero_()

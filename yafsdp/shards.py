@@ -36,7 +36,13 @@ class ShardInfo:
     padded_numel: int  # elements of the padded flat layout (a multiple of the world size)
     shard_start: int  # this rank's slice: [shard_start, shard_start + shard_numel)
     shard_numel: int
-    param: torch.Tensor = field(repr=False)  # the shard itself (1-D fp32 nn.Parameter)
+    param: torch.Tensor = field(repr=False)  # the shard itself (trainable: the 1-D fp32 nn.Parameter)
+
+    @property
+    def key(self) -> str:
+        """A name unique among the model's shards: the unit's for its trainable group, ``<unit>.frozen``
+        for its frozen group (checkpoint entries use it)."""
+        return self.unit if self.kind == "trainable" else f"{self.unit}.{self.kind}"
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,14 @@ that wrap-time materialisation and loads share.
 
 :class:`StateDictKeys` remembers, at wrap time and before any module surgery, what each key of the
 original ``module.state_dict()`` refers to: a parameter (a ``ParamInfo`` of some unit) or a buffer
-(module, name). Rank 0 flattens a unit's values into the unit's padded layout in fp32 scratch,
-scatters it over the group (``scatter_unit``) and every rank's master shard receives its slice;
+(module, name). Rank 0 flattens each flat group's values into its padded layout in fp32 scratch,
+scatters it over the group (``scatter_group``) and every rank's shard receives its slice (a
+frozen shard rounded to ``param_dtype``);
 module buffers are broadcast from rank 0 (``broadcast_buffers``).
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -16,10 +19,10 @@ from torch import nn
 from .dist import check_collective, raise_together, source_rank
 from .flat import ParamInfo
 from .runtime import Runtime
-from .unit import Unit
+from .unit import FlatGroup
 from .units import UnitSpec, WrapError
 
-__all__ = ["StateDictKeys", "gather_full", "load_full", "materialize", "scatter_unit"]
+__all__ = ["StateDictKeys", "gather_full", "load_full", "materialize", "scatter_group"]
 
 
 class StateDictKeys:
@@ -82,12 +85,12 @@ class StateDictKeys:
         return "; ".join(msgs) if msgs else None
 
 
-def scatter_unit(rt: Runtime, unit: Unit, full: torch.Tensor | None, group, rank: int, world: int) -> None:
-    """Rank 0's ``full`` (fp32, padded_numel) -> every rank's master shard of ``unit``."""
-    out = torch.empty(unit.layout.shard_numel, dtype=torch.float32, device=rt.device)
+def scatter_group(rt: Runtime, g: FlatGroup, full: torch.Tensor | None, group, rank: int, world: int) -> None:
+    """Rank 0's ``full`` (fp32, padded_numel) -> every rank's shard of flat group ``g``."""
+    out = torch.empty(g.layout.shard_numel, dtype=torch.float32, device=rt.device)
     chunks = list(full.chunk(world)) if rank == 0 else None
     dist.scatter(out, chunks, src=source_rank(group), group=group)
-    unit.flat_param.detach().copy_(out)  # bumps the shard's version: its compute copy is now stale
+    g.shard.detach().copy_(out)  # bumps the shard's version: its compute copy is now stale
 
 
 def _broadcast_buffer(b: torch.Tensor, group) -> None:
@@ -104,12 +107,14 @@ def materialize(rt: Runtime, module: nn.Module, group, rank: int, world: int) ->
         if any(p.param.is_meta for p in u.params):
             needs_load = True  # built on the meta device
         else:
-            full = None
-            if rank == 0:
-                full = rt.fp32_scratch(u)
-                u.layout.flatten([p.param.detach().to(rt.device, torch.float32) for p in u.params], full)
-            scatter_unit(rt, u, full, group, rank, world)
+            for g in u.groups:
+                full = None
+                if rank == 0:
+                    full = rt.fp32_scratch(u, g)
+                    g.layout.flatten([p.param.detach().to(rt.device, torch.float32) for p in g.params], full)
+                scatter_group(rt, g, full, group, rank, world)
         for p, a in zip(u.params, u.aliases):
+            rt.originals.append((weakref.ref(p.param), p.param.requires_grad, p.fqn))
             for owner, attr in p.owners:
                 del owner._parameters[attr]
                 owner.__dict__[attr] = a
@@ -135,11 +140,14 @@ def gather_full(rt: Runtime, keys: StateDictKeys, group, rank: int) -> dict[str,
     check_collective("full_state_dict()", group)
     values: dict[int, torch.Tensor] = {}
     for u in rt.all:
-        full = rt.fp32_scratch(u)
-        all_gather(full, u.flat_param.detach(), group, async_op=False)
-        if rank == 0:
-            for p, v in zip(u.params, u.layout.views(full)):
-                values[id(p)] = v.to("cpu", p.dtype, copy=True)
+        for g in u.groups:
+            shard = g.shard.detach()
+            full = (rt.fp32_scratch(u, g) if shard.dtype == torch.float32
+                    else torch.empty(g.layout.padded_numel, dtype=shard.dtype, device=rt.device))
+            all_gather(full, shard, group, async_op=False)
+            if rank == 0:
+                for p, v in zip(g.params, g.layout.views(full)):
+                    values[id(p)] = v.to("cpu", p.dtype, copy=True)
     if rank != 0:
         return {}
     out = {}
@@ -164,11 +172,12 @@ def load_full(rt: Runtime, keys: StateDictKeys, state_dict, group, rank: int, wo
             if kind == "param" and key in state_dict:
                 by_param.setdefault(id(ref), state_dict[key])
     for u in rt.all:
-        full = None
-        if rank == 0:
-            full = rt.fp32_scratch(u)
-            u.layout.flatten([by_param[id(p)].to(rt.device, torch.float32) for p in u.params], full)
-        scatter_unit(rt, u, full, group, rank, world)
+        for g in u.groups:
+            full = None
+            if rank == 0:
+                full = rt.fp32_scratch(u, g)
+                g.layout.flatten([by_param[id(p)].to(rt.device, torch.float32) for p in g.params], full)
+            scatter_group(rt, g, full, group, rank, world)
     for key, kind, ref in keys.entries:
         if kind != "buffer":
             continue

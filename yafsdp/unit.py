@@ -4,10 +4,12 @@
 A unit's parameters are grouped by what they need, each group one flat, padded, sharded tensor
 with its own :class:`GroupKind`: how its shard is stored, in which dtype it is gathered, and
 whether it is reduced (has a grad shard, a reduce-scatter and optimizer state). Today every
-unit has one group, ``TRAINABLE`` (fp32 master shard, gathered in ``param_dtype``, reduced).
-Frozen parameters (gathered, never reduced, stored in ``param_dtype``) and compact storage
-(4-bit or fp8 shards gathered compact and expanded into the weight buffer) are further kinds,
-laid after the first group in the unit's weight buffer: a new kind adds a group, not a branch.
+unit has up to two groups: ``trainable`` (fp32 master shard, gathered in ``param_dtype``, reduced)
+and ``frozen`` (the parameters with ``requires_grad=False`` at wrap time: stored only in
+``param_dtype`` — the shard is its own all-gather input — gathered for use, never reduced, no grad
+shard, no optimizer state), laid one after the other in the unit's weight buffer. Compact storage
+(4-bit or fp8 shards gathered compact and expanded into the weight buffer) is a further kind to
+come: a new kind adds a group, not a branch.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from torch import nn
 from .flat import FlatLayout, ParamInfo
 from .units import Member
 
-__all__ = ["GroupKind", "FlatGroup", "Unit", "Phase", "trainable_kind"]
+__all__ = ["GroupKind", "FlatGroup", "Unit", "Phase", "trainable_kind", "frozen_kind"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,10 @@ def trainable_kind(compute_dtype: torch.dtype) -> GroupKind:
     return GroupKind("trainable", torch.float32, compute_dtype, reduced=True)
 
 
+def frozen_kind(compute_dtype: torch.dtype) -> GroupKind:
+    return GroupKind("frozen", compute_dtype, compute_dtype, reduced=False)
+
+
 class FlatGroup:
     """One flat group of a unit: its layout and this rank's tensors for it."""
 
@@ -45,9 +51,11 @@ class FlatGroup:
         self.layout = layout
         self.params: list[ParamInfo] = layout.params
         self.buffer_offset = buffer_offset  # where the gathered group starts in the unit's weight buffer
-        self.shard: nn.Parameter | None = None  # 1-D storage_dtype, shard_numel: the master shard
+        # 1-D storage_dtype, shard_numel: an nn.Parameter (the fp32 master) for a trainable group,
+        # a plain tensor for a frozen one
+        self.shard: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None  # 1-D fp32, the shard's .grad storage (reduced groups)
-        self.compute: torch.Tensor | None = None  # 1-D gather_dtype, the all-gather input
+        self.compute: torch.Tensor | None = None  # 1-D gather_dtype, the all-gather input (frozen: the shard)
         self.cast_version = -1  # shard._version when the compute copy was last written
 
     @property
@@ -70,11 +78,14 @@ class Phase(enum.Enum):
 class Unit:
     """Runtime state of one unit (or of the small group); every field declared here."""
 
-    def __init__(self, name: str, index: int, groups: list[FlatGroup], members: list[Member]):
+    def __init__(self, name: str, index: int, groups: list[FlatGroup], members: list[Member],
+                 params: list[ParamInfo]):
         self.name = name
         self.index = index
-        self.groups = groups  # See [Note: unit groups]; today exactly one, trainable
+        self.groups = groups  # See [Note: unit groups]: the trainable group first, then the frozen one
         self.members = members
+        self.params = params  # every parameter, in the order the members' assignments index them
+        self.group_of = {id(p): g for g in groups for p in g.params}
         self.buffer = None  # the WeightBuffer its gathered weights go to
         self.grad_buffer = None  # the GradBuffer its gradients go to
         self.aliases: list[torch.Tensor] = []  # per parameter, over buffer.data: see [Note: buffer aliases]
@@ -86,30 +97,31 @@ class Unit:
         self.fw_interval = None  # the recorder's open forward interval (yafsdp.trace), if recording
         self.bw_interval = None  # the recorder's open backward interval
 
-    # The single trainable group's fields, under the names the schedule uses.
     @property
-    def group(self) -> FlatGroup:
-        return self.groups[0]
+    def trainable(self) -> FlatGroup | None:
+        """The trainable group (None when every parameter of the unit is frozen)."""
+        return self.groups[0] if self.groups[0].kind.reduced else None
 
     @property
-    def layout(self) -> FlatLayout:
-        return self.groups[0].layout
+    def frozen(self) -> FlatGroup | None:
+        return next((g for g in self.groups if not g.kind.reduced), None)
+
+    # The trainable group's fields, under the names the schedule uses.
+    @property
+    def layout(self) -> FlatLayout | None:
+        return self.trainable.layout if self.trainable is not None else None
 
     @property
-    def params(self) -> list[ParamInfo]:
-        return self.groups[0].params
+    def flat_param(self) -> nn.Parameter | None:
+        return self.trainable.shard if self.trainable is not None else None
 
     @property
-    def flat_param(self) -> nn.Parameter:
-        return self.groups[0].shard
+    def grad_shard(self) -> torch.Tensor | None:
+        return self.trainable.grad_shard if self.trainable is not None else None
 
     @property
-    def grad_shard(self) -> torch.Tensor:
-        return self.groups[0].grad_shard
-
-    @property
-    def compute(self) -> torch.Tensor:
-        return self.groups[0].compute
+    def compute(self) -> torch.Tensor | None:
+        return self.trainable.compute if self.trainable is not None else None
 
     @property
     def version(self) -> tuple[int, ...]:
@@ -126,4 +138,4 @@ class Unit:
         return max(g.buffer_offset + g.layout.padded_numel for g in self.groups)
 
     def __repr__(self):
-        return f"Unit({self.name!r}, numel={self.layout.numel}, padded={self.layout.padded_numel})"
+        return f"Unit({self.name!r}, groups={[(g.kind.name, g.layout.numel) for g in self.groups]})"

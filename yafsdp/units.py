@@ -129,21 +129,13 @@ def discover(root: nn.Module, units: list[nn.Module] | None) -> tuple[list[UnitS
             info = infos.get(id(p))
             if info is None:
                 fqn = f"{mname}.{attr}" if mname else attr
-                info = infos[id(p)] = ParamInfo(fqn, p.shape, p.dtype, [], small=p.dim() <= 1)
+                info = infos[id(p)] = ParamInfo(fqn, p.shape, p.dtype, [], small=p.dim() <= 1,
+                                                frozen=not p.requires_grad)
                 info.param = p  # type: ignore[attr-defined]
             if not any(o is m and a == attr for o, a in info.owners):
                 info.owners.append((m, attr))
     if not infos:
         raise WrapError("yafsdp.YaFSDP: the module has no parameters to shard")
-    frozen = [i.fqn for i in infos.values() if not i.param.requires_grad]
-    if frozen:  # they would silently be trained: every shard is a trainable fp32 master today
-        listed = ", ".join(repr(n) for n in frozen[:5]) + (f" and {len(frozen) - 5} more" if len(frozen) > 5 else "")
-        raise WrapError(
-            f"yafsdp.YaFSDP: {len(frozen)} parameter(s) have requires_grad=False ({listed}); frozen parameters "
-            "(and so PEFT/LoRA models) are not supported yet: the engine would train them. Unfreeze them, or keep "
-            "them out of the wrapped module"
-        )
-
     explicit = units is not None
     if explicit:
         units = list(units)

@@ -83,7 +83,7 @@ def _all_gather(obj, group) -> list:
 # ------------------------------------------------------------------------------ state collection
 def _units(model) -> list[dict]:
     return [
-        dict(name=i.unit, numel=i.numel, params=[[n, list(sh)] for n, sh in zip(i.param_names, i.param_shapes)])
+        dict(name=i.key, numel=i.numel, params=[[n, list(sh)] for n, sh in zip(i.param_names, i.param_shapes)])
         for i in model.shard_info()
     ]
 
@@ -119,7 +119,7 @@ def _optimizer_entries(model, optimizer) -> tuple[dict, dict]:
         st = optimizer.state.get(p, {})
         desc = {}
         for key, v in st.items():
-            name = f"optim.{info.unit}.{key}"
+            name = f"optim.{info.key}.{key}"
             if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == p.shape:
                 entries[name] = _flat_shard(info, v.detach())
                 desc[key] = dict(kind="shard", dtype=str(v.dtype).replace("torch.", ""))
@@ -129,7 +129,7 @@ def _optimizer_entries(model, optimizer) -> tuple[dict, dict]:
             else:
                 entries[name] = v
                 desc[key] = dict(kind="object")
-        layout[info.unit] = desc
+        layout[info.key] = desc
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
     entries["optim.param_groups"] = groups
     return entries, dict(cls=type(optimizer).__name__, state=layout, groups=[len(g["params"]) for g in optimizer.param_groups])
@@ -171,7 +171,7 @@ def save_checkpoint(
 
     entries: dict[str, Any] = {}
     for i in model.shard_info():
-        entries[f"model.{i.unit}"] = _flat_shard(i, i.param.detach())
+        entries[f"model.{i.key}"] = _flat_shard(i, i.param.detach())
     opt_desc = None
     if optimizer is not None:
         opt_entries, opt_desc = _optimizer_entries(model, optimizer)
@@ -296,7 +296,7 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True) ->
 
     entries: dict[str, Any] = {}
     for i in model.shard_info():
-        entries[f"model.{i.unit}"] = _flat_shard(i, i.param.detach())
+        entries[f"model.{i.key}"] = _flat_shard(i, i.param.detach())
     opt_state: dict = {}
     opt_desc = manifest.get("optimizer")
     if optimizer is not None:
@@ -310,8 +310,8 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True) ->
             )
         for info, p in _optimizer_params(model, optimizer):
             st = opt_state.setdefault(id(p), {})
-            for key, d in opt_desc["state"].get(info.unit, {}).items():
-                name = f"optim.{info.unit}.{key}"
+            for key, d in opt_desc["state"].get(info.key, {}).items():
+                name = f"optim.{info.key}.{key}"
                 if d["kind"] == "shard":
                     st[key] = torch.zeros_like(p.detach(), dtype=getattr(torch, d["dtype"]))
                     entries[name] = _flat_shard(info, st[key])
@@ -337,7 +337,7 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True) ->
 
     with torch.no_grad():
         for i in model.shard_info():  # padding: zero, whatever was there (bumps the shard's version)
-            valid = entries[f"model.{i.unit}"].local.numel()
+            valid = entries[f"model.{i.key}"].local.numel()
             i.param.detach()[valid:].zero_()
     model.mark_loaded()
 
@@ -347,9 +347,9 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True) ->
         state = {}
         for info, p in _optimizer_params(model, optimizer):
             st = opt_state[id(p)]
-            for key, d in opt_desc["state"].get(info.unit, {}).items():
+            for key, d in opt_desc["state"].get(info.key, {}).items():
                 if d["kind"] == "object":
-                    st[key] = entries[f"optim.{info.unit}.{key}"]
+                    st[key] = entries[f"optim.{info.key}.{key}"]
             if st:
                 state[index] = st
             index += 1

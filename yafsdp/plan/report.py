@@ -6,10 +6,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from ..flat import FlatLayout
 from ..units import discover, weight_free_backward
 from .activations import ActivationEstimate, activation_estimate
-from .sizing import GiB, OPTIMIZER_BYTES, BufferSpec, as_dtype, dtype_name, itemsize, plan_buffers, unit_align
+from .sizing import (
+    GiB, OPTIMIZER_BYTES, BufferSpec, as_dtype, dtype_name, itemsize, plan_buffers, unit_align, unit_shape,
+)
 
 @dataclass
 class UnitRow:
@@ -40,6 +41,7 @@ class MemoryPlan:
     grad: int
     compute_copy: int
     optimizer_state: int
+    frozen: int = 0  # frozen groups' shards, in param_dtype (no master, grad or optimizer state)
     activations: ActivationEstimate | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -71,7 +73,7 @@ class MemoryPlan:
     @property
     def model_state(self) -> int:
         """Sharded state + optimizer state: what the ZeRO paper calls model states."""
-        return self.master + self.grad + self.compute_copy + self.optimizer_state
+        return self.master + self.grad + self.compute_copy + self.frozen + self.optimizer_state
 
     @property
     def total(self) -> int:
@@ -80,7 +82,7 @@ class MemoryPlan:
 
     def engine_bytes(self) -> dict[str, int]:
         """The same keys and values as ``YaFSDP.allocated_bytes()`` returns once wrapped."""
-        out = {"master": self.master, "grad": self.grad, "compute_copy": self.compute_copy}
+        out = {"master": self.master, "grad": self.grad, "compute_copy": self.compute_copy, "frozen": self.frozen}
         for s in self.slots:
             if s.kind == "weight":
                 out[s.name] = s.capacity * itemsize(s.dtype)
@@ -97,6 +99,7 @@ class MemoryPlan:
             ("grad shard (fp32)", self.grad),
             (f"optimizer state ({self.optimizer})", self.optimizer_state),
             (f"compute copy ({self.param_dtype})", self.compute_copy),
+            (f"frozen shard ({self.param_dtype})", self.frozen),
             ("weight buffers" + (" (per unit, ZeRO-2)" if self.zero_stage == 2 else " (x2)"), self.weight_buffers),
             ("grad buffers (x2, + staging)", self.grad_buffers),
             ("small group (weight + grad)", self.small_group),
@@ -189,8 +192,8 @@ def memory_plan(
     if isinstance(model, YaFSDP):
         eng = model
         names = [u.name for u in eng.units]
-        layouts = [u.layout for u in eng.units]
-        small = eng.small.layout if eng.small is not None else None
+        layouts = [u.shape for u in eng.units]
+        small = eng.small.shape if eng.small is not None else None
         slots = eng.buffer_plan
         weight_free = [u.weight_free_bw for u in eng.units]
         world_size, rank = eng.world_size, eng.rank
@@ -207,8 +210,8 @@ def memory_plan(
         specs, small_params = discover(model, units)
         names = [s.name for s in specs]
         weight_free = [weight_free_backward(s) for s in specs]
-        layouts = [FlatLayout.build(s.params, world_size, rank, align) for s in specs]
-        small = FlatLayout.build(small_params, world_size, rank, align) if small_params else None
+        layouts = [unit_shape(s.params, world_size, rank, align) for s in specs]
+        small = unit_shape(small_params, world_size, rank, align) if small_params else None
         slots = plan_buffers(
             names, layouts, small, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
             zero_stage=zero_stage, outsized_ratio=outsized_ratio,
@@ -217,29 +220,31 @@ def memory_plan(
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
 
     all_layouts = layouts + ([small] if small is not None else [])
-    shard = sum(lay.shard_numel for lay in all_layouts)
+    shard = sum(lay.trainable_shard for lay in all_layouts)
+    frozen_shard = sum(lay.frozen_shard for lay in all_layouts)
     cbytes = itemsize(compute_dtype)
     opt_bytes = optimizer if isinstance(optimizer, int) else OPTIMIZER_BYTES[optimizer]
     slot_list = slots.weight + slots.grad
     rows = [
         UnitRow(
-            names[i], lay.numel, lay.padded_numel, lay.shard_numel,
-            slots.weight[slots.weight_of[i]].name, slots.grad[slots.grad_of[i]].name, slots.outsized[i],
-            weight_free[i],
+            names[i], lay.numel, lay.weight_numel, lay.trainable_shard + lay.frozen_shard,
+            slots.weight[slots.weight_of[i]].name,
+            slots.grad[slots.grad_of[i]].name if slots.grad_of[i] >= 0 else "-", slots.outsized[i], weight_free[i],
         )
         for i, lay in enumerate(layouts)
     ]
-    regular = [lay.padded_numel for lay, o in zip(layouts, slots.outsized) if not o]
+    regular = [lay.weight_numel for lay, o in zip(layouts, slots.outsized) if not o]
     plan = MemoryPlan(
         world_size=world_size, rank=rank, zero_stage=zero_stage,
         param_dtype=dtype_name(compute_dtype), reduce_dtype=dtype_name(reduce_dtype),
-        optimizer=str(optimizer), num_params=num_params, shard_numel=shard,
+        optimizer=str(optimizer), num_params=num_params, shard_numel=shard + frozen_shard,
         largest_unit=max(regular) if regular else 0, units=rows, slots=slot_list,
         master=4 * shard, grad=4 * shard, compute_copy=0 if compute_dtype == torch.float32 else cbytes * shard,
-        optimizer_state=opt_bytes * shard,
+        optimizer_state=opt_bytes * shard, frozen=cbytes * frozen_shard,
     )
     if batch is not None and seq is not None:
-        largest_unit_grads = max((lay.numel for lay in layouts), default=0) * cbytes
+        largest_unit_grads = max((lay.trainable.numel for lay in layouts if lay.trainable is not None),
+                                 default=0) * cbytes
         plan.activations = activation_estimate(
             module, batch=batch, seq=seq, checkpointing=checkpointing, dtype=compute_dtype,
             attention=attention, inputs_fn=inputs_fn, unit_grad_bytes=largest_unit_grads,

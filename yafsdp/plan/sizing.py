@@ -77,10 +77,43 @@ def repeated_blocks(names: list[str]) -> list[bool]:
 # back to ``outsized_ratio`` x the median unit. (The median alone misfires on small models: with
 # vocab 256, hidden 64 and 2 layers the embedding and head are half the units, so the median is
 # the embedding and both decoder layers would be outsized.)
+@dataclass(frozen=True)
+class UnitShape:
+    """A unit's flat groups as laid out in its weight buffer: the trainable group first (it alone
+    has a grad shard and fills the grad buffer), then the frozen one. See [Note: unit groups]."""
+
+    trainable: FlatLayout | None
+    frozen: FlatLayout | None
+
+    @property
+    def weight_numel(self) -> int:  # elements of the weight buffer the gathered unit fills
+        return sum(lay.padded_numel for lay in (self.trainable, self.frozen) if lay is not None)
+
+    @property
+    def numel(self) -> int:
+        return sum(lay.numel for lay in (self.trainable, self.frozen) if lay is not None)
+
+    @property
+    def trainable_shard(self) -> int:
+        return self.trainable.shard_numel if self.trainable is not None else 0
+
+    @property
+    def frozen_shard(self) -> int:
+        return self.frozen.shard_numel if self.frozen is not None else 0
+
+
+def unit_shape(params, world_size: int, rank: int, align: int) -> UnitShape:
+    """Split a unit's parameters (in order) into its trainable and frozen flat groups."""
+    trainable = [p for p in params if not p.frozen]
+    frozen = [p for p in params if p.frozen]
+    return UnitShape(FlatLayout.build(trainable, world_size, rank, align) if trainable else None,
+                     FlatLayout.build(frozen, world_size, rank, align) if frozen else None)
+
+
 def plan_buffers(
     names: list[str],
-    layouts: list[FlatLayout],
-    small: FlatLayout | None,
+    layouts: list[UnitShape],
+    small: UnitShape | None,
     *,
     compute_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
@@ -89,7 +122,7 @@ def plan_buffers(
 ) -> BufferPlan:
     """The weight and grad buffers for units with ``layouts`` (and the small group): pure, no
     allocation. See [Note: one plan, one allocator]."""
-    sizes = [lay.padded_numel for lay in layouts]
+    sizes = [lay.weight_numel for lay in layouts]
     outsized = [False] * len(layouts)
     repeated = repeated_blocks(names)
     if any(repeated):  # See [Note: outsized units]
@@ -106,25 +139,28 @@ def plan_buffers(
     weight_of = [-1] * n_all
     grad_of = [-1] * n_all
 
-    def lay(i: int) -> FlatLayout:
+    def lay(i: int) -> UnitShape:
         return small if i == len(layouts) else layouts[i]
 
     def grad_slot(name: str, members: list[int], role: str) -> int:
         grad.append(BufferSpec(
-            name, "grad", max(lay(i).padded_numel for i in members),
-            max(lay(i).shard_numel for i in members), reduce_dtype, role,
+            name, "grad", max(lay(i).trainable.padded_numel for i in members),
+            max(lay(i).trainable.shard_numel for i in members), reduce_dtype, role,
         ))
         return len(grad) - 1
 
-    if regular:
-        pair = [grad_slot(f"grad{k}", regular, "buffers") for k in range(min(2, len(regular)))]
-        for j, i in enumerate(regular):
+    # Grad buffers serve the units with a trainable group; a unit that is all frozen has none.
+    regular_t = [i for i in regular if layouts[i].trainable is not None]
+    big_t = [i for i in big if layouts[i].trainable is not None]
+    if regular_t:
+        pair = [grad_slot(f"grad{k}", regular_t, "buffers") for k in range(min(2, len(regular_t)))]
+        for j, i in enumerate(regular_t):
             grad_of[i] = pair[j % len(pair)]
-    if big:
-        g = grad_slot("grad_outsized", big, "outsized")
-        for i in big:
+    if big_t:
+        g = grad_slot("grad_outsized", big_t, "outsized")
+        for i in big_t:
             grad_of[i] = g
-    if small is not None:
+    if small is not None and small.trainable is not None:
         grad_of[len(layouts)] = grad_slot("grad_small", [len(layouts)], "small")
 
     def weight_slot(name: str, capacity: int, role: str) -> int:
@@ -133,19 +169,19 @@ def plan_buffers(
 
     if zero_stage == 3:
         if regular:
-            cap = max(layouts[i].padded_numel for i in regular)
+            cap = max(layouts[i].weight_numel for i in regular)
             pair = [weight_slot(f"weight{k}", cap, "buffers") for k in range(min(2, len(regular)))]
             for j, i in enumerate(regular):
                 weight_of[i] = pair[j % len(pair)]
         if big:
-            w = weight_slot("weight_outsized", max(layouts[i].padded_numel for i in big), "outsized")
+            w = weight_slot("weight_outsized", max(layouts[i].weight_numel for i in big), "outsized")
             for i in big:
                 weight_of[i] = w
     else:  # ZeRO-2: every unit keeps its gathered weights from forward to backward
         for i, name in enumerate(names):
-            weight_of[i] = weight_slot(f"weight_{name}", layouts[i].padded_numel, "buffers")
+            weight_of[i] = weight_slot(f"weight_{name}", layouts[i].weight_numel, "buffers")
     if small is not None:
-        weight_of[len(layouts)] = weight_slot("weight_small", small.padded_numel, "small")
+        weight_of[len(layouts)] = weight_slot("weight_small", small.weight_numel, "small")
     return BufferPlan(weight, grad, weight_of, grad_of, outsized)
 
 
