@@ -37,6 +37,7 @@ import shutil
 import sys
 import time
 import traceback
+import warnings
 
 import numpy as np
 import torch
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 import yafsdp
 from pretrain import data as D  # examples/pretrain, beside this script (its directory is on sys.path)
 from pretrain import progress as P  # noqa: E402
-from pretrain.ops import JobError, StopSignal, agree, init_distributed  # noqa: E402
+from pretrain.ops import Diverged, JobError, OutLock, StopSignal, agree, init_distributed  # noqa: E402
 from pretrain.presets import DEFAULT_PRESET, model_config_dict, presets  # noqa: E402
 from yafsdp import checkpoint as C  # noqa: E402
 
@@ -66,11 +67,23 @@ class _Help(argparse.HelpFormatter):
         return text
 
 
+class _Parser(argparse.ArgumentParser):
+    """One line per error, printed by rank 0 only (under torchrun every rank parses the same
+    command line), exit status 2."""
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(2)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     table = presets()
-    p = argparse.ArgumentParser(
+    p = _Parser(
+        prog="pretrain_llama.py",
         description="Pretrain a Llama with yafsdp (launch with torchrun; see the file's docstring).",
         formatter_class=_Help,
+        allow_abbrev=False,  # --step must not silently mean --steps
     )
     g = p.add_argument_group("model")
     g.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(table),
@@ -97,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cosine decay horizon; fixed, so a run stopped early resumes exactly [preset steps]")
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of >= 2-D weights")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0: no clipping)")
+    g.add_argument("--max-skipped-steps", type=int, default=5,
+                   help="a step whose loss or grad norm is NaN/inf is skipped (no optimizer step); stop (exit 3) "
+                   "after this many in a row")
     g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 compute (fp32 master weights); default: on for CUDA, off on CPU")
     g.add_argument("--zero-stage", type=int, default=3, choices=[2, 3],
@@ -140,7 +156,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("steps", "warmup", "save_every", "eval_every"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ("seq_len", "batch_size", "grad_accum", "decay_steps", "keep", "eval_batches"):
+    for name in ("seq_len", "batch_size", "grad_accum", "decay_steps", "keep", "eval_batches", "max_skipped_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.val_fraction < 0.5:
@@ -181,7 +197,7 @@ def plan_output(args, env) -> dict:
         mode = "latest"  # export the newest complete checkpoint
     if mode is None and env.restart_count > 0:
         mode = "auto"  # torchrun restarted us after a failure: continue from the last checkpoint
-    plan = dict(resume_path=None, wipe=False, ck_root=ck_root)
+    plan = dict(resume_path=None, wipe=False, ck_root=ck_root, foreign=C.foreign_dirs(ck_root))
     if os.path.exists(out) and not os.path.isdir(out):
         raise JobError(f"--out {out!r} exists and is not a directory")
     if mode is None:
@@ -263,6 +279,18 @@ class Job:
         self.args, self.env = args, env
         self.rank, self.world, self.device = env.rank, env.world, env.device
         self.main = env.rank == 0
+        self.lock = OutLock(args.out) if self.main else None  # rank 0 holds it for the job
+        self.reported: set[str] = set()  # checkpoint notes already printed
+
+    def take_lock(self) -> None:
+        """Collective: rank 0 locks --out (once); a job already there stops every rank."""
+        err = None
+        if self.main and self.lock.fd is None:
+            try:
+                self.lock.acquire()
+            except JobError as e:
+                err = str(e)
+        agree(err)
 
     def say(self, msg: str) -> None:
         if self.main:
@@ -271,6 +299,8 @@ class Job:
     # ---------------------------------------------------------------- set-up (nothing written yet)
     def prepare(self):
         a, env = self.args, self.env
+        if os.path.isdir(a.out):  # lock before reading the run's state; a new --out is made (and locked) below
+            self.take_lock()
         err = None
         try:
             self.plan = plan_output(a, env)
@@ -305,6 +335,7 @@ class Job:
             traceback.print_exc()
             err = f"rank {self.rank}: {type(e).__name__}: {e}"
         agree(err)
+        self.take_lock()
         if self.plan["resume_path"]:  # every file's size and checksum, before building anything
             try:
                 C.verify_checkpoint(self.plan["resume_path"])
@@ -371,27 +402,40 @@ class Job:
         self.metrics_path = os.path.join(out, "metrics.jsonl")
         self.png_path = os.path.join(out, "loss.png")
         self.tb = P.TensorBoard(a.tensorboard, self.main and not a.export_only)
+        err = None
         if self.main and a.export_only:  # the run's files stay as they are; only an "export" event is added
             self.metrics = None
             self.events = P.Events(os.path.join(out, "events.jsonl"))
         elif self.main:
-            os.makedirs(out, exist_ok=True)
-            if self.plan["wipe"]:
-                print(f"overwrite discarded the run in {out}: {self.plan['discarded']}", flush=True)
-                for name in ("metrics.jsonl", "events.jsonl", "loss.png", "run.json"):
-                    if os.path.exists(os.path.join(out, name)):
-                        os.remove(os.path.join(out, name))
-                shutil.rmtree(self.plan["ck_root"], ignore_errors=True)
-            if self.plan["resume_path"]:
-                P.truncate_metrics(self.metrics_path, self.step)
-            self.metrics = P.JsonLines(self.metrics_path)
-            self.events = P.Events(os.path.join(out, "events.jsonl"))
-            with open(os.path.join(out, "run.json"), "w") as f:
-                json.dump(dict(argv=sys.argv, args={k: v for k, v in vars(a).items() if k != "preset_info"},
-                               world=self.world, device=str(self.device), torch=torch.__version__,
-                               yafsdp=yafsdp.__version__, optimizer=self.opt_name, model_shape=self.shape,
-                               params=self.n_params), f, indent=1, default=str)
-        dist.barrier()
+            try:
+                self._open_run_files()
+            except OSError as e:
+                err = f"cannot write the run's files in --out {out!r}: {C.describe_os_error(e)}"
+        agree(err)
+
+    def _open_run_files(self):
+        a, out = self.args, self.args.out
+        os.makedirs(out, exist_ok=True)
+        if self.plan["wipe"]:
+            print(f"overwrite discarded the run in {out}: {self.plan['discarded']}", flush=True)
+            for name in ("metrics.jsonl", "events.jsonl", "loss.png", "run.json"):
+                if os.path.exists(os.path.join(out, name)):
+                    os.remove(os.path.join(out, name))
+            # The run's checkpoints and killed saves; a step_* directory without a manifest is not
+            # the run's (see yafsdp.checkpoint.foreign_dirs) and stays.
+            for _, path in C.list_checkpoints(self.plan["ck_root"]):
+                shutil.rmtree(path)
+            for path in C.unfinished_saves(self.plan["ck_root"]):
+                shutil.rmtree(path, ignore_errors=True)
+        if self.plan["resume_path"]:
+            P.truncate_metrics(self.metrics_path, self.step)
+        self.metrics = P.JsonLines(self.metrics_path)
+        self.events = P.Events(os.path.join(out, "events.jsonl"))
+        with open(os.path.join(out, "run.json"), "w") as f:
+            json.dump(dict(argv=sys.argv, args={k: v for k, v in vars(a).items() if k != "preset_info"},
+                           world=self.world, device=str(self.device), torch=torch.__version__,
+                           yafsdp=yafsdp.__version__, optimizer=self.opt_name, model_shape=self.shape,
+                           params=self.n_params), f, indent=1, default=str)
 
     # --------------------------------------------------------------------------------- the loop
     def header(self):
@@ -440,6 +484,11 @@ class Job:
         self.say(f"out      {a.out}: metrics.jsonl, loss.png, checkpoints/ ({every}, keep {a.keep}){tb}")
         if self.tb.problem:
             self.say(f"note     {self.tb.problem}")
+        if self.main and self.lock.note:
+            self.say(f"note     {self.lock.note}")
+        for path in self.plan["foreign"]:
+            self.say(f"note     skipped {path}: no {C.MANIFEST}, not a complete checkpoint (not used by --resume, "
+                     "left in place)")
         if self.resumed_from and self.resumed_from[2] not in (None, gb) and not a.export_only:
             self.say(f"note     the checkpoint's global batch was {self.resumed_from[2]} sequences, this run's is {gb}: "
                      "the data order continues, the step contents differ")
@@ -464,6 +513,8 @@ class Job:
         start_step = self.step
         step_times = []
         self.session_losses = []
+        self.skipped_steps = 0
+        in_row = 0  # consecutive non-finite steps
         self.losses_before = [r["loss"] for r in P.read_jsonl(self.metrics_path)] if self.main else []
         max_norm = a.grad_clip if a.grad_clip > 0 else float("inf")
         if self.main:
@@ -486,12 +537,28 @@ class Job:
                     (loss / a.grad_accum).backward()
                     total += loss.detach().float()
                 norm = m.clip_grad_norm_(max_norm)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                stats = torch.stack([total / a.grad_accum, torch.tensor(float(stop.signum is not None),
-                                                                         device=self.device)])
+                # [Note: non-finite steps] One all-reduce (the step's only host sync) carries the loss,
+                # a stop signal, "this rank's loss or the grad norm is NaN/inf" and the norm, and it
+                # comes before the optimizer step: every rank skips a bad step together (no update,
+                # gradients dropped) instead of writing NaN into the weights, the optimizer state and
+                # then every checkpoint. --max-skipped-steps in a row stop the run (exit 3).
+                mean = total / a.grad_accum
+                norm = torch.as_tensor(norm, device=self.device).detach().float()
+                bad = torch.logical_not(torch.isfinite(mean) & torch.isfinite(norm)).float()
+                stats = torch.stack([mean, torch.tensor(float(stop.signum is not None), device=self.device), bad,
+                                     norm])
                 dist.all_reduce(stats)
-                loss_val, stop_now = stats[0].item() / self.world, stats[1].item() > 0
+                loss_sum, n_stop, n_bad, norm_sum = stats.tolist()
+                loss_val, stop_now, skipped = loss_sum / self.world, n_stop > 0, n_bad > 0
+                grad_norm = norm_sum / self.world  # the same global norm on every rank
+                if skipped:
+                    opt.zero_grad(set_to_none=True)
+                    self.skipped_steps += 1
+                    in_row += 1
+                else:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    in_row = 0
                 self.step += 1
                 self.cursor += a.batch_size * self.world * a.grad_accum
                 self.tokens_seen += self.tokens_per_step
@@ -500,21 +567,41 @@ class Job:
                 mem = P.peak_memory_gb(self.device)
                 tok_s_dev = self.tokens_per_step / dt / self.world
                 mfu = self.flops_per_token * tok_s_dev / (self.peak * 1e12) if self.peak else None
-                row = dict(step=self.step, loss=loss_val, lr=lr, grad_norm=float(norm),
+                row = dict(step=self.step, loss=loss_val, lr=lr, grad_norm=grad_norm,
                            tokens=self.tokens_seen, tokens_per_s=round(self.tokens_per_step / dt, 1),
                            tokens_per_s_per_device=round(tok_s_dev, 1), mfu=round(mfu, 5) if mfu is not None else None,
                            step_time_s=round(dt, 4), mem_gb=round(mem, 4),
                            epoch=round(self.batches.epoch_of(self.cursor), 4))
-                if self.first_loss is None:
-                    self.first_loss = loss_val
-                self.last_loss = loss_val
-                self.session_losses.append(loss_val)
+                if skipped:
+                    row["skipped"] = True
+                else:
+                    if self.first_loss is None:
+                        self.first_loss = loss_val
+                    self.last_loss = loss_val
+                    self.session_losses.append(loss_val)
                 if self.val is not None and a.eval_every and self.step % a.eval_every == 0:
                     row["val_loss"] = self.val_loss = round(self.evaluate(), 6)
                 if self.main:
                     self.metrics.write(row)
                     self.tb.write(row)
                 bar.update(loss_val, self.tokens_per_step / dt, dt, mem, tok_s_dev, mfu)
+                if skipped:
+                    last = getattr(self, "last_checkpoint", None) or "none yet"
+                    if self.main:
+                        self.events.write(dict(event="skipped", step=self.step, loss=loss_val, grad_norm=grad_norm))
+                    if in_row >= a.max_skipped_steps:
+                        if self.main:
+                            self.events.write(dict(event="diverged", step=self.step, skipped=in_row))
+                        raise Diverged(
+                            f"training diverged: the loss or grad norm was NaN/inf for {in_row} steps in a row (steps "
+                            f"{self.step - in_row + 1}-{self.step}, lr {lr:g}; last loss {loss_val}, grad norm "
+                            f"{grad_norm}); the weights are those of step {self.step - in_row}, no checkpoint holds a "
+                            f"non-finite value; last checkpoint: {last}. "
+                            "Resume from it with a lower --lr or a longer --warmup (or raise --max-skipped-steps)")
+                    msg = (f"skipped  step {self.step}: loss {loss_val:.4g}, grad norm {grad_norm:.4g} (not finite); "
+                           f"no optimizer step ({in_row} in a row, stop at {a.max_skipped_steps})")
+                    if self.main:
+                        bar.write(msg)
                 if stop_now:
                     self.stopped_by = stop.name or "a signal on another rank"
                     break
@@ -540,8 +627,22 @@ class Job:
                      global_batch=a.batch_size * self.world * a.grad_accum, seq_len=a.seq_len, seed=a.seed)
         meta = dict(model_shape=self.shape, preset_args=describe_model_args(a), optimizer=self.opt_name,
                     tokenizer="bytes" if isinstance(self.tokenizer, D.ByteTokenizer) else self.tokenizer.name)
-        path = C.save_checkpoint(self.plan["ck_root"], self.step, self.model, self.opt, state=state,
-                                 rank_state=get_rng_state(self.device), meta=meta, keep=a.keep)
+        self.check_finite()
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always", C.CheckpointWarning)
+            try:
+                path = C.save_checkpoint(self.plan["ck_root"], self.step, self.model, self.opt, state=state,
+                                         rank_state=get_rng_state(self.device), meta=meta, keep=a.keep)
+            except C.CheckpointError as e:
+                last = getattr(self, "last_checkpoint", None) or self.plan["resume_path"]
+                raise JobError(f"step {self.step} was not saved: {e}; last complete checkpoint: "
+                               f"{last or 'none'}") from None
+        for w in notes:
+            if issubclass(w.category, C.CheckpointWarning) and str(w.message) not in self.reported:
+                self.reported.add(str(w.message))
+                msg = f"note     {w.message}"
+                if self.main:
+                    bar.write(msg) if bar is not None else print(msg, flush=True)
         dt = time.perf_counter() - t0
         if self.main:
             self.events.write(dict(event="save", step=self.step, path=path, seconds=round(dt, 3)))
@@ -551,6 +652,24 @@ class Job:
             else:
                 print(msg, flush=True)
         self.last_checkpoint = path
+
+    @torch.no_grad()
+    def check_finite(self) -> None:
+        """Collective: refuse to save NaN/inf weights or optimizer state (one all-reduce per save).
+        Skipped steps (see [Note: non-finite steps]) keep them finite; this is the last guard, so
+        that no checkpoint -- and no rotation by --keep -- ever replaces finite ones with garbage."""
+        bad = torch.zeros((), device=self.device)
+        for i in self.model.shard_info():
+            bad += torch.logical_not(torch.isfinite(i.param)).sum()
+            for v in self.opt.state.get(i.param, {}).values():
+                if isinstance(v, torch.Tensor) and v.is_floating_point():
+                    bad += torch.logical_not(torch.isfinite(v)).sum()
+        dist.all_reduce(bad)
+        if bad.item() > 0:
+            last = getattr(self, "last_checkpoint", None) or self.plan["resume_path"] or "none"
+            raise Diverged(f"training diverged: {int(bad.item())} weights or optimizer-state values are NaN/inf at "
+                           f"step {self.step}; not saved, the last complete checkpoint ({last}) is kept. Resume "
+                           "from it with a lower --lr or a longer --warmup")
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -754,14 +873,43 @@ def set_rng_state(st, seed: int, rank: int, step: int, device) -> None:
         torch.cuda.set_rng_state(st["cuda"], device)
 
 
+def shutdown_distributed() -> None:
+    """Destroy the process group *and* its backend before the interpreter exits.
+
+    [Note: teardown before exit] ``destroy_process_group()`` only unregisters the group: the gloo
+    backend (its worker threads) lives on while Python objects hold it -- here the wrapped model,
+    the optimizer and the job, which sit in reference cycles and so are freed only by the final
+    garbage collection inside interpreter finalization. A gloo worker thread that has just run a
+    collective drops its reference to the work last; when that is the last one, the work's
+    destructor releases its Python tensors and needs the GIL. If the main thread is already
+    finalizing, taking the GIL ends the worker thread (pthread_exit), whose forced unwind through
+    that C++ destructor calls std::terminate: "terminate called without an active exception",
+    SIGABRT, a failed job after all its work was done (about 1 run in 40; 1 in 7 on the error path,
+    which exits right after its last collective). Here the job's references are gone (the caller
+    dropped them), the collection frees the group while Python runs, and the backend's destructor
+    (run without the GIL) joins its threads -- checked on a run that ends normally. When a JobError
+    leaves the training loop, the engine's Runtime stays reachable from its autograd hooks (held
+    by C++, out of the collector's reach), so the group still lives into finalization: there the
+    barrier before this call (all ranks meet after their last collective, so every worker has
+    released its work) is what remains, a narrower window, not a cure; the engine-side fix is in
+    the issue."""
+    import gc
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         env = init_distributed(args.device)
     except JobError as e:
-        print(f"pretrain_llama.py: error: {e}", file=sys.stderr)
-        return 2
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_llama.py: error: {e}", file=sys.stderr)
+        return e.exit_code
     code = 0
+    job = None
     try:
         job = Job(args, env)
         job.prepare()
@@ -771,18 +919,17 @@ def main(argv=None) -> int:
         job.header()
         job.train()
         job.finish()
-        # [Note: barrier before destroy] A rank that destroys the process group while another is
-        # still receiving from it (the last gathers of finish() go to rank 0) can abort in gloo
-        # ("terminate called without an active exception", exit -6): about one short run in three
-        # on a 2-core machine, which torchrun reports as a failed job. All ranks meet here first.
-        dist.barrier()
-    except JobError as e:
+        dist.barrier()  # see [Note: teardown before exit]
+    except JobError as e:  # raised on every rank together (see agree); printed once
         if env.rank == 0:
             print(f"pretrain_llama.py: error: {e}", file=sys.stderr, flush=True)
-        code = 2
+        code = e.exit_code
+        dist.barrier()  # every rank raises a JobError together; see [Note: teardown before exit]
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if job is not None and job.lock is not None:
+            job.lock.release()
+        job = None
+        shutdown_distributed()
     return code
 
 

@@ -189,18 +189,20 @@ def test_bad_input_refused_nothing_overwritten(runs, tmp_path):
     open(os.path.join(newest, victim), "wb").write(bytes(raw))
     other = str(tmp_path / "other")
     shutil.copytree(ref, other)
+    occupied = str(tmp_path / "occupied")  # its own copy: two jobs on one --out are refused (the lock)
+    shutil.copytree(ref, occupied)
     empty = str(tmp_path / "empty")
     os.makedirs(empty)
     exp = str(tmp_path / "export_here")
     os.makedirs(exp)
     open(os.path.join(exp, "keep.txt"), "w").write("mine")
-    before = {p: tree_digest(p) for p in (corrupt, other, exp)}
+    before = {p: tree_digest(p) for p in (corrupt, other, occupied, exp)}
     cases = {
         "missing_data": (["--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o1")], "no such file"),
         "corrupt": (["--resume", "--out", corrupt], f"'{victim}' fails its CRC-32"),
         "shape": (["--resume", "--out", other, "--preset", "cpu-4x128"], "different model"),
         "nothing": (["--resume", "--out", empty], "nothing to resume"),
-        "occupied": (["--out", other], "already holds a run"),
+        "occupied": (["--out", occupied], "already holds a run"),
         "export_dir": (["--out", str(tmp_path / "o4"), "--export-hf", exp], "not empty"),
     }
     procs = {k: subprocess.Popen([sys.executable, JOB] + FAST + ["--steps", "2"] + a, env=env(), text=True,

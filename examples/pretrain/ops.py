@@ -1,6 +1,8 @@
 """Operations: the distributed environment, agreement on errors, and stop signals."""
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import signal
 import socket
@@ -14,7 +16,15 @@ from yafsdp.dist import raise_if_any
 
 
 class JobError(RuntimeError):
-    """Bad input or state the user must fix; printed without a traceback, exit status 2."""
+    """Bad input or state the user must fix; printed without a traceback (rank 0), exit status 2."""
+
+    exit_code = 2
+
+
+class Diverged(JobError):
+    """Training produced non-finite losses, gradients or weights; exit status 3."""
+
+    exit_code = 3
 
 
 @dataclass
@@ -107,3 +117,94 @@ class StopSignal:
     def uninstall(self) -> None:
         for s, h in self._old.items():
             signal.signal(s, h)
+
+
+class OutLock:
+    """An exclusive lock on ``--out``, held by rank 0 for the whole job: a second job on the same
+    directory is refused instead of interleaving its metrics and checkpoints with the first's.
+
+    ``flock`` on ``<out>/.lock``: the kernel releases it when the process ends, however it ends
+    (exception, SIGTERM, SIGKILL). The file names the holder (pid, host, start time) and is removed
+    on a clean exit; one left by a killed job is *stale* -- its lock was released with the process
+    -- and is taken over with a note. Where the filesystem does not enforce flock across hosts the
+    file still names the holder; a holder on this host whose pid still runs is refused too."""
+
+    NAME = ".lock"
+
+    def __init__(self, out: str):
+        self.out = out
+        self.path = os.path.join(out, self.NAME)
+        self.fd: int | None = None
+        self.note: str | None = None  # "took over a stale lock ..." when it did
+        self.me = dict(pid=os.getpid(), host=socket.gethostname(), started=time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+    @staticmethod
+    def _describe(holder: dict) -> str:
+        return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
+
+    def _read(self, fd: int) -> dict:
+        try:
+            os.lseek(fd, 0, os.SEEK_SET)
+            return json.loads(os.read(fd, 4096).decode() or "{}")
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self) -> None:
+        """Take the lock or raise JobError naming the holder (pid/host) and the lock file."""
+        try:
+            os.makedirs(self.out, exist_ok=True)
+            while True:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = self._read(fd)
+                    os.close(fd)
+                    raise JobError(f"--out {self.out!r} is in use by another job ({self._describe(holder)}; lock "
+                                   f"file {self.path!r}); wait for it to end or choose another --out") from None
+                try:  # the holder may have removed the file between our open and flock: lock the new one
+                    same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    break
+                os.close(fd)
+            holder = self._read(fd)
+            if holder.get("pid") is not None and holder != self.me:
+                alive = holder.get("host") == self.me["host"] and _pid_alive(int(holder["pid"]))
+                if alive and int(holder["pid"]) != os.getpid():
+                    os.close(fd)
+                    raise JobError(f"--out {self.out!r} is in use by another job ({self._describe(holder)}; lock "
+                                   f"file {self.path!r}; this filesystem does not enforce the lock, the pid runs); "
+                                   "wait for it to end or choose another --out")
+                self.note = (f"took over the stale lock {self.path!r} of {self._describe(holder)}: that job ended "
+                             "without releasing it (killed?)")
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, json.dumps(self.me).encode())
+            os.fsync(fd)
+            self.fd = fd
+        except OSError as e:
+            raise JobError(f"--out {self.out!r}: cannot create the lock file {self.path!r}: "
+                           f"[Errno {e.errno}] {e.strerror}: {e.filename!r}") from None
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            if self._read(self.fd) == self.me:
+                os.unlink(self.path)  # while still locked: a waiting job then locks a fresh file
+        except OSError:
+            pass
+        os.close(self.fd)  # releases the flock
+        self.fd = None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

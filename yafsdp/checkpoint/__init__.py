@@ -32,7 +32,11 @@ All ranks write into ``root/.tmp.step_N``. When DCP returns (its metadata is wri
 rank's data), the ranks checksum the files (each a share of them), rank 0 writes
 ``checkpoint.json`` (fsynced) and renames the directory to ``step_N`` -- one atomic rename. A
 crash or kill at any point before the rename leaves only a ``.tmp.*`` directory, which discovery
-ignores and the next save removes; the previous checkpoints are never touched. Old checkpoints
+ignores and the next save removes; the previous checkpoints are never touched. A save that fails
+(a storage error: disk full, read-only, quota) removes its ``.tmp.*`` directory and raises
+CheckpointError naming the path and the errno on every rank. A ``step_*`` directory without a
+manifest was not written by a save (see ``files.foreign_dirs``): it is skipped, reported with a
+CheckpointWarning, and never deleted -- a save of that very step is refused instead. Old checkpoints
 beyond ``keep`` are first renamed to ``.trash.*`` and then deleted, so a checkpoint directory is
 either complete or absent. On load the manifest's sizes and checksums are verified first (each
 rank a share of the files) and any problem is reported with the file's name before a byte is
@@ -41,13 +45,16 @@ loaded into the model.
 from __future__ import annotations
 
 import os
+import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..dist import raise_if_any, raise_together
 from .dcp_glue import FlatShard, LoadPlanner, SavePlanner
@@ -57,14 +64,18 @@ from .files import (
     PREFIX,
     TMP_PREFIX,
     CheckpointError,
+    CheckpointWarning,
     checkpoint_dir,
     crc32,
+    describe_os_error,
+    foreign_dirs,
     fsync_dir,
     incomplete_checkpoints,
     latest_checkpoint,
     list_checkpoints,
     read_manifest,
     remove_checkpoint,
+    unfinished_saves,
     write_json_atomic,
 )
 
@@ -162,11 +173,19 @@ def save_checkpoint(
     if rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
-            for stale in incomplete_checkpoints(root):  # killed saves: never read, safe to drop
+            for stale in unfinished_saves(root):  # killed saves: never complete, safe to drop
                 remove_checkpoint(stale, root)
-            os.makedirs(tmp)
+            for other in foreign_dirs(root):  # not ours: reported, never deleted
+                if other == final:
+                    problem = (f"cannot save step {step}: {final!r} already exists without a {MANIFEST} (not "
+                               "written by a save: a copy in progress?); move it away or delete it, then save again")
+                    break
+                warnings.warn(f"{other!r} has no {MANIFEST}: not a complete checkpoint, skipped and left in place",
+                              CheckpointWarning, stacklevel=2)
+            if problem is None:
+                os.makedirs(tmp)
         except OSError as e:
-            problem = f"cannot prepare {tmp!r}: {e}"
+            problem = f"cannot prepare checkpoint directory {tmp!r}: {describe_os_error(e)}"
     raise_together(problem, group, CheckpointError)
 
     entries: dict[str, Any] = {}
@@ -179,18 +198,28 @@ def save_checkpoint(
     entries["state"] = dict(state or {})
     entries[f"rank_state.{rank}"] = rank_state
 
+    problem = None
     try:
         dcp.save(entries, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), planner=SavePlanner(),
                  process_group=group)
-    except Exception as e:  # noqa: BLE001 - report as a checkpoint error on every rank
-        raise CheckpointError(f"saving checkpoint into {tmp!r} failed: {type(e).__name__}: {e}") from e
-
-    # Checksums: each rank a share of the files (the directory is shared).
-    files = sorted(f for f in os.listdir(tmp) if f != MANIFEST)
-    mine = {f: dict(bytes=os.path.getsize(os.path.join(tmp, f)), crc32=crc32(os.path.join(tmp, f)))
-            for f in files[rank::world]}
+        # Checksums: each rank a share of the files (the directory is shared).
+        files = sorted(f for f in os.listdir(tmp) if f != MANIFEST)
+        mine = {f: dict(bytes=os.path.getsize(os.path.join(tmp, f)), crc32=crc32(os.path.join(tmp, f)))
+                for f in files[rank::world]}
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        problem = f"saving checkpoint into {tmp!r} failed on rank {rank}: {_root_cause(e)}"
+        mine = {}
+    # Every rank reaches this gather, failed or not (DCP raises on every rank together; a failed
+    # checksum is one rank's): no rank is left waiting, and rank 0 removes the partial save only
+    # once no rank writes into it any more.
+    parts = _all_gather((problem, mine), group)
+    problem = next((p for p, _ in parts if p), None)
+    if problem is not None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{problem}; the partial save was removed, earlier checkpoints are untouched")
     sums: dict[str, dict] = {}
-    for part in _all_gather(mine, group):
+    for _, part in parts:
         sums.update(part)
 
     problem = None
@@ -210,9 +239,34 @@ def save_checkpoint(
                 for _, old in list_checkpoints(root)[:-keep]:
                     remove_checkpoint(old, root)
         except OSError as e:
-            problem = f"finishing checkpoint {final!r} failed: {e}"
+            problem = f"finishing checkpoint {final!r} failed: {describe_os_error(e)}"
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+                problem += "; the partial save was removed"
     raise_together(problem, group, CheckpointError)
     return final
+
+
+def _root_cause(e: BaseException) -> str:
+    """The first OSError inside ``e`` (DCP wraps each rank's failure in a CheckpointException),
+    as errno + path; else the exception's type and first line."""
+    seen = []
+    todo = [e]
+    while todo:
+        x = todo.pop(0)
+        if x is None or any(x is y for y in seen):
+            continue
+        seen.append(x)
+        if isinstance(x, OSError):
+            return describe_os_error(x)
+        if isinstance(x, CheckpointException):
+            todo += [pair[0] if isinstance(pair, tuple) else pair for pair in x.failures.values()]
+        todo += [x.__cause__, x.__context__]
+    first = str(e).strip().splitlines()
+    if isinstance(e, CheckpointException):  # no OSError inside: the failing ranks' last lines
+        last = [pair[0] for pair in e.failures.values() if isinstance(pair, tuple)]
+        return "; ".join(f"{type(x).__name__}: {x}" for x in last) or (first[0] if first else type(e).__name__)
+    return f"{type(e).__name__}: {first[0] if first else ''}"
 
 
 # ------------------------------------------------------------------------------------------ load
@@ -332,8 +386,8 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True) ->
         dcp.load(entries, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(), process_group=group)
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"loading checkpoint {path!r} failed: {type(e).__name__}: {e}") from e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"loading checkpoint {path!r} failed: {_root_cause(e)}") from e
 
     with torch.no_grad():
         for i in model.shard_info():  # padding: zero, whatever was there (bumps the shard's version)
@@ -366,7 +420,7 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True) ->
 
 
 __all__ = [
-    "CheckpointError", "FlatShard", "Loaded", "MANIFEST", "checkpoint_dir", "check_compatible",
+    "CheckpointError", "CheckpointWarning", "foreign_dirs", "unfinished_saves", "FlatShard", "Loaded", "MANIFEST", "checkpoint_dir", "check_compatible",
     "incomplete_checkpoints", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
     "read_manifest", "save_checkpoint", "verify_checkpoint",
 ]

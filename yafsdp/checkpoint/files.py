@@ -10,7 +10,7 @@ import re
 import shutil
 import zlib
 
-__all__ = ["CheckpointError", "FORMAT", "MANIFEST", "PREFIX", "TMP_PREFIX", "TRASH_PREFIX", "checkpoint_dir",
+__all__ = ["CheckpointError", "CheckpointWarning", "describe_os_error", "unfinished_saves", "foreign_dirs", "FORMAT", "MANIFEST", "PREFIX", "TMP_PREFIX", "TRASH_PREFIX", "checkpoint_dir",
            "list_checkpoints", "incomplete_checkpoints", "latest_checkpoint", "read_manifest", "crc32",
            "fsync_dir", "write_json_atomic", "remove_checkpoint"]
 
@@ -25,6 +25,19 @@ _STEP_RE = re.compile(rf"^{PREFIX}(\d+)$")
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or does not fit the model; the message names
     the directory and, where one is at fault, the file."""
+
+
+class CheckpointWarning(UserWarning):
+    """Something under a checkpoint root was left alone (a ``step_*`` directory without a
+    manifest): the message names the directory."""
+
+
+def describe_os_error(e: BaseException) -> str:
+    """``[Errno 28] No space left on device: 'path'`` -- the errno, its text and the path."""
+    if isinstance(e, OSError) and e.errno is not None:
+        where = f": {e.filename!r}" if e.filename else ""
+        return f"[Errno {e.errno}] {e.strerror}{where}"
+    return f"{type(e).__name__}: {e}"
 
 
 def checkpoint_dir(root: str, step: int) -> str:
@@ -57,6 +70,20 @@ def incomplete_checkpoints(root: str) -> list[str]:
         if name.startswith(TMP_PREFIX) or (_STEP_RE.match(name) and not os.path.isfile(os.path.join(path, MANIFEST))):
             out.append(path)
     return out
+
+
+def unfinished_saves(root: str) -> list[str]:
+    """``.tmp.*`` directories under ``root``: saves in progress or killed. Never a complete
+    checkpoint (the rename to ``step_*`` is the last act of a save), so safe to remove when no
+    save is running."""
+    return [p for p in incomplete_checkpoints(root) if os.path.basename(p).startswith(TMP_PREFIX)]
+
+
+def foreign_dirs(root: str) -> list[str]:
+    """``step_*`` directories under ``root`` without a manifest. A save never leaves one (it
+    renames a complete ``.tmp.*``), so someone else put it there -- a copy in progress, a
+    manifest deleted by hand: never read as a checkpoint and never deleted."""
+    return [p for p in incomplete_checkpoints(root) if not os.path.basename(p).startswith(TMP_PREFIX)]
 
 
 def latest_checkpoint(root: str) -> str | None:
