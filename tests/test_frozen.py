@@ -161,3 +161,34 @@ def test_frozen_memory_plan_and_refusals():
         e = r["errors"]
         assert "requires_grad of parameter 'model.layers.0.self_attn.q_proj.weight' changed after wrapping" in e["original"]
         assert "has requires_grad=False" in e["shard"] and "wrap time" in e["shard"]
+
+
+def _checkpoint_roundtrip(rank, world, root):
+    from yafsdp import checkpoint as ckpt
+
+    def build(seed):
+        model = tiny_llama(seed=seed)
+        _freeze(model, ("q_proj", "lm_head", "model.norm"))
+        return yafsdp.YaFSDP(model, param_dtype=torch.bfloat16)
+
+    a = build(0)
+    opt = yafsdp.FusedAdamW(a.parameters(), lr=1e-3)
+    loss_of(a, "llama", batch("llama", 0, 0, rank)).backward()
+    opt.step()
+    opt.zero_grad()
+    path = ckpt.save_checkpoint(root, 1, a, opt)
+    b = build(1)  # other initial values everywhere, frozen ones included
+    opt_b = yafsdp.FusedAdamW(b.parameters(), lr=1e-3)
+    ckpt.load_checkpoint(path, b, opt_b)
+    sa, sb = a.full_state_dict(), b.full_state_dict()
+    x = batch("llama", 1, 0, rank)
+    with torch.no_grad():
+        same_logits = torch.equal(a(**x).logits, b(**x).logits)
+    return dict(same=all(torch.equal(sa[k], sb[k]) for k in sa), n=len(sa), logits=same_logits,
+                keys=sorted(ckpt.read_manifest(path)["files"]) and [u["name"] for u in ckpt.read_manifest(path)["units"]])
+
+
+def test_frozen_groups_in_checkpoints(tmp_path):
+    for r in run_ranks(_checkpoint_roundtrip, 2, str(tmp_path)):
+        assert r["same"] and r["logits"], r
+        assert "lm_head.frozen" in r["keys"] and "model.layers.0" in r["keys"] and "model.layers.0.frozen" in r["keys"]
