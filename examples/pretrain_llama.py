@@ -118,6 +118,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--zero-stage", type=int, default=3, choices=[2, 3],
                    help="3: gather weights again for backward; 2: keep them from forward")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each unit's modules on their own (YaFSDP.compile_units); the first steps "
+                   "include the compilation")
     g.add_argument("--seed", type=int, default=0, help="init, data order and sampling")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     g = p.add_argument_group("output")
@@ -359,6 +362,8 @@ class Job:
         bf16 = a.bf16 if a.bf16 is not None else self.device.type == "cuda"
         self.param_dtype = torch.bfloat16 if bf16 else None
         self.model = yafsdp.YaFSDP(model, param_dtype=self.param_dtype, zero_stage=a.zero_stage, device=self.device)
+        if a.compile:
+            self.model.compile_units()
         self.opt, self.opt_name = make_optimizer(self.model, a, self.device)
 
     def initialise(self):

@@ -375,3 +375,13 @@ def test_overwrite_says_what_it_discarded(runs, tmp_path):
     flags = next(line for line in p.stdout.splitlines() if line.startswith("flags    ")).split()
     assert {"--activation-checkpointing", "--overwrite"} <= set(flags), flags
     assert [r["step"] for r in metrics(run)] == [1]
+
+
+def test_compile_flag_trains_like_eager(tmp_path):
+    """--compile: each unit's modules compiled on their own; the same losses as the eager run."""
+    eager, comp = str(tmp_path / "eager"), str(tmp_path / "compiled")
+    run_job(["--steps", "2", "--save-every", "0", "--out", eager], nproc=0)
+    p = run_job(["--steps", "2", "--save-every", "0", "--out", comp, "--compile"], nproc=0)
+    flags = next(line for line in p.stdout.splitlines() if line.startswith("flags    ")).split()
+    assert "--compile" in flags
+    assert close(losses(comp), losses(eager), rel=1e-4), (losses(comp), losses(eager))
