@@ -2,6 +2,7 @@
 from .api import YaFSDP
 from .optim import FusedAdamW
 from .units import WrapError
+from . import adapters  # noqa: F401  (yafsdp.adapters.save_adapter, YaFSDP.save_adapter)
 
 __all__ = ["YaFSDP", "FusedAdamW", "WrapError"]
 __version__ = "0.1.0"

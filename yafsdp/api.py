@@ -187,6 +187,12 @@ class YaFSDP(nn.Module):
                 raise
             return getattr(inner, name)
 
+    def save_adapter(self, out_dir: str, adapter_name: str = "default") -> str | None:
+        """Collective: the PEFT adapter of a wrapped PEFT model, in PEFT's format (see yafsdp.adapters)."""
+        from .adapters import save_adapter
+
+        return save_adapter(self, out_dir, adapter_name)
+
     def compile_units(self, **compile_options) -> "YaFSDP":
         """Compile each unit's modules on their own, the torchtitan way: ``torch.compile`` of every
         member module's ``forward`` (the decoder layers, the embedding, the head), while the engine's

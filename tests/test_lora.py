@@ -1,0 +1,102 @@
+"""PEFT LoRA, unmodified: units found inside PEFT's wrapper, the base frozen (frozen groups), the
+adapters train exactly like the unsharded PEFT model, and the adapter saved by
+``YaFSDP.save_adapter`` loads with ``peft.PeftModel.from_pretrained`` and gives the same logits."""
+import copy
+
+import pytest
+import torch
+
+import yafsdp
+from dist_utils import run_ranks
+from models import batch, loss_of, tiny_llama
+from parity import rel_l2, rel_seq
+
+peft = pytest.importorskip("peft")
+
+STEPS = 3
+
+
+def _lora_model():
+    model = peft.get_peft_model(
+        tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
+                                      lora_dropout=0.0))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B starts at zero in PEFT; make the adapters matter from the first step
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model
+
+
+def _train(model, rank, world, sharded):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1,
+                            foreach=False)
+    losses, norms = [], []
+    for step in range(STEPS):
+        if sharded:
+            inputs = batch("llama", step, 0, rank)
+        else:
+            parts = [batch("llama", step, 0, r) for r in range(world)]
+            inputs = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        loss = loss_of(model, "llama", inputs)
+        loss.backward()
+        if sharded:
+            t = torch.tensor(loss.item())
+            torch.distributed.all_reduce(t)
+            losses.append(t.item() / world)
+            norms.append(model.clip_grad_norm_(1.0).item())
+        else:
+            losses.append(loss.item())
+            norms.append(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                                        1.0).item())
+        opt.step()
+        opt.zero_grad()
+    return losses, norms
+
+
+def _sharded(rank, world, out_dir):
+    model = _lora_model()
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    wrapped = yafsdp.YaFSDP(model)
+    kinds = {(i.unit.rsplit(".", 1)[-1], i.kind) for i in wrapped.shard_info()}
+    losses, norms = _train(wrapped, rank, world, True)
+    sd = wrapped.full_state_dict()
+    path = wrapped.save_adapter(out_dir)
+    return dict(losses=losses, norms=norms, sd=sd, init=init, path=path, kinds=sorted(kinds),
+                trainable=sum(i.numel for i in wrapped.shard_info() if i.kind == "trainable"))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_lora_parity_and_adapter_round_trip(world, tmp_path):
+    out = str(tmp_path / "adapter")
+    r = run_ranks(_sharded, world, out)[0]
+    ref = _lora_model()
+    ref_losses, ref_norms = _train(ref, 0, world, False)
+    assert rel_seq(r["losses"], ref_losses) < 1e-5, (r["losses"], ref_losses)
+    assert rel_seq(r["norms"], ref_norms) < 1e-5, (r["norms"], ref_norms)
+    ref_sd = {k: v.detach() for k, v in ref.state_dict().items()}
+    assert rel_l2(r["sd"], ref_sd) < 1e-4
+    base = [k for k in r["init"] if "lora_" not in k]
+    assert base and all(torch.equal(r["sd"][k], r["init"][k]) for k in base)  # the base never moves
+    assert ("lm_head", "frozen") in r["kinds"] and ("0", "trainable") in r["kinds"]
+    assert r["trainable"] == sum(p.numel() for p in ref.parameters() if p.requires_grad)
+    # PEFT's own loader takes the adapter; its logits are the trained model's.
+    assert r["path"] == out
+    loaded = peft.PeftModel.from_pretrained(tiny_llama(), out)
+    x = batch("llama", 7, 0, 0)
+    with torch.no_grad():
+        assert (loaded(**x).logits - ref(**x).logits).abs().max().item() < 1e-5
+
+
+def _not_peft(rank, world, out_dir):
+    model = yafsdp.YaFSDP(tiny_llama())
+    try:
+        model.save_adapter(out_dir)
+    except yafsdp.adapters.AdapterError as e:
+        return str(e)
+    return None
+
+
+def test_save_adapter_refuses_a_model_without_adapters(tmp_path):
+    for msg in run_ranks(_not_peft, 2, str(tmp_path / "x")):
+        assert msg and "has no PEFT adapter 'default'" in msg and "peft.get_peft_model" in msg
