@@ -62,7 +62,8 @@ def _sharded(rank, world, out_dir):
     losses, norms = _train(wrapped, rank, world, True)
     sd = wrapped.full_state_dict()
     path = wrapped.save_adapter(out_dir)
-    return dict(losses=losses, norms=norms, sd=sd, init=init, path=path, kinds=sorted(kinds),
+    merged = yafsdp.adapters.export_merged(wrapped, out_dir + "-merged")
+    return dict(merged=merged, losses=losses, norms=norms, sd=sd, init=init, path=path, kinds=sorted(kinds),
                 trainable=sum(i.numel for i in wrapped.shard_info() if i.kind == "trainable"))
 
 
@@ -85,7 +86,15 @@ def test_lora_parity_and_adapter_round_trip(world, tmp_path):
     loaded = peft.PeftModel.from_pretrained(tiny_llama(), out)
     x = batch("llama", 7, 0, 0)
     with torch.no_grad():
-        assert (loaded(**x).logits - ref(**x).logits).abs().max().item() < 1e-5
+        want = ref(**x).logits
+        assert (loaded(**x).logits - want).abs().max().item() < 1e-5
+        # The merged export is a plain HF checkpoint of the base class with the same function.
+        from transformers import LlamaForCausalLM
+
+        assert r["merged"] == out + "-merged"
+        plain = LlamaForCausalLM.from_pretrained(r["merged"])
+        assert (plain(**x).logits - want).abs().max().item() < 1e-4
+        assert not any("lora" in k for k in plain.state_dict())
 
 
 def _not_peft(rank, world, out_dir):

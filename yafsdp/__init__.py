@@ -2,7 +2,7 @@
 from .api import YaFSDP
 from .optim import FusedAdamW
 from .units import WrapError
-from . import adapters  # noqa: F401  (yafsdp.adapters.save_adapter, YaFSDP.save_adapter)
+from . import adapters  # yafsdp.adapters.save_adapter / export_merged (PEFT)
 
-__all__ = ["YaFSDP", "FusedAdamW", "WrapError"]
+__all__ = ["YaFSDP", "FusedAdamW", "WrapError", "adapters"]
 __version__ = "0.1.0"

@@ -5,6 +5,8 @@
     ...                                     # train the adapters
     yafsdp.adapters.save_adapter(model, "runs/adapter")     # collective
     # later, anywhere: peft.PeftModel.from_pretrained(base, "runs/adapter")
+    yafsdp.adapters.export_merged(model, "runs/merged")     # collective: W + scaling * B @ A
+    # later: LlamaForCausalLM.from_pretrained("runs/merged")
 
 The adapter is taken from the full state dict (gathered one unit at a time, on rank 0) with PEFT's
 own ``get_peft_model_state_dict``, and written as ``adapter_model.safetensors`` +
@@ -16,9 +18,11 @@ from __future__ import annotations
 import os
 import shutil
 
+import torch
+
 from .dist import raise_together
 
-__all__ = ["save_adapter", "AdapterError"]
+__all__ = ["save_adapter", "export_merged", "AdapterError"]
 
 WEIGHTS = "adapter_model.safetensors"
 
@@ -73,3 +77,70 @@ def save_adapter(model, out_dir: str, adapter_name: str = "default") -> str | No
             raise
         raise AdapterError(f"yafsdp.adapters.save_adapter: writing {out_dir!r} failed: {e}") from None
     return out_dir
+
+
+def _lora_modules(inner, adapter_name: str) -> tuple[dict, str | None]:
+    """The LoRA Linear modules of ``adapter_name`` by name, or a reason the merge cannot be made."""
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:  # pragma: no cover - peft is a dependency of the tests
+        return {}, "peft is not installed"
+    found, problem = {}, None
+    for name, m in inner.named_modules():
+        if not hasattr(m, "lora_A") or adapter_name not in getattr(m, "lora_A", {}):
+            if hasattr(m, "lora_embedding_A") and adapter_name in getattr(m, "lora_embedding_A", {}):
+                problem = problem or f"module {name!r} is a LoRA embedding: only LoRA on Linear layers can be merged"
+            continue
+        if not isinstance(m, LoraLinear):
+            problem = problem or f"module {name!r} is a {type(m).__name__}: only LoRA on Linear layers can be merged"
+        elif getattr(m, "use_dora", {}).get(adapter_name, False):
+            problem = problem or f"module {name!r} uses DoRA, which this merge does not implement"
+        else:
+            found[name] = m
+    if not found and problem is None:
+        problem = f"adapter {adapter_name!r} has no LoRA layers"
+    return found, problem
+
+
+def export_merged(model, out_dir: str, adapter_name: str = "default", *, dtype: torch.dtype = torch.float32,
+                  tokenizer=None) -> str | None:
+    """Collective. The base model with LoRA adapter ``adapter_name`` merged into it (``W + scaling *
+    B @ A``, in fp32, then ``dtype``), written as a plain HF checkpoint of the base model's class on
+    rank 0 (``from_pretrained`` loads it; no PEFT needed). Returns ``out_dir`` on rank 0."""
+    inner = model.module
+    config = getattr(inner, "peft_config", None)
+    problem = None
+    if not isinstance(config, dict) or adapter_name not in config:
+        problem = (f"yafsdp.adapters.export_merged: the wrapped module ({type(inner).__name__}) has no PEFT adapter "
+                   f"{adapter_name!r}")
+    else:
+        lora, why = _lora_modules(inner, adapter_name)
+        if why:
+            problem = f"yafsdp.adapters.export_merged: {why}"
+        elif any(".modules_to_save." in k for k, _ in inner.named_modules()):
+            problem = "yafsdp.adapters.export_merged: modules_to_save are not supported; save the adapter instead"
+    raise_together(problem, model.process_group, AdapterError)
+    sd = model.full_state_dict()
+    if model.rank != 0:
+        return None
+    from .hf import write_hf
+
+    merged = {}
+    for name, m in lora.items():
+        a = sd[f"{name}.lora_A.{adapter_name}.weight"].float()
+        b = sd[f"{name}.lora_B.{adapter_name}.weight"].float()
+        w = sd[f"{name}.base_layer.weight"]
+        delta = b @ a
+        if getattr(m, "fan_in_fan_out", False):
+            delta = delta.T
+        merged[f"{name}.base_layer.weight"] = (w.float() + delta * m.scaling[adapter_name]).to(w.dtype)
+    base = inner.get_base_model()
+    prefix = next((n + "." for n, mod in inner.named_modules() if mod is base), "")
+    out = {}
+    for k, v in sd.items():
+        if ".lora_" in k:
+            continue
+        v = merged.get(k, v)
+        k = k[len(prefix):] if k.startswith(prefix) else k
+        out[k.replace(".base_layer.", ".")] = v
+    return write_hf(out, base, out_dir, dtype=dtype, tokenizer=tokenizer)

@@ -94,12 +94,17 @@ def export_hf(model, out_dir: str, *, dtype: torch.dtype = torch.float32, tokeni
     """Collective. Write ``config.json`` + ``model.safetensors`` (+ the tokenizer, if given) of a
     wrapped HF model into ``out_dir`` on rank 0, via a temporary folder renamed at the end.
     Tied weights are written once, as ``save_pretrained`` does. Returns ``out_dir`` on rank 0."""
-    from safetensors.torch import save_file
-
     sd = model.full_state_dict()  # rank 0: the whole model on the CPU; others: {}
     if model.rank != 0:
         return None
-    inner = model.module
+    return write_hf(sd, model.module, out_dir, dtype=dtype, tokenizer=tokenizer)
+
+
+def write_hf(sd: dict, inner, out_dir: str, *, dtype: torch.dtype = torch.float32, tokenizer=None) -> str:
+    """Write state dict ``sd`` of HF model ``inner`` (its config and class name are used) as an HF
+    checkpoint into ``out_dir``, via a temporary folder renamed at the end. Not collective."""
+    from safetensors.torch import save_file
+
     config = inner.config
     tied = set()
     if getattr(config, "tie_word_embeddings", False) and hasattr(inner, "_tied_weights_keys"):
