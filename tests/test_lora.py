@@ -67,7 +67,7 @@ def _sharded(rank, world, out_dir):
                 trainable=sum(i.numel for i in wrapped.shard_info() if i.kind == "trainable"))
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_lora_parity_and_adapter_round_trip(world, tmp_path):
     out = str(tmp_path / "adapter")
     r = run_ranks(_sharded, world, out)[0]
