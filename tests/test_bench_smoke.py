@@ -133,3 +133,8 @@ def test_benchmarks_gpu(tmp_path):
          "--png", str(tmp_path / "o.png"), "--trace-dir", str(tmp_path / "t"))
     r = json.loads(j.read_text())
     assert r["engine_view"]["yafsdp-z3"][-1]["intervals"]
+
+
+def test_host_overhead():
+    text = _run("host_overhead.py", "--layers", "2", "--steps", "2", "--rounds", "1")
+    assert "ms/step (best of 1 rounds of 2; 5 flat units)" in text and os.path.join(ROOT, "yafsdp") in text
