@@ -1,7 +1,6 @@
 """PEFT LoRA, unmodified: units found inside PEFT's wrapper, the base frozen (frozen groups), the
 adapters train exactly like the unsharded PEFT model, and the adapter saved by
 ``YaFSDP.save_adapter`` loads with ``peft.PeftModel.from_pretrained`` and gives the same logits."""
-import copy
 
 import pytest
 import torch

@@ -1,0 +1,93 @@
+"""Allocation of a runtime's tensors: every unit's shards (one master, one grad, one compute-copy and
+one frozen tensor for all units), the public shard registrations, and the weight and grad buffers
+the plan sizes. Called once, by ``Runtime.__init__``; ``self`` is that runtime."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from . import shards
+from .buffers import GradBuffer, WeightBuffer
+from .flat import alias
+from .plan.sizing import plan_buffers
+from .unit import FlatGroup
+
+__all__ = ["allocate"]
+
+
+def allocate(self, outsized_ratio: float) -> None:
+    """Local shards (one tensor each for all units), then the weight and grad buffers."""
+    dev = self.device
+    trainable = [g for u in self.all for g in u.groups if g.kind.reduced]
+    total = sum(g.layout.shard_numel for g in trainable)
+    # 1-D fp32: every unit's master shard end to end (one cast pass covers all of them).
+    self.master = torch.zeros(total, dtype=torch.float32, device=dev)
+    # 1-D fp32: every unit's grad shard; each shard's .grad aliases its slice.
+    self.grad = torch.zeros(total, dtype=torch.float32, device=dev)
+    # 1-D param_dtype: the compute copies (all-gather inputs); the master itself in fp32.
+    self.compute = (
+        self.master if self.compute_dtype == torch.float32
+        else torch.zeros(total, dtype=self.compute_dtype, device=dev)
+    )
+    # 1-D param_dtype: every frozen group's shard end to end, stored only in param_dtype (it is
+    # its own all-gather input; no master, no grad, no optimizer state).
+    frozen_total = sum(g.layout.shard_numel for u in self.all for g in u.groups if not g.kind.reduced)
+    self.frozen_store = torch.zeros(frozen_total, dtype=self.compute_dtype, device=dev)
+    self.flat = nn.Module()  # holds the flat master shards as registered parameters
+    off = foff = 0
+    for u in self.all:
+        u.anchor = torch.empty(0, device=dev, requires_grad=True)
+        attr = u.name.replace(".", "_")
+        for g in u.groups:
+            n = g.layout.shard_numel
+            if g.kind.reduced:
+                g.shard = nn.Parameter(alias(self.master, off, (n,)))
+                g.grad_shard = alias(self.grad, off, (n,))
+                g.compute = self.compute[off:off + n]
+                self.flat.register_parameter(attr, g.shard)
+                if self.compute is not self.master:
+                    shards.set_copy_out(g.shard, g.compute, _copy_written_cb(self, g))
+                name, off = f"flat.{attr}", off + n
+            else:
+                g.shard = g.compute = alias(self.frozen_store, foff, (n,))
+                name, foff = f"frozen.{attr}", foff + n
+            shards.register(shards.ShardInfo(
+                name=name, unit=u.name, kind=g.kind.name, param_names=[p.fqn for p in g.params],
+                param_shapes=[tuple(p.shape) for p in g.params], param_offsets=[p.offset for p in g.params],
+                numel=g.layout.numel, padded_numel=g.layout.padded_numel, shard_start=g.layout.shard_start,
+                shard_numel=n, param=g.shard,
+            ))
+
+    # Buffer sizes come from the plan, so yafsdp.plan can report them without allocating.
+    # See [Note: one plan, one allocator] in yafsdp/plan/__init__.py.
+    self.buffer_plan = plan = plan_buffers(
+        [u.name for u in self.units], [u.shape for u in self.units],
+        self.small.shape if self.small is not None else None,
+        compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
+        zero_stage=self.zero_stage, outsized_ratio=outsized_ratio,
+    )
+    self.grad_buffers: list[GradBuffer] = [
+        GradBuffer(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule) for s in plan.grad
+    ]
+    self.weight_buffers: list[WeightBuffer] = [
+        WeightBuffer(s.name, s.capacity, s.dtype, dev, self.schedule) for s in plan.weight
+    ]
+    for u, w, g in zip(self.all, plan.weight_of, plan.grad_of):
+        u.buffer, u.grad_buffer = self.weight_buffers[w], (self.grad_buffers[g] if g >= 0 else None)
+    for u, big in zip(self.units, plan.outsized):
+        u.outsized = big
+    for u in self.all:
+        u.aliases = [alias(u.buffer.data, u.group_of[id(p)].buffer_offset + p.offset, p.shape) for p in u.params]
+
+def _copy_written_cb(self, group: FlatGroup):
+    me = weakref.ref(self)
+
+    def copy_written():  # the optimizer wrote the compute copy, on the compute side
+        group.mark_cast()
+        rt = me()
+        if rt is not None:
+            rt.copies_changed = True
+
+    return copy_written
