@@ -270,6 +270,108 @@ def split(tokens: np.ndarray, val_fraction: float, seq_len: int) -> tuple[np.nda
     return tokens[:-n_val], tokens[-n_val:]
 
 
+
+# ------------------------------------------------------------------------------- instruction data
+# [Note: instruction template]
+# An instruction example {"prompt": P, "response": R} becomes the token sequence
+#     encode(PROMPT_TEMPLATE.format(prompt=P)) + encode(R) + [eos]
+# i.e. "### Instruction:\n" P "\n\n### Response:\n" R <eos>. The labels are -100 (ignored) on the
+# template and prompt tokens and on padding; the response and its <eos> are the only targets, so
+# the loss is the response's. Sequences are cut to seq_len + 1 tokens and padded after the end
+# with the tokenizer's pad id (its eos id if it has none); padding comes last, so causal attention
+# needs no mask.
+PROMPT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
+IGNORE = -100  # F.cross_entropy's default ignore_index
+EMBEDDED_INSTRUCTIONS = os.path.join(EMBEDDED_DIR, "instructions.jsonl")
+
+
+def is_instruction_jsonl(path: str | None) -> bool:
+    """A ``.jsonl`` whose first record has string ``prompt`` and ``response`` fields."""
+    if path is None or not path.endswith(".jsonl") or not os.path.isfile(path):
+        return False
+    for line in _read_text(path).splitlines():
+        if line.strip():
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                return False
+            return isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str)
+    return False
+
+
+def read_instructions(path: str) -> list[tuple[str, str]]:
+    """(prompt, response) pairs of an instruction JSONL; DataError naming the file and line."""
+    pairs = []
+    for n, line in enumerate(_read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise DataError(f"--data {path!r}: line {n} is not JSON ({e})") from None
+        if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str) for k in ("prompt", "response")):
+            raise DataError(f"--data {path!r}: line {n} needs string fields 'prompt' and 'response' "
+                            "(an instruction file holds one {\"prompt\": ..., \"response\": ...} per line)")
+        pairs.append((obj["prompt"], obj["response"]))
+    if not pairs:
+        raise DataError(f"--data {path!r}: no examples")
+    return pairs
+
+
+def encode_instruction(prompt: str, response: str, tokenizer, seq_len: int) -> np.ndarray:
+    """One example as a (2, seq_len + 1) int64 array: row 0 the input ids, row 1 the labels
+    (IGNORE except on the response and its eos). See [Note: instruction template]."""
+    head = tokenizer.encode(PROMPT_TEMPLATE.format(prompt=prompt)).astype(np.int64)
+    tail = tokenizer.encode(response).astype(np.int64)
+    if tokenizer.eos_id is not None:
+        tail = np.concatenate([tail, [tokenizer.eos_id]])
+    ids = np.concatenate([head, tail])[: seq_len + 1]
+    labels = np.concatenate([np.full(len(head), IGNORE), tail])[: seq_len + 1]
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
+    out = np.empty((2, seq_len + 1), dtype=np.int64)
+    out[0], out[1] = pad, IGNORE
+    out[0, : len(ids)], out[1, : len(labels)] = ids, labels
+    return out
+
+
+def encode_instructions(pairs, tokenizer, seq_len: int, source: str) -> tuple[np.ndarray, int]:
+    """All examples, (N, 2, seq_len + 1), and how many had their response cut by ``seq_len``.
+    DataError if an example keeps no response token (its prompt fills the sequence)."""
+    arr = np.stack([encode_instruction(p, r, tokenizer, seq_len) for p, r in pairs])
+    targets = (arr[:, 1, 1:] != IGNORE).sum(1)  # the loss's targets: labels from position 1 on
+    empty = np.flatnonzero(targets == 0)
+    if len(empty):
+        n = int(empty[0])
+        need = len(tokenizer.encode(PROMPT_TEMPLATE.format(prompt=pairs[n][0]))) + 1
+        raise DataError(f"{source}: example {n + 1} leaves no response token within --seq-len {seq_len} (its "
+                        f"templated prompt is {need - 1} tokens); raise --seq-len to at least {need} or shorten it")
+    full = np.array([len(tokenizer.encode(PROMPT_TEMPLATE.format(prompt=p) + r)) + 1 for p, r in pairs])
+    return arr, int((full > seq_len + 1).sum())
+
+
+class ExampleBatches(Batches):
+    """Whole examples (N, 2, seq_len + 1) in the same seeded, epoch-wise order and cursor scheme as
+    the windows of ``Batches`` (see [Note: batch order]): an example plays the part of a window."""
+
+    def __init__(self, examples: np.ndarray, seed: int):
+        self.examples = examples
+        self.seq_len = examples.shape[-1] - 1
+        self.seed = seed
+        self.windows = len(examples)
+        self._epoch = -1
+        self._perm = None
+
+    def sample(self, g: int) -> np.ndarray:
+        epoch, i = divmod(g, self.windows)
+        return self.examples[int(self._order(epoch)[i])]
+
+    def in_order(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Examples ``first .. first + count - 1`` in file order, and a weight per row: rows past
+        the end repeat example 0 with weight 0 (so every rank runs the same number of forwards)."""
+        idx = [first + k for k in range(count)]
+        rows = np.stack([self.examples[i if i < self.windows else 0] for i in idx])
+        return torch.from_numpy(rows), torch.tensor([float(i < self.windows) for i in idx])
+
 if __name__ == "__main__":  # pre-tokenize: python examples/pretrain/data.py IN OUT.bin [--tokenizer DIR]
     import argparse
 

@@ -1,0 +1,295 @@
+"""Fine-tune a Llama with LoRA adapters (PEFT) under yafsdp: the base frozen, only the adapters train.
+
+On a fresh CPU machine, with nothing downloaded (a few minutes on 2 cores): the job first pretrains
+a small base on the embedded corpus with the pretraining job's code (into --out/base, reused by
+later runs), then adapts it to the embedded instruction set (examples/data/instructions.jsonl) and
+prints the held-out response loss before and after:
+
+    torchrun --nproc-per-node 2 examples/finetune_lora.py
+
+From a base of your own (a local HF Llama checkpoint, e.g. the pretraining job's --export-hf output),
+on your instruction data, with a merged export at the end:
+
+    torchrun --nproc-per-node 2 examples/finetune_lora.py --init-from-hf runs/default/hf \\
+        --data my_instructions.jsonl --lora-r 16 --lora-alpha 32 --out runs/lora --merge-export runs/lora/merged
+
+On one GPU node (bf16 compute, fp32 adapters and optimizer state):
+
+    torchrun --nproc-per-node 8 examples/finetune_lora.py --init-from-hf /models/llama --tokenizer /models/llama \\
+        --data instructions.jsonl --bf16 --seq-len 1024 --out runs/lora
+
+Continue a run (newest complete checkpoint in --out): add --resume. Also runs as plain ``python``.
+--data takes what the pretraining job takes (plain text: the loss on every token) or an instruction
+JSONL, one {"prompt": ..., "response": ...} per line (the loss on the response only; the template is
+in docs/finetune.md). --out gets the pretraining job's files (metrics.jsonl, events.jsonl, loss.png,
+run.json, checkpoints/) plus adapter/ (PEFT's format) and probe.pt. See docs/finetune.md.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pretrain import data as D  # examples/pretrain, beside this script (its directory is on sys.path)
+from pretrain import job as J
+from pretrain import progress as P
+from pretrain.ops import JobError
+
+DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj"
+# The fine-tuning defaults that differ from the pretraining job's (preset-dependent ones included:
+# here they do not depend on --preset, which only shapes the base the job makes when it has none).
+DEFAULTS = dict(steps=200, decay_steps=200, lr=3e-3, warmup=10, seq_len=96, batch_size=8, weight_decay=0.0,
+                val_fraction=0.1, save_every=100, out="runs/finetune", sample_tokens=24,
+                prompt=D.PROMPT_TEMPLATE.format(prompt="Spell backwards: garden"))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = J.build_parser("finetune_lora.py", "Fine-tune a Llama with LoRA adapters under yafsdp (launch with "
+                       "torchrun; see the file's docstring).")
+    g = p.add_argument_group("LoRA")
+    g.add_argument("--lora-r", type=int, default=8, help="adapter rank")
+    g.add_argument("--lora-alpha", type=float, default=16.0, help="adapter scaling numerator (scale = alpha / r)")
+    g.add_argument("--lora-targets", default=DEFAULT_TARGETS,
+                   help="comma-separated names of the linear modules that get adapters")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    g.add_argument("--merge-export", default=None, metavar="DIR",
+                   help="also write the base with the adapters merged as a plain HF checkpoint")
+    g = p.add_argument_group("base (without --init-from-hf)")
+    g.add_argument("--base-steps", type=int, default=200,
+                   help="pretrain a base of --preset for this many steps on the embedded corpus with the "
+                   "pretraining job, into --out/base (reused when its export exists)")
+    p.set_defaults(**DEFAULTS)
+    args = J.check_args(p, p.parse_args(argv))
+    if args.export_hf or args.export_only:
+        p.error("--export-hf/--export-only are the pretraining job's; this job writes --out/adapter and, with "
+                "--merge-export DIR, the merged model")
+    if args.lora_r < 1:
+        p.error(f"--lora-r must be >= 1, got {args.lora_r}")
+    if not 0 <= args.lora_dropout < 1:
+        p.error(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    if args.base_steps < 1:
+        p.error(f"--base-steps must be >= 1, got {args.base_steps}")
+    args.targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    if not args.targets:
+        p.error(f"--lora-targets {args.lora_targets!r} names no module; give a comma list such as {DEFAULT_TARGETS}")
+    return args
+
+
+def response_loss(model, batch: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of the next token where the label is not ignored. ``batch`` is (B, 2, seq_len + 1):
+    input ids and labels (see [Note: instruction template] in examples/pretrain/data.py)."""
+    ids, labels = batch[:, 0], batch[:, 1]
+    logits = model(input_ids=ids[:, :-1], use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=D.IGNORE,
+                           reduction=reduction)
+
+
+class FinetuneJob(J.Job):
+    """The pretraining job with a PEFT LoRA model, instruction data and adapter outputs."""
+
+    name = "finetune_lora"
+    built = "read on every rank, adapters added by peft.get_peft_model"
+
+    @staticmethod
+    def parse_args(argv=None) -> argparse.Namespace:
+        return parse_args(argv)
+
+    # ------------------------------------------------------------------------------- set-up
+    def prepare(self):
+        a = self.args
+        self.base_made = None
+        m = a.merge_export
+        if m and os.path.isdir(m) and os.listdir(m) and self.env.restart_count == 0:
+            raise JobError(f"--merge-export {m!r} exists and is not empty; choose a new directory")
+        if not a.init_from_hf:
+            a.init_from_hf = self.make_base()
+        super().prepare()
+
+    def make_base(self) -> str:
+        """Collective: the base of a run without --init-from-hf, pretrained by the pretraining job
+        in this process (its own --out, --out/base); an existing export there is reused."""
+        a = self.args
+        base_out = os.path.join(a.out, "base")
+        hf = os.path.join(base_out, "hf")
+        if os.path.isfile(os.path.join(hf, "config.json")):
+            self.base_made = f"{hf} (made by an earlier run)"
+            return hf
+        argv = ["--preset", a.preset, "--steps", str(a.base_steps), "--decay-steps", str(a.base_steps),
+                "--out", base_out, "--export-hf", hf, "--save-every", "0", "--keep", "1", "--seed", str(a.seed),
+                "--device", a.device, "--sample-tokens", "0", "--no-progress"]
+        if a.tokenizer:
+            argv += ["--tokenizer", a.tokenizer]
+        if os.path.isdir(base_out):  # an earlier base run stopped before its export: start it afresh
+            argv.append("--overwrite")
+        self.say(f"base     no --init-from-hf: pretraining one (pretrain_llama.py {' '.join(argv)})")
+        job = J.Job(J.parse_args(argv), self.env)
+        try:
+            job.run()
+        finally:
+            if job.lock is not None:
+                job.lock.release()
+        steps = job.step
+        del job
+        gc.collect()
+        self.base_made = f"{hf} (pretrained here for {steps} steps on the embedded corpus)"
+        self.say("base     done; fine-tuning it")
+        return hf
+
+    def load_data(self):
+        a = self.args
+        path = a.data if a.data is not None else D.EMBEDDED_INSTRUCTIONS
+        self.instructions = D.is_instruction_jsonl(path)
+        if not self.instructions:  # plain text: the pretraining job's data, the loss on every token
+            return super().load_data()
+        pairs = D.read_instructions(path)
+        source = f"--data {path!r}" if a.data else f"the embedded instructions {path!r}"
+        examples, self.truncated = D.encode_instructions(pairs, self.tokenizer, a.seq_len, source)
+        if int(examples[:, 0].max()) >= self.shape["vocab_size"]:
+            raise JobError(f"{source} encodes to token id {int(examples[:, 0].max())}, but the model has "
+                           f"{self.shape['vocab_size']} embeddings (wrong --tokenizer?)")
+        n_val = int(len(examples) * a.val_fraction) if a.val_fraction > 0 else 0
+        if a.val_fraction > 0 and n_val == 0 and len(examples) > 1:
+            n_val = 1
+        if n_val >= len(examples):
+            raise JobError(f"{source} has {len(examples)} example(s): too few to hold out {a.val_fraction:g} of them "
+                           "and train on the rest; add examples or pass --val-fraction 0")
+        train = examples[: len(examples) - n_val]
+        self.corpus = D.Corpus(examples[:, 0].reshape(-1), source, len(examples))
+        self.batches = D.ExampleBatches(train, a.seed)
+        self.val = D.ExampleBatches(examples[len(examples) - n_val:], a.seed + 1) if n_val else None
+
+    def describe_data(self) -> str:
+        if not self.instructions:
+            return super().describe_data() + "; loss on every token"
+        n_val = self.val.windows if self.val else 0
+        cut = f", {self.truncated} cut at --seq-len" if self.truncated else ""
+        return (f"{self.corpus.source}: {self.corpus.documents} instruction examples; {self.batches.windows} train / "
+                f"{n_val} held out; sequences of {self.args.seq_len + 1} tokens{cut}; loss on response tokens only")
+
+    def loss(self, x):
+        return response_loss(self.model, x) if self.instructions else super().loss(x)
+
+    def make_model(self):
+        """The base read on every rank (LlamaForCausalLM.from_pretrained), with PEFT LoRA adapters.
+        The adapters' A is seeded (--seed; the same on every rank), B starts at zero (PEFT)."""
+        import peft
+        from transformers import LlamaForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        a = self.args
+        hf_logging.disable_progress_bar()
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        base = LlamaForCausalLM.from_pretrained(a.init_from_hf, dtype=torch.float32, attn_implementation=a.attn)
+        names = sorted({n.rsplit(".", 1)[-1] for n, mod in base.named_modules() if isinstance(mod, torch.nn.Linear)})
+        missing = [t for t in a.targets if t not in names]
+        if missing:
+            raise JobError(f"--lora-targets {a.lora_targets!r}: {', '.join(repr(t) for t in missing)} matches no "
+                           f"linear module of the model; its linear modules are {', '.join(names)}")
+        torch.manual_seed(a.seed)
+        cfg = peft.LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout,
+                              target_modules=a.targets, task_type="CAUSAL_LM")
+        model = peft.get_peft_model(base, cfg)
+        self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        return model
+
+    def init_weights(self):
+        J.set_rng_state(None, self.args.seed, self.rank, 0, self.device)
+        a = self.args
+        made = self.base_made or a.init_from_hf
+        self.init_desc = (f"base {made} (every rank read it; frozen); LoRA r {a.lora_r}, alpha "
+                          f"{a.lora_alpha:g} on {','.join(a.targets)}: {P.fmt_count(self.n_trainable)} trainable params "
+                          f"(A seeded by --seed {a.seed}, B zero)")
+
+    # -------------------------------------------------------------------------------- the run
+    @torch.no_grad()
+    def heldout_loss(self) -> float | None:
+        """Collective: the mean loss over every held-out response token (each rank takes every
+        world-th example), or None without held-out data. Plain-text data: the pretraining job's
+        validation loss."""
+        if self.val is None:
+            return None
+        if not self.instructions:
+            return self.evaluate()
+        a, per = self.args, self.args.batch_size * self.world
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for first in range(0, self.val.windows, per):
+            rows, weight = self.val.in_order(first + self.rank * a.batch_size, a.batch_size)
+            rows = rows.to(self.device)
+            rows[:, 1][weight.to(self.device) == 0] = D.IGNORE  # padding rows add nothing
+            total[0] += response_loss(self.model, rows, reduction="sum").double()
+            total[1] += (rows[:, 1, 1:] != D.IGNORE).sum()
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    def train(self):
+        """The pretraining job's loop, with the held-out loss measured before the first step of the
+        run (recorded in events.jsonl, so a resumed run reports the same starting point)."""
+        self.heldout_before = None
+        if not self.args.export_only:
+            if self.plan["resume_path"]:
+                if self.main:
+                    found = [e["loss"] for e in P.read_jsonl(os.path.join(self.args.out, "events.jsonl"))
+                             if e.get("event") == "heldout_before"]
+                    self.heldout_before = found[-1] if found else None
+            else:
+                self.heldout_before = self.heldout_loss()
+                if self.main:
+                    self.events.write(dict(event="heldout_before", step=self.step, loss=self.heldout_before))
+        super().train()
+
+    def finish(self):
+        self.heldout_after = self.heldout_loss() if not self.stopped_by else None
+        super().finish()
+
+    def write_exports(self):
+        """Collective: the adapter (--out/adapter, PEFT's format), the merged model (--merge-export),
+        and probe.pt: a fixed input and this model's logits for it (what the tests compare with)."""
+        from yafsdp.adapters import export_merged
+
+        a = self.args
+        adapter = os.path.join(a.out, "adapter")
+        part = adapter + ".part"  # written whole, then renamed over the previous run's adapter
+        if self.main and os.path.isdir(part):
+            shutil.rmtree(part)
+        dist.barrier()
+        self.model.save_adapter(part)
+        if self.main:
+            if os.path.isdir(adapter):
+                shutil.rmtree(adapter)
+            os.replace(part, adapter)
+        merged = None
+        if a.merge_export:
+            merged = export_merged(self.model, a.merge_export)
+        probe = self.val.examples[:1, 0] if (self.instructions and self.val is not None) else None
+        if probe is None:
+            probe = torch.arange(min(32, a.seq_len)).view(1, -1) % self.shape["vocab_size"]
+        probe = torch.as_tensor(probe, dtype=torch.long)
+        with torch.no_grad():
+            logits = self.model(input_ids=probe.to(self.device), use_cache=False).logits.float().cpu()
+        if self.main:
+            torch.save(dict(input_ids=probe, logits=logits, base=a.init_from_hf), os.path.join(a.out, "probe.pt"))
+        return adapter, merged
+
+    def summary(self, sample, exported):
+        super().summary(sample, None)
+        if self.heldout_after is not None and self.heldout_before is not None:
+            what = "response-token" if self.instructions else "validation"
+            self.say(f"held-out {what} loss {self.heldout_before:.4f} (before fine-tuning) -> "
+                     f"{self.heldout_after:.4f} (step {self.step})")
+        if exported:
+            adapter, merged = exported
+            self.say(f"adapter  {adapter} (PEFT: PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained("
+                     f"{self.args.init_from_hf!r}), {adapter!r}))")
+            if merged:
+                self.say(f"merged   {merged}: config.json + model.safetensors (the base with the adapters merged)")
+
+
+if __name__ == "__main__":
+    sys.exit(J.main(job_cls=FinetuneJob))
