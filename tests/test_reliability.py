@@ -281,3 +281,25 @@ def test_parameters_no_rank_uses_and_container_blocks():
         assert not torch.equal(after[f"blocks.{i}.used.weight"], before[f"blocks.{i}.used.weight"])
     assert dict_diff < 1e-6, dict_diff
     assert refused and "ModuleDict, whose forward is never called" in refused and "'blocks.0.a'" in refused
+
+
+# ---------------------------------------------------------------------------------- lifetime
+def _dropped(rank, world):
+    import gc
+    import weakref
+
+    model = yafsdp.YaFSDP(tiny_llama(), param_dtype=torch.bfloat16)
+    opt = yafsdp.FusedAdamW(model.parameters(), lr=1e-3)  # registers copy-outs
+    loss_of(model, "llama", batch("llama", 0, 0, rank)).backward()
+    opt.step()
+    loss_of(model, "llama", batch("llama", 1, 0, rank))  # a forward whose graph is never run
+    refs = [weakref.ref(model.weight_buffers[0]), weakref.ref(next(iter(model.parameters())))]
+    del model, opt
+    gc.collect()
+    return [r() is None for r in refs]
+
+
+def test_a_dropped_model_is_freed():
+    """Nothing global (the shard registry, the optimizer copy-outs) and no autograd node left in the
+    modules keeps a dropped model's shards and buffers alive."""
+    assert run_ranks(_dropped, 1)[0] == [True, True]

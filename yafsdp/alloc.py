@@ -57,7 +57,7 @@ def allocate(self, outsized_ratio: float) -> None:
                 name=name, unit=u.name, kind=g.kind.name, param_names=[p.fqn for p in g.params],
                 param_shapes=[tuple(p.shape) for p in g.params], param_offsets=[p.offset for p in g.params],
                 numel=g.layout.numel, padded_numel=g.layout.padded_numel, shard_start=g.layout.shard_start,
-                shard_numel=n, param=g.shard,
+                shard_numel=n, param_ref=weakref.ref(g.shard),
             ))
 
     # Buffer sizes come from the plan, so yafsdp.plan can report them without allocating.
@@ -82,11 +82,12 @@ def allocate(self, outsized_ratio: float) -> None:
         u.aliases = [alias(u.buffer.data, u.group_of[id(p)].buffer_offset + p.offset, p.shape) for p in u.params]
 
 def _copy_written_cb(self, group: FlatGroup):
-    me = weakref.ref(self)
+    me, g = weakref.ref(self), weakref.ref(group)  # the registry must not keep the engine alive
 
     def copy_written():  # the optimizer wrote the compute copy, on the compute side
-        group.mark_cast()
-        rt = me()
+        rt, grp = me(), g()
+        if grp is not None:
+            grp.mark_cast()
         if rt is not None:
             rt.copies_changed = True
 

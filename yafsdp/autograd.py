@@ -26,6 +26,7 @@ independent of that order, and it is what releases a unit that is all frozen, wh
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,23 @@ from .units import Member
 __all__ = ["in_backward", "install_hooks", "gate_small_group"]
 
 
+# [Note: weak references from autograd nodes]
+# A module keeps the tensors the gate handed it (its weights) after a step, and they keep their
+# grad_fn: the gate node and its context live as long as the module does. A strong reference from a
+# node's context to the runtime closes a cycle through C++ (module -> tensor -> grad_fn -> context ->
+# runtime -> units -> module) that Python's collector cannot see, so a dropped model would never be
+# freed: shards, buffers and all. The nodes hold the runtime and units weakly; a backward through
+# the graph of an engine already gone does nothing.
+
+
+def _refs(rt: Runtime, unit: Unit):
+    return weakref.ref(rt), weakref.ref(unit)
+
+
+def _deref(ctx):
+    return ctx.rt_ref(), ctx.unit_ref()
+
+
 def _queue_finalize(rt: Runtime) -> None:
     if rt.enter_backward():
         torch.autograd.Variable._execution_engine.queue_callback(rt.finalize_backward)
@@ -49,13 +67,15 @@ class _Gate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rt, unit, pidx, use, anchor, *aliases):
-        ctx.rt, ctx.unit, ctx.pidx, ctx.use = rt, unit, pidx, use
+        (ctx.rt_ref, ctx.unit_ref), ctx.pidx, ctx.use = _refs(rt, unit), pidx, use
         ctx.set_materialize_grads(False)
         return tuple(a.view_as(a) for a in aliases)
 
     @staticmethod
     def backward(ctx, *grads):
-        rt, unit = ctx.rt, ctx.unit
+        rt, unit = _deref(ctx)  # See [Note: weak references from autograd nodes]
+        if rt is None or unit is None:
+            return (None, None, None, None, None) + (None,) * len(grads)
         _queue_finalize(rt)
         if rt.schedule.recorder is not None and unit.bw_interval is not None:
             rt.schedule.recorder.compute_end(unit.bw_interval)
@@ -70,13 +90,15 @@ class _InputsDone(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rt, unit, use, *tensors):
-        ctx.rt, ctx.unit, ctx.use = rt, unit, use
+        (ctx.rt_ref, ctx.unit_ref), ctx.use = _refs(rt, unit), use
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        _queue_finalize(ctx.rt)
-        ctx.rt.use_done(ctx.unit, ctx.use)
+        rt, unit = _deref(ctx)
+        if rt is not None and unit is not None:
+            _queue_finalize(rt)
+            rt.use_done(unit, ctx.use)
         return (None, None, None) + grads
 
 
@@ -85,14 +107,17 @@ class _PreBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rt, unit, prev, *tensors):
-        ctx.rt, ctx.unit, ctx.prev = rt, unit, prev
+        (ctx.rt_ref, ctx.unit_ref) = _refs(rt, unit)
+        ctx.prev_ref = weakref.ref(prev) if prev is not None else None
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        rt, unit = ctx.rt, ctx.unit
+        rt, unit = _deref(ctx)
+        if rt is None or unit is None:
+            return (None, None, None) + grads
         _queue_finalize(rt)
-        rt.pre_backward(unit, ctx.prev)
+        rt.pre_backward(unit, ctx.prev_ref() if ctx.prev_ref is not None else None)
         if rt.schedule.recorder is not None:  # after the wait: waiting for the gather is not compute
             unit.bw_interval = rt.schedule.recorder.compute_start("backward", unit.name)
         return (None, None, None) + grads

@@ -36,7 +36,15 @@ class ShardInfo:
     padded_numel: int  # elements of the padded flat layout (a multiple of the world size)
     shard_start: int  # this rank's slice: [shard_start, shard_start + shard_numel)
     shard_numel: int
-    param: torch.Tensor = field(repr=False)  # the shard itself (trainable: the 1-D fp32 nn.Parameter)
+    param_ref: weakref.ref = field(repr=False)  # the shard itself, weakly (the registry keeps nothing alive)
+
+    @property
+    def param(self) -> torch.Tensor:
+        """The shard (trainable: the 1-D fp32 nn.Parameter; frozen: the param_dtype storage)."""
+        p = self.param_ref()
+        if p is None:
+            raise RuntimeError(f"yafsdp: the shard of unit {self.unit!r} no longer exists (its model was freed)")
+        return p
 
     @property
     def key(self) -> str:
@@ -68,7 +76,7 @@ def _get(table: dict, p: torch.Tensor):
 
 
 def register(info: ShardInfo) -> None:
-    _put(_INFO, info.param, info)
+    _put(_INFO, info.param_ref(), info)
 
 
 def info_of(p: torch.Tensor) -> ShardInfo | None:
