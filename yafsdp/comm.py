@@ -306,52 +306,32 @@ def _wait(work, what: str, unit: str) -> None:
         ) from e
 
 
-class CheckedSchedule(Schedule):
-    """Debug mode: ``inner`` with every gather and reduce checked across ranks first."""
+class CheckedSchedule:
+    """Debug mode: ``inner`` with every gather and reduce checked across ranks first; everything
+    else (ordering methods, the comm stream, the recorder) is the inner schedule's."""
 
     def __init__(self, inner: Schedule, group):
         self.inner = inner
         self.group = group
 
     @property
-    def recorder(self):
+    def recorder(self):  # a property, so that setting it reaches the inner schedule
         return self.inner.recorder
 
     @recorder.setter
     def recorder(self, rec):
         self.inner.recorder = rec
 
-    def __getattr__(self, name):  # comm stream, copies_ready, ... of the inner schedule
+    def __getattr__(self, name):
         return getattr(self.__dict__["inner"], name)
-
-    def weight_sync(self):
-        return self.inner.weight_sync()
-
-    def grad_sync(self):
-        return self.inner.grad_sync()
-
-    def copies_written(self):
-        self.inner.copies_written()
 
     def gather(self, sync, out, shard, unit):
         check_collective(f"gather of unit {unit!r}", self.group)
         self.inner.gather(sync, out, shard, unit)
 
-    def wait_gathered(self, sync):
-        self.inner.wait_gathered(sync)
-
-    def released(self, sync):
-        self.inner.released(sync)
-
     def reduce(self, sync, out, full, unit, fold):
         check_collective(f"reduce-scatter of unit {unit!r}", self.group)
         self.inner.reduce(sync, out, full, unit, fold)
-
-    def wait_reduced(self, sync):
-        self.inner.wait_reduced(sync)
-
-    def reduce_pending(self, sync):
-        return self.inner.reduce_pending(sync)
 
 
 def make_schedule(device: torch.device, group) -> Schedule:

@@ -1,7 +1,7 @@
 """Small distributed helpers shared by the engine, the checkpoints and the jobs.
 
 - :func:`source_rank` — the global rank of a group's rank 0 (what ``src=`` arguments take).
-- :func:`agree` / :func:`raise_together` — "decide on rank 0, tell every rank": rank 0's verdict
+- :func:`raise_together` — "decide on rank 0, tell every rank": rank 0's verdict
   (``None`` when all is well, else a message) is broadcast and every rank raises on it, so all of
   them raise together instead of one rank raising while the others wait in the next collective.
 - :func:`raise_if_any` — every rank decides (each checked its own share); the first problem of
@@ -14,8 +14,8 @@ import weakref
 
 import torch.distributed as dist
 
-__all__ = ["source_rank", "agree", "raise_together", "raise_if_any", "broadcast_object", "CollectiveError",
-           "debug_sync", "check_collective"]
+__all__ = ["source_rank", "raise_together", "raise_if_any", "broadcast_object", "gather_object",
+           "CollectiveError", "debug_sync", "check_collective"]
 
 
 def source_rank(group=None) -> int:
@@ -32,23 +32,24 @@ def broadcast_object(obj, group=None):
     return box[0]
 
 
-def agree(problem: str | None, group=None) -> str | None:
-    """Collective: rank 0's ``problem`` (other ranks' argument is ignored) on every rank."""
-    return broadcast_object(problem, group)
+def gather_object(obj, group=None) -> list:
+    """Collective: every rank's ``obj`` (picklable), in rank order, on every rank of ``group``."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def raise_together(problem: str | None, group, error: type[Exception], prefix: str = "") -> None:
-    """Collective: raise ``error(prefix + problem)`` on every rank when rank 0's ``problem`` is set."""
-    verdict = agree(problem, group)
+    """Collective: raise ``error(prefix + problem)`` on every rank when rank 0's ``problem`` is set
+    (the other ranks' argument is ignored)."""
+    verdict = broadcast_object(problem, group)
     if verdict:
         raise error(f"{prefix}{verdict}")
 
 
 def raise_if_any(problem: str | None, group, error: type[Exception]) -> None:
     """Collective: raise ``error`` with the first (lowest-rank) problem on every rank, if any."""
-    problems = [None] * dist.get_world_size(group)
-    dist.all_gather_object(problems, problem, group=group)
-    first = next((p for p in problems if p), None)
+    first = next((p for p in gather_object(problem, group) if p), None)
     if first:
         raise error(first)
 
@@ -88,8 +89,7 @@ def check_collective(what: str, group) -> None:
     n = _COUNTS.get(key, 0)
     _COUNTS[key] = n + 1
     mine = (n, what)
-    everyone = [None] * dist.get_world_size(key)
-    dist.all_gather_object(everyone, mine, group=key)
+    everyone = gather_object(mine, key)
     if any(x != mine for x in everyone):
         ranks = "; ".join(f"rank {r}: #{c} {w}" for r, (c, w) in enumerate(everyone))
         raise CollectiveError(

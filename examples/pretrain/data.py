@@ -143,16 +143,20 @@ def _read_text(path: str) -> str:
         ) from None
 
 
-def _jsonl_docs(path: str, key: str) -> list[str]:
-    docs = []
-    text = _read_text(path)
-    for n, line in enumerate(text.splitlines(), 1):
+def _jsonl_objects(path: str):
+    """(line number, parsed object) of every non-blank line of a JSONL file; DataError naming the line."""
+    for n, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            yield n, json.loads(line)
         except ValueError as e:
             raise DataError(f"--data {path!r}: line {n} is not JSON ({e})") from None
+
+
+def _jsonl_docs(path: str, key: str) -> list[str]:
+    docs = []
+    for n, obj in _jsonl_objects(path):
         if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
             raise DataError(f"--data {path!r}: line {n} has no string field {key!r} (set --text-key)")
         docs.append(obj[key])
@@ -302,13 +306,7 @@ def is_instruction_jsonl(path: str | None) -> bool:
 def read_instructions(path: str) -> list[tuple[str, str]]:
     """(prompt, response) pairs of an instruction JSONL; DataError naming the file and line."""
     pairs = []
-    for n, line in enumerate(_read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            raise DataError(f"--data {path!r}: line {n} is not JSON ({e})") from None
+    for n, obj in _jsonl_objects(path):
         if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str) for k in ("prompt", "response")):
             raise DataError(f"--data {path!r}: line {n} needs string fields 'prompt' and 'response' "
                             "(an instruction file holds one {\"prompt\": ..., \"response\": ...} per line)")

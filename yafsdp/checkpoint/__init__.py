@@ -56,7 +56,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..dist import raise_if_any, raise_together
+from ..dist import gather_object, raise_if_any, raise_together
 from .dcp_glue import FlatShard, LoadPlanner, SavePlanner
 from .files import (
     FORMAT,
@@ -83,12 +83,6 @@ def _group_info(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-
-
-def _all_gather(obj, group) -> list:
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 # ------------------------------------------------------------------------------ state collection
@@ -212,7 +206,7 @@ def save_checkpoint(
     # Every rank reaches this gather, failed or not (DCP raises on every rank together; a failed
     # checksum is one rank's): no rank is left waiting, and rank 0 removes the partial save only
     # once no rank writes into it any more.
-    parts = _all_gather((problem, mine), group)
+    parts = gather_object((problem, mine), group)
     problem = next((p for p, _ in parts if p), None)
     if problem is not None:
         if rank == 0:
