@@ -179,7 +179,10 @@ class FinetuneJob(J.Job):
     def make_model(self):
         """The base read on every rank (LlamaForCausalLM.from_pretrained), with PEFT LoRA adapters.
         The adapters' A is seeded (--seed; the same on every rank), B starts at zero (PEFT)."""
-        import peft
+        try:
+            import peft
+        except ImportError:
+            raise JobError("the LoRA job needs the peft package: pip install peft") from None
         from transformers import LlamaForCausalLM
         from transformers.utils import logging as hf_logging
 
