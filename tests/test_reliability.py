@@ -268,19 +268,131 @@ def _unused(rank, world):
 
 
 def test_parameters_no_rank_uses_and_container_blocks():
-    """README "Gradients are DDP's": a parameter of a unit that ran but was used by no rank gets a
-    zero gradient (DDP: None), so weight decay and momentum still move it; a unit no rank ran keeps
-    .grad None and is untouched, as with DDP. Blocks that are ModuleDicts (whose forward never runs)
-    are not units: their children are, and train exactly like the unwrapped model."""
+    """README "Gradients are DDP's": a parameter of a unit that ran but that no rank used is left
+    untouched by the step (DDP: its .grad stays None), though AdamW's weight decay would move a zero
+    gradient; a unit no rank ran keeps .grad None and is untouched. Blocks that are ModuleDicts
+    (whose forward never runs) are not units: their children are, and train exactly like the
+    unwrapped model."""
     before, after, grads, dict_diff, refused = run_ranks(_unused, 2)[0]
     assert grads["spare"] is None
     assert torch.equal(after["spare.weight"], before["spare.weight"])
     for i in range(2):
-        w0, w1 = before[f"blocks.{i}.unused.weight"], after[f"blocks.{i}.unused.weight"]
-        torch.testing.assert_close(w1, w0 * (1 - 0.1 * 0.5))  # decayed by AdamW, no gradient step
+        assert torch.equal(after[f"blocks.{i}.unused.weight"], before[f"blocks.{i}.unused.weight"])
         assert not torch.equal(after[f"blocks.{i}.used.weight"], before[f"blocks.{i}.used.weight"])
     assert dict_diff < 1e-6, dict_diff
     assert refused and "ModuleDict, whose forward is never called" in refused and "'blocks.0.a'" in refused
+
+
+class _MoEBlock(torch.nn.Module):
+    """Experts as separate modules of one unit; ``route`` (set before each forward) says which run."""
+
+    def __init__(self, n=4):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(n))
+        self.route = (0,)
+
+    def forward(self, x):
+        return x + sum(torch.tanh(self.experts[e](x)) for e in self.route)
+
+
+class _MoE(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_MoEBlock() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.pow(2).mean()
+
+
+# Which experts run, per step and rank (world 2). Expert 0: every rank, every step. Expert 1: rank 0
+# only (used by some rank: trained with the average of the ranks' gradients, as DDP). Expert 2: no rank
+# ever (untouched). Expert 3: every rank at step 0, then no rank (untouched after its first step: its
+# moments, which would keep moving it, are restored too).
+_ROUTES = [[(0, 1, 3), (0, 3)], [(0, 1), (0,)], [(0, 1), (0,)]]
+
+
+def _set_route(model, step, rank):
+    for b in model.blocks:
+        b.route = _ROUTES[step][rank]
+
+
+def _moe_ddp_reference(opt_kind, world):
+    """The unsharded model stepped with DDP's gradients: the rank average, None where no rank used."""
+    ref = _MoE()
+    opt = _moe_opt(opt_kind, ref.parameters())
+    for step in range(len(_ROUTES)):
+        for r in range(world):
+            _set_route(ref, step, r)
+            ref(torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + r))).backward()
+        for p in ref.parameters():
+            if p.grad is not None:
+                p.grad /= world
+        opt.step()
+        opt.zero_grad()
+    return ref.state_dict()
+
+
+def _moe_opt(kind, params):
+    if kind == "fused_adamw":
+        return yafsdp.FusedAdamW(params, lr=0.05, weight_decay=0.3)
+    if kind == "torch_fused":
+        return torch.optim.AdamW(params, lr=0.05, weight_decay=0.3, fused=True)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.3)
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.3)
+
+
+def _moe_run(rank, world):
+    out = {}
+    for kind, zero in (("adamw", 3), ("torch_fused", 2), ("sgd", 3), ("fused_adamw", 3)):
+        inner = _MoE()
+        model = yafsdp.YaFSDP(inner, zero_stage=zero)
+        opt = _moe_opt(kind, model.parameters())
+        for step in range(len(_ROUTES)):
+            _set_route(inner, step, rank)
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))).backward()
+            opt.step()
+            opt.zero_grad()
+        out[kind] = model.full_state_dict()
+    # bf16 compute copies written by FusedAdamW's copy-out: the restored master is cast again, so
+    # the next forward computes with the untouched weights, not with the stepped copy.
+    inner = _MoE()
+    init = copy.deepcopy(inner.blocks[0].experts[2].weight.detach())
+    model = yafsdp.YaFSDP(inner, param_dtype=torch.bfloat16)
+    opt = yafsdp.FusedAdamW(model.parameters(), lr=0.05, weight_decay=0.3)
+    seen = []
+    inner.blocks[0].experts[2].register_forward_pre_hook(lambda m, a: seen.append(m.weight.detach().clone()))
+    for step, route in enumerate([(0,), (0, 2)]):
+        for b in inner.blocks:
+            b.route = route
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).bfloat16()).backward()
+        opt.step()
+        opt.zero_grad()
+    out["bf16_seen"] = (seen[0], init.to(torch.bfloat16))
+    return out
+
+
+def test_unused_parameters_untouched_like_ddp():
+    """[Note: parameters no rank used]: experts no rank reached are left untouched by the step —
+    values and per-element optimizer state — with torch AdamW (ZeRO-3), torch fused AdamW (ZeRO-2),
+    SGD with momentum and yafsdp.FusedAdamW; experts some ranks used train with DDP's average. The
+    whole run equals the unsharded model stepped with DDP's gradients (None where no rank used)."""
+    res = run_ranks(_moe_run, 2)[0]
+    init = _MoE().state_dict()
+    for kind in ("adamw", "torch_fused", "sgd", "fused_adamw"):
+        ref = _moe_ddp_reference(kind, 2)
+        got = res[kind]
+        assert set(got) == set(ref)
+        for k, v in ref.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{kind} {k}: {m}")
+        for b in range(2):
+            for t in ("weight", "bias"):
+                assert torch.equal(got[f"blocks.{b}.experts.2.{t}"], init[f"blocks.{b}.experts.2.{t}"]), kind
+    seen, want = res["bf16_seen"]
+    assert torch.equal(seen, want)
 
 
 # ---------------------------------------------------------------------------------- lifetime

@@ -76,7 +76,7 @@ class YaFSDP(nn.Module):
         # work handles. See [Note: streams and events] in comm.py.
         self.schedule = make_schedule(self.device, group)
         self._rt = Runtime(
-            specs, small, schedule=self.schedule, world_size=self.world_size, rank=self.rank, device=self.device,
+            specs, small, schedule=self.schedule, group=group, world_size=self.world_size, rank=self.rank, device=self.device,
             compute_dtype=self.compute_dtype, reduce_dtype=reduce_dtype, zero_stage=zero_stage,
             align=unit_align(self.compute_dtype, reduce_dtype, align_bytes), outsized_ratio=outsized_ratio,
         )

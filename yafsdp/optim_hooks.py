@@ -11,7 +11,8 @@ optimizer step left unchanged gets its version bumped. Optimizers that do bump (
 torch optimizers, ``yafsdp.FusedAdamW``) are untouched.
 
 The same pre-step hook completes an aborted backward (``Runtime.recover``) before any optimizer
-step reads the grad shards.
+step reads the grad shards, and the pair leaves parameters no rank used untouched by the step
+(see [Note: parameters no rank used] in unused.py).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import weakref
 
 import torch
 
-from . import shards
+from . import shards, unused
 from .runtime import live_runtimes
 
 __all__ = ["install_optimizer_hooks"]
@@ -43,9 +44,11 @@ def _versions_before_step(optimizer, args, kwargs):
         (p, p._version) for g in optimizer.param_groups for p in g["params"]
         if p.grad is not None and shards.info_of(p) is not None
     ]
+    unused.before_step(optimizer)
 
 
 def _bump_unchanged_after_step(optimizer, args, kwargs):
+    unused.after_step(optimizer)
     for p, v in _VERSIONS.pop(optimizer, ()):
         if p._version == v:
             torch.autograd.graph.increment_version(p)

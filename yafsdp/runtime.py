@@ -65,10 +65,11 @@ class BackwardUse:
 class Runtime:
     """Shards, buffers and the step protocol of one wrapped model."""
 
-    def __init__(self, specs: list[UnitSpec], small: list, *, schedule: Schedule, world_size: int, rank: int,
+    def __init__(self, specs: list[UnitSpec], small: list, *, schedule: Schedule, group, world_size: int, rank: int,
                  device: torch.device, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, zero_stage: int,
                  align: int, outsized_ratio: float):
         self.schedule = schedule
+        self.group = group  # every data-parallel rank (the usage agreement of unused.py runs over it)
         self.world_size = world_size
         self.device = device
         self.compute_dtype = compute_dtype
@@ -319,6 +320,7 @@ class Runtime:
             )
         self.use_done(unit, use)
         lay = unit.layout
+        self._note_used(unit, pidx, grads)
         buf = unit.grad_buffer.begin_write(lay.padded_numel)
         with torch.no_grad(), span("grads", unit.name):
             if len(pidx) == len(lay.params):
@@ -333,6 +335,16 @@ class Runtime:
                 else:
                     dst.view(p.shape).copy_(g)
         self._reduce(unit)
+
+    def _note_used(self, unit: Unit, pidx, grads) -> None:
+        """Which trainable parameters this backward reached; see [Note: parameters no rank used]
+        in unused.py. The record restarts where DDP's ``.grad`` would go from None to a tensor."""
+        lay = unit.layout
+        if unit.flat_param.grad is None or len(unit.used) != len(lay.params):
+            unit.used = [0] * len(lay.params)
+        for i, g in zip(pidx, grads):
+            if g is not None:
+                unit.used[lay.index[id(unit.params[i])]] = 1
 
     def _reduce(self, unit: Unit) -> None:
         p = unit.flat_param

@@ -93,6 +93,9 @@ class Unit:
         self.bw_held = False  # a backward use (pre-backward or a checkpoint recompute) holds the buffer
         self.outsized = False  # uses the outsized buffer (see the plan)
         self.weight_free_bw = False  # ZeRO-3 backward needs no re-gather: see [Note: weight-free backward]
+        # per trainable parameter, 1 if a backward since the shard's .grad was None reached it
+        # (see [Note: parameters no rank used] in unused.py)
+        self.used: list[int] = []
         self.forward_versions: tuple | None = None  # its shards' versions at its last forward use
         self.fw_interval = None  # the recorder's open forward interval (yafsdp.trace), if recording
         self.bw_interval = None  # the recorder's open backward interval
