@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from job_utils import FAST, JOB, env, metrics, run_job, torchrun_cmd, tree_digest
@@ -210,3 +211,32 @@ def test_errors_under_torchrun_are_printed_once(tmp_path):
         assert len(ours) == 1 and ours[0].startswith(want[k]), (k, e[-3000:])
         assert "usage:" not in e and WORKER_TRACEBACK not in e, (k, e[-3000:])
     assert not os.path.exists(tmp_path / "a")
+
+
+# ------------------------------------------------------------------------- 13: abort at exit
+_THREADS_AFTER_MAIN = """
+import os, sys
+sys.path.insert(0, os.path.join({root!r}, "examples"))
+from pretrain.job import main
+code = main(sys.argv[1:])
+print("threads after main:", len(os.listdir("/proc/self/task")), file=sys.stderr, flush=True)
+sys.exit(code)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
+def test_the_job_ends_its_gloo_threads_before_exit(tmp_path):
+    """[Note: teardown before exit]: when main() returns, on a normal and on an error exit, the gloo
+    backend's worker threads are gone (only the main thread is left), so none can free a tensor
+    during interpreter finalization (the rare SIGABRT at exit)."""
+    from job_utils import ROOT
+
+    script = tmp_path / "job_then_count.py"
+    script.write_text(_THREADS_AFTER_MAIN.format(root=ROOT))
+    for extra, code in ((["--steps", "2"], 0), (["--lr", "1e6", "--steps", "30", "--max-skipped-steps", "2"], 3)):
+        cmd = torchrun_cmd(2)[:-1] + [str(script)] + FAST + extra + ["--out", str(tmp_path / f"run{code}")]
+        p = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=240)
+        counts = [line for line in p.stderr.splitlines() if "threads after main:" in line]
+        assert len(counts) == 2, (p.returncode, p.stderr[-3000:])
+        assert all(line.endswith("threads after main: 1") for line in counts), counts
+        assert (p.returncode == 0) == (code == 0), p.stderr[-3000:]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import shards
+from . import collectives, shards
 import sys
 
 from .autograd import gate_small_group, install_hooks
@@ -250,14 +250,14 @@ class YaFSDP(nn.Module):
         if norm_type == float("inf"):
             local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=self.device)
             local = local.float()
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
+            collectives.all_reduce(local, self.process_group, op=dist.ReduceOp.MAX)
             total = local
         else:
             if grads:
                 local = torch.stack([n.float() ** norm_type for n in torch._foreach_norm(grads, norm_type)]).sum()
             else:
                 local = torch.zeros((), device=self.device)
-            dist.all_reduce(local, group=self.process_group)
+            collectives.all_reduce(local, self.process_group)
             total = local ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:

@@ -10,9 +10,13 @@
 from __future__ import annotations
 
 import os
+import pickle
 import weakref
 
+import torch
 import torch.distributed as dist
+
+from . import collectives
 
 __all__ = ["source_rank", "raise_together", "raise_if_any", "broadcast_object", "gather_object",
            "CollectiveError", "debug_sync", "check_collective"]
@@ -25,18 +29,50 @@ def source_rank(group=None) -> int:
     return dist.get_global_rank(group, 0)
 
 
+def _object_device(group) -> torch.device:
+    if str(dist.get_backend(group)).lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _bytes(data: bytes, device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+# The object collectives are built on collectives.py rather than torch's *_object functions, whose
+# transient tensors a gloo worker thread may free during interpreter exit (see [Note: gloo work
+# and interpreter exit] in collectives.py): every tensor here is retained or moved by messages.
 def broadcast_object(obj, group=None):
     """Collective: rank 0's ``obj`` (picklable) on every rank of ``group``."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=source_rank(group), group=group)
-    return box[0]
+    if dist.get_world_size(group) == 1:
+        return obj
+    dev, src = _object_device(group), source_rank(group)
+    mine = dist.get_rank(group) == 0
+    data = pickle.dumps(obj) if mine else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    collectives.broadcast(size, src, group)
+    buf = _bytes(data, dev) if mine else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    collectives.broadcast(buf, src, group)
+    return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
 
 
 def gather_object(obj, group=None) -> list:
     """Collective: every rank's ``obj`` (picklable), in rank order, on every rank of ``group``."""
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    world = dist.get_world_size(group)
+    if world == 1:
+        return [obj]
+    dev = _object_device(group)
+    data = pickle.dumps(obj)
+    sizes = torch.empty(world, dtype=torch.int64, device=dev)
+    collectives.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=dev), group, async_op=False)
+    n = sizes.tolist()
+    width = max(n)
+    buf = torch.zeros(width, dtype=torch.uint8, device=dev)
+    buf[:len(data)] = _bytes(data, dev)
+    out = torch.empty(world * width, dtype=torch.uint8, device=dev)
+    collectives.all_gather(out, buf, group, async_op=False)
+    raw = out.cpu().numpy().tobytes()
+    return [pickle.loads(raw[r * width:r * width + n[r]]) for r in range(world)]
 
 
 def raise_together(problem: str | None, group, error: type[Exception], prefix: str = "") -> None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from . import collectives
 from .dist import check_collective, raise_together, source_rank
 from .flat import ParamInfo
 from .runtime import Runtime
@@ -89,12 +89,12 @@ def scatter_group(rt: Runtime, g: FlatGroup, full: torch.Tensor | None, group, r
     """Rank 0's ``full`` (fp32, padded_numel) -> every rank's shard of flat group ``g``."""
     out = torch.empty(g.layout.shard_numel, dtype=torch.float32, device=rt.device)
     chunks = list(full.chunk(world)) if rank == 0 else None
-    dist.scatter(out, chunks, src=source_rank(group), group=group)
+    collectives.scatter(out, chunks, source_rank(group), group)
     g.shard.detach().copy_(out)  # bumps the shard's version: its compute copy is now stale
 
 
 def _broadcast_buffer(b: torch.Tensor, group) -> None:
-    dist.broadcast(b, source_rank(group), group=group)
+    collectives.broadcast(b, source_rank(group), group)
 
 
 @torch.no_grad()

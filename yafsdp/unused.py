@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import collectives
 from .dist import check_collective
 from .runtime import live_runtimes
 
@@ -71,7 +72,7 @@ def before_step(optimizer) -> None:
             local = local.to(rt.device)
         if dist.get_world_size(rt.group) > 1:
             check_collective("optimizer step (agreeing on parameters no rank used)", rt.group)
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=rt.group)
+            collectives.all_reduce(local, rt.group, op=dist.ReduceOp.MAX)
         snap = _Snapshot(local)
         k = 0
         for u in units:

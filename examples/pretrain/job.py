@@ -916,23 +916,18 @@ def set_rng_state(st, seed: int, rank: int, step: int, device) -> None:
 def shutdown_distributed() -> None:
     """Destroy the process group *and* its backend before the interpreter exits.
 
-    [Note: teardown before exit] ``destroy_process_group()`` only unregisters the group: the gloo
-    backend (its worker threads) lives on while Python objects hold it -- here the wrapped model,
-    the optimizer and the job, which sit in reference cycles and so are freed only by the final
-    garbage collection inside interpreter finalization. A gloo worker thread that has just run a
-    collective drops its reference to the work last; when that is the last one, the work's
-    destructor releases its Python tensors and needs the GIL. If the main thread is already
-    finalizing, taking the GIL ends the worker thread (pthread_exit), whose forced unwind through
-    that C++ destructor calls std::terminate: "terminate called without an active exception",
-    SIGABRT, a failed job after all its work was done (about 1 run in 40; 1 in 7 on the error path,
-    which exits right after its last collective). Here the job's references are gone (the caller
-    dropped them), the collection frees the group while Python runs, and the backend's destructor
-    (run without the GIL) joins its threads -- checked on a run that ends normally. When a JobError
-    leaves the training loop, the engine's Runtime stays reachable from its autograd hooks (held
-    by C++, out of the collector's reach), so the group still lives into finalization: there the
-    barrier before this call (all ranks meet after their last collective, so every worker has
-    released its work) is what remains, a narrower window, not a cure; the engine-side fix is in
-    the issue."""
+    [Note: teardown before exit] A gloo worker thread that drops the last C++ reference of a
+    tensor while the interpreter finalizes aborts the process ("terminate called without an
+    active exception", SIGABRT, after all the work was done; see [Note: gloo work and interpreter
+    exit] in yafsdp/collectives.py for the mechanism and the engine's exit hook). The job goes
+    further and ends the gloo backend itself before exit: ``destroy_process_group()`` only
+    unregisters the group, and the backend (its worker threads) lives while Python objects hold it
+    -- the model, the optimizer and the job, which sit in reference cycles. The caller has dropped
+    its references and every rank met in a barrier after its last collective; the collection here
+    frees the group while Python still runs, and the backend's destructor joins its threads. This
+    holds on the error path too (the engine's autograd nodes hold it weakly: [Note: weak
+    references from autograd nodes]); tests/test_job_failures.py checks that no thread but the
+    main one is left after ``main()`` returns, on a normal and on an error exit."""
     import gc
 
     if dist.is_initialized():
