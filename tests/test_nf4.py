@@ -3,6 +3,7 @@ for bit, and quantize + twin equal torchao's NF4 (codebook, packed codes, dequan
 bit. See [Note: NF4 frozen groups] in yafsdp/nf4.py."""
 import importlib
 import os
+import sys
 
 import pytest
 import torch
@@ -17,14 +18,30 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 needs_ext = pytest.mark.skipif(not HAS_EXT and not REQUIRE_EXT, reason="yafsdp._C is not built: " + kernels.describe())
 
 
+# torchao is the independent reference. CI installs it into <repo>/.torchao (pip --target, --no-deps),
+# not site-wide: installed site-wide, transformers and peft import it on every `import transformers`
+# (its CPU wheel's CUDA libraries then print "Failed to load" on stderr). YAFSDP_TORCHAO_DIR overrides.
+TORCHAO_DIR = os.environ.get("YAFSDP_TORCHAO_DIR",
+                             os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".torchao"))
+
+
 def _torchao_nf4():
-    """torchao's NF4 module (its path moved between versions), or None when torchao is not importable."""
-    for path in ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor"):
-        try:
-            return importlib.import_module(path)
-        except ImportError:
-            continue
-    return None
+    """torchao's NF4 module (its path moved between versions), or None when torchao is not importable.
+    The directory is on sys.path only while importing, so that processes spawned later (which
+    inherit sys.path) do not see it."""
+    added = os.path.isdir(TORCHAO_DIR) and TORCHAO_DIR not in sys.path
+    if added:
+        sys.path.insert(0, TORCHAO_DIR)
+    try:
+        for path in ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor"):
+            try:
+                return importlib.import_module(path)
+            except ImportError:
+                continue
+        return None
+    finally:
+        if added:
+            sys.path.remove(TORCHAO_DIR)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -91,7 +108,8 @@ def test_twin_equals_torchao_bit_for_bit(dtype):
     by torchao's own get_block_absmax.)"""
     ao = _torchao_nf4()
     if ao is None:
-        pytest.skip("torchao is not importable (pip install torchao --no-deps): the independent NF4 reference")
+        pytest.skip(f"torchao is not importable, site-wide or from {TORCHAO_DIR} (the independent NF4 reference; "
+                    "install it as .ci/run does: pip install --no-deps --target .torchao torchao==0.18.0)")
     g = torch.Generator().manual_seed(3)
     for shape in ((128, 256), (64, 64), (192, 64)):
         w = (torch.randn(shape, generator=g) * 0.02).to(dtype)

@@ -23,13 +23,20 @@ CASES = [
     ("llama_tied_z2", dict(kind="llama", tie=True), dict(zero_stage=2)),
     ("llama_bf16_reduce", dict(kind="llama", vocab=257), dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
     ("stack_z3", dict(kind="stack"), dict()),
+    # frozen bf16 and NF4 groups (q/k/mlp frozen, quantized where eligible; odd-sized head frozen bf16)
+    ("llama_nf4_bf16", dict(kind="llama", freeze=True, vocab=257), dict(param_dtype=torch.bfloat16, quantize_frozen="nf4")),
+    ("llama_nf4_fp32_z2", dict(kind="llama", freeze=True), dict(zero_stage=2, quantize_frozen="nf4")),
     ("stack_z2_ratio", dict(kind="stack", n=5), dict(zero_stage=2, outsized_ratio=1.1)),
 ]
 
 
-def _build(kind, **kw):
+def _build(kind, freeze=False, **kw):
     if kind == "llama":
-        return tiny_llama(**kw)
+        model = tiny_llama(**kw)
+        for name, p in model.named_parameters():  # a QLoRA-like base: frozen linears next to trainable ones
+            if freeze and any(f in name for f in ("q_proj", "k_proj", "mlp", "lm_head", "embed")):
+                p.requires_grad_(False)
+        return model
     return Stack(**kw)
 
 
@@ -50,6 +57,9 @@ def _compare(rank, world):
 def _check(name, rank, res):
     meta_plan, own_plan, allocated, psi, true_psi = res
     assert meta_plan == allocated, (name, rank, meta_plan, allocated)
+    if "nf4" in name:  # the NF4 shards and the weight buffers' staging areas are counted
+        assert allocated["nf4"] > 0 and allocated["frozen"] > 0 and allocated["weight_small"] > 0
+        assert any(k.endswith("_staging") and k.startswith("weight") for k in allocated), allocated
     assert own_plan == allocated, (name, rank)
     assert psi == true_psi, name
     assert sum(allocated.values()) > 0
