@@ -326,3 +326,22 @@ def test_repeated_blocks_are_never_outsized():
     assert [(u.name, u.outsized) for u in p.units] == [
         ("model.embed_tokens", False), ("model.layers.0", False), ("model.layers.1", False), ("lm_head", False)]
     assert {s.name for s in p.slots} == {"weight0", "weight1", "weight_small", "grad0", "grad1", "grad_small"}
+
+
+def test_plan_of_a_frozen_nf4_base():
+    """python -m yafsdp plan --frozen-base nf4: a QLoRA base of Llama-3-8B on 8 ranks holds its linear
+    weights as NF4 records (0.5 + 2/64 bytes per parameter in bf16) and the rest frozen in bf16; no
+    master, grad or optimizer state; the weight buffers carry the NF4 staging areas."""
+    from yafsdp.plan.cli import main
+
+    plans = {fb: main(["--preset", "llama3-8b", "--world-size", "8", "--frozen-base", fb, "--json"])
+             for fb in ("bf16", "nf4")}
+    bf, q = plans["bf16"], plans["nf4"]
+    assert bf.master == q.master == 0 and bf.optimizer_state == q.optimizer_state == 0 and bf.nf4 == 0
+    embed = 128256 * 4096  # the embedding stays bf16; every linear weight (lm_head included) is NF4
+    linear = bf.num_params - embed - (32 * 2 + 1) * 4096
+    assert abs(q.nf4 - linear * (0.5 + 2 / 64) / 8) < 1e6, (q.nf4, linear)
+    assert abs(q.frozen - (embed + 65 * 4096) * 2 / 8) < 1e5
+    assert q.model_state < 0.32 * bf.model_state  # the bf16 embedding (1 B of the 8 B parameters) stays
+    staging = [s for s in q.slots if s.kind == "weight" and s.staging_bytes]
+    assert staging and "frozen NF4 shard" in q.format()
