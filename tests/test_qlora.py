@@ -1,7 +1,7 @@
 """QLoRA: PEFT LoRA on a frozen base stored in NF4 (``YaFSDP(..., quantize_frozen="nf4")``).
 
 Parity with the unsharded PEFT model whose frozen linear weights went through the same
-quantize-dequantize (worlds 1-3); the base never moves; full_state_dict gives the dequantized
+quantize-dequantize (worlds 1-3; ZeRO-2 at world 3); the base never moves; full_state_dict gives the dequantized
 values and loading them back re-quantizes to the same records; checkpoints store the records and
 reshard (3 ranks -> 2); save_adapter / export_merged; the bf16 path; init of a meta-built model;
 refusals; and the bytes gathered per step for the frozen base (NF4 vs bf16: <= 0.30x)."""
@@ -47,7 +47,8 @@ def _records(model):
 
 def _qlora(rank, world, out_dir):
     model = _lora_model()
-    wrapped = yafsdp.YaFSDP(model, quantize_frozen="nf4")
+    # world 3 runs ZeRO-2 (each unit its own weight buffer and staging area), the others ZeRO-3
+    wrapped = yafsdp.YaFSDP(model, quantize_frozen="nf4", zero_stage=2 if world == 3 else 3)
     kinds = sorted({(i.unit.rsplit(".", 1)[-1], i.kind) for i in wrapped.shard_info()})
     losses, norms = _train(wrapped, rank, world, True)
     sd = wrapped.full_state_dict()
