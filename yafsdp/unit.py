@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import kernels
 from .flat import FlatLayout, ParamInfo
 from .units import Member
 
@@ -74,8 +75,6 @@ class FlatGroup:
     def expand(self, out: torch.Tensor, staging: torch.Tensor) -> None:
         """A compact group's gathered records (``staging``) -> its values in ``out`` (its place in
         the weight buffer). See [Note: expanding a compact gather] in comm.py."""
-        from . import kernels
-
         kernels.nf4_expand_(out, staging, self.codebook, self.layout.shard_numel)
 
     @property
