@@ -82,4 +82,35 @@ inline void check_accumulate(const at::Tensor& dst, const at::Tensor& src) {
   kernel_dtype(src, "src");
 }
 
+// nf4_expand_: out (world * shard_numel elements) from `world` records in staging.
+inline void check_nf4_expand(const at::Tensor& out, const at::Tensor& staging,
+                             const at::Tensor& codebook, int64_t shard_numel) {
+  check_contiguous(out, "nf4_expand_ out");
+  check_contiguous(staging, "nf4_expand_ staging");
+  check_contiguous(codebook, "nf4_expand_ codebook");
+  kernel_dtype(out, "out");
+  TORCH_CHECK(staging.scalar_type() == at::kByte, "yafsdp: nf4_expand_ staging must be uint8, got dtype=",
+              staging.scalar_type());
+  TORCH_CHECK(codebook.scalar_type() == out.scalar_type(),
+              "yafsdp: nf4_expand_ codebook must hold 16 values of out's dtype (", out.scalar_type(),
+              "), got dtype=", codebook.scalar_type());
+  TORCH_SYM_CHECK(codebook.sym_numel().sym_eq(16),
+                  "yafsdp: nf4_expand_ codebook must hold 16 values, got ", codebook.sym_numel());
+  TORCH_CHECK(staging.device() == out.device() && codebook.device() == out.device(),
+              "yafsdp: nf4_expand_ out is on ", out.device(), ", staging on ", staging.device(),
+              ", codebook on ", codebook.device());
+  TORCH_CHECK(shard_numel > 0 && shard_numel % kNF4Block == 0,
+              "yafsdp: nf4_expand_ shard_numel=", shard_numel, " must be a positive multiple of ",
+              kNF4Block);
+  TORCH_SYM_CHECK(out.sym_numel().sym_eq(out.sym_numel() / shard_numel * shard_numel),
+                  "yafsdp: nf4_expand_ out has numel=", out.sym_numel(),
+                  ", not a multiple of shard_numel=", shard_numel);
+  const int64_t item = out.scalar_type() == at::kFloat ? 4 : 2;
+  TORCH_SYM_CHECK(staging.sym_numel().sym_eq(out.sym_numel() / shard_numel *
+                                             nf4_record_bytes(shard_numel, item)),
+                  "yafsdp: nf4_expand_ staging has ", staging.sym_numel(), " bytes, expected ",
+                  out.sym_numel() / shard_numel, " records of ", nf4_record_bytes(shard_numel, item),
+                  " bytes");
+}
+
 }  // namespace yafsdp

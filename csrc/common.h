@@ -82,4 +82,20 @@ YAFSDP_HOST_DEVICE inline AdamWConsts make_adamw_consts(const AdamWHyper& h) {
   return c;
 }
 
+// [Note: NF4 shard records]
+// A compact (NF4) frozen group's shard, of shard_numel elements (a multiple of
+// kNF4Block), is one byte record: the 4-bit codes packed two per byte (element 2k
+// in the high nibble of byte k, 2k+1 in the low one: torchao's order), then one
+// absmax scale per block of kNF4Block elements, stored in the gather dtype T.
+// The all-gather of the records lands them end to end, rank after rank, in the
+// weight buffer's staging area; the expand kernel writes element i of the group
+// (rank i / shard_numel, position j = i % shard_numel in that rank's record) as
+// T(float(codebook[code]) * float(scale)): the product is exact in fp32 for bf16
+// and fp16 operands, so the one rounding is torch's `codebook[code] * scale` in T.
+constexpr int64_t kNF4Block = 64;
+
+YAFSDP_HOST_DEVICE inline int64_t nf4_record_bytes(int64_t shard_numel, int64_t scale_bytes) {
+  return shard_numel / 2 + (shard_numel / kNF4Block) * scale_bytes;
+}
+
 }  // namespace yafsdp

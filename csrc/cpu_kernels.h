@@ -23,6 +23,12 @@ void cast(void* dst, DType dst_t, const void* src, DType src_t, double scale, in
 // dst[i] += src[i] * scale, dst fp32.
 void accumulate(float* dst, const void* src, DType src_t, double scale, int64_t n);
 
+// NF4 expand: out (n elements of out_t, n = world * shard_numel) from the byte records
+// of `world` ranks laid end to end in `staging`; codebook: the 16 levels in out_t.
+// See [Note: NF4 shard records] in common.h.
+void nf4_expand(void* out, DType out_t, const uint8_t* staging, const void* codebook,
+                int64_t shard_numel, int64_t n);
+
 // The instruction set the kernels use ("avx512", "avx2" or "scalar"): the best one
 // this CPU supports, unless YAFSDP_CPU_ISA names another at load time or set_isa() does.
 std::string isa();

@@ -84,12 +84,24 @@ void accumulate_cuda(at::Tensor& dst, const at::Tensor& src, double scale) {
                "accumulate_");
 }
 
+void nf4_expand_cuda(at::Tensor& out, const at::Tensor& staging, const at::Tensor& codebook,
+                     int64_t shard_numel) {
+  check_nf4_expand(out, staging, codebook, shard_numel);
+  check_device(out, "nf4_expand_", "out");
+  const c10::cuda::CUDAGuard guard(out.device());
+  check_launch(cuda::nf4_expand(out.data_ptr(), kernel_dtype(out, "out"),
+                                staging.const_data_ptr<uint8_t>(), codebook.const_data_ptr(),
+                                shard_numel, out.numel(), c10::cuda::getCurrentCUDAStream()),
+               "nf4_expand_");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(yafsdp, CUDA, m) {
   m.impl("adamw_step_", &adamw_step_cuda);
   m.impl("cast_", &cast_cuda);
   m.impl("accumulate_", &accumulate_cuda);
+  m.impl("nf4_expand_", &nf4_expand_cuda);
 }
 
 }  // namespace yafsdp

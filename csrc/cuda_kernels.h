@@ -24,4 +24,8 @@ cudaError_t cast(void* dst, DType dst_t, const void* src, DType src_t, float sca
 cudaError_t accumulate(float* dst, const void* src, DType src_t, float scale, int64_t n,
                        cudaStream_t stream);
 
+// See nf4_expand in cpu_kernels.h; codebook: 16 values of out_t in device memory.
+cudaError_t nf4_expand(void* out, DType out_t, const uint8_t* staging, const void* codebook,
+                       int64_t shard_numel, int64_t n, cudaStream_t stream);
+
 }  // namespace yafsdp::cuda

@@ -63,6 +63,14 @@ void accumulate_cpu(at::Tensor& dst, const at::Tensor& src, double scale) {
                   dst.numel());
 }
 
+void nf4_expand_cpu(at::Tensor& out, const at::Tensor& staging, const at::Tensor& codebook,
+                    int64_t shard_numel) {
+  check_nf4_expand(out, staging, codebook, shard_numel);
+  TORCH_CHECK(out.is_cpu(), "yafsdp: nf4_expand_ CPU kernel got out on ", out.device());
+  cpu::nf4_expand(out.data_ptr(), kernel_dtype(out, "out"), staging.const_data_ptr<uint8_t>(),
+                  codebook.const_data_ptr(), shard_numel, out.numel());
+}
+
 // Meta: the ops return nothing, so shape inference is only the checks.
 void adamw_step_meta(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
                      at::Tensor& exp_avg_sq, const at::Tensor& step, double, double, double,
@@ -75,6 +83,11 @@ void cast_meta(at::Tensor& dst, const at::Tensor& src, double) { check_cast(dst,
 
 void accumulate_meta(at::Tensor& dst, const at::Tensor& src, double) {
   check_accumulate(dst, src);
+}
+
+void nf4_expand_meta(at::Tensor& out, const at::Tensor& staging, const at::Tensor& codebook,
+                     int64_t shard_numel) {
+  check_nf4_expand(out, staging, codebook, shard_numel);
 }
 
 // ADInplaceOrView: run the backend kernel, then bump the mutated tensors' versions.
@@ -122,6 +135,18 @@ void accumulate_inplace(c10::DispatchKeySet ks, at::Tensor& dst, const at::Tenso
   bump(dst);
 }
 
+void nf4_expand_inplace(c10::DispatchKeySet ks, at::Tensor& out, const at::Tensor& staging,
+                        const at::Tensor& codebook, int64_t shard_numel) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("yafsdp::nf4_expand_", "")
+                             .typed<decltype(nf4_expand_cpu)>();
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatch(ks & c10::after_ADInplaceOrView_keyset, out, staging, codebook, shard_numel);
+  }
+  bump(out);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(yafsdp, m) {
@@ -139,24 +164,31 @@ TORCH_LIBRARY(yafsdp, m) {
   m.def("cast_(Tensor(a!) dst, Tensor src, float scale=1.0) -> ()");
   // dst(fp32) += src * scale (reduce-scatter output -> grad shard).
   m.def("accumulate_(Tensor(a!) dst, Tensor src, float scale) -> ()");
+  // out = the NF4 group expanded from `world` byte records (packed codes + absmax
+  // scales) laid end to end in staging: out[i] = codebook[code] * scale in out's
+  // dtype. See [Note: NF4 shard records] in common.h.
+  m.def("nf4_expand_(Tensor(a!) out, Tensor staging, Tensor codebook, int shard_numel) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(yafsdp, CPU, m) {
   m.impl("adamw_step_", &adamw_step_cpu);
   m.impl("cast_", &cast_cpu);
   m.impl("accumulate_", &accumulate_cpu);
+  m.impl("nf4_expand_", &nf4_expand_cpu);
 }
 
 TORCH_LIBRARY_IMPL(yafsdp, ADInplaceOrView, m) {
   m.impl("adamw_step_", TORCH_FN(adamw_step_inplace));
   m.impl("cast_", TORCH_FN(cast_inplace));
   m.impl("accumulate_", TORCH_FN(accumulate_inplace));
+  m.impl("nf4_expand_", TORCH_FN(nf4_expand_inplace));
 }
 
 TORCH_LIBRARY_IMPL(yafsdp, Meta, m) {
   m.impl("adamw_step_", &adamw_step_meta);
   m.impl("cast_", &cast_meta);
   m.impl("accumulate_", &accumulate_meta);
+  m.impl("nf4_expand_", &nf4_expand_meta);
 }
 
 }  // namespace yafsdp

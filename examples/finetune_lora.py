@@ -18,6 +18,8 @@ On one GPU node (bf16 compute, fp32 adapters and optimizer state):
     torchrun --nproc-per-node 8 examples/finetune_lora.py --init-from-hf /models/llama --tokenizer /models/llama \\
         --data instructions.jsonl --bf16 --seq-len 1024 --out runs/lora
 
+QLoRA, the base's linear weights stored in 4-bit NF4 (YaFSDP(..., quantize_frozen="nf4")): add --qlora.
+
 Continue a run (newest complete checkpoint in --out): add --resume. Also runs as plain ``python``.
 --data takes what the pretraining job takes (plain text: the loss on every token) or an instruction
 JSONL, one {"prompt": ..., "response": ...} per line (the loss on the response only; the template is
@@ -59,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--lora-targets", default=DEFAULT_TARGETS,
                    help="comma-separated names of the linear modules that get adapters")
     g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    g.add_argument("--qlora", action="store_true",
+                   help="QLoRA: store the frozen base's linear weights in 4-bit NF4 (YaFSDP quantize_frozen='nf4'; "
+                   "~0.27x the bf16 bytes gathered); the adapters train against the dequantized base")
     g.add_argument("--merge-export", default=None, metavar="DIR",
                    help="also write the base with the adapters merged as a plain HF checkpoint")
     g = p.add_argument_group("base (without --init-from-hf)")
@@ -202,11 +207,15 @@ class FinetuneJob(J.Job):
         self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return model
 
+    def wrap_options(self) -> dict:
+        return dict(quantize_frozen="nf4") if self.args.qlora else {}
+
     def init_weights(self):
         J.set_rng_state(None, self.args.seed, self.rank, 0, self.device)
         a = self.args
         made = self.base_made or a.init_from_hf
-        self.init_desc = (f"base {made} (every rank read it; frozen); LoRA r {a.lora_r}, alpha "
+        frozen = "frozen, its linear weights stored in NF4 (--qlora)" if a.qlora else "frozen"
+        self.init_desc = (f"base {made} (every rank read it; {frozen}); LoRA r {a.lora_r}, alpha "
                           f"{a.lora_alpha:g} on {','.join(a.targets)}: {P.fmt_count(self.n_trainable)} trainable params "
                           f"(A seeded by --seed {a.seed}, B zero)")
 
@@ -290,6 +299,9 @@ class FinetuneJob(J.Job):
             adapter, merged = exported
             self.say(f"adapter  {adapter} (PEFT: PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained("
                      f"{self.args.init_from_hf!r}), {adapter!r}))")
+            if self.args.qlora:
+                self.say("         --qlora: the adapter was trained against the NF4-dequantized base; the merged export "
+                         "and probe.pt hold that base")
             if merged:
                 self.say(f"merged   {merged}: config.json + model.safetensors (the base with the adapters merged)")
 

@@ -126,3 +126,32 @@ def test_response_only_masking():
     assert (cut[1, 1:] != D.IGNORE).sum() == seq + 1 - len(D.PROMPT_TEMPLATE.format(prompt="p"))
     with pytest.raises(D.DataError, match=r"example 2 leaves no response token within --seq-len 64 .*raise --seq-len"):
         D.encode_instructions([("a", "b"), ("y" * 80, "z")], tok, seq, "--data 'x.jsonl'")
+
+
+def test_qlora_job(run, tmp_path):
+    """--qlora at world 2: the base's linear weights in NF4; the held-out loss falls; probe.pt's logits are
+    PEFT's with the adapter on the NF4-dequantized base (the merged export has them too)."""
+    from transformers import LlamaForCausalLM
+
+    from yafsdp import nf4
+
+    out = str(tmp_path / "qlora")
+    base_dir = os.path.join(run["out"], "base", "hf")
+    p = run_ft(["--out", out, "--init-from-hf", base_dir, "--qlora", "--steps", "15",
+                "--merge-export", os.path.join(out, "merged")])
+    assert "linear weights stored in NF4 (--qlora)" in p.stdout and "NF4-dequantized base" in p.stdout
+    m = re.search(r"held-out response-token loss ([\d.]+) \(before fine-tuning\) -> ([\d.]+)", p.stdout)
+    assert m and float(m.group(2)) < float(m.group(1)) - 0.2, p.stdout[-3000:]
+    probe = torch.load(os.path.join(out, "probe.pt"))
+    base = LlamaForCausalLM.from_pretrained(base_dir)
+    with torch.no_grad():
+        for mod in base.modules():  # the base as the engine stored it (fp32 compute on CPU: fp32 NF4)
+            if isinstance(mod, torch.nn.Linear) and mod.weight.numel() % nf4.BLOCK == 0:
+                w = mod.weight
+                packed, scales = nf4.quantize(w.detach().reshape(-1))
+                w.copy_(nf4.dequantize_record(torch.cat([packed, scales.view(torch.uint8)]), w.numel(),
+                                              w.dtype).view_as(w))
+        ours = peft.PeftModel.from_pretrained(base, os.path.join(out, "adapter"))(input_ids=probe["input_ids"]).logits
+        merged = LlamaForCausalLM.from_pretrained(os.path.join(out, "merged"))(input_ids=probe["input_ids"]).logits
+    assert (ours - probe["logits"]).abs().max().item() < 1e-5
+    assert (merged - probe["logits"]).abs().max().item() < 1e-4

@@ -59,7 +59,14 @@ def _buffer_mismatch(model):
         slot = u.buffer
         if slot.holds(u):
             model.schedule.wait_gathered(slot.sync)
-            n += (slot.data[:u.layout.padded_numel] != u.compute).sum()
+            for g in u.groups:
+                got = slot.data[g.buffer_offset:g.buffer_offset + g.layout.padded_numel]
+                if g.kind.compact is None:
+                    n += (got != g.compute).sum()
+                else:  # an NF4 group: the expand of its record (world 1: the gathered records are the shard)
+                    want = torch.empty_like(got)
+                    g.expand(want, g.compute)
+                    n += (got != want).sum()
     return n
 
 
@@ -98,6 +105,8 @@ CASES = {
     "z2_bf16_fused_adamw": dict(zero=2, dtype="bfloat16", opt="fused_adamw"),
     "z3_fp32_adamw": dict(zero=3, dtype=None, opt="adamw"),
     "z3_bf16_torch_fused": dict(zero=3, dtype="bfloat16", opt="torch_fused"),
+    # NF4 groups: the expand runs on the comm stream after each gather of frozen q/k/mlp weights
+    "z3_bf16_nf4": dict(zero=3, dtype="bfloat16", opt="fused_adamw", nf4=True),
 }
 
 
@@ -108,11 +117,16 @@ def _race_windows(rank, world, names):
         case = CASES[name]
         runs = []
         base = tiny_llama(tie=True)
+        if case.get("nf4"):
+            for pname, p in base.named_parameters():
+                if any(f in pname for f in ("q_proj", "k_proj", "mlp")):
+                    p.requires_grad_(False)
         inputs = _inputs("llama", 3, 2)
         evals = {k: v.cuda() for k, v in batch("llama", 99, 0, 0).items()}
         for sync in (False, True):
             model = yafsdp.YaFSDP(copy.deepcopy(base), zero_stage=case["zero"],
-                                  param_dtype=getattr(torch, case["dtype"]) if case["dtype"] else None)
+                                  param_dtype=getattr(torch, case["dtype"]) if case["dtype"] else None,
+                                  quantize_frozen="nf4" if case.get("nf4") else None)
             opt = _optimizer(case["opt"], model.parameters())
             torch.cuda.synchronize()
             losses, mismatch = _loop(model, opt, "llama", inputs, sync_after_step=sync, check_buffers=True,

@@ -23,13 +23,20 @@ CASES = [
     ("llama_tied_z2", dict(kind="llama", tie=True), dict(zero_stage=2)),
     ("llama_bf16_reduce", dict(kind="llama", vocab=257), dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
     ("stack_z3", dict(kind="stack"), dict()),
+    # frozen bf16 and NF4 groups (q/k/mlp frozen, quantized where eligible; odd-sized head frozen bf16)
+    ("llama_nf4_bf16", dict(kind="llama", freeze=True, vocab=257), dict(param_dtype=torch.bfloat16, quantize_frozen="nf4")),
+    ("llama_nf4_fp32_z2", dict(kind="llama", freeze=True), dict(zero_stage=2, quantize_frozen="nf4")),
     ("stack_z2_ratio", dict(kind="stack", n=5), dict(zero_stage=2, outsized_ratio=1.1)),
 ]
 
 
-def _build(kind, **kw):
+def _build(kind, freeze=False, **kw):
     if kind == "llama":
-        return tiny_llama(**kw)
+        model = tiny_llama(**kw)
+        for name, p in model.named_parameters():  # a QLoRA-like base: frozen linears next to trainable ones
+            if freeze and any(f in name for f in ("q_proj", "k_proj", "mlp", "lm_head", "embed")):
+                p.requires_grad_(False)
+        return model
     return Stack(**kw)
 
 
@@ -50,6 +57,9 @@ def _compare(rank, world):
 def _check(name, rank, res):
     meta_plan, own_plan, allocated, psi, true_psi = res
     assert meta_plan == allocated, (name, rank, meta_plan, allocated)
+    if "nf4" in name:  # the NF4 shards and the weight buffers' staging areas are counted
+        assert allocated["nf4"] > 0 and allocated["frozen"] > 0 and allocated["weight_small"] > 0
+        assert any(k.endswith("_staging") and k.startswith("weight") for k in allocated), allocated
     assert own_plan == allocated, (name, rank)
     assert psi == true_psi, name
     assert sum(allocated.values()) > 0
@@ -316,3 +326,22 @@ def test_repeated_blocks_are_never_outsized():
     assert [(u.name, u.outsized) for u in p.units] == [
         ("model.embed_tokens", False), ("model.layers.0", False), ("model.layers.1", False), ("lm_head", False)]
     assert {s.name for s in p.slots} == {"weight0", "weight1", "weight_small", "grad0", "grad1", "grad_small"}
+
+
+def test_plan_of_a_frozen_nf4_base():
+    """python -m yafsdp plan --frozen-base nf4: a QLoRA base of Llama-3-8B on 8 ranks holds its linear
+    weights as NF4 records (0.5 + 2/64 bytes per parameter in bf16) and the rest frozen in bf16; no
+    master, grad or optimizer state; the weight buffers carry the NF4 staging areas."""
+    from yafsdp.plan.cli import main
+
+    plans = {fb: main(["--preset", "llama3-8b", "--world-size", "8", "--frozen-base", fb, "--json"])
+             for fb in ("bf16", "nf4")}
+    bf, q = plans["bf16"], plans["nf4"]
+    assert bf.master == q.master == 0 and bf.optimizer_state == q.optimizer_state == 0 and bf.nf4 == 0
+    embed = 128256 * 4096  # the embedding stays bf16; every linear weight (lm_head included) is NF4
+    linear = bf.num_params - embed - (32 * 2 + 1) * 4096
+    assert abs(q.nf4 - linear * (0.5 + 2 / 64) / 8) < 1e6, (q.nf4, linear)
+    assert abs(q.frozen - (embed + 65 * 4096) * 2 / 8) < 1e5
+    assert q.model_state < 0.32 * bf.model_state  # the bf16 embedding (1 B of the 8 B parameters) stays
+    staging = [s for s in q.slots if s.kind == "weight" and s.staging_bytes]
+    assert staging and "frozen NF4 shard" in q.format()

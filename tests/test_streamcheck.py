@@ -13,6 +13,7 @@ from dist_utils import run_ranks
 from models import Stack, batch, loss_of, tiny_llama
 from yafsdp import comm
 from yafsdp.streamcheck import StreamChecker, StreamProtocolError
+from yafsdp.trace import span
 
 # name -> options: kind llama|stack, zero, bf16, opt (fused_adamw | adamw | torch_fused), accum, ckpt,
 # tie, vocab (outsized embedding/head), eval (a no-grad forward after each step), sd (full/load state
@@ -29,6 +30,11 @@ CASES = {
     # layers (released after both the gate and that node), a frozen norm in the small group
     "z3_bf16_frozen": dict(zero=3, bf16=True, opt="fused_adamw", accum=2, eval=True,
                            freeze=("q_proj", "k_proj", "lm_head", "model.norm")),
+    # NF4 groups: frozen mlp and q/k quantized, gathered compact into the staging areas and expanded
+    # on the comm stream before `ready` (comm.py [Note: expanding a compact gather]); ZeRO-3 re-gathers
+    # them for backward into the same two buffers, with a state-dict round trip between steps
+    "z3_bf16_nf4": dict(zero=3, bf16=True, opt="fused_adamw", accum=2, eval=True, sd=True, nf4=True,
+                        freeze=("q_proj", "k_proj", "mlp", "lm_head")),
 }
 
 
@@ -63,9 +69,11 @@ def _run_case(rank, case, steps=3):
             module, units=units, zero_stage=case.get("zero", 3),
             param_dtype=torch.bfloat16 if case.get("bf16") else None,
             reduce_dtype=torch.bfloat16 if case.get("reduce_bf16") else torch.float32,
+            quantize_frozen="nf4" if case.get("nf4") else None,
         )
         assert isinstance(model.schedule, comm.StreamSchedule)
-        assert ("frozen" in model.owned_tensors()) == bool(case.get("freeze"))
+        assert ("nf4" in model.owned_tensors()) == bool(case.get("nf4"))
+        assert ("frozen" in model.owned_tensors() or "nf4" in model.owned_tensors()) == bool(case.get("freeze"))
         opt = _optimizer(case.get("opt", "adamw"), model.parameters())
         chk.watch(model)
         losses = []
@@ -88,9 +96,12 @@ def _run_case(rank, case, steps=3):
     # Every kernel of a gather or a reduce (the collective, and the fold behind a reduce) runs on
     # the comm stream, and nothing else does.
     kernels = [entry[1:4] for entry in chk.log if entry[0] == "kernel"]  # (stream, op, label)
+    comm_labels = ("yafsdp.gather", "yafsdp.reduce", "yafsdp.expand")
     comm_side = [(stream, op, label) for stream, op, label in kernels
-                 if label.startswith(("yafsdp.gather", "yafsdp.reduce")) or stream == "comm"]
-    stray = [k for k in comm_side if k[0] != "comm" or not k[2].startswith(("yafsdp.gather", "yafsdp.reduce"))]
+                 if label.startswith(comm_labels) or stream == "comm"]
+    stray = [k for k in comm_side if k[0] != "comm" or not k[2].startswith(comm_labels)]
+    if case.get("nf4"):  # the expand kernel ran, on the comm stream
+        assert any(op == "yafsdp.nf4_expand_" and stream == "comm" for stream, op, _ in kernels)
     assert any(op.startswith("c10d.") for _, op, _ in comm_side) and not stray, stray[:5]
     return chk.report(), [str(r) for r in chk.races], chk.kernels, losses
 
@@ -126,6 +137,16 @@ def _drop_edge(edge: str):
         comm.StreamSchedule.wait_gathered = lambda self, sync: None
     elif edge == "wait_reduced":
         comm.StreamSchedule.wait_reduced = lambda self, sync: None
+    elif edge == "expand_after_ready":  # the NF4 expand issued after the gather's `ready` point
+        orig_gather = comm.StreamSchedule.gather
+
+        def gather(self, sync, out, shard, unit, expand=None):
+            orig_gather(self, sync, out, shard, unit)
+            if expand is not None:
+                with self.streams.use(self.comm), span("expand", unit):
+                    expand()
+
+        comm.StreamSchedule.gather = gather
     else:
         raise ValueError(edge)
 
@@ -137,6 +158,8 @@ FAULTS = {
     "released": (dict(zero=3, opt="adamw"), "weight", ("c10d._allgather_base_",)),
     "wait_gathered": (dict(zero=3, opt="adamw"), "weight", ("c10d._allgather_base_",)),
     "wait_reduced": (dict(zero=3, opt="adamw", accum=2), "grad", ("c10d.reduce_scatter",)),
+    "expand_after_ready": (dict(zero=3, bf16=True, opt="adamw", nf4=True, freeze=("mlp",)), "weight",
+                           ("yafsdp.nf4_expand_",)),
 }
 
 

@@ -1,5 +1,5 @@
-"""Allocation of a runtime's tensors: every unit's shards (one master, one grad, one compute-copy and
-one frozen tensor for all units), the public shard registrations, and the weight and grad buffers
+"""Allocation of a runtime's tensors: every unit's shards (one master, one grad, one compute-copy,
+one frozen and one NF4 tensor for all units), the public shard registrations, and the weight and grad buffers
 the plan sizes. Called once, by ``Runtime.__init__``; ``self`` is that runtime."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import shards
+from . import nf4, shards
 from .buffers import GradBuffer, WeightBuffer
 from .flat import alias
 from .plan.sizing import plan_buffers
@@ -33,10 +33,16 @@ def allocate(self, outsized_ratio: float) -> None:
     )
     # 1-D param_dtype: every frozen group's shard end to end, stored only in param_dtype (it is
     # its own all-gather input; no master, no grad, no optimizer state).
-    frozen_total = sum(g.layout.shard_numel for u in self.all for g in u.groups if not g.kind.reduced)
+    frozen_total = sum(g.layout.shard_numel for u in self.all for g in u.groups
+                       if not g.kind.reduced and g.kind.compact is None)
     self.frozen_store = torch.zeros(frozen_total, dtype=self.compute_dtype, device=dev)
+    # 1-D uint8: every NF4 group's shard (one byte record each: packed codes, then block scales)
+    # end to end; the record is its own all-gather input. See [Note: NF4 frozen groups] in nf4.py.
+    nf4_total = sum(u.shape.nf4_record for u in self.all)
+    self.nf4_store = torch.zeros(nf4_total, dtype=torch.uint8, device=dev)
+    codebook = nf4.codebook(self.compute_dtype, dev) if nf4_total else None
     self.flat = nn.Module()  # holds the flat master shards as registered parameters
-    off = foff = 0
+    off = foff = qoff = 0
     for u in self.all:
         u.anchor = torch.empty(0, device=dev, requires_grad=True)
         attr = u.name.replace(".", "_")
@@ -50,6 +56,11 @@ def allocate(self, outsized_ratio: float) -> None:
                 if self.compute is not self.master:
                     shards.set_copy_out(g.shard, g.compute, _copy_written_cb(self, g))
                 name, off = f"flat.{attr}", off + n
+            elif g.kind.compact is not None:
+                rec = u.shape.nf4_record
+                g.shard = g.compute = alias(self.nf4_store, qoff, (rec,))
+                g.codebook = codebook
+                name, qoff = f"nf4.{attr}", qoff + rec
             else:
                 g.shard = g.compute = alias(self.frozen_store, foff, (n,))
                 name, foff = f"frozen.{attr}", foff + n
@@ -58,6 +69,7 @@ def allocate(self, outsized_ratio: float) -> None:
                 param_shapes=[tuple(p.shape) for p in g.params], param_offsets=[p.offset for p in g.params],
                 numel=g.layout.numel, padded_numel=g.layout.padded_numel, shard_start=g.layout.shard_start,
                 shard_numel=n, param_ref=weakref.ref(g.shard),
+                values_dtype=g.kind.gather_dtype if g.kind.compact is not None else None,
             ))
 
     # Buffer sizes come from the plan, so yafsdp.plan can report them without allocating.
@@ -72,7 +84,7 @@ def allocate(self, outsized_ratio: float) -> None:
         GradBuffer(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule) for s in plan.grad
     ]
     self.weight_buffers: list[WeightBuffer] = [
-        WeightBuffer(s.name, s.capacity, s.dtype, dev, self.schedule) for s in plan.weight
+        WeightBuffer(s.name, s.capacity, s.dtype, dev, self.schedule, s.staging_bytes) for s in plan.weight
     ]
     for u, w, g in zip(self.all, plan.weight_of, plan.grad_of):
         u.buffer, u.grad_buffer = self.weight_buffers[w], (self.grad_buffers[g] if g >= 0 else None)

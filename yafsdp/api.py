@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import collectives, shards
+from . import collectives, nf4, shards
 import sys
 
 from .autograd import gate_small_group, install_hooks
@@ -42,8 +42,10 @@ class YaFSDP(nn.Module):
         device: torch.device | str | None = None,
         align_bytes: int = 16,
         outsized_ratio: float = 1.5,
+        quantize_frozen: str | None = None,
     ):
         super().__init__()
+        quantize_frozen = nf4.check_format(quantize_frozen)
         if zero_stage not in (2, 3):
             raise ValueError(f"yafsdp.YaFSDP: zero_stage={zero_stage!r} is not supported; use 2 or 3")
         for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
@@ -79,7 +81,17 @@ class YaFSDP(nn.Module):
             specs, small, schedule=self.schedule, group=group, world_size=self.world_size, rank=self.rank, device=self.device,
             compute_dtype=self.compute_dtype, reduce_dtype=reduce_dtype, zero_stage=zero_stage,
             align=unit_align(self.compute_dtype, reduce_dtype, align_bytes), outsized_ratio=outsized_ratio,
+            quantize_frozen=quantize_frozen,
         )
+        self.quantize_frozen = quantize_frozen
+        if quantize_frozen is not None and not any(g.kind.compact for u in self._rt.all for g in u.groups):
+            import warnings
+
+            warnings.warn(
+                f"yafsdp.YaFSDP: quantize_frozen={quantize_frozen!r} found no frozen nn.Linear weight to quantize "
+                "(it takes 2-D weights of nn.Linear modules with requires_grad=False at wrap time and a multiple of "
+                "64 elements); nothing is stored in 4 bits. Freeze the base before wrapping (peft.get_peft_model "
+                "does), or drop quantize_frozen", UserWarning, stacklevel=2)
         self.flat = self._rt.flat  # the flat master shards, registered as this module's parameters
         self.module = module
         mark_wrapped(module)
@@ -346,6 +358,7 @@ class YaFSDP(nn.Module):
         out = {k: t.numel() * t.element_size() for k, t in self.owned_tensors().items()}
         out.setdefault("compute_copy", 0)
         out.setdefault("frozen", 0)
+        out.setdefault("nf4", 0)
         return out
 
 

@@ -19,6 +19,7 @@ ordering state in ``sync`` (CUDA: events; gloo: the pending work handle). See
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -33,11 +34,15 @@ class BufferInUse(RuntimeError):
 class WeightBuffer:
     """One weight buffer (1-D, ``param_dtype``, ``capacity`` elements) and its owner."""
 
-    def __init__(self, name: str, capacity: int, dtype: torch.dtype, device: torch.device, schedule):
+    def __init__(self, name: str, capacity: int, dtype: torch.dtype, device: torch.device, schedule,
+                 staging_bytes: int = 0):
         self.name = name
         # Gathered weights of the owner unit; allocated once, never resized. The units'
         # parameters during forward/backward alias this storage.
         self.data = torch.zeros(capacity, dtype=dtype, device=device)
+        # Compact (NF4) gathers land here, then expand into data: see [Note: the compact staging
+        # area] in plan/sizing.py. Empty when no unit of this buffer has a compact group.
+        self.staging = torch.zeros(staging_bytes, dtype=torch.uint8, device=device)
         self.schedule = schedule
         self.sync = schedule.weight_sync()  # the schedule's ordering state for this buffer
         self.owner = None  # the Unit whose gathered data is (or is being) in the buffer
@@ -65,7 +70,13 @@ class WeightBuffer:
         self.owner, self.owner_version = unit, unit.version
         for g in unit.groups:
             out = self.data[g.buffer_offset:g.buffer_offset + g.layout.padded_numel]
-            self.schedule.gather(self.sync, out, g.compute, unit.name)
+            if g.kind.compact is None:
+                self.schedule.gather(self.sync, out, g.compute, unit.name)
+                self.schedule.gathered[g.kind.name] += out.numel() * out.element_size()
+            else:  # the records into the staging area, then the expand: [Note: expanding a compact gather]
+                staging = self.staging[:g.staging_bytes]
+                self.schedule.gather(self.sync, staging, g.compute, unit.name, functools.partial(g.expand, out, staging))
+                self.schedule.gathered[g.kind.name] += g.staging_bytes
 
     def prefetch(self, unit) -> None:
         """Gather ``unit`` ahead of its use: now if the buffer is free, else at its release."""

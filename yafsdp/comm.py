@@ -32,6 +32,10 @@ Which stream every kernel of the CUDA schedule runs on, and why:
   On torch < 2.8 a synchronous call still orders its internal stream before and after against
   the current one, so the schedule stays correct there, only with those hops.)
 
+A compact (NF4) group's expand kernel (records in the staging area -> values in the weight
+buffer) runs on the comm stream too, right behind its all-gather and before ``ready``: see
+[Note: expanding a compact gather].
+
 Events, each recorded at the point that defines it (never only "when some work happened"):
 
 - ``copies_ready`` (one): recorded on the compute stream whenever the compute copies changed
@@ -45,9 +49,31 @@ Events, each recorded at the point that defines it (never only "when some work h
   the fp32 grad shards is the last kernel before each, so the optimizer reads folded shards.
   (No blanket wait on the comm stream: a gather still in flight there, prefetched for a unit
   that is used later, is waited on through its own ``ready``.)
+
+[Note: expanding a compact gather]
+A compact group (``nf4``) is gathered as bytes into its weight buffer's staging area; one kernel
+then writes its values into the group's place in the buffer. The expand is part of the gather: it
+runs after the gather's data has landed and before anything may read the buffer, so consumers
+are unchanged (they wait for ``ready`` / the handle and find ``param_dtype`` values).
+
+- CUDA: on the comm stream, right after the all-gather, before ``ready`` is recorded. So the
+  staging area is touched by the comm stream only (the gather writes it, the expand reads it, in
+  stream order; the next gather into the same buffer, hence the same staging, comes later on that
+  stream), and the buffer's values are written by the comm stream only, after ``released`` as
+  before: no new event, and the compute stream does not pay for the expand (it overlaps compute
+  like the gather itself). The price: a collective queued behind it on the comm stream starts
+  later by the expand's time (bandwidth-bound, ~2.5 bytes of traffic per parameter in bf16: about
+  0.2 ms for a 200 M-parameter layer on an H100, small against that layer's gather). Expanding on
+  the compute stream instead would put the same time on the critical path of every forward and
+  backward use, and need a record of "already expanded" per gather, since a gathered unit is
+  waited for by several uses.
+- gloo: the expand runs where the gather is waited for (``wait_gathered``, on the host, like the
+  fold of a reduce at its wait): after the handle's ``wait()``, before the compute side proceeds.
+  A gather into a buffer first waits for (and expands) the previous one into it.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Callable
 
@@ -114,13 +140,14 @@ def use_stream_api(api: StreamAPI):
 class _WeightSync:
     """Ordering state of one weight buffer (see the concrete schedules)."""
 
-    __slots__ = ("ready", "released", "work", "unit")
+    __slots__ = ("ready", "released", "work", "unit", "expand")
 
     def __init__(self, ready=None, released=None):
         self.ready = ready  # stream: event recorded on comm after the gather
         self.released = released  # stream: event recorded on compute when the owner's use ends
         self.work = None  # handles: the gather's pending work
         self.unit = ""  # handles: the unit of that gather (for error messages)
+        self.expand = None  # handles: the compact gather's expand, run at the wait
 
 
 class _GradSync:
@@ -141,6 +168,9 @@ class Schedule:
     """
 
     recorder = None  # a yafsdp.trace.Recorder, or None
+    # Bytes each rank received from all-gathers of the step protocol, by flat-group kind
+    # ("trainable", "frozen", "nf4"): the all-gather outputs' sizes (reset it to measure a window)
+    gathered: collections.Counter
 
     def weight_sync(self) -> _WeightSync:
         raise NotImplementedError
@@ -151,8 +181,11 @@ class Schedule:
     def copies_written(self) -> None:
         """The compute copies (all-gather inputs) were just written on the compute side."""
 
-    def gather(self, sync: _WeightSync, out: torch.Tensor, shard: torch.Tensor, unit: str) -> None:
-        """Issue the all-gather of ``shard`` into ``out`` (a weight buffer's storage)."""
+    def gather(self, sync: _WeightSync, out: torch.Tensor, shard: torch.Tensor, unit: str,
+               expand: Callable[[], None] | None = None) -> None:
+        """Issue the all-gather of ``shard`` into ``out`` (a weight buffer's storage or staging
+        area); ``expand()``, when given, runs after it has landed and before the buffer counts as
+        gathered (see [Note: expanding a compact gather])."""
         raise NotImplementedError
 
     def wait_gathered(self, sync: _WeightSync) -> None:
@@ -188,6 +221,7 @@ class StreamSchedule(Schedule):
         self.comm = streams.new_stream(priority=-1)
         # Recorded on the compute stream each time the compute copies change; gathers wait on it.
         self.copies_ready = streams.new_event()
+        self.gathered = collections.Counter()
 
     def weight_sync(self) -> _WeightSync:
         return _WeightSync(ready=self.streams.new_event(), released=self.streams.new_event())
@@ -204,12 +238,15 @@ class StreamSchedule(Schedule):
             return contextlib.nullcontext()
         return _StreamTiming(rec, kind, unit, self.comm)
 
-    def gather(self, sync, out, shard, unit):
+    def gather(self, sync, out, shard, unit, expand=None):
         with span("gather", unit), self.streams.use(self.comm):
             self.comm.wait_event(sync.released)
             self.comm.wait_event(self.copies_ready)
             with self._timed("gather", unit):
                 all_gather(out, shard, self.group, async_op=False)  # on the comm stream (torch >= 2.8)
+            if expand is not None:  # See [Note: expanding a compact gather]
+                with span("expand", unit):
+                    expand()
             sync.ready.record(self.comm)
 
     def wait_gathered(self, sync):
@@ -249,6 +286,7 @@ class HandleSchedule(Schedule):
 
     def __init__(self, group):
         self.group = group
+        self.gathered = collections.Counter()
 
     def weight_sync(self) -> _WeightSync:
         return _WeightSync()
@@ -256,13 +294,14 @@ class HandleSchedule(Schedule):
     def grad_sync(self) -> _GradSync:
         return _GradSync()
 
-    def gather(self, sync, out, shard, unit):
-        self.wait_gathered(sync)  # a previous gather into this buffer must land first
+    def gather(self, sync, out, shard, unit, expand=None):
+        self.wait_gathered(sync)  # a previous gather into this buffer must land (and expand) first
         rec = self.recorder
         with span("gather", unit):
             t = rec.now() if rec else None  # before the issuing call, which may itself move data
             sync.work = all_gather(out, shard, self.group, async_op=True)
             sync.unit = unit
+            sync.expand = expand
             if rec:
                 rec.comm("gather", unit, sync.work, issued=t)
 
@@ -270,6 +309,10 @@ class HandleSchedule(Schedule):
         if sync.work is not None:
             work, sync.work = sync.work, None
             _wait(work, "gather", sync.unit)
+            expand, sync.expand = sync.expand, None
+            if expand is not None:  # See [Note: expanding a compact gather]
+                with span("expand", sync.unit):
+                    expand()
 
     def reduce(self, sync, out, full, unit, fold):
         rec = self.recorder
@@ -325,9 +368,9 @@ class CheckedSchedule:
     def __getattr__(self, name):
         return getattr(self.__dict__["inner"], name)
 
-    def gather(self, sync, out, shard, unit):
+    def gather(self, sync, out, shard, unit, expand=None):
         check_collective(f"gather of unit {unit!r}", self.group)
-        self.inner.gather(sync, out, shard, unit)
+        self.inner.gather(sync, out, shard, unit, expand)
 
     def reduce(self, sync, out, full, unit, fold):
         check_collective(f"reduce-scatter of unit {unit!r}", self.group)

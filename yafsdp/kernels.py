@@ -6,7 +6,9 @@ The engine and :class:`yafsdp.FusedAdamW` call only the functions below:
   compute copy, the all-gather input; reduce output * 1/world -> a fresh fp32 grad shard),
 - :func:`accumulate_` — ``dst += src * scale`` (reduce-scatter output -> fp32 grad shard),
 - :func:`adamw_step_` — one fused AdamW step over a flat fp32 buffer, optionally writing the
-  updated param's ``param_dtype`` copy in the same pass.
+  updated param's ``param_dtype`` copy in the same pass,
+- :func:`nf4_expand_` — a gathered NF4 group (every rank's byte record of packed codes and block
+  scales) -> its ``param_dtype`` values in the weight buffer (see [Note: NF4 frozen groups] in nf4.py).
 
 Each dispatches to the compiled extension (``torch.ops.yafsdp.*``: ``yafsdp._C`` for the CPU,
 ``yafsdp._C_cuda`` for CUDA, built from ``csrc/``) when it is built for the tensor's device and
@@ -43,6 +45,8 @@ __all__ = [
     "cast_reference",
     "accumulate_reference",
     "adamw_step_reference",
+    "nf4_expand_",
+    "nf4_expand_reference",
 ]
 
 log = logging.getLogger(__name__)
@@ -324,3 +328,39 @@ def adamw_step_(
         weight_decay=weight_decay, eps=eps, copy_out=copy_out, exact=False,
     )
     return False
+
+
+# ---------------------------------------------------------------------------
+# nf4_expand_: gathered NF4 records -> param_dtype values (see nf4.py)
+# ---------------------------------------------------------------------------
+
+
+def nf4_expand_reference(out: torch.Tensor, staging: torch.Tensor, codebook: torch.Tensor,
+                         shard_numel: int) -> torch.Tensor:
+    """Twin of :func:`nf4_expand_`: ``codebook[code] * scale`` in ``out.dtype``, record by record."""
+    from .nf4 import BLOCK, record_bytes
+
+    world = out.numel() // shard_numel
+    rec = staging.view(world, record_bytes(shard_numel, out.dtype))
+    half = shard_numel // 2
+    data = rec[:, :half]
+    scales = rec[:, half:].contiguous().view(out.dtype).view(world, shard_numel // BLOCK, 1)
+    levels = torch.stack([codebook[(data >> 4).long()], codebook[(data & 15).long()]], dim=-1)
+    with torch.no_grad():
+        out.view(world, shard_numel // BLOCK, BLOCK).copy_(levels.view(world, -1, BLOCK) * scales)
+    return out
+
+
+def nf4_expand_(out: torch.Tensor, staging: torch.Tensor, codebook: torch.Tensor, shard_numel: int) -> torch.Tensor:
+    """``out`` (1-D, ``world * shard_numel`` elements of float32/bfloat16/float16) <- the NF4 group
+    of ``world`` byte records laid end to end in ``staging`` (1-D uint8); ``codebook``: the 16 levels
+    in ``out.dtype`` on its device. See [Note: NF4 shard records] in csrc/common.h."""
+    if (
+        out.device.type in _EXT_DEVICES
+        and out.is_contiguous() and out.dtype in _KERNEL_DTYPES
+        and staging.is_contiguous() and staging.dtype == torch.uint8 and staging.device == out.device
+        and codebook.dtype == out.dtype and codebook.device == out.device
+    ):
+        _ops.nf4_expand_.default(out, staging, codebook, int(shard_numel))
+        return out
+    return nf4_expand_reference(out, staging, codebook, shard_numel)

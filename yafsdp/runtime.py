@@ -38,7 +38,7 @@ from .alloc import allocate
 from .comm import Schedule
 from .plan.sizing import unit_shape
 from .trace import span
-from .unit import FlatGroup, Phase, Unit, frozen_kind, trainable_kind
+from .unit import FlatGroup, Phase, Unit, frozen_kind, nf4_kind, trainable_kind
 from .units import UnitSpec, weight_free_backward
 
 __all__ = ["Runtime", "BackwardUse", "in_backward"]
@@ -67,7 +67,7 @@ class Runtime:
 
     def __init__(self, specs: list[UnitSpec], small: list, *, schedule: Schedule, group, world_size: int, rank: int,
                  device: torch.device, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, zero_stage: int,
-                 align: int, outsized_ratio: float):
+                 align: int, outsized_ratio: float, quantize_frozen: str | None = None):
         self.schedule = schedule
         self.group = group  # every data-parallel rank (the usage agreement of unused.py runs over it)
         self.world_size = world_size
@@ -75,15 +75,19 @@ class Runtime:
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.zero_stage = zero_stage
-        kinds = (trainable_kind(compute_dtype), frozen_kind(compute_dtype))
+        self.quantize_frozen = quantize_frozen  # "nf4" or None: see [Note: NF4 frozen groups] in nf4.py
+        kinds = (trainable_kind(compute_dtype), frozen_kind(compute_dtype), nf4_kind(compute_dtype))
+        quantize = compute_dtype if quantize_frozen is not None else None
 
         def unit(name, index, params, members):
-            shape = unit_shape(params, world_size, rank, align)  # the same split the plan makes
+            shape = unit_shape(params, world_size, rank, align, quantize)  # the same split the plan makes
             groups, offset = [], 0
-            for kind, lay in zip(kinds, (shape.trainable, shape.frozen)):
+            for kind, lay in zip(kinds, (shape.trainable, shape.frozen, shape.nf4)):
                 if lay is not None:
                     groups.append(FlatGroup(kind, lay, buffer_offset=offset))
                     offset += lay.padded_numel
+                    if kind.compact is not None:
+                        groups[-1].staging_bytes = shape.staging_bytes
             u = Unit(name, index, groups, members, list(params))
             u.shape = shape
             return u
@@ -112,8 +116,12 @@ class Runtime:
             out["compute_copy"] = self.compute
         if self.frozen_store.numel():
             out["frozen"] = self.frozen_store
+        if self.nf4_store.numel():
+            out["nf4"] = self.nf4_store
         for s in self.weight_buffers:
             out[s.name] = s.data
+            if s.staging.numel():
+                out[s.name + "_staging"] = s.staging
         for s in self.grad_buffers:
             out[s.name] = s.data
             out[s.name + "_staging"] = s.staging

@@ -28,7 +28,7 @@ class ShardInfo:
 
     name: str  # as named by YaFSDP.named_parameters(), e.g. "flat.model_layers_0"
     unit: str  # the unit's name (its module path, or "small_group")
-    kind: str  # the flat group's kind ("trainable")
+    kind: str  # the flat group's kind: "trainable", "frozen" or "nf4"
     param_names: list[str]  # the original parameters inside, in layout order
     param_shapes: list[tuple[int, ...]]  # their shapes
     param_offsets: list[int]  # where each starts in the flat layout (elements)
@@ -37,6 +37,10 @@ class ShardInfo:
     shard_start: int  # this rank's slice: [shard_start, shard_start + shard_numel)
     shard_numel: int
     param_ref: weakref.ref = field(repr=False)  # the shard itself, weakly (the registry keeps nothing alive)
+    # Compact groups (kind "nf4"): the dtype of the values the shard encodes. Its ``param`` is then
+    # not shard_numel values but this rank's byte record of them (yafsdp.nf4.split_record: packed
+    # 4-bit codes, then one scale of this dtype per 64 elements). None for plain shards.
+    values_dtype: torch.dtype | None = None
 
     @property
     def param(self) -> torch.Tensor:
@@ -49,7 +53,7 @@ class ShardInfo:
     @property
     def key(self) -> str:
         """A name unique among the model's shards: the unit's for its trainable group, ``<unit>.frozen``
-        for its frozen group (checkpoint entries use it)."""
+        / ``<unit>.nf4`` for its frozen / NF4 group (checkpoint entries use it)."""
         return self.unit if self.kind == "trainable" else f"{self.unit}.{self.kind}"
 
 

@@ -5,7 +5,8 @@ that wrap-time materialisation and loads share.
 original ``module.state_dict()`` refers to: a parameter (a ``ParamInfo`` of some unit) or a buffer
 (module, name). Rank 0 flattens each flat group's values into its padded layout in fp32 scratch,
 scatters it over the group (``scatter_group``) and every rank's shard receives its slice (a
-frozen shard rounded to ``param_dtype``);
+frozen shard rounded to ``param_dtype``; an NF4 shard rounded, then quantized by its own rank);
+``gather_full`` gives an NF4 group's dequantized values (what the model computes with);
 module buffers are broadcast from rank 0 (``broadcast_buffers``).
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import collectives
+from . import collectives, nf4
 from .dist import check_collective, raise_together, source_rank
 from .flat import ParamInfo
 from .runtime import Runtime
@@ -90,7 +91,10 @@ def scatter_group(rt: Runtime, g: FlatGroup, full: torch.Tensor | None, group, r
     out = torch.empty(g.layout.shard_numel, dtype=torch.float32, device=rt.device)
     chunks = list(full.chunk(world)) if rank == 0 else None
     collectives.scatter(out, chunks, source_rank(group), group)
-    g.shard.detach().copy_(out)  # bumps the shard's version: its compute copy is now stale
+    if g.kind.compact is not None:  # each rank quantizes its own slice: [Note: NF4 frozen groups]
+        nf4.quantize_into(g.shard.detach(), out.to(g.kind.gather_dtype))  # bumps the record's version
+    else:
+        g.shard.detach().copy_(out)  # bumps the shard's version: its compute copy is now stale
 
 
 def _broadcast_buffer(b: torch.Tensor, group) -> None:
@@ -142,9 +146,15 @@ def gather_full(rt: Runtime, keys: StateDictKeys, group, rank: int) -> dict[str,
     for u in rt.all:
         for g in u.groups:
             shard = g.shard.detach()
-            full = (rt.fp32_scratch(u, g) if shard.dtype == torch.float32
-                    else torch.empty(g.layout.padded_numel, dtype=shard.dtype, device=rt.device))
-            all_gather(full, shard, group, async_op=False)
+            if g.kind.compact is not None:  # the records, expanded: the values the model computes with
+                records = torch.empty(g.staging_bytes, dtype=torch.uint8, device=rt.device)
+                all_gather(records, shard, group, async_op=False)
+                full = nf4.dequantize_record(records, g.layout.shard_numel, g.kind.gather_dtype)
+                del records
+            else:
+                full = (rt.fp32_scratch(u, g) if shard.dtype == torch.float32
+                        else torch.empty(g.layout.padded_numel, dtype=shard.dtype, device=rt.device))
+                all_gather(full, shard, group, async_op=False)
             if rank == 0:
                 for p, v in zip(g.params, g.layout.views(full)):
                     values[id(p)] = v.to("cpu", p.dtype, copy=True)

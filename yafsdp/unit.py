@@ -7,9 +7,13 @@ whether it is reduced (has a grad shard, a reduce-scatter and optimizer state). 
 unit has up to two groups: ``trainable`` (fp32 master shard, gathered in ``param_dtype``, reduced)
 and ``frozen`` (the parameters with ``requires_grad=False`` at wrap time: stored only in
 ``param_dtype`` — the shard is its own all-gather input — gathered for use, never reduced, no grad
-shard, no optimizer state), laid one after the other in the unit's weight buffer. Compact storage
-(4-bit or fp8 shards gathered compact and expanded into the weight buffer) is a further kind to
-come: a new kind adds a group, not a branch.
+shard, no optimizer state), laid one after the other in the unit's weight buffer. A third kind is
+*compact*: ``nf4`` (``YaFSDP(quantize_frozen="nf4")``), frozen ``nn.Linear`` weights stored as 4-bit
+codes + block scales (a byte record per rank), gathered compact into the weight buffer's staging
+area and expanded by one kernel into the group's place in the buffer, after the other two
+([Note: NF4 frozen groups] in nf4.py). Whatever the kind, the modules see ``gather_dtype`` views of
+the weight buffer; what differs is only what the gather moves and what runs after it
+(``FlatGroup.expand``). A new kind adds a group, not a branch.
 """
 from __future__ import annotations
 
@@ -19,10 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import kernels
 from .flat import FlatLayout, ParamInfo
 from .units import Member
 
-__all__ = ["GroupKind", "FlatGroup", "Unit", "Phase", "trainable_kind", "frozen_kind"]
+__all__ = ["GroupKind", "FlatGroup", "Unit", "Phase", "trainable_kind", "frozen_kind", "nf4_kind"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,7 @@ class GroupKind:
     storage_dtype: torch.dtype  # the shard as kept on this rank (the fp32 master for trainable groups)
     gather_dtype: torch.dtype  # the all-gather input and the weight buffer's dtype
     reduced: bool  # gradients are reduce-scattered into a grad shard and stepped by the optimizer
+    compact: str | None = None  # a compact storage format ("nf4"): gathered as bytes, then expanded
 
 
 def trainable_kind(compute_dtype: torch.dtype) -> GroupKind:
@@ -41,6 +47,10 @@ def trainable_kind(compute_dtype: torch.dtype) -> GroupKind:
 
 def frozen_kind(compute_dtype: torch.dtype) -> GroupKind:
     return GroupKind("frozen", compute_dtype, compute_dtype, reduced=False)
+
+
+def nf4_kind(compute_dtype: torch.dtype) -> GroupKind:
+    return GroupKind("nf4", torch.uint8, compute_dtype, reduced=False, compact="nf4")
 
 
 class FlatGroup:
@@ -57,6 +67,15 @@ class FlatGroup:
         self.grad_shard: torch.Tensor | None = None  # 1-D fp32, the shard's .grad storage (reduced groups)
         self.compute: torch.Tensor | None = None  # 1-D gather_dtype, the all-gather input (frozen: the shard)
         self.cast_version = -1  # shard._version when the compute copy was last written
+        # compact groups: bytes of the gathered records (world x one rank's record), and the
+        # 16 levels in gather_dtype on the device (read by the expand kernel)
+        self.staging_bytes = 0
+        self.codebook: torch.Tensor | None = None
+
+    def expand(self, out: torch.Tensor, staging: torch.Tensor) -> None:
+        """A compact group's gathered records (``staging``) -> its values in ``out`` (its place in
+        the weight buffer). See [Note: expanding a compact gather] in comm.py."""
+        kernels.nf4_expand_(out, staging, self.codebook, self.layout.shard_numel)
 
     @property
     def stale(self) -> bool:
@@ -82,7 +101,7 @@ class Unit:
                  params: list[ParamInfo]):
         self.name = name
         self.index = index
-        self.groups = groups  # See [Note: unit groups]: the trainable group first, then the frozen one
+        self.groups = groups  # See [Note: unit groups]: trainable, frozen, nf4 (those the unit has), in that order
         self.members = members
         self.params = params  # every parameter, in the order the members' assignments index them
         self.group_of = {id(p): g for g in groups for p in g.params}

@@ -375,6 +375,10 @@ class Job:
         with meta_parameters():
             return LlamaForCausalLM(self.config)
 
+    def wrap_options(self) -> dict:
+        """Extra ``yafsdp.YaFSDP`` options of a derived job (the LoRA job's ``--qlora``: quantize_frozen)."""
+        return {}
+
     def build(self):
         """The model from ``make_model``, wrapped, and its optimizer."""
         a = self.args
@@ -385,7 +389,8 @@ class Job:
         self.n_params = sum(p.numel() for p in model.parameters())
         bf16 = a.bf16 if a.bf16 is not None else self.device.type == "cuda"
         self.param_dtype = torch.bfloat16 if bf16 else None
-        self.model = yafsdp.YaFSDP(model, param_dtype=self.param_dtype, zero_stage=a.zero_stage, device=self.device)
+        self.model = yafsdp.YaFSDP(model, param_dtype=self.param_dtype, zero_stage=a.zero_stage, device=self.device,
+                                   **self.wrap_options())
         if a.compile:
             self.model.compile_units()
         self.opt, self.opt_name = make_optimizer(self.model, a, self.device)

@@ -17,7 +17,8 @@ Layout on disk (``root`` is shared by all ranks; on several nodes it must be a s
 
 [Note: what a checkpoint holds]
 Each flat unit is saved as one 1-D tensor of its *unpadded* length ``numel``, named
-``model.<unit>``. A rank contributes the part of its master shard that lies below ``numel`` (a
+``model.<unit>`` (an NF4 group: its packed codes and its scales, two such tensors; see
+``_model_entries``). A rank contributes the part of its master shard that lies below ``numel`` (a
 DCP chunk at offset ``shard_start``); padding is never saved. Because the first ``numel``
 elements of a flat unit are laid out the same for every world size, a checkpoint written by N
 ranks loads on M ranks: DCP reads, for each rank, the byte ranges of the saved chunks that
@@ -97,6 +98,43 @@ def _flat_shard(info, tensor: torch.Tensor) -> FlatShard:
     """The part of this rank's shard (``info``: a yafsdp.shards.ShardInfo) below the unpadded length."""
     valid = max(0, min(info.shard_numel, info.numel - info.shard_start))
     return FlatShard(tensor[:valid], min(info.shard_start, info.numel), info.numel)
+
+
+def _model_entries(model) -> dict[str, FlatShard]:
+    """The DCP entries of the model's shards: ``model.<key>`` per flat group; an NF4 group (see
+    [Note: NF4 frozen groups] in yafsdp/nf4.py) as its packed codes ``model.<unit>.nf4`` (uint8,
+    numel/2 bytes) and its scales ``model.<unit>.nf4.scales`` (numel/64), both laid out the same
+    for every world size (blocks start at the group's start), so they reshard like the others."""
+    from .. import nf4
+
+    out = {}
+    for i in model.shard_info():
+        if i.values_dtype is None:
+            out[f"model.{i.key}"] = _flat_shard(i, i.param.detach())
+            continue
+        data, scales = nf4.split_record(i.param.detach(), i.shard_numel, i.values_dtype)
+        valid = max(0, min(i.shard_numel, i.numel - i.shard_start))
+        start = min(i.shard_start, i.numel)
+        out[f"model.{i.key}"] = FlatShard(data[:valid // 2], start // 2, i.numel // 2)
+        out[f"model.{i.key}.scales"] = FlatShard(scales[:valid // nf4.BLOCK], start // nf4.BLOCK,
+                                                 i.numel // nf4.BLOCK)
+    return out
+
+
+def _zero_padding(model, entries: dict) -> None:
+    """After a load: the padding past the loaded part is zero (NF4: a block of zeros, which
+    expands to zeros), whatever was there; bumps each shard's version."""
+    from .. import nf4
+
+    with torch.no_grad():
+        for i in model.shard_info():
+            valid = entries[f"model.{i.key}"].local.numel()
+            if i.values_dtype is None:
+                i.param.detach()[valid:].zero_()
+                continue
+            data, scales = nf4.split_record(i.param.detach(), i.shard_numel, i.values_dtype)
+            data[valid:].fill_(nf4.ZERO_INDEX << 4 | nf4.ZERO_INDEX)
+            scales[entries[f"model.{i.key}.scales"].local.numel():].zero_()
 
 
 def _optimizer_params(model, optimizer) -> list[tuple[Any, Any]]:
@@ -182,9 +220,7 @@ def save_checkpoint(
             problem = f"cannot prepare checkpoint directory {tmp!r}: {describe_os_error(e)}"
     raise_together(problem, group, CheckpointError)
 
-    entries: dict[str, Any] = {}
-    for i in model.shard_info():
-        entries[f"model.{i.key}"] = _flat_shard(i, i.param.detach())
+    entries: dict[str, Any] = dict(_model_entries(model))
     opt_desc = None
     if optimizer is not None:
         opt_entries, opt_desc = _optimizer_entries(model, optimizer)
@@ -342,9 +378,7 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True) ->
     check_compatible(manifest, model, path)
     saved_world = int(manifest["world_size"])
 
-    entries: dict[str, Any] = {}
-    for i in model.shard_info():
-        entries[f"model.{i.key}"] = _flat_shard(i, i.param.detach())
+    entries: dict[str, Any] = dict(_model_entries(model))
     opt_state: dict = {}
     opt_desc = manifest.get("optimizer")
     if optimizer is not None:
@@ -383,10 +417,7 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True) ->
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         raise CheckpointError(f"loading checkpoint {path!r} failed: {_root_cause(e)}") from e
 
-    with torch.no_grad():
-        for i in model.shard_info():  # padding: zero, whatever was there (bumps the shard's version)
-            valid = entries[f"model.{i.key}"].local.numel()
-            i.param.detach()[valid:].zero_()
+    _zero_padding(model, entries)
     model.mark_loaded()
 
     if optimizer is not None:

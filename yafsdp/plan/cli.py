@@ -37,6 +37,10 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
     ap.add_argument("--checkpointing", action="store_true", help="per-layer activation checkpointing")
     ap.add_argument("--attention", default="fused", choices=["fused", "math"],
                     help="fused: what flash/memory-efficient SDPA saves; math: the (seq x seq) probabilities")
+    ap.add_argument("--frozen-base", default="none", choices=["none", "bf16", "nf4"],
+                    help="plan a fine-tuning base: every parameter frozen (no master, grad or optimizer state), "
+                    "stored in param_dtype (bf16) or with its nn.Linear weights in 4-bit NF4 (nf4: "
+                    "quantize_frozen='nf4', QLoRA); adapters are not counted (they are small)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return ap
 
@@ -52,10 +56,13 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
     model = build_llama(a.preset, device="meta")
     if a.batch is not None and a.seq is None:
         a.seq = model.config.max_position_embeddings
+    if a.frozen_base != "none":
+        model.requires_grad_(False)
     plan = memory_plan(
         model, world_size=a.world_size, rank=a.rank, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype,
         zero_stage=a.zero_stage, outsized_ratio=a.outsized_ratio, optimizer=a.optimizer,
         batch=a.batch, seq=a.seq, checkpointing=a.checkpointing, attention=a.attention,
+        quantize_frozen="nf4" if a.frozen_base == "nf4" else None,
     )
     if a.json:
         print(json.dumps(dict(preset=a.preset, **plan.to_dict()), indent=1, default=str))

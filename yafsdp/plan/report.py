@@ -42,6 +42,8 @@ class MemoryPlan:
     compute_copy: int
     optimizer_state: int
     frozen: int = 0  # frozen groups' shards, in param_dtype (no master, grad or optimizer state)
+    nf4: int = 0  # NF4 groups' shards: packed 4-bit codes + block scales (quantize_frozen="nf4")
+    quantize_frozen: str | None = None
     activations: ActivationEstimate | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -73,7 +75,7 @@ class MemoryPlan:
     @property
     def model_state(self) -> int:
         """Sharded state + optimizer state: what the ZeRO paper calls model states."""
-        return self.master + self.grad + self.compute_copy + self.frozen + self.optimizer_state
+        return self.master + self.grad + self.compute_copy + self.frozen + self.nf4 + self.optimizer_state
 
     @property
     def total(self) -> int:
@@ -82,10 +84,13 @@ class MemoryPlan:
 
     def engine_bytes(self) -> dict[str, int]:
         """The same keys and values as ``YaFSDP.allocated_bytes()`` returns once wrapped."""
-        out = {"master": self.master, "grad": self.grad, "compute_copy": self.compute_copy, "frozen": self.frozen}
+        out = {"master": self.master, "grad": self.grad, "compute_copy": self.compute_copy, "frozen": self.frozen,
+               "nf4": self.nf4}
         for s in self.slots:
             if s.kind == "weight":
                 out[s.name] = s.capacity * itemsize(s.dtype)
+                if s.staging_bytes:
+                    out[s.name + "_staging"] = s.staging_bytes
         for s in self.slots:
             if s.kind == "grad":
                 out[s.name] = s.capacity * itemsize(s.dtype)
@@ -100,7 +105,10 @@ class MemoryPlan:
             (f"optimizer state ({self.optimizer})", self.optimizer_state),
             (f"compute copy ({self.param_dtype})", self.compute_copy),
             (f"frozen shard ({self.param_dtype})", self.frozen),
-            ("weight buffers" + (" (per unit, ZeRO-2)" if self.zero_stage == 2 else " (x2)"), self.weight_buffers),
+            *([(f"frozen NF4 shard (4-bit codes + {self.param_dtype} block scales)", self.nf4)]
+              if self.quantize_frozen else []),
+            ("weight buffers" + (" (per unit, ZeRO-2)" if self.zero_stage == 2 else " (x2)")
+             + (" + NF4 staging" if self.quantize_frozen else ""), self.weight_buffers),
             ("grad buffers (x2, + staging)", self.grad_buffers),
             ("small group (weight + grad)", self.small_group),
             ("outsized-unit buffers", self.outsized_buffers),
@@ -181,6 +189,7 @@ def memory_plan(
     checkpointing: bool = False,
     attention: str = "fused",
     inputs_fn=None,
+    quantize_frozen: str | None = None,
 ) -> MemoryPlan:
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
     or a plain module (any device, meta included; nothing is allocated) with the engine options
@@ -199,19 +208,24 @@ def memory_plan(
         world_size, rank = eng.world_size, eng.rank
         compute_dtype, reduce_dtype, zero_stage = eng.compute_dtype, eng.reduce_dtype, eng.zero_stage
         param_dtype = eng.param_dtype
+        quantize_frozen = eng.quantize_frozen
         module = eng.module
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
     else:
         if world_size is None:
             raise ValueError("yafsdp.plan.memory_plan: world_size= is required for a model that is not wrapped")
+        from .. import nf4
+
         param_dtype, reduce_dtype = as_dtype(param_dtype), as_dtype(reduce_dtype)
         compute_dtype = param_dtype or torch.float32
+        quantize_frozen = nf4.check_format(quantize_frozen)
+        quantize = compute_dtype if quantize_frozen else None
         align = unit_align(compute_dtype, reduce_dtype, align_bytes)
         specs, small_params = discover(model, units)
         names = [s.name for s in specs]
         weight_free = [weight_free_backward(s) for s in specs]
-        layouts = [unit_shape(s.params, world_size, rank, align) for s in specs]
-        small = unit_shape(small_params, world_size, rank, align) if small_params else None
+        layouts = [unit_shape(s.params, world_size, rank, align, quantize) for s in specs]
+        small = unit_shape(small_params, world_size, rank, align, quantize) if small_params else None
         slots = plan_buffers(
             names, layouts, small, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
             zero_stage=zero_stage, outsized_ratio=outsized_ratio,
@@ -222,12 +236,14 @@ def memory_plan(
     all_layouts = layouts + ([small] if small is not None else [])
     shard = sum(lay.trainable_shard for lay in all_layouts)
     frozen_shard = sum(lay.frozen_shard for lay in all_layouts)
+    nf4_shard = sum(lay.nf4_shard for lay in all_layouts)
+    nf4_bytes = sum(lay.nf4_record for lay in all_layouts)
     cbytes = itemsize(compute_dtype)
     opt_bytes = optimizer if isinstance(optimizer, int) else OPTIMIZER_BYTES[optimizer]
     slot_list = slots.weight + slots.grad
     rows = [
         UnitRow(
-            names[i], lay.numel, lay.weight_numel, lay.trainable_shard + lay.frozen_shard,
+            names[i], lay.numel, lay.weight_numel, lay.trainable_shard + lay.frozen_shard + lay.nf4_shard,
             slots.weight[slots.weight_of[i]].name,
             slots.grad[slots.grad_of[i]].name if slots.grad_of[i] >= 0 else "-", slots.outsized[i], weight_free[i],
         )
@@ -237,10 +253,11 @@ def memory_plan(
     plan = MemoryPlan(
         world_size=world_size, rank=rank, zero_stage=zero_stage,
         param_dtype=dtype_name(compute_dtype), reduce_dtype=dtype_name(reduce_dtype),
-        optimizer=str(optimizer), num_params=num_params, shard_numel=shard + frozen_shard,
+        optimizer=str(optimizer), num_params=num_params, shard_numel=shard + frozen_shard + nf4_shard,
         largest_unit=max(regular) if regular else 0, units=rows, slots=slot_list,
         master=4 * shard, grad=4 * shard, compute_copy=0 if compute_dtype == torch.float32 else cbytes * shard,
-        optimizer_state=opt_bytes * shard, frozen=cbytes * frozen_shard,
+        optimizer_state=opt_bytes * shard, frozen=cbytes * frozen_shard, nf4=nf4_bytes,
+        quantize_frozen=quantize_frozen,
     )
     if batch is not None and seq is not None:
         largest_unit_grads = max((lay.trainable.numel for lay in layouts if lay.trainable is not None),

@@ -2,6 +2,7 @@
 layouts. See [Note: one plan, one allocator] in ``yafsdp/plan/__init__.py``."""
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from dataclasses import dataclass
@@ -32,10 +33,13 @@ class BufferSpec:
     shard_capacity: int  # grad slots: elements of the reduce-scatter staging; weight slots: 0
     dtype: torch.dtype
     role: str  # "buffers" (the alternating pair; ZeRO-2: per unit) | "outsized" | "small"
+    # weight slots: bytes of the staging area compact (NF4) gathers land in before their expand
+    # (see [Note: the compact staging area]); 0 when no unit of the slot has a compact group
+    staging_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
-        return (self.capacity + self.shard_capacity) * itemsize(self.dtype)
+        return (self.capacity + self.shard_capacity) * itemsize(self.dtype) + self.staging_bytes
 
 
 @dataclass
@@ -80,18 +84,34 @@ def repeated_blocks(names: list[str]) -> list[bool]:
 @dataclass(frozen=True)
 class UnitShape:
     """A unit's flat groups as laid out in its weight buffer: the trainable group first (it alone
-    has a grad shard and fills the grad buffer), then the frozen one. See [Note: unit groups]."""
+    has a grad shard and fills the grad buffer), then the frozen one, then the NF4 one (expanded
+    there from the staging area). See [Note: unit groups]."""
 
     trainable: FlatLayout | None
     frozen: FlatLayout | None
+    nf4: FlatLayout | None = None
+    nf4_record: int = 0  # bytes of one rank's NF4 record (nf4.record_bytes), 0 without an NF4 group
+
+    @property
+    def groups(self) -> tuple[FlatLayout, ...]:
+        return tuple(lay for lay in (self.trainable, self.frozen, self.nf4) if lay is not None)
 
     @property
     def weight_numel(self) -> int:  # elements of the weight buffer the gathered unit fills
-        return sum(lay.padded_numel for lay in (self.trainable, self.frozen) if lay is not None)
+        return sum(lay.padded_numel for lay in self.groups)
 
     @property
     def numel(self) -> int:
-        return sum(lay.numel for lay in (self.trainable, self.frozen) if lay is not None)
+        return sum(lay.numel for lay in self.groups)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes the gathered NF4 records take in the staging area (every rank's record)."""
+        return self.nf4.world_size * self.nf4_record if self.nf4 is not None else 0
+
+    @property
+    def nf4_shard(self) -> int:  # elements of this rank's NF4 shard (stored as nf4_record bytes)
+        return self.nf4.shard_numel if self.nf4 is not None else 0
 
     @property
     def trainable_shard(self) -> int:
@@ -102,14 +122,34 @@ class UnitShape:
         return self.frozen.shard_numel if self.frozen is not None else 0
 
 
-def unit_shape(params, world_size: int, rank: int, align: int) -> UnitShape:
-    """Split a unit's parameters (in order) into its trainable and frozen flat groups."""
+def unit_shape(params, world_size: int, rank: int, align: int, quantize: torch.dtype | None = None) -> UnitShape:
+    """Split a unit's parameters (in order) into its trainable, frozen and (``quantize``: the
+    dtype NF4 values expand to, when ``quantize_frozen="nf4"``) NF4 flat groups."""
+    from .. import nf4
+
     trainable = [p for p in params if not p.frozen]
-    frozen = [p for p in params if p.frozen]
+    compact = [p for p in params if quantize is not None and nf4.eligible(p)]
+    frozen = [p for p in params if p.frozen and not any(p is c for c in compact)]
+    lay4 = None
+    if compact:
+        # whole blocks per rank, each rank's record whole 16-byte lines: see [Note: NF4 frozen groups]
+        step = nf4.shard_align(quantize)
+        lay4 = FlatLayout.build(compact, world_size, rank, step * align // math.gcd(step, align))
     return UnitShape(FlatLayout.build(trainable, world_size, rank, align) if trainable else None,
-                     FlatLayout.build(frozen, world_size, rank, align) if frozen else None)
+                     FlatLayout.build(frozen, world_size, rank, align) if frozen else None,
+                     lay4, nf4.record_bytes(lay4.shard_numel, quantize) if lay4 is not None else 0)
 
 
+# [Note: the compact staging area]
+# A compact (NF4) group is gathered as bytes (every rank's record end to end) and expanded into its
+# place in the weight buffer by one kernel. The records land in a staging area that belongs to the
+# weight buffer (``WeightBuffer.staging``, sized here: the largest ``staging_bytes`` of the units
+# sharing the buffer; in bf16 ~0.27x the expanded group), not inside the buffer's data: the expand
+# reads the records while writing the values, in parallel, so the two must not overlap. One
+# staging area per weight buffer, not one shared by all: two buffers' gathers can be in flight at
+# once (a prefetch into the other buffer while this one's gather has not landed; on gloo both are
+# asynchronous handles), and the buffer's own ordering (its release before the next gather into
+# it, the expand before its ``ready``) then protects its staging area with no new event.
 def plan_buffers(
     names: list[str],
     layouts: list[UnitShape],
@@ -163,25 +203,25 @@ def plan_buffers(
     if small is not None and small.trainable is not None:
         grad_of[len(layouts)] = grad_slot("grad_small", [len(layouts)], "small")
 
-    def weight_slot(name: str, capacity: int, role: str) -> int:
-        weight.append(BufferSpec(name, "weight", capacity, 0, compute_dtype, role))
+    def weight_slot(name: str, members: list[int], role: str) -> int:
+        weight.append(BufferSpec(name, "weight", max(lay(i).weight_numel for i in members), 0, compute_dtype, role,
+                                 staging_bytes=max(lay(i).staging_bytes for i in members)))
         return len(weight) - 1
 
     if zero_stage == 3:
         if regular:
-            cap = max(layouts[i].weight_numel for i in regular)
-            pair = [weight_slot(f"weight{k}", cap, "buffers") for k in range(min(2, len(regular)))]
+            pair = [weight_slot(f"weight{k}", regular, "buffers") for k in range(min(2, len(regular)))]
             for j, i in enumerate(regular):
                 weight_of[i] = pair[j % len(pair)]
         if big:
-            w = weight_slot("weight_outsized", max(layouts[i].weight_numel for i in big), "outsized")
+            w = weight_slot("weight_outsized", big, "outsized")
             for i in big:
                 weight_of[i] = w
     else:  # ZeRO-2: every unit keeps its gathered weights from forward to backward
         for i, name in enumerate(names):
-            weight_of[i] = weight_slot(f"weight_{name}", layouts[i].weight_numel, "buffers")
+            weight_of[i] = weight_slot(f"weight_{name}", [i], "buffers")
     if small is not None:
-        weight_of[len(layouts)] = weight_slot("weight_small", small.weight_numel, "small")
+        weight_of[len(layouts)] = weight_slot("weight_small", [len(layouts)], "small")
     return BufferPlan(weight, grad, weight_of, grad_of, outsized)
 
 
