@@ -147,3 +147,12 @@ def reduce_scatter(shard_out: torch.Tensor, full: torch.Tensor, group, async_op:
         chunks = list(full.chunk(world))
         return dist.reduce_scatter(shard_out, chunks, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return _reduce_scatter(shard_out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group, async_op: bool = True):
+    """tensor <- the elementwise SUM over ranks of ``tensor`` (HSDP: grad shards across replicas).
+
+    gloo's own all-reduce is used as is: across replicas it runs over the few ranks that hold the
+    same shard (one per replica), once per step, not per unit-sized collective of the step."""
+    group = group if group is not None else dist.group.WORLD
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

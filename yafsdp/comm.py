@@ -53,7 +53,7 @@ from typing import Callable
 
 import torch
 
-from .collectives import all_gather, reduce_scatter
+from .collectives import all_gather, all_reduce, reduce_scatter
 from .dist import CollectiveError, check_collective, debug_sync
 from .trace import span
 
@@ -175,19 +175,40 @@ class Schedule:
         """A reduce from this grad buffer has been issued and not yet waited for (host view)."""
         return False
 
+    # HSDP: the all-reduce of grad shards across replicas. See [Note: the cross-replica
+    # all-reduce] in hsdp.py.
+    def replicate_in_fold(self, grad: torch.Tensor, unit: str) -> None:
+        """From inside a reduce's fold: all-reduce ``grad`` (a folded grad shard) across the
+        replicas, behind that fold on the comm side."""
+        raise NotImplementedError
+
+    def replicate(self, grad: torch.Tensor, unit: str) -> None:
+        """From the compute side (between steps): all-reduce ``grad`` across the replicas; the
+        compute side's later kernels see the result (after :meth:`wait_replicated` on gloo)."""
+        raise NotImplementedError
+
+    def wait_replicated(self) -> None:
+        """The host / compute side waits for every all-reduce across replicas issued so far."""
+
 
 class StreamSchedule(Schedule):
     """CUDA: one high-priority comm stream, events between it and the compute stream.
     See [Note: streams and events]."""
 
-    def __init__(self, streams: StreamAPI, group):
+    def __init__(self, streams: StreamAPI, group, replicate_group=None):
         self.streams = streams
         self.group = group
+        self.replicate_group = replicate_group  # HSDP: the ranks holding the same shard, else None
         # The comm stream: every gather, reduce-scatter and fold of the step runs here; high
         # priority so a collective is not queued behind compute kernels.
         self.comm = streams.new_stream(priority=-1)
         # Recorded on the compute stream each time the compute copies change; gathers wait on it.
         self.copies_ready = streams.new_event()
+        if replicate_group is not None:
+            # HSDP, the deferred all-reduce: recorded on compute before it (the grad shards as the
+            # compute side left them), and on comm after it (compute waits before reading them).
+            self.grads_final = streams.new_event()
+            self.replicated = streams.new_event()
 
     def weight_sync(self) -> _WeightSync:
         return _WeightSync(ready=self.streams.new_event(), released=self.streams.new_event())
@@ -231,6 +252,21 @@ class StreamSchedule(Schedule):
     def wait_reduced(self, sync):
         self.streams.current_stream().wait_event(sync.done)
 
+    def replicate_in_fold(self, grad, unit):
+        # Already on the comm stream, right behind the fold and before the grad buffer's `done`.
+        with span("all_reduce", unit), self._timed("all_reduce", unit):
+            all_reduce(grad, self.replicate_group, async_op=False)
+
+    def replicate(self, grad, unit):
+        with span("all_reduce", unit):
+            self.grads_final.record(self.streams.current_stream())
+            with self.streams.use(self.comm):
+                self.comm.wait_event(self.grads_final)
+                with self._timed("all_reduce", unit):
+                    all_reduce(grad, self.replicate_group, async_op=False)
+                self.replicated.record(self.comm)
+            self.streams.current_stream().wait_event(self.replicated)
+
 
 class _StreamTiming:
     def __init__(self, rec, kind, unit, stream):
@@ -247,8 +283,10 @@ class _StreamTiming:
 class HandleSchedule(Schedule):
     """gloo (CPU): asynchronous work handles; the host is the compute side."""
 
-    def __init__(self, group):
+    def __init__(self, group, replicate_group=None):
         self.group = group
+        self.replicate_group = replicate_group  # HSDP: the ranks holding the same shard, else None
+        self.replicating: list = []  # (work, unit) of all-reduces across replicas not yet waited for
 
     def weight_sync(self) -> _WeightSync:
         return _WeightSync()
@@ -289,6 +327,23 @@ class HandleSchedule(Schedule):
 
     def reduce_pending(self, sync) -> bool:
         return sync.pending is not None
+
+    def replicate_in_fold(self, grad, unit):
+        self.replicate(grad, unit)  # the fold runs on the host at the reduce's wait: issue it now
+
+    def replicate(self, grad, unit):
+        rec = self.recorder
+        with span("all_reduce", unit):
+            t = rec.now() if rec else None
+            work = all_reduce(grad, self.replicate_group, async_op=True)
+            self.replicating.append((work, unit))
+            if rec:
+                rec.comm("all_reduce", unit, work, issued=t)
+
+    def wait_replicated(self):
+        pending, self.replicating = self.replicating, []
+        for work, unit in pending:
+            _wait(work, "all-reduce across replicas", unit)
 
 
 # ---------------------------------------------------------------------------- collective mismatches
@@ -333,14 +388,19 @@ class CheckedSchedule:
         check_collective(f"reduce-scatter of unit {unit!r}", self.group)
         self.inner.reduce(sync, out, full, unit, fold)
 
+    def replicate(self, grad, unit):
+        check_collective(f"all-reduce across replicas of {unit!r}", self.inner.replicate_group)
+        self.inner.replicate(grad, unit)
 
-def make_schedule(device: torch.device, group) -> Schedule:
+
+def make_schedule(device: torch.device, group, replicate_group=None) -> Schedule:
     """The schedule for an engine on ``device``: the stream schedule on CUDA (or over a
-    :func:`use_stream_api` override), work handles elsewhere; checked across ranks in debug mode."""
+    :func:`use_stream_api` override), work handles elsewhere; checked across ranks in debug mode.
+    ``replicate_group``: HSDP's group across replicas (see yafsdp/hsdp.py), or None."""
     if _STREAM_API_OVERRIDE:
-        schedule = StreamSchedule(_STREAM_API_OVERRIDE[-1], group)
+        schedule = StreamSchedule(_STREAM_API_OVERRIDE[-1], group, replicate_group)
     elif device.type == "cuda":
-        schedule = StreamSchedule(CudaStreams(device), group)
+        schedule = StreamSchedule(CudaStreams(device), group, replicate_group)
     else:
-        schedule = HandleSchedule(group)
+        schedule = HandleSchedule(group, replicate_group)
     return CheckedSchedule(schedule, group) if debug_sync() else schedule
