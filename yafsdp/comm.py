@@ -23,7 +23,11 @@ Which stream every kernel of the CUDA schedule runs on, and why:
 - comm stream (``StreamSchedule.comm``, high priority so a collective is not queued behind the
   compute kernels): every gather and every reduce-scatter of the step and the fold of a reduced
   shard into the fp32 grad shard (it reads the reduce's output, so it belongs right behind it;
-  it is the only non-collective kernel there, and it runs after the reduce, never in front of one).
+  it is the only non-collective kernel there, and it runs after the reduce, never in front of one);
+  HSDP: the all-reduce of grad shards across replicas, both kinds (see [Note: the cross-replica
+  all-reduce] in hsdp.py): overlapped, right behind a unit's fold in the same comm-stream block
+  and before the grad buffer's ``done`` (with, on a mispredicted step only, the ``1/replicas``
+  scale of the shard before the fold); deferred, between ``grads_final`` and ``replicated``.
   Collectives are issued with ``async_op=False`` inside ``torch.cuda.stream(comm)``: since
   torch 2.8 ProcessGroupNCCL launches a synchronous collective on the *current* stream, so the
   NCCL kernel runs on the comm stream itself. (``async_op=True`` would launch it on the process
@@ -41,6 +45,10 @@ Events, each recorded at the point that defines it (never only "when some work h
   ``released`` (compute, when the owner's last use ends; the next gather into it waits).
 - per grad buffer ``grads_ready`` (compute, after the grads are written; the reduce waits) and
   ``done`` (comm, after the reduce and its fold read the buffer; the next grad write waits).
+- HSDP, the deferred all-reduce (between steps): ``grads_final`` (compute, before it: the grad
+  shards as the compute side left them, e.g. after ``zero_grad``; comm waits) and ``replicated``
+  (comm, after it; the compute stream waits before clipping or the optimizer read the shards).
+  The overlapped ones need no event of their own: they sit before ``done``.
 - end of backward: the compute stream waits on every grad buffer's ``done``; the fold into
   the fp32 grad shards is the last kernel before each, so the optimizer reads folded shards.
   (No blanket wait on the comm stream: a gather still in flight there, prefetched for a unit
