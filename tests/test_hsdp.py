@@ -115,6 +115,13 @@ def _world(rank, world, ckpt_root):
             model = yafsdp.YaFSDP(_model(case), zero_stage=case.get("zero", 3),
                                   param_dtype=torch.bfloat16 if case.get("bf16") else None, **_groups(shape, form))
             assert model.mesh_shape == shape and model.world_size == shape[1]
+            if name == "untied_a1":  # the memory plan: one replica's, sharded over the shard dim only
+                from yafsdp.plan import memory_plan
+
+                with torch.device("meta"):
+                    meta = _model(case)
+                plan = memory_plan(meta, world_size=shape[1], rank=model.rank)
+                assert plan.engine_bytes() == model.memory_plan().engine_bytes() == model.allocated_bytes()
             losses, norms, per_step, trainable, _ = _train(model, case, rank, world)
             sd = model.full_state_dict()
             assert (sd != {}) == (rank == 0), "only global rank 0 receives the full state dict"
@@ -361,3 +368,16 @@ def test_hsdp_checkpoints_across_meshes(tmp_path_factory):
         for r, rr in enumerate(r6):
             _, _, rank_state, agree = rr["ckpt"][shape]
             assert agree and rank_state == (r * 10 if r < 4 else None), (shape, r, rank_state)
+
+
+def test_plan_cli_hsdp(capsys):
+    """`python -m yafsdp plan --hsdp R`: one replica's plan, sharded over world / R ranks."""
+    from yafsdp.plan.cli import main
+
+    plan = main(["--preset", "llama3-8b", "--world-size", "16", "--hsdp", "2"])
+    flat8 = main(["--preset", "llama3-8b", "--world-size", "8"])
+    assert plan.world_size == 8 and plan.engine_bytes() == flat8.engine_bytes()
+    assert "HSDP: 2 replicas x 8 shard ranks = 16 ranks" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--world-size", "16", "--hsdp", "3"])
+    assert "--hsdp 3 does not divide --world-size 16" in capsys.readouterr().err
