@@ -10,6 +10,7 @@ Each world is spawned once and runs every case (see ``_world``).
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -381,3 +382,31 @@ def test_plan_cli_hsdp(capsys):
     with pytest.raises(SystemExit):
         main(["--world-size", "16", "--hsdp", "3"])
     assert "--hsdp 3 does not divide --world-size 16" in capsys.readouterr().err
+
+
+def test_job_hsdp_matches_full_sharding(tmp_path):
+    """`pretrain_llama.py --hsdp 2` at world 4 (2 replicas x 2 shard ranks) trains like full sharding
+    over the same 4 ranks (same global batch) and checkpoints from replica 0; an --hsdp that does not
+    divide the world is a one-line error (exit 2) before anything is written."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from job_utils import close, losses, run_job
+
+    hs, flat = str(tmp_path / "hsdp"), str(tmp_path / "flat")
+    args = ["--steps", "4", "--save-every", "2", "--grad-accum", "2"]
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(run_job, args + ["--out", hs, "--hsdp", "2"], 4)
+        b = pool.submit(run_job, args + ["--out", flat], 4)
+        p, _ = a.result(), b.result()
+    assert "HSDP 2 replicas x 2 shard ranks" in p.stdout
+    assert close(losses(hs), losses(flat), rel=1e-4), (losses(hs), losses(flat))
+    # replica 0 wrote the checkpoints (2 DCP files: its shard group); the manifest records the world
+    # (resuming one on other meshes and flat worlds: test_hsdp_checkpoints_across_meshes)
+    step2 = os.path.join(hs, "checkpoints", "step_00000002")
+    assert len([f for f in os.listdir(step2) if f.endswith(".distcp")]) == 2
+    with open(os.path.join(step2, "checkpoint.json")) as f:
+        manifest = json.load(f)
+    assert manifest["world_size"] == 4 and manifest["mesh"] == [2, 2]
+    bad = run_job(["--steps", "1", "--out", str(tmp_path / "bad"), "--hsdp", "2"], 0, check=False)
+    assert bad.returncode == 2 and "--hsdp 2 does not divide the world size 1" in bad.stderr, bad.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "bad")
