@@ -112,6 +112,14 @@ def test_model_scaling(tmp_path):
         for k in ("yafsdp", "fsdp2"):
             assert row[k]["step"] >= row[k]["compute"] > 0 and 0 <= row[k]["exposed"] <= row[k]["comm"]
     assert rows[16]["yafsdp"]["comm"] > rows[8]["yafsdp"]["comm"]  # the ring leaves the node
+    # HSDP rows (8-GPU shard groups for llama3-8b): overlapped beats full sharding once the ring would
+    # leave the node, deferred pays its all-reduce in full; none at 8 (one replica)
+    assert "hsdp" not in rows[8] and r["hsdp_shard"] == 8
+    for w in (16, 64):
+        h, hd, y = rows[w]["hsdp"], rows[w]["hsdp_deferred"], rows[w]["yafsdp"]
+        assert h["replicas"] == w // 8 and h["bytes"]["all_reduce"] > 0
+        assert h["step"] < y["step"] and h["step"] < hd["step"], (w, h["step"], hd["step"], y["step"])
+    assert r["hsdp_table"] in text
     assert png.stat().st_size < 300_000
     j2 = tmp_path / "m.json"
     _run("model_scaling.py", "--compute", "measure", *TINY, "--worlds", "8", "--json", str(j2), "--png", "")
@@ -138,3 +146,53 @@ def test_benchmarks_gpu(tmp_path):
 def test_host_overhead():
     text = _run("host_overhead.py", "--layers", "2", "--steps", "2", "--rounds", "1")
     assert "ms/step (best of 1 rounds of 2; 5 flat units)" in text and os.path.join(ROOT, "yafsdp") in text
+
+
+def _counted_bytes(rank, world):
+    """The engine's own byte counts (schedule.counted) per step of the tiny preset at world 4, as a
+    2x2 HSDP mesh and fully sharded: step 1 (all-reduce deferred) and step 2 (overlapped)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import yafsdp
+    from yafsdp.presets import build_llama
+
+    out = {}
+    for mesh in ("2x2", "1x4"):
+        kw = dict(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))) if mesh == "2x2" else {}
+        model = yafsdp.YaFSDP(build_llama("tiny"), **kw)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        small = model.small.flat_param.numel() * 4
+        steps = []
+        for step in range(2):
+            before = dict(model.schedule.counted)
+            ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank))
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+            got = {"gather": 0, "reduce": 0, "all_reduce": 0}
+            for (kind, unit), n in model.schedule.counted.items():
+                if unit != "small_group":
+                    got[kind] += n - before.get((kind, unit), 0)
+            if mesh == "2x2" and step == 0:  # the deferred all-reduce is one run over every shard, small group too
+                got["all_reduce"] -= small
+            steps.append(got)
+        out[mesh] = steps
+        dist.barrier()
+    return out
+
+
+def test_model_scaling_bytes_match_the_engine():
+    """benchmarks/model_scaling.py's per-step bytes (gathers, reduce-scatters, the all-reduce across
+    replicas) equal what the engine put into its collectives at world 4 on CPU, as 2x2 HSDP (deferred
+    in step 1, overlapped in step 2) and fully sharded."""
+    from dist_utils import run_ranks
+
+    predicted = json.loads(_run("model_scaling.py", "--preset", "tiny", "--param-dtype", "fp32",
+                                "--bytes", "2x2,1x4").strip().splitlines()[-1])
+    for rank, counted in enumerate(run_ranks(_counted_bytes, 4)):
+        for mesh, (first, second) in counted.items():
+            assert first == predicted[mesh]["deferred"], (rank, mesh, first, predicted[mesh])
+            assert second == predicted[mesh]["overlapped"], (rank, mesh, second, predicted[mesh])
+        assert counted["2x2"][1]["all_reduce"] > 0 and counted["1x4"][1]["all_reduce"] == 0

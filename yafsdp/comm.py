@@ -57,6 +57,7 @@ Events, each recorded at the point that defines it (never only "when some work h
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -149,6 +150,12 @@ class Schedule:
     """
 
     recorder = None  # a yafsdp.trace.Recorder, or None
+    counted: Counter  # (kind, unit) -> bytes this rank put into collectives of that kind (see _count)
+
+    def _count(self, kind: str, unit: str, t: torch.Tensor) -> None:
+        """Bytes per collective kind and unit: a gather's gathered size, a reduce's full size, an
+        all-reduce's size (benchmarks/model_scaling.py's byte model is checked against these)."""
+        self.counted[(kind, unit)] += t.numel() * t.element_size()
 
     def weight_sync(self) -> _WeightSync:
         raise NotImplementedError
@@ -207,6 +214,7 @@ class StreamSchedule(Schedule):
         self.streams = streams
         self.group = group
         self.replicate_group = replicate_group  # HSDP: the ranks holding the same shard, else None
+        self.counted = Counter()
         # The comm stream: every gather, reduce-scatter and fold of the step runs here; high
         # priority so a collective is not queued behind compute kernels.
         self.comm = streams.new_stream(priority=-1)
@@ -239,6 +247,7 @@ class StreamSchedule(Schedule):
             self.comm.wait_event(self.copies_ready)
             with self._timed("gather", unit):
                 all_gather(out, shard, self.group, async_op=False)  # on the comm stream (torch >= 2.8)
+            self._count("gather", unit, out)
             sync.ready.record(self.comm)
 
     def wait_gathered(self, sync):
@@ -254,6 +263,7 @@ class StreamSchedule(Schedule):
                 self.comm.wait_event(sync.grads_ready)
                 with self._timed("reduce", unit):
                     reduce_scatter(out, full, self.group, async_op=False)  # on the comm stream
+                    self._count("reduce", unit, full)
                     fold()
                 sync.done.record(self.comm)
 
@@ -264,6 +274,7 @@ class StreamSchedule(Schedule):
         # Already on the comm stream, right behind the fold and before the grad buffer's `done`.
         with span("all_reduce", unit), self._timed("all_reduce", unit):
             all_reduce(grad, self.replicate_group, async_op=False)
+        self._count("all_reduce", unit, grad)
 
     def replicate(self, grad, unit):
         with span("all_reduce", unit):
@@ -272,6 +283,7 @@ class StreamSchedule(Schedule):
                 self.comm.wait_event(self.grads_final)
                 with self._timed("all_reduce", unit):
                     all_reduce(grad, self.replicate_group, async_op=False)
+                self._count("all_reduce", unit, grad)
                 self.replicated.record(self.comm)
             self.streams.current_stream().wait_event(self.replicated)
 
@@ -295,6 +307,7 @@ class HandleSchedule(Schedule):
         self.group = group
         self.replicate_group = replicate_group  # HSDP: the ranks holding the same shard, else None
         self.replicating: list = []  # (work, unit) of all-reduces across replicas not yet waited for
+        self.counted = Counter()
 
     def weight_sync(self) -> _WeightSync:
         return _WeightSync()
@@ -309,6 +322,7 @@ class HandleSchedule(Schedule):
             t = rec.now() if rec else None  # before the issuing call, which may itself move data
             sync.work = all_gather(out, shard, self.group, async_op=True)
             sync.unit = unit
+            self._count("gather", unit, out)
             if rec:
                 rec.comm("gather", unit, sync.work, issued=t)
 
@@ -323,6 +337,7 @@ class HandleSchedule(Schedule):
             t = rec.now() if rec else None
             work = reduce_scatter(out, full, self.group, async_op=True)
             sync.pending = (work, fold, unit)
+            self._count("reduce", unit, full)
             if rec:
                 rec.comm("reduce", unit, work, issued=t)
 
@@ -345,6 +360,7 @@ class HandleSchedule(Schedule):
             t = rec.now() if rec else None
             work = all_reduce(grad, self.replicate_group, async_op=True)
             self.replicating.append((work, unit))
+            self._count("all_reduce", unit, grad)
             if rec:
                 rec.comm("all_reduce", unit, work, issued=t)
 
