@@ -196,3 +196,15 @@ def test_model_scaling_bytes_match_the_engine():
             assert first == predicted[mesh]["deferred"], (rank, mesh, first, predicted[mesh])
             assert second == predicted[mesh]["overlapped"], (rank, mesh, second, predicted[mesh])
         assert counted["2x2"][1]["all_reduce"] > 0 and counted["1x4"][1]["all_reduce"] == 0
+
+
+def test_bench_hsdp(tmp_path):
+    """benchmarks/bench_hsdp.py at world 4 (2 x 2): the all-reduce across replicas once per step for both
+    HSDP engines, overlapped (one per unit) and deferred (one), the same elements; none for full sharding."""
+    j = tmp_path / "h.json"
+    text = _run("bench_hsdp.py", *TINY, "--warmup", "1", "--steps", "1", "--json", str(j))
+    r = json.loads(j.read_text())
+    assert r["table"] in text
+    full, over, deferred = (r["per_step"][k][0] for k in ("full", "hsdp", "hsdp-deferred"))
+    assert full["all_reduces"] == 0 and deferred["all_reduces"] == 1 and over["all_reduces"] > 1
+    assert over["elements"] == deferred["elements"] > 0

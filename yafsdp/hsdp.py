@@ -50,7 +50,8 @@ import torch.distributed as dist
 
 from .dist import gather_object
 
-__all__ = ["resolve_groups", "ReplicaSync", "HSDPError", "SYNCED", "LOCAL"]
+__all__ = ["resolve_groups", "check_layout", "ReplicaSync", "HSDPError", "SYNCED", "LOCAL", "across_replicas",
+           "broadcast_from_replica0", "sync_before_step"]
 
 
 class HSDPError(ValueError):
@@ -209,11 +210,6 @@ class ReplicaSync:
         self.schedule.wait_replicated()
         self.stats["syncs"] += 1
         return True
-
-    def reset(self) -> None:
-        """The grad shards were dropped or loaded anew: no state to keep."""
-        self.schedule.wait_replicated()
-        self.state.clear()
 
     def _count(self, n: int, how: str) -> None:
         self.stats["all_reduces"] += 1

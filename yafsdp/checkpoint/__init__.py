@@ -179,7 +179,8 @@ def save_checkpoint(
 # ``rank_state.<global rank>``, and the manifest records the whole world (``world_size``) and
 # ``mesh`` [replicas, shard size]. Since the saved tensors are the unpadded flat units (see [Note:
 # what a checkpoint holds]), such a checkpoint loads with any other mesh or a flat world, and a
-# flat one loads on a mesh: every rank of every replica reads its own shard.
+# flat one loads on a mesh: every rank of every replica reads its own shard. The other replicas wait
+# for the whole save in one broadcast: the process group's timeout must exceed the time of a save.
 
 
 def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, world_record) -> str:
