@@ -129,11 +129,24 @@ def _world(rank, world, ckpt_root):
             out["cases"][(shape, name)] = (losses, norms, per_step, trainable, sd if rank == 0 else None,
                                            _replicas_agree(model))
     if world == 4:
+        out["lora"] = _lora_2x2(rank, ckpt_root)
         out["refusals"] = _refusals()
         out["ckpt"] = _save_and_reload_4(rank, ckpt_root)
     else:
         out["ckpt"] = _reload_6(ckpt_root)
     return out
+
+
+def _lora_2x2(rank, root) -> dict:
+    """A PEFT LoRA model on a 2x2 mesh (frozen base, trainable adapters): trained as in
+    tests/test_lora.py, then the adapter and the merged export written (by global rank 0 only)."""
+    from test_lora import _lora_model, _train
+
+    model = yafsdp.YaFSDP(_lora_model(), **_groups((2, 2), "mesh"))
+    losses, norms = _train(model, rank, 4, True)
+    out = os.path.join(root, "lora_adapter")
+    return dict(losses=losses, norms=norms, path=model.save_adapter(out),
+                merged=yafsdp.adapters.export_merged(model, out + "-merged"), sd=model.full_state_dict())
 
 
 def _refusals() -> dict:
@@ -146,11 +159,16 @@ def _refusals() -> dict:
         "both": lambda: dict(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
                              process_group=dist.group.WORLD),
         "uneven": None,  # below: every rank must create every group
+        "peers": None,
     }.items():
         try:
-            if kwargs is None:
+            rank = dist.get_rank()
+            if key == "uneven":
                 g01, g23 = dist.new_group([0, 1]), dist.new_group([2, 3])
-                kw = dict(process_group=(dist.group.WORLD, g01 if dist.get_rank() < 2 else g23))
+                kw = dict(process_group=(dist.group.WORLD, g01 if rank < 2 else g23))
+            elif key == "peers":  # shard groups {0,1}, {2,3}; "replicate" groups {0,3}, {1,2}: other shard indices
+                g01, g23, g03, g12 = (dist.new_group(r) for r in ([0, 1], [2, 3], [0, 3], [1, 2]))
+                kw = dict(process_group=(g01 if rank < 2 else g23, g03 if rank in (0, 3) else g12))
             else:
                 kw = kwargs()
             yafsdp.YaFSDP(tiny_llama(), **kw)
@@ -341,6 +359,7 @@ def test_hsdp_refusals(tmp_path_factory):
     assert "mesh_dim_names=('dp', 'tp')" in got["names"], got["names"]
     assert "not both" in got["both"], got["both"]
     assert "4 shard ranks" in got["uneven"] and "world has 4" in got["uneven"], got["uneven"]
+    assert "joins ranks holding shards [0, 1]" in got["peers"], got["peers"]
 
 
 def test_hsdp_checkpoints_across_meshes(tmp_path_factory):
@@ -410,3 +429,24 @@ def test_job_hsdp_matches_full_sharding(tmp_path):
     bad = run_job(["--steps", "1", "--out", str(tmp_path / "bad"), "--hsdp", "2"], 0, check=False)
     assert bad.returncode == 2 and "--hsdp 2 does not divide the world size 1" in bad.stderr, bad.stderr[-2000:]
     assert not os.path.exists(tmp_path / "bad")
+
+
+def test_lora_on_a_mesh(tmp_path_factory):
+    """LoRA under HSDP (2x2): the same losses and norms as the unsharded PEFT model, the adapter and the
+    merged export written once (global rank 0; the other ranks get None) and loadable by PEFT / HF."""
+    import peft
+
+    from test_lora import _lora_model, _train
+
+    per_rank = results(4, tmp_path_factory)
+    r = per_rank[0]["lora"]
+    ref = _lora_model()
+    ref_losses, ref_norms = _train(ref, 0, 4, False)
+    assert rel_seq(r["losses"], ref_losses) < 1e-5 and rel_seq(r["norms"], ref_norms) < 1e-5
+    assert [p["lora"]["path"] is None for p in per_rank] == [False, True, True, True]
+    assert [p["lora"]["merged"] is None for p in per_rank] == [False, True, True, True]
+    x = batch("llama", 7, 0, 0)
+    with torch.no_grad():
+        want = ref(**x).logits
+        loaded = peft.PeftModel.from_pretrained(tiny_llama(), r["path"])
+        assert (loaded(**x).logits - want).abs().max().item() < 1e-5

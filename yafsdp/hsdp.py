@@ -48,7 +48,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from .dist import gather_object
+from .dist import gather_object, raise_if_any
 
 __all__ = ["resolve_groups", "check_layout", "ReplicaSync", "HSDPError", "SYNCED", "LOCAL", "across_replicas",
            "broadcast_from_replica0", "sync_before_step"]
@@ -114,16 +114,14 @@ def check_layout(shard_group, replicate_group) -> None:
             f"{world}; HSDP needs the replicate and shard groups to cover the world (use init_device_mesh)"
         )
     peers = gather_object(me[0], replicate_group)
+    problem = None
     if any(p != me[0] for p in peers):
-        raise HSDPError(
-            f"yafsdp.YaFSDP: the replicate group of global rank {dist.get_rank()} joins ranks holding shards {peers}; "
-            "it must join the ranks holding the same shard index in every replica (mesh dims in the order "
-            "('replicate', 'shard'), or process_group=(shard_group, replicate_group))"
-        )
-    if dist.get_rank() == 0 and (me[0], me[2]) != (0, 0):
-        raise HSDPError(
-            f"yafsdp.YaFSDP: global rank 0 is shard {me[0]} of replica {me[2]}; it must be shard 0 of replica 0"
-        )
+        problem = (f"yafsdp.YaFSDP: the replicate group of global rank {dist.get_rank()} joins ranks holding shards "
+                   f"{peers}; it must join the ranks holding the same shard index in every replica (mesh dims in the "
+                   "order ('replicate', 'shard'), or process_group=(shard_group, replicate_group))")
+    elif dist.get_rank() == 0 and (me[0], me[2]) != (0, 0):
+        problem = f"yafsdp.YaFSDP: global rank 0 is shard {me[0]} of replica {me[2]}; it must be shard 0 of replica 0"
+    raise_if_any(problem, None, HSDPError)  # every rank raises together (one rank's problem would hang the others)
 
 
 class GradState(enum.Enum):
