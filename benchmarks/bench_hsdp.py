@@ -4,7 +4,9 @@ step, forced here on every step), interleaved step by step on the same model, da
 
 Per engine: the step time (median, min, max over the measured steps), and from the engine itself
 the all-reduces across replicas per step, their elements, and their busy time (the Recorder: from
-issue to completion of each all-reduce; on CUDA, events on the comm stream).
+issue to completion of each all-reduce; on CUDA, events on the comm stream); the JSON also holds
+every rank's bytes per collective kind in the last step (``schedule.counted``), which
+tests/test_bench_smoke.py compares with benchmarks/model_scaling.py's byte model.
 
 CPU, gloo (spawns its own ranks; world 4 as 2 replicas x 2):
     python benchmarks/bench_hsdp.py
@@ -57,6 +59,19 @@ def _engine(name, a, dev, mesh):
     return m, opt
 
 
+def _bytes(model, before: dict, deferred: bool) -> dict:
+    """Bytes this rank put into each collective kind during the step (the engine's own counts), the
+    small group left out as benchmarks/model_scaling.py leaves it out (the deferred all-reduce is one
+    run over every grad shard, the small group's included)."""
+    got = {"gather": 0, "reduce": 0, "all_reduce": 0}
+    for (kind, unit), n in model.schedule.counted.items():
+        if unit != "small_group":
+            got[kind] += n - before.get((kind, unit), 0)
+    if deferred and model.small is not None and model.small.flat_param is not None:
+        got["all_reduce"] -= model.small.flat_param.numel() * 4
+    return got
+
+
 def run(a):
     gpu = resolve_run(a)
     dev = init_distributed(a.device)
@@ -77,6 +92,7 @@ def run(a):
             if name == "hsdp-deferred":
                 rs.expected = None  # no prediction: the all-reduce waits for clip_grad_norm_
             before = dict(rs.stats) if rs else {}
+            counted = dict(model.schedule.counted)
             n_iv = len(model.recorder.intervals)
             if gpu:
                 torch.cuda.synchronize()
@@ -100,7 +116,11 @@ def run(a):
                 all_reduces=(rs.stats["all_reduces"] - before["all_reduces"]) if rs else 0,
                 elements=(rs.stats["elements"] - before["elements"]) if rs else 0,
                 busy=sum(iv.duration for iv in ivs),
+                bytes=_bytes(model, counted, name == "hsdp-deferred"),
             ))
+    # every rank's bytes of the last measured step (tests/test_bench_smoke.py checks the byte model with them)
+    every = [None] * world
+    dist.all_gather_object(every, {n: per_step[n][-1]["bytes"] for n in ENGINES})
     if rank != 0:
         dist.destroy_process_group()
         return
@@ -122,7 +142,7 @@ def run(a):
     text = "\n".join([setup, "", table])
     print(text, flush=True)
     result = dict(kind="bench_hsdp", command=a.argv, setup=setup, versions=versions(dev), table=table,
-                  times=times, per_step=per_step)
+                  times=times, per_step=per_step, bytes=every)
     if a.json:
         write_json(a.json, result)
     if a.md:

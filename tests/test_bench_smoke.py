@@ -148,63 +148,22 @@ def test_host_overhead():
     assert "ms/step (best of 1 rounds of 2; 5 flat units)" in text and os.path.join(ROOT, "yafsdp") in text
 
 
-def _counted_bytes(rank, world):
-    """The engine's own byte counts (schedule.counted) per step of the tiny preset at world 4, as a
-    2x2 HSDP mesh and fully sharded: step 1 (all-reduce deferred) and step 2 (overlapped)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import yafsdp
-    from yafsdp.presets import build_llama
-
-    out = {}
-    for mesh in ("2x2", "1x4"):
-        kw = dict(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))) if mesh == "2x2" else {}
-        model = yafsdp.YaFSDP(build_llama("tiny"), **kw)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        small = model.small.flat_param.numel() * 4
-        steps = []
-        for step in range(2):
-            before = dict(model.schedule.counted)
-            ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank))
-            model(input_ids=ids, labels=ids).loss.backward()
-            model.clip_grad_norm_(1.0)
-            opt.step()
-            opt.zero_grad()
-            got = {"gather": 0, "reduce": 0, "all_reduce": 0}
-            for (kind, unit), n in model.schedule.counted.items():
-                if unit != "small_group":
-                    got[kind] += n - before.get((kind, unit), 0)
-            if mesh == "2x2" and step == 0:  # the deferred all-reduce is one run over every shard, small group too
-                got["all_reduce"] -= small
-            steps.append(got)
-        out[mesh] = steps
-        dist.barrier()
-    return out
-
-
-def test_model_scaling_bytes_match_the_engine():
-    """benchmarks/model_scaling.py's per-step bytes (gathers, reduce-scatters, the all-reduce across
-    replicas) equal what the engine put into its collectives at world 4 on CPU, as 2x2 HSDP (deferred
-    in step 1, overlapped in step 2) and fully sharded."""
-    from dist_utils import run_ranks
-
-    predicted = json.loads(_run("model_scaling.py", "--preset", "tiny", "--param-dtype", "fp32",
-                                "--bytes", "2x2,1x4").strip().splitlines()[-1])
-    for rank, counted in enumerate(run_ranks(_counted_bytes, 4)):
-        for mesh, (first, second) in counted.items():
-            assert first == predicted[mesh]["deferred"], (rank, mesh, first, predicted[mesh])
-            assert second == predicted[mesh]["overlapped"], (rank, mesh, second, predicted[mesh])
-        assert counted["2x2"][1]["all_reduce"] > 0 and counted["1x4"][1]["all_reduce"] == 0
-
-
-def test_bench_hsdp(tmp_path):
-    """benchmarks/bench_hsdp.py at world 4 (2 x 2): the all-reduce across replicas once per step for both
-    HSDP engines, overlapped (one per unit) and deferred (one), the same elements; none for full sharding."""
+def test_bench_hsdp_and_the_byte_model(tmp_path):
+    """benchmarks/bench_hsdp.py at world 4 (full sharding 1 x 4, HSDP 2 x 2): the all-reduce across replicas
+    once per step, overlapped (one per unit) and deferred (one), the same elements; none for full sharding.
+    And benchmarks/model_scaling.py's per-step bytes (gathers, reduce-scatters, the all-reduce across
+    replicas) equal what the engine put into its collectives in that run, on every rank."""
     j = tmp_path / "h.json"
-    text = _run("bench_hsdp.py", *TINY, "--warmup", "1", "--steps", "1", "--json", str(j))
+    text = _run("bench_hsdp.py", *TINY, "--accum", "1", "--warmup", "1", "--steps", "1", "--json", str(j))
     r = json.loads(j.read_text())
     assert r["table"] in text
     full, over, deferred = (r["per_step"][k][0] for k in ("full", "hsdp", "hsdp-deferred"))
     assert full["all_reduces"] == 0 and deferred["all_reduces"] == 1 and over["all_reduces"] > 1
     assert over["elements"] == deferred["elements"] > 0
+    predicted = json.loads(_run("model_scaling.py", "--preset", "tiny", "--param-dtype", "fp32",
+                                "--bytes", "2x2,1x4").strip().splitlines()[-1])
+    for rank, counted in enumerate(r["bytes"]):
+        assert counted["full"] == predicted["1x4"]["overlapped"], (rank, counted, predicted)
+        assert counted["hsdp"] == predicted["2x2"]["overlapped"], (rank, counted, predicted)
+        assert counted["hsdp-deferred"] == predicted["2x2"]["deferred"], (rank, counted, predicted)
+    assert predicted["2x2"]["overlapped"]["all_reduce"] > 0 == predicted["1x4"]["overlapped"]["all_reduce"]

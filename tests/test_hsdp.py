@@ -412,7 +412,7 @@ def test_job_hsdp_matches_full_sharding(tmp_path):
     from job_utils import close, losses, run_job
 
     hs, flat = str(tmp_path / "hsdp"), str(tmp_path / "flat")
-    args = ["--steps", "4", "--save-every", "2", "--grad-accum", "2"]
+    args = ["--steps", "2", "--save-every", "2", "--grad-accum", "2"]
     with ThreadPoolExecutor(2) as pool:
         a = pool.submit(run_job, args + ["--out", hs, "--hsdp", "2"], 4)
         b = pool.submit(run_job, args + ["--out", flat], 4)
