@@ -32,7 +32,7 @@ CASES = {
     "frozen_a2": dict(freeze=("embed_tokens", "q_proj", "model.norm"), accums=(2, 2, 2)),
 }
 PLAN = {  # world -> [(mesh shape (replicas, shard), form, cases)]
-    4: [((2, 2), "mesh", list(CASES))],
+    4: [((2, 2), "mesh", list(CASES)), ((4, 1), "groups", ["tied_a2"])],  # 4 x 1: replication only (DDP)
     6: [((2, 3), "mesh", ["untied_a1", "tied_a2"]), ((3, 2), "groups", ["untied_a1", "tied_a2"])],
 }
 
