@@ -40,8 +40,9 @@ Assumptions (all flags):
   comm lane: overlapped = right behind each unit's reduce-scatter in backward (the engine's steady
   state: the last backward of a step is predicted from the previous step), deferred = one
   all-reduce of every shard after backward, before the optimizer (the first step, or a step whose
-  accumulation changed); with accumulation k, full sharding repeats its cross-node traffic k times
-  per step while HSDP's all-reduce stays once per step (the tables are for k = 1);
+  accumulation changed); with ``--grad-accum k`` every schedule runs k forward/backward passes per
+  optimizer step (yafsdp keeps a unit a buffer still holds; FSDP2 re-gathers), full sharding repeats
+  its cross-node traffic k times while HSDP's all-reduce stays once per step;
 - ignored for both: kernel-launch gaps, the small group (1-D parameters: a few MB), contention of
   the comm kernels for SMs, stragglers.
 
@@ -72,6 +73,7 @@ def parse(argv=None):
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--layers", type=int, default=None, help="measure with this many layers (times are per layer)")
     ap.add_argument("--batch", type=int, default=1, help="micro-batch per GPU")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches (backward passes) per optimizer step")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--param-dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--reduce-dtype", default="fp32", choices=["bf16", "fp32"])
@@ -234,9 +236,10 @@ class Net:
 
 
 def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_free=None, replicas: int = 1,
-                    overlap: bool = True) -> dict:
+                    overlap: bool = True, accum: int = 1) -> dict:
     """Two lanes (compute, comm) of one ZeRO-3 step of the yafsdp protocol; see the docstring.
-    ``world``: the shard group; ``replicas`` > 1: HSDP, its all-reduce overlapped or deferred.
+    ``world``: the shard group; ``replicas`` > 1: HSDP, its all-reduce overlapped (with the last of
+    ``accum`` backward passes) or deferred (after it).
     Also counts the bytes put into each kind of collective (``bytes``; the engine's
     ``schedule.counted`` is checked against it in tests/test_bench_smoke.py)."""
     nbytes = dict(gather=0, reduce=0, all_reduce=0)
@@ -270,17 +273,6 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
         ready[unit] = comm
 
     fwd = [(u.unit, u.fwd) for u in uses]
-    # Forward: gather(k) at its pre-hook, prefetch k+1, compute after ready; release at the end.
-    gather(fwd[0][0], 0.0)
-    for k, (unit, t) in enumerate(fwd):
-        if k + 1 < len(fwd):
-            gather(fwd[k + 1][0], 0.0)
-        start = max(comp, ready.get(unit, 0.0))
-        comp = start + t
-        compute_iv.append((start, comp))
-        release[slot_of[unit]] = comp
-    comp += cmp["other"][0] + cmp["other"][1]  # loss forward/backward
-    # Backward: re-gather what no buffer still holds; reduce after each unit; grad buffers alternate.
     grad_slot = {}
     regular = [u for u in dict.fromkeys(x for x, _ in fwd) if not outsized[u]]
     for i, u in enumerate(regular):
@@ -290,42 +282,55 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
             grad_slot[u] = "grad_outsized"
     grad_free: dict[str, float] = {}
     bwd = [(u.unit, u.bwd) for u in uses][::-1]
-    reduced: set[str] = set()
     all_reduce = 0.0
 
     def bw_gather(unit, issue_after):  # an embedding's backward reads no weights: no re-gather
         if not weight_free.get(unit):
             gather(unit, issue_after)
 
-    bw_gather(bwd[0][0], comp)
-    for k, (unit, t) in enumerate(bwd):
-        if k + 1 < len(bwd):
-            bw_gather(bwd[k + 1][0], comp)
-        start = max(comp, ready.get(unit, 0.0))  # a weight-free unit's ready is from forward, long past
-        end = start + t
-        gs = grad_slot[unit]
-        end = max(end, grad_free.get(gs, 0.0)) + sizes[unit] * pe * 2 / hbm  # grads into the buffer
-        comp = end
-        compute_iv.append((start, end))
-        release[slot_of[unit]] = end
-        last_use = all(x != unit for x, _ in bwd[k + 1:])
-        if last_use and unit not in reduced:
-            reduced.add(unit)
-            rs_start = max(comm, end)
-            d = net.time(sizes[unit] * re_, world)
-            nbytes["reduce"] += sizes[unit] * re_
-            comm = rs_start + d
-            comm_busy += d
-            comm_iv.append((rs_start, comm))
-            if replicas > 1 and overlap:  # the unit's fp32 grad shard, right behind its fold
-                shard_bytes = sizes[unit] // world * 4
-                d = net.all_reduce(shard_bytes, replicas)
-                nbytes["all_reduce"] += shard_bytes
-                comm_iv.append((comm, comm + d))
-                comm += d
+    for micro in range(accum):  # accumulation: buffers still holding a unit keep it (no step in between)
+        last = micro == accum - 1
+        # Forward: gather(k) at its pre-hook, prefetch k+1, compute after ready; release at the end.
+        gather(fwd[0][0], 0.0)
+        for k, (unit, t) in enumerate(fwd):
+            if k + 1 < len(fwd):
+                gather(fwd[k + 1][0], 0.0)
+            start = max(comp, ready.get(unit, 0.0))
+            comp = start + t
+            compute_iv.append((start, comp))
+            release[slot_of[unit]] = comp
+        comp += cmp["other"][0] + cmp["other"][1]  # loss forward/backward
+        # Backward: re-gather what no buffer still holds; reduce after each unit; grad buffers alternate.
+        reduced: set[str] = set()
+        bw_gather(bwd[0][0], comp)
+        for k, (unit, t) in enumerate(bwd):
+            if k + 1 < len(bwd):
+                bw_gather(bwd[k + 1][0], comp)
+            start = max(comp, ready.get(unit, 0.0))  # a weight-free unit's ready is from forward, long past
+            end = start + t
+            gs = grad_slot[unit]
+            end = max(end, grad_free.get(gs, 0.0)) + sizes[unit] * pe * 2 / hbm  # grads into the buffer
+            comp = end
+            compute_iv.append((start, end))
+            release[slot_of[unit]] = end
+            last_use = all(x != unit for x, _ in bwd[k + 1:])
+            if last_use and unit not in reduced:
+                reduced.add(unit)
+                rs_start = max(comm, end)
+                d = net.time(sizes[unit] * re_, world)
+                nbytes["reduce"] += sizes[unit] * re_
+                comm = rs_start + d
                 comm_busy += d
-                all_reduce += d
-            grad_free[gs] = comm
+                comm_iv.append((rs_start, comm))
+                if replicas > 1 and overlap and last:  # the unit's fp32 grad shard, right behind its fold
+                    shard_bytes = sizes[unit] // world * 4
+                    d = net.all_reduce(shard_bytes, replicas)
+                    nbytes["all_reduce"] += shard_bytes
+                    comm_iv.append((comm, comm + d))
+                    comm += d
+                    comm_busy += d
+                    all_reduce += d
+                grad_free[gs] = comm
     end = max(comp, comm)
     if replicas > 1 and not overlap:  # deferred: every grad shard at once, before the optimizer
         shard_bytes = sum(sizes[u] // world for u in reduced) * 4
@@ -342,7 +347,7 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
     return out
 
 
-def simulate_fsdp2(uses, sizes, world, net, a, cmp, n_param_tensors: int, root_units: set) -> dict:
+def simulate_fsdp2(uses, sizes, world, net, a, cmp, n_param_tensors: int, root_units: set, accum: int = 1) -> dict:
     """The FSDP2-like schedule with its copies; see the docstring."""
     pe = 2 if a.param_dtype == "bf16" else 4
     re_ = 2 if a.reduce_dtype == "bf16" else 4
@@ -374,36 +379,37 @@ def simulate_fsdp2(uses, sizes, world, net, a, cmp, n_param_tensors: int, root_u
         return "root" if unit in root_units else unit
 
     fwd = [(group(u.unit), u.fwd) for u in uses]
-    gather("root", 0.0, "root")
-    for k, (g, t) in enumerate(fwd):
-        if k + 1 < len(fwd):
-            gather(fwd[k + 1][0], 0.0, fwd[k + 1][0])
-        start = max(comp, ready.get(g, 0.0))
-        if g != "root" or k == 0:
-            start += 4 * sizes[g] / hbm  # copy-out on the compute stream
-        comp = start + t
-        compute_iv.append((start, comp))
-        if g != "root":
-            held.discard(g)  # reshard after forward
-    comp += cmp["other"][0] + cmp["other"][1]
     bwd = [(group(u.unit), u.bwd) for u in uses][::-1]
-    reduced: set[str] = set()
-    for k, (g, t) in enumerate(bwd):
-        if k + 1 < len(bwd):
-            gather(bwd[k + 1][0], comp, bwd[k + 1][0])
-        start = max(comp, ready.get(g, 0.0))
-        if g != "root":
-            start += 4 * sizes[g] / hbm
-        comp = start + t
-        compute_iv.append((start, comp))
-        if all(x != g for x, _ in bwd[k + 1:]) and g not in reduced:
-            reduced.add(g)
-            held.discard(g)
-            rs_start = max(comm, comp) + 6 * sizes[g] / hbm  # chunk_cat copy-in of the grads
-            d = net.time(sizes[g] * re_, world)
-            comm = rs_start + d
-            comm_busy += d
-            comm_iv.append((rs_start, comm))
+    for _ in range(accum):  # FSDP2 reshards after each backward: every micro-step gathers again
+        gather("root", 0.0, "root")
+        for k, (g, t) in enumerate(fwd):
+            if k + 1 < len(fwd):
+                gather(fwd[k + 1][0], 0.0, fwd[k + 1][0])
+            start = max(comp, ready.get(g, 0.0))
+            if g != "root" or k == 0:
+                start += 4 * sizes[g] / hbm  # copy-out on the compute stream
+            comp = start + t
+            compute_iv.append((start, comp))
+            if g != "root":
+                held.discard(g)  # reshard after forward
+        comp += cmp["other"][0] + cmp["other"][1]
+        reduced: set[str] = set()
+        for k, (g, t) in enumerate(bwd):
+            if k + 1 < len(bwd):
+                gather(bwd[k + 1][0], comp, bwd[k + 1][0])
+            start = max(comp, ready.get(g, 0.0))
+            if g != "root":
+                start += 4 * sizes[g] / hbm
+            comp = start + t
+            compute_iv.append((start, comp))
+            if all(x != g for x, _ in bwd[k + 1:]) and g not in reduced:
+                reduced.add(g)
+                held.discard(g)
+                rs_start = max(comm, comp) + 6 * sizes[g] / hbm  # chunk_cat copy-in of the grads
+                d = net.time(sizes[g] * re_, world)
+                comm = rs_start + d
+                comm_busy += d
+                comm_iv.append((rs_start, comm))
     local = sum(v for k, v in sizes.items() if k != "root") / world
     t_opt = 28 * local / hbm + a.fsdp2_param_us * 1e-6 * n_param_tensors
     end = max(comp, comm) + t_opt
@@ -446,15 +452,15 @@ def hsdp_shard(a, model) -> int | None:
 
 
 def predicted_bytes(model, shard: int, replicas: int, param_dtype: str = "fp32", reduce_dtype: str = "fp32",
-                    overlap: bool = True) -> dict:
-    """Bytes this rank puts into gathers, reduce-scatters and (HSDP) all-reduces in one step of
-    accumulation 1 (the small group left out), as the simulation counts them."""
+                    overlap: bool = True, accum: int = 1) -> dict:
+    """Bytes this rank puts into gathers, reduce-scatters and (HSDP) all-reduces in one optimizer
+    step of ``accum`` backward passes (the small group left out), as the simulation counts them."""
     a = parse(["--param-dtype", param_dtype, "--reduce-dtype", reduce_dtype])
     cmp = dict(embed=(0.0, 0.0), layer=(0.0, 0.0), head=(0.0, 0.0), other=(0.0, 0.0))
     uses = [Use(name, 0.0, 0.0, 0) for name, _, _ in unit_uses(model)]
     net = Net(1.0, 1.0, 8, 0.0, 0.0)
     p = memory_plan(model, world_size=shard, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    return simulate_plan(uses, p, shard, net, a, cmp, replicas=replicas, overlap=overlap)["bytes"]
+    return simulate_plan(uses, p, shard, net, a, cmp, replicas=replicas, overlap=overlap, accum=accum)["bytes"]
 
 
 # ---------------------------------------------------------------------------- main
@@ -467,7 +473,8 @@ def main(argv=None):
         out = {}
         for mesh in a.bytes.split(","):
             r, sh = (int(x) for x in mesh.split("x"))
-            out[mesh] = {how: predicted_bytes(model, sh, r, a.param_dtype, a.reduce_dtype, overlap=(how == "overlapped"))
+            out[mesh] = {how: predicted_bytes(model, sh, r, a.param_dtype, a.reduce_dtype,
+                                              overlap=(how == "overlapped"), accum=a.grad_accum)
                          for how in ("overlapped", "deferred")}
         print(json.dumps(out))
         return out
@@ -495,14 +502,14 @@ def main(argv=None):
         return plans[w]
 
     def sim(w, replicas=1, overlap=True):
-        return simulate_plan(uses, plan_of(w), w, net, a, cmp, replicas=replicas, overlap=overlap)
+        return simulate_plan(uses, plan_of(w), w, net, a, cmp, replicas=replicas, overlap=overlap, accum=a.grad_accum)
 
     shard = hsdp_shard(a, model)
     rows, hrows, out = [], [], []
     for w in a.worlds:
         sizes, slot_of, outsized, weight_free = plan_maps(plan_of(w))
         y = sim(w)
-        f = simulate_fsdp2(uses, sizes, w, net, a, cmp, n_param_tensors, root)
+        f = simulate_fsdp2(uses, sizes, w, net, a, cmp, n_param_tensors, root, accum=a.grad_accum)
         gathered = sum(sizes.values())
         row = dict(world=w, yafsdp=y, fsdp2=f, gathered_elements=gathered)
         rows.append([w, 1e3 * y["step"], 1e3 * y["comm"], 1e3 * y["exposed"], y["exposed_fraction"],
@@ -526,8 +533,8 @@ def main(argv=None):
     hheader = ["GPUs", "HSDP replicas x shard", "full-shard step ms", "exposed ms", "HSDP step ms", "exposed ms",
                "all-reduce ms", "HSDP deferred step ms", "NIC GiB/GPU full", "NIC GiB/GPU HSDP", "HSDP / full"]
     htable = md_table(hheader, hrows) if hrows else "(no world is a multiple >= 2 of the HSDP shard group)"
-    compute_ms = 1e3 * (sum(u.fwd + u.bwd for u in uses) + sum(cmp["other"]))
-    setup = (f"{a.preset}, batch {a.batch} x seq {a.seq} per GPU, {a.param_dtype} gathers, {a.reduce_dtype} "
+    compute_ms = 1e3 * (sum(u.fwd + u.bwd for u in uses) + sum(cmp["other"])) * a.grad_accum
+    setup = (f"{a.preset}, batch {a.batch} x seq {a.seq} per GPU x {a.grad_accum} accumulation, {a.param_dtype} gathers, {a.reduce_dtype} "
              f"reduce-scatters; compute {cmp['source']} ({compute_ms:.1f} ms of unit compute per step); links: "
              f"{a.intra_busbw:g} GB/s in a node of {a.gpus_per_node}, {a.inter_busbw:g} GB/s per GPU across nodes, "
              f"{a.latency_us:g} us + {a.hop_us:g} us/rank per collective; memory bandwidth {a.hbm_gbs:g} GB/s")

@@ -150,17 +150,17 @@ def test_host_overhead():
 
 def test_bench_hsdp_and_the_byte_model(tmp_path):
     """benchmarks/bench_hsdp.py at world 4 (full sharding 1 x 4, HSDP 2 x 2): the all-reduce across replicas
-    once per step, overlapped (one per unit) and deferred (one), the same elements; none for full sharding.
-    And benchmarks/model_scaling.py's per-step bytes (gathers, reduce-scatters, the all-reduce across
+    once per step of 2 backward passes, overlapped (one per unit) and deferred (one), the same elements;
+    none for full sharding. And benchmarks/model_scaling.py's per-step bytes (gathers, reduce-scatters, the all-reduce across
     replicas) equal what the engine put into its collectives in that run, on every rank."""
     j = tmp_path / "h.json"
-    text = _run("bench_hsdp.py", *TINY, "--accum", "1", "--warmup", "1", "--steps", "1", "--json", str(j))
+    text = _run("bench_hsdp.py", *TINY, "--accum", "2", "--warmup", "1", "--steps", "1", "--json", str(j))
     r = json.loads(j.read_text())
     assert r["table"] in text
     full, over, deferred = (r["per_step"][k][0] for k in ("full", "hsdp", "hsdp-deferred"))
     assert full["all_reduces"] == 0 and deferred["all_reduces"] == 1 and over["all_reduces"] > 1
     assert over["elements"] == deferred["elements"] > 0
-    predicted = json.loads(_run("model_scaling.py", "--preset", "tiny", "--param-dtype", "fp32",
+    predicted = json.loads(_run("model_scaling.py", "--preset", "tiny", "--param-dtype", "fp32", "--grad-accum", "2",
                                 "--bytes", "2x2,1x4").strip().splitlines()[-1])
     for rank, counted in enumerate(r["bytes"]):
         assert counted["full"] == predicted["1x4"]["overlapped"], (rank, counted, predicted)
