@@ -215,6 +215,7 @@ class StreamSchedule(Schedule):
         self.group = group
         self.replicate_group = replicate_group  # HSDP: the ranks holding the same shard, else None
         self.counted = Counter()
+        self._after_fold: list = []  # HSDP: (grad shard, unit) a fold asked to all-reduce across replicas
         # The comm stream: every gather, reduce-scatter and fold of the step runs here; high
         # priority so a collective is not queued behind compute kernels.
         self.comm = streams.new_stream(priority=-1)
@@ -265,16 +266,20 @@ class StreamSchedule(Schedule):
                     reduce_scatter(out, full, self.group, async_op=False)  # on the comm stream
                     self._count("reduce", unit, full)
                     fold()
+                for grad, name in self._after_fold:  # HSDP: behind the fold, before `done`
+                    with span("all_reduce", name), self._timed("all_reduce", name):
+                        all_reduce(grad, self.replicate_group, async_op=False)
+                    self._count("all_reduce", name, grad)
+                self._after_fold.clear()
                 sync.done.record(self.comm)
 
     def wait_reduced(self, sync):
         self.streams.current_stream().wait_event(sync.done)
 
     def replicate_in_fold(self, grad, unit):
-        # Already on the comm stream, right behind the fold and before the grad buffer's `done`.
-        with span("all_reduce", unit), self._timed("all_reduce", unit):
-            all_reduce(grad, self.replicate_group, async_op=False)
-        self._count("all_reduce", unit, grad)
+        # Issued by reduce() right after the fold, on the comm stream and before the grad buffer's
+        # `done` (outside the reduce's timing, so the recorder times each collective on its own).
+        self._after_fold.append((grad, unit))
 
     def replicate(self, grad, unit):
         with span("all_reduce", unit):
