@@ -88,6 +88,7 @@ def _train(model, case, rank, world):
         t = torch.tensor(total)
         dist.all_reduce(t)
         losses.append(t.item() / world)
+        synced = model.sync_grads() if step < 2 else None  # True: it had to all-reduce (then clip does not)
         norms.append(model.clip_grad_norm_(MAX_NORM).item())
         mid = dict(rs.stats)
         opt.step()
@@ -96,7 +97,7 @@ def _train(model, case, rank, world):
         per_step.append(dict(elements=mid["elements"] - before["elements"],
                              deferred=mid["deferred"] - before["deferred"],
                              overlapped=mid["overlapped"] - before["overlapped"],
-                             rescaled=mid["rescaled"] - before["rescaled"], early=early))
+                             rescaled=mid["rescaled"] - before["rescaled"], early=early, synced=synced))
     return losses, norms, per_step, trainable, opt
 
 
@@ -343,9 +344,11 @@ def test_cross_replica_all_reduce_once_per_step(world, shape, name, tmp_path_fac
             assert not any(st["early"]) or not predicted, (step, st)
             if step == 0:  # no history: deferred to the first reader, one collective over every shard
                 assert st["elements"] == trainable and st["deferred"] == 1 and st["overlapped"] == 0, st
+                assert st["synced"] is True, st  # sync_grads() did it; clip_grad_norm_ found nothing left
             elif predicted:  # overlapped: one all-reduce per unit right behind its fold, nothing deferred
                 assert st["elements"] == trainable and st["deferred"] == 0 and st["overlapped"] > 1, st
                 assert st["rescaled"] == 0 or step % 2 == 0, st  # zero_grad(set_to_none=False) before odd steps
+                assert st["synced"] in (False, None), st  # complete at the end of the last backward already
         if name == "tied_accum_changes":
             s1, s2 = per_step[1], per_step[2]
             assert s1["overlapped"] == 0 and s1["deferred"] == 1, s1  # predicted 2 backward calls, saw 1
