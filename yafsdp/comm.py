@@ -81,7 +81,6 @@ are unchanged (they wait for ``ready`` / the handle and find ``param_dtype`` val
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 from collections import Counter
 from typing import Callable
@@ -179,7 +178,7 @@ class Schedule:
     recorder = None  # a yafsdp.trace.Recorder, or None
     # Bytes each rank received from all-gathers of the step protocol, by flat-group kind
     # ("trainable", "frozen", "nf4"): the all-gather outputs' sizes (reset it to measure a window)
-    gathered: collections.Counter
+    gathered: Counter
     counted: Counter  # (kind, unit) -> bytes this rank put into collectives of that kind (see _count)
 
     def _count(self, kind: str, unit: str, t: torch.Tensor) -> None:
@@ -254,7 +253,7 @@ class StreamSchedule(Schedule):
         self.comm = streams.new_stream(priority=-1)
         # Recorded on the compute stream each time the compute copies change; gathers wait on it.
         self.copies_ready = streams.new_event()
-        self.gathered = collections.Counter()
+        self.gathered = Counter()
         if replicate_group is not None:
             # HSDP, the deferred all-reduce: recorded on compute before it (the grad shards as the
             # compute side left them), and on comm after it (compute waits before reading them).
@@ -347,7 +346,7 @@ class HandleSchedule(Schedule):
 
     def __init__(self, group, replicate_group=None):
         self.group = group
-        self.gathered = collections.Counter()
+        self.gathered = Counter()
         self.replicate_group = replicate_group  # HSDP: the ranks holding the same shard, else None
         self.replicating: list = []  # (work, unit) of all-reduces across replicas not yet waited for
         self.counted = Counter()
