@@ -145,10 +145,12 @@ class GradBuffer:
         self.schedule.wait_reduced(self.sync)
         return self.data[:numel]
 
-    def reduce(self, unit: str, numel: int, shard_numel: int, fold: Callable[[torch.Tensor], None]) -> None:
-        """Reduce-scatter the first ``numel`` elements; ``fold(reduced shard)`` runs after it."""
+    def reduce(self, unit: str, numel: int, shard_numel: int, fold: Callable[[torch.Tensor], None],
+               host_fold: Callable[[], None] | None = None) -> None:
+        """Reduce-scatter the first ``numel`` elements; ``fold(reduced shard)`` runs after it, and
+        ``host_fold()`` on the host once that has completed (offload; see ``Schedule.reduce``)."""
         staging = self.staging[:shard_numel]
-        self.schedule.reduce(self.sync, staging, self.data[:numel], unit, lambda: fold(staging))
+        self.schedule.reduce(self.sync, staging, self.data[:numel], unit, lambda: fold(staging), host_fold)
 
     def finish(self) -> None:
         """The compute side waits until the last reduce from this buffer is folded."""

@@ -40,6 +40,8 @@ def _versions_before_step(optimizer, args, kwargs):
     """See [Note: optimizers that do not bump versions]. Also: an aborted backward is completed
     before any optimizer step reads the grad shards."""
     recover_all()
+    for rt in live_runtimes():  # offload: no upload still reads what this step is about to write
+        rt.before_optimizer_step()
     _VERSIONS[optimizer] = [
         (p, p._version) for g in optimizer.param_groups for p in g["params"]
         if p.grad is not None and shards.info_of(p) is not None

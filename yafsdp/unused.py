@@ -73,7 +73,9 @@ def before_step(optimizer) -> None:
         if dist.get_world_size(rt.group) > 1:
             check_collective("optimizer step (agreeing on parameters no rank used)", rt.group)
             collectives.all_reduce(local, rt.group, op=dist.ReduceOp.MAX)
-        snap = _Snapshot(local)
+        # The restore runs where the shards are: with offload the host (one tiny copy back; the
+        # step itself runs there). See [Note: host and device tensors] in alloc.py.
+        snap = _Snapshot(rt.to_host(local))
         k = 0
         for u in units:
             lay = u.layout
