@@ -67,7 +67,7 @@ def _parity(rank, world):
     out = {}
     for name, (kind, opts, optim, accum) in CASES.items():
         res = {}
-        for offload in (None, "optimizer"):
+        for offload in (None, "optimizer", "all") if kind == "lora" else (None, "optimizer"):
             model = yafsdp.YaFSDP(_model(kind), offload=offload, **opts)
             opt = _optimizer(optim, model.parameters())
             trace = _run(model, opt, rank, accum)
@@ -81,18 +81,22 @@ def _parity(rank, world):
 def test_offload_is_bit_identical(world):
     for rank, res in enumerate(run_ranks(_parity, world)):
         for name, r in res.items():
-            (a, sd_a, st_a, g_a), (b, sd_b, st_b, g_b) = r[None], r["optimizer"]
-            assert a == b, (name, rank, a, b)
-            assert g_a == g_b, name
-            if rank == 0:
-                assert sd_a.keys() == sd_b.keys() and all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a), name
-            assert len(st_a) == len(st_b) and all(
-                torch.equal(x[k], y[k]) for x, y in zip(st_a, st_b) for k in x), name
+            a, sd_a, st_a, g_a = r[None]
+            for off in [k for k in r if k is not None]:
+                b, sd_b, st_b, g_b = r[off]
+                assert a == b, (name, off, rank, a, b)
+                assert g_a == g_b, (name, off)
+                if rank == 0:
+                    assert sd_a.keys() == sd_b.keys() and all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a), (name, off)
+                assert len(st_a) == len(st_b) and all(
+                    torch.equal(x[k], y[k]) for x, y in zip(st_a, st_b) for k in x), (name, off)
 
 
 def _host_storages(model, opt):
     rt = model._rt
     ts = [rt.master, rt.grad, rt.compute_host, rt.grad_landing]
+    if rt.offload == "all":
+        ts += [rt.frozen_store, rt.nf4_store]
     ts += [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
     return {t.untyped_storage().data_ptr() for t in ts if t is not None}
 
@@ -137,8 +141,8 @@ def _placement_and_collectives(rank, world, out_dir):
 
     watch = _Watch(setattr_)
     out = {}
-    for dt in (torch.bfloat16, None):
-        model = yafsdp.YaFSDP(_lora_model(), offload="optimizer", param_dtype=dt, quantize_frozen="nf4")
+    for dt, offload in ((torch.bfloat16, "optimizer"), (None, "optimizer"), (torch.bfloat16, "all")):
+        model = yafsdp.YaFSDP(_lora_model(), offload=offload, param_dtype=dt, quantize_frozen="nf4")
         rt = model._rt
         opt = yafsdp.FusedAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         _run(model, opt, rank, 1, steps=1)
@@ -147,7 +151,8 @@ def _placement_and_collectives(rank, world, out_dir):
         sd = model.full_state_dict()
         model.load_full_state_dict(sd if rank == 0 else None)
         ckpt.load_checkpoint(ckpt.save_checkpoint(os.path.join(out_dir, f"c{dt}"), 1, model, opt), model, opt)
-        out[str(dt)] = dict(
+        key = f"{dt} {offload}"
+        out[key] = dict(
             bad=list(watch.bad), calls=len(watch.calls),
             host=sorted(model.allocated_bytes("host")), device=sorted(model.allocated_bytes("device")),
             placement=model.placement(), plan=model.memory_plan().engine_bytes(), allocated=model.allocated_bytes(),
@@ -161,7 +166,7 @@ def _placement_and_collectives(rank, world, out_dir):
         # shards to the all-gather.
         rt.to_device = lambda t: t
         model.full_state_dict()
-        out[str(dt)]["fault_seen"] = bool(watch.bad)
+        out[key]["fault_seen"] = bool(watch.bad)
         watch.bad.clear()
         watch.host = set()
     for mod, name, fn in reversed(patched):
@@ -177,16 +182,20 @@ def test_collectives_see_only_device_tensors_and_placement(tmp_path):
             assert o["separate"]  # the device compute copy is its own tensor, fp32 included
             assert o["copy_out"] in (True, None)
             want_host = ["compute_host", "grad", "grad_landing", "master"]
-            if dt == "None":  # fp32: the master itself is the upload's source
+            if dt.startswith("None"):  # fp32: the master itself is the upload's source
                 assert o["allocated"]["compute_host"] == 0
-            assert o["host"] == want_host, o["host"]
-            assert "compute_copy" in o["device"] and "nf4" in o["device"] and "master" not in o["device"]
+            if dt.endswith("all"):  # the frozen and NF4 shards on the host, a landing per weight buffer
+                assert o["host"] == sorted(want_host + ["frozen", "nf4"]), o["host"]
+                assert "weight0_landing" in o["device"] and "nf4" not in o["device"]
+            else:
+                assert o["host"] == want_host, o["host"]
+                assert "nf4" in o["device"] and not any(k.endswith("_landing") for k in o["device"] if k != "grad_landing")
+            assert "compute_copy" in o["device"] and "master" not in o["device"]
             assert o["plan"] == o["allocated"]
             assert o["plan_host"] == o["alloc_host"]
 
 
 def test_offload_refuses_unknown_values():
-    with pytest.raises(ValueError, match="offload='all'.*not implemented"):
-        yafsdp.api.check_offload("all")
-    with pytest.raises(ValueError, match="offload='gpu' is not supported; use None or 'optimizer'"):
+    assert [yafsdp.api.check_offload(v) for v in (None, "optimizer", "all")] == [None, "optimizer", "all"]
+    with pytest.raises(ValueError, match="offload='gpu' is not supported; use None, 'optimizer' .* or 'all'"):
         yafsdp.api.check_offload("gpu")

@@ -31,7 +31,7 @@ from torch import nn
 from . import nf4, shards
 from .buffers import GradBuffer, WeightBuffer
 from .flat import alias
-from .plan.sizing import plan_buffers
+from .plan.sizing import landing_layout, plan_buffers
 from .unit import FlatGroup
 
 __all__ = ["allocate"]
@@ -66,11 +66,15 @@ def allocate(self, outsized_ratio: float) -> None:
     # its own all-gather input; no master, no grad, no optimizer state).
     frozen_total = sum(g.layout.shard_numel for u in self.all for g in u.groups
                        if not g.kind.reduced and g.kind.compact is None)
-    self.frozen_store = torch.zeros(frozen_total, dtype=self.compute_dtype, device=dev)
+    # With offload="all" on the host (pinned on CUDA): [Note: the frozen landing] in plan/sizing.py.
+    frozen_host = self.offload == "all"
+    self.frozen_store = (self.host_zeros(frozen_total, self.compute_dtype) if frozen_host
+                         else torch.zeros(frozen_total, dtype=self.compute_dtype, device=dev))
     # 1-D uint8: every NF4 group's shard (one byte record each: packed codes, then block scales)
     # end to end; the record is its own all-gather input. See [Note: NF4 frozen groups] in nf4.py.
     nf4_total = sum(u.shape.nf4_record for u in self.all)
-    self.nf4_store = torch.zeros(nf4_total, dtype=torch.uint8, device=dev)
+    self.nf4_store = (self.host_zeros(nf4_total, torch.uint8) if frozen_host
+                      else torch.zeros(nf4_total, dtype=torch.uint8, device=dev))
     codebook = nf4.codebook(self.compute_dtype, dev) if nf4_total else None
     self.flat = nn.Module()  # holds the flat master shards as registered parameters
     off = foff = qoff = 0
@@ -114,19 +118,21 @@ def allocate(self, outsized_ratio: float) -> None:
         [u.name for u in self.units], [u.shape for u in self.units],
         self.small.shape if self.small is not None else None,
         compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
-        zero_stage=self.zero_stage, outsized_ratio=outsized_ratio,
+        zero_stage=self.zero_stage, outsized_ratio=outsized_ratio, offload_frozen=frozen_host,
     )
     self.grad_buffers: list[GradBuffer] = [
         GradBuffer(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule) for s in plan.grad
     ]
     self.weight_buffers: list[WeightBuffer] = [
-        WeightBuffer(s.name, s.capacity, s.dtype, dev, self.schedule, s.staging_bytes) for s in plan.weight
+        WeightBuffer(s.name, s.capacity, s.dtype, dev, self.schedule, s.staging_bytes, s.landing_bytes)
+        for s in plan.weight
     ]
     for u, w, g in zip(self.all, plan.weight_of, plan.grad_of):
         u.buffer, u.grad_buffer = self.weight_buffers[w], (self.grad_buffers[g] if g >= 0 else None)
     for u, big in zip(self.units, plan.outsized):
         u.outsized = big
     for u in self.all:
+        u.landing_at = landing_layout(u.shape, self.compute_dtype)[0]
         u.aliases = [alias(u.buffer.data, u.group_of[id(p)].buffer_offset + p.offset, p.shape) for p in u.params]
 
 def _copy_written_cb(self, group: FlatGroup):

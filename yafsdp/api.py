@@ -289,6 +289,7 @@ class YaFSDP(nn.Module):
         """Raise unless the engine is between steps (no forward or backward running)."""
         if not self._rt.idle:
             raise RuntimeError(f"yafsdp.YaFSDP.{what} called during forward/backward; call it between steps")
+        self._rt.quiesce()  # offload: nothing in flight still reads the host shards a load writes
 
     @property
     def needs_load(self) -> bool:
@@ -382,18 +383,16 @@ class YaFSDP(nn.Module):
         return {k: self._rt.placement(k) for k in self.allocated_bytes()}
 
 
-OFFLOAD_CHOICES = (None, "optimizer")
+OFFLOAD_CHOICES = (None, "optimizer", "all")
 
 
 def check_offload(offload) -> str | None:
-    """``offload=`` of YaFSDP and the plan: None or "optimizer"; anything else is refused by name."""
+    """``offload=`` of YaFSDP and the plan: None, "optimizer" (fp32 master, grad shard and optimizer
+    state on the host) or "all" (the frozen and NF4 shards too); anything else is refused by name."""
     if offload in OFFLOAD_CHOICES:
         return offload
-    if offload == "all":
-        raise ValueError(
-            "yafsdp.YaFSDP: offload='all' (frozen and NF4 shards on the host too) is not implemented; "
-            "use offload='optimizer' (fp32 master, grad shard and optimizer state on the host) or None")
-    raise ValueError(f"yafsdp.YaFSDP: offload={offload!r} is not supported; use None or 'optimizer'")
+    raise ValueError(f"yafsdp.YaFSDP: offload={offload!r} is not supported; use None, 'optimizer' (the fp32 master, "
+                     "grad shard and optimizer state on the host) or 'all' (the frozen and NF4 shards too)")
 
 
 def _refuse_module_state_dict(module, prefix, keep_vars):

@@ -202,10 +202,12 @@ class Schedule:
         """The compute copies (all-gather inputs) were just written on the compute side."""
 
     def gather(self, sync: _WeightSync, out: torch.Tensor, shard: torch.Tensor, unit: str,
-               expand: Callable[[], None] | None = None) -> None:
+               expand: Callable[[], None] | None = None, stage: torch.Tensor | None = None) -> None:
         """Issue the all-gather of ``shard`` into ``out`` (a weight buffer's storage or staging
         area); ``expand()``, when given, runs after it has landed and before the buffer counts as
-        gathered (see [Note: expanding a compact gather])."""
+        gathered (see [Note: expanding a compact gather]). ``stage`` (offload="all"): a device
+        tensor the host ``shard`` is first copied into, the collective's input then (see
+        [Note: the frozen landing] in plan/sizing.py)."""
         raise NotImplementedError
 
     def wait_gathered(self, sync: _WeightSync) -> None:
@@ -232,6 +234,10 @@ class Schedule:
 
     def wait_uploads(self) -> None:
         """The host waits until every upload issued so far has read its source."""
+
+    def quiesce(self) -> None:
+        """The host waits for every copy and collective issued so far (before it writes host
+        shards those may read: loads between steps with offload)."""
 
     def wait_reduced(self, sync: _GradSync) -> None:
         """The compute side waits until the last reduce from this grad buffer is folded."""
@@ -289,6 +295,11 @@ class StreamSchedule(Schedule):
         if self.uploaded is not None:
             self.uploaded.synchronize()
 
+    def quiesce(self):
+        self.comm.synchronize()
+        if self.h2d is not None:
+            self.h2d.synchronize()
+
     def finish_host_folds(self):
         pending, self.host_pending = self.host_pending, []
         for landed, host_fold in pending:
@@ -301,10 +312,13 @@ class StreamSchedule(Schedule):
             return contextlib.nullcontext()
         return _StreamTiming(rec, kind, unit, self.comm)
 
-    def gather(self, sync, out, shard, unit, expand=None):
+    def gather(self, sync, out, shard, unit, expand=None, stage=None):
         with span("gather", unit), self.streams.use(self.comm):
             self.comm.wait_event(sync.released)
             self.comm.wait_event(self.copies_ready)
+            if stage is not None:  # the host shard onto the device, in this stream's order: [Note: the frozen landing]
+                stage.copy_(shard, non_blocking=True)
+                shard = stage
             with self._timed("gather", unit):
                 all_gather(out, shard, self.group, async_op=False)  # on the comm stream (torch >= 2.8)
             if expand is not None:  # See [Note: expanding a compact gather]
@@ -363,8 +377,11 @@ class HandleSchedule(Schedule):
     def grad_sync(self) -> _GradSync:
         return _GradSync()
 
-    def gather(self, sync, out, shard, unit, expand=None):
+    def gather(self, sync, out, shard, unit, expand=None, stage=None):
         self.wait_gathered(sync)  # a previous gather into this buffer must land (and expand) first
+        if stage is not None:  # its input was this buffer's landing too: [Note: the frozen landing]
+            stage.copy_(shard)
+            shard = stage
         rec = self.recorder
         with span("gather", unit):
             t = rec.now() if rec else None  # before the issuing call, which may itself move data
@@ -447,9 +464,9 @@ class CheckedSchedule:
     def __getattr__(self, name):
         return getattr(self.__dict__["inner"], name)
 
-    def gather(self, sync, out, shard, unit, expand=None):
+    def gather(self, sync, out, shard, unit, expand=None, stage=None):
         check_collective(f"gather of unit {unit!r}", self.group)
-        self.inner.gather(sync, out, shard, unit, expand)
+        self.inner.gather(sync, out, shard, unit, expand, stage)
 
     def reduce(self, sync, out, full, unit, fold, host_fold=None):
         check_collective(f"reduce-scatter of unit {unit!r}", self.group)

@@ -135,12 +135,16 @@ class Runtime:
         """``t`` where the optimizer's tensors live (``t`` itself when already there)."""
         return t if t.device == self.host_device else t.to(self.host_device)
 
-    HOST_ROLES = ("master", "grad", "compute_host", "grad_landing")
-
     def placement(self, role: str) -> str:
         """Where a role of :meth:`owned_tensors` lives: "host" or "device" (see [Note: host and
         device tensors] in alloc.py; without offload every role is "device")."""
-        return "host" if self.offload is not None and role in self.HOST_ROLES else "device"
+        return placement_of(role, self.offload)
+
+    def quiesce(self) -> None:
+        """offload: the host waits for every copy and collective in flight (before host shards they
+        may read are written: loads between steps)."""
+        if self.offload is not None:
+            self.schedule.quiesce()
 
     def before_optimizer_step(self) -> None:
         """An optimizer step is about to write host tensors an upload may still read (offload)."""
@@ -163,6 +167,8 @@ class Runtime:
             out[s.name] = s.data
             if s.staging.numel():
                 out[s.name + "_staging"] = s.staging
+            if s.landing.numel():
+                out[s.name + "_landing"] = s.landing
         for s in self.grad_buffers:
             out[s.name] = s.data
             out[s.name + "_staging"] = s.staging
@@ -469,6 +475,14 @@ class Runtime:
         for s in self.weight_buffers:
             s.drop_deferred()
         self.phase = Phase.IDLE
+
+
+def placement_of(role: str, offload: str | None) -> str:
+    """Where the tensor of ``role`` (a key of ``allocated_bytes()``) lives with ``offload``; the plan
+    uses the same rule. See [Note: host and device tensors] in alloc.py."""
+    host = {None: (), "optimizer": ("master", "grad", "compute_host", "grad_landing"),
+            "all": ("master", "grad", "compute_host", "grad_landing", "frozen", "nf4")}[offload]
+    return "host" if role in host else "device"
 
 
 def live_runtimes() -> list[Runtime]:

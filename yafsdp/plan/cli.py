@@ -45,9 +45,10 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
                     help="add PEFT LoRA adapters of this rank on every linear layer (target_modules='all-linear': "
                     "not lm_head); they are the trainable parameters, the base is frozen (--frozen-base, default "
                     "bf16 then)")
-    ap.add_argument("--offload", default="none", choices=["none", "optimizer"],
+    ap.add_argument("--offload", default="none", choices=["none", "optimizer", "all"],
                     help="optimizer: fp32 master, grad shard and optimizer state on the host "
-                    "(YaFSDP(offload='optimizer')); the table says where each role lives and totals per GPU and host")
+                    "(YaFSDP(offload='optimizer')); all: the frozen and NF4 shards too, copied to the device per "
+                    "unit before its gather; the table says where each role lives and totals per GPU and host")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return ap
 

@@ -89,13 +89,12 @@ class MemoryPlan:
         act = self.activations.total if self.activations is not None else 0
         return self.engine_total + self.optimizer_state + act
 
-    HOST_ROLES = ("master", "grad", "compute_host", "grad_landing")
-
     def placement(self) -> dict[str, str]:
         """Where each role of :meth:`engine_bytes` lives ("host" / "device"), as ``YaFSDP.placement()``;
         the optimizer state is where the master shards are."""
-        return {k: "host" if self.offload is not None and k in self.HOST_ROLES else "device"
-                for k in self.engine_bytes()}
+        from ..runtime import placement_of
+
+        return {k: placement_of(k, self.offload) for k in self.engine_bytes()}
 
     @property
     def host_bytes(self) -> int:
@@ -130,6 +129,8 @@ class MemoryPlan:
                 out[s.name] = s.capacity * itemsize(s.dtype)
                 if s.staging_bytes:
                     out[s.name + "_staging"] = s.staging_bytes
+                if s.landing_bytes:
+                    out[s.name + "_landing"] = s.landing_bytes
         for s in self.slots:
             if s.kind == "grad":
                 out[s.name] = s.capacity * itemsize(s.dtype)
@@ -146,10 +147,10 @@ class MemoryPlan:
                (f"reduced-grad landing ({self.reduce_dtype})", self.grad_landing)] if self.offload else []),
             (f"compute copy ({self.param_dtype})", self.compute_copy),
             (f"frozen shard ({self.param_dtype})", self.frozen),
-            *([(f"frozen NF4 shard (4-bit codes + {self.param_dtype} block scales)", self.nf4)]
-              if self.quantize_frozen else []),
+            *([(self._nf4_row, self.nf4)] if self.quantize_frozen else []),
             ("weight buffers" + (" (per unit, ZeRO-2)" if self.zero_stage == 2 else " (x2)")
-             + (" + NF4 staging" if self.quantize_frozen else ""), self.weight_buffers),
+             + (" + NF4 staging" if self.quantize_frozen else "")
+             + (" + frozen landing" if self.offload == "all" else ""), self.weight_buffers),
             ("grad buffers (x2, + staging)", self.grad_buffers),
             ("small group (weight + grad)", self.small_group),
             ("outsized-unit buffers", self.outsized_buffers),
@@ -166,7 +167,12 @@ class MemoryPlan:
         if not self.offload:
             return []
         return ["master shard (fp32)", "grad shard (fp32)", f"optimizer state ({self.optimizer})",
-                f"compute copy host staging ({self.param_dtype})", f"reduced-grad landing ({self.reduce_dtype})"]
+                f"compute copy host staging ({self.param_dtype})", f"reduced-grad landing ({self.reduce_dtype})",
+                *([f"frozen shard ({self.param_dtype})", self._nf4_row] if self.offload == "all" else [])]
+
+    @property
+    def _nf4_row(self) -> str:
+        return f"frozen NF4 shard (4-bit codes + {self.param_dtype} block scales)"
 
     def zero_formula(self) -> dict[str, float]:
         """The ZeRO paper's model-state formula (Rajbhandari et al. 2020, mixed-precision Adam,
@@ -288,7 +294,7 @@ def memory_plan(
         small = unit_shape(small_params, world_size, rank, align, quantize) if small_params else None
         slots = plan_buffers(
             names, layouts, small, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
-            zero_stage=zero_stage, outsized_ratio=outsized_ratio,
+            zero_stage=zero_stage, outsized_ratio=outsized_ratio, offload_frozen=offload == "all",
         )
         module = model
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
