@@ -16,6 +16,10 @@ when the device is CUDA) and the engine adds two host tensors:
   (``Schedule.reduce``'s fold), and the host folds it into the fp32 grad shard
   (``kernels.cast_`` / ``accumulate_``, the same kernels and values as without offload).
 
+With ``offload="all"`` the frozen and NF4 stores are host tensors too (pinned on CUDA), and each weight
+buffer has a device *landing* their shards are copied into before their all-gathers: see [Note: the
+frozen landing] in plan/sizing.py.
+
 Collectives only ever see device tensors: code that hands a host tensor to a collective moves it
 with ``Runtime.to_device`` first (``tests/test_offload.py`` checks that no collective touches a
 host tensor's storage). ``Runtime.placement`` says where each role of ``owned_tensors`` lives;
