@@ -155,7 +155,7 @@ def plan_of(name: str, a, world: int):
     from yafsdp.plan import memory_plan
 
     off = "optimizer" if name.endswith("+offload") else "all" if name.endswith("+offload-all") else None
-    return memory_plan(lora_model(a), world_size=world, quantize_frozen="nf4" if "qlora" in name else None,
+    return memory_plan(lora_model(a, meta=True), world_size=world, quantize_frozen="nf4" if "qlora" in name else None,
                        offload=off, batch=a.batch, seq=a.seq)
 
 
