@@ -120,8 +120,7 @@ class Runtime:
     # ------------------------------------------------------------------ host and device
     def host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed 1-D tensor where the optimizer runs (pinned when that is the host of a GPU)."""
-        t = torch.zeros(numel, dtype=dtype, device=self.host_device)
-        return t.pin_memory() if self.pin else t
+        return torch.zeros(numel, dtype=dtype, device=self.host_device, pin_memory=self.pin)  # pinned in place
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on the compute device, where the collectives run. With offload always a copy (also
