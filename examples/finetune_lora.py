@@ -19,6 +19,9 @@ On one GPU node (bf16 compute, fp32 adapters and optimizer state):
         --data instructions.jsonl --bf16 --seq-len 1024 --out runs/lora
 
 QLoRA, the base's linear weights stored in 4-bit NF4 (YaFSDP(..., quantize_frozen="nf4")): add --qlora.
+The adapters' fp32 master, grad shard and AdamW state in host memory, the optimizer step on the CPU
+(YaFSDP(..., offload="optimizer")): add --offload (frees 16 bytes per trainable parameter / N per GPU);
+--offload all puts the frozen base's shards in host memory too (Llama-2-70B QLoRA on 2 GPUs: README).
 
 Continue a run (newest complete checkpoint in --out): add --resume. Also runs as plain ``python``.
 --data takes what the pretraining job takes (plain text: the loss on every token) or an instruction
@@ -64,6 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--qlora", action="store_true",
                    help="QLoRA: store the frozen base's linear weights in 4-bit NF4 (YaFSDP quantize_frozen='nf4'; "
                    "~0.27x the bf16 bytes gathered); the adapters train against the dequantized base")
+    g.add_argument("--offload", nargs="?", const="optimizer", default=None, choices=["optimizer", "all"],
+                   help="keep the adapters' fp32 master, grad shard and AdamW state in (pinned) host memory and run "
+                   "the optimizer step on the CPU (YaFSDP offload='optimizer'); --offload all: the frozen base's "
+                   "shards (bf16 and NF4) too, copied to the device per layer ahead of its gather. Results are bit "
+                   "for bit those without it")
     g.add_argument("--merge-export", default=None, metavar="DIR",
                    help="also write the base with the adapters merged as a plain HF checkpoint")
     g = p.add_argument_group("base (without --init-from-hf)")
@@ -208,7 +216,10 @@ class FinetuneJob(J.Job):
         return model
 
     def wrap_options(self) -> dict:
-        return dict(quantize_frozen="nf4") if self.args.qlora else {}
+        out = dict(quantize_frozen="nf4") if self.args.qlora else {}
+        if self.args.offload:
+            out["offload"] = self.args.offload
+        return out
 
     def init_weights(self):
         J.set_rng_state(None, self.args.seed, self.rank, 0, self.device)
@@ -217,7 +228,11 @@ class FinetuneJob(J.Job):
         frozen = "frozen, its linear weights stored in NF4 (--qlora)" if a.qlora else "frozen"
         self.init_desc = (f"base {made} (every rank read it; {frozen}); LoRA r {a.lora_r}, alpha "
                           f"{a.lora_alpha:g} on {','.join(a.targets)}: {P.fmt_count(self.n_trainable)} trainable params "
-                          f"(A seeded by --seed {a.seed}, B zero)")
+                          f"(A seeded by --seed {a.seed}, B zero)"
+                          + ("; their fp32 master, grads and AdamW state in host memory, stepped on the CPU "
+                             "(--offload)" if a.offload else "")
+                          + ("; the frozen base's shards in host memory too (--offload all)" if a.offload == "all"
+                             else ""))
 
     # -------------------------------------------------------------------------------- the run
     @torch.no_grad()

@@ -155,3 +155,17 @@ def test_qlora_job(run, tmp_path):
         merged = LlamaForCausalLM.from_pretrained(os.path.join(out, "merged"))(input_ids=probe["input_ids"]).logits
     assert (ours - probe["logits"]).abs().max().item() < 1e-5
     assert (merged - probe["logits"]).abs().max().item() < 1e-4
+
+
+def test_offload_job_repeats_the_losses_and_resumes(run, tmp_path):
+    """--offload at world 2 (adapters' fp32 state on the host, the step on the CPU): the first half with
+    --offload, a checkpoint, a resumed second half with --offload all (the frozen base on the host too)
+    repeat the default run's 30 losses bit for bit."""
+    out = str(tmp_path / "offload")
+    base = ["--out", out, "--init-from-hf", os.path.join(run["out"], "base", "hf"), "--save-every", "15"]
+    p = run_ft(base + ["--steps", "15", "--offload"])
+    assert "stepped on the CPU (--offload)" in p.stdout, p.stdout[-3000:]
+    p = run_ft(base + ["--resume", "--offload", "all"])
+    assert "resumed from" in p.stdout and "--offload all" in p.stdout
+    want, got = losses(run["out"]), losses(out)
+    assert len(got) == 30 and got == want, (got, want)

@@ -61,11 +61,12 @@ def _buffer_mismatch(model):
             model.schedule.wait_gathered(slot.sync)
             for g in u.groups:
                 got = slot.data[g.buffer_offset:g.buffer_offset + g.layout.padded_numel]
+                shard = g.compute.to(got.device)  # offload="all": a host shard (a synchronous copy)
                 if g.kind.compact is None:
-                    n += (got != g.compute).sum()
+                    n += (got != shard).sum()
                 else:  # an NF4 group: the expand of its record (world 1: the gathered records are the shard)
                     want = torch.empty_like(got)
-                    g.expand(want, g.compute)
+                    g.expand(want, shard)
                     n += (got != want).sum()
     return n
 
@@ -107,6 +108,10 @@ CASES = {
     "z3_bf16_torch_fused": dict(zero=3, dtype="bfloat16", opt="torch_fused"),
     # NF4 groups: the expand runs on the comm stream after each gather of frozen q/k/mlp weights
     "z3_bf16_nf4": dict(zero=3, dtype="bfloat16", opt="fused_adamw", nf4=True),
+    # offload (comm.py [Note: streams and events]): copy-out uploads on the upload stream, reduced grads
+    # device -> host on the comm stream, host folds; "all": the frozen/NF4 shards through the landing
+    "z3_bf16_fused_adamw_offload": dict(zero=3, dtype="bfloat16", opt="fused_adamw", offload="optimizer"),
+    "z3_bf16_nf4_adamw_offload_all": dict(zero=3, dtype="bfloat16", opt="adamw", nf4=True, offload="all"),
 }
 
 
@@ -126,7 +131,7 @@ def _race_windows(rank, world, names):
         for sync in (False, True):
             model = yafsdp.YaFSDP(copy.deepcopy(base), zero_stage=case["zero"],
                                   param_dtype=getattr(torch, case["dtype"]) if case["dtype"] else None,
-                                  quantize_frozen="nf4" if case.get("nf4") else None)
+                                  quantize_frozen="nf4" if case.get("nf4") else None, offload=case.get("offload"))
             opt = _optimizer(case["opt"], model.parameters())
             torch.cuda.synchronize()
             losses, mismatch = _loop(model, opt, "llama", inputs, sync_after_step=sync, check_buffers=True,
@@ -282,3 +287,40 @@ def test_fake_process_group_world8():
         assert torch.cuda.memory_allocated() - before < 1 << 20
     finally:
         dist.destroy_process_group()
+
+
+def _offload_placement_and_parity(rank, world):
+    """offload on a GPU: where every tensor lives (pinned host memory for the host roles), the optimizer
+    state on the host, and the losses of offload vs none (CPU vs CUDA AdamW kernels: close, not bitwise)."""
+    out = {}
+    base = tiny_llama()
+    for pname, p in base.named_parameters():
+        if any(f in pname for f in ("q_proj", "k_proj", "mlp")):
+            p.requires_grad_(False)
+    inputs = _inputs("llama", 3, 1)
+    for off in (None, "optimizer", "all"):
+        model = yafsdp.YaFSDP(copy.deepcopy(base), param_dtype=torch.bfloat16, quantize_frozen="nf4", offload=off)
+        opt = yafsdp.FusedAdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        losses, _ = _loop(model, opt, "llama", inputs, sync_after_step=False, check_buffers=False)
+        owned = model.owned_tensors()
+        where = model.placement()
+        out[off] = dict(
+            losses=losses.cpu(),
+            placed={k: (t.device.type, t.is_pinned() if t.device.type == "cpu" else None) for k, t in owned.items()},
+            where={k: where[k] for k in owned},
+            params={p.device.type for p in model.parameters()},
+            state={t.device.type for s in opt.state.values() for t in s.values() if torch.is_tensor(t)},
+        )
+    return out
+
+
+def test_offload_placement_and_parity_on_gpu():
+    out = run_ranks(_offload_placement_and_parity, 1, backend="nccl")[0]
+    for off, r in out.items():
+        for role, (dev, pinned) in r["placed"].items():
+            assert dev == ("cpu" if r["where"][role] == "host" else "cuda"), (off, role, dev)
+            assert pinned in (None, True), (off, role)
+        if off is not None:
+            assert r["params"] == {"cpu"} and r["state"] == {"cpu"}, (off, r)
+            assert torch.allclose(r["losses"], out[None]["losses"], rtol=1e-3), (off, r["losses"], out[None]["losses"])
+    assert out["all"]["where"]["nf4"] == "host" and out["optimizer"]["where"]["nf4"] == "device"

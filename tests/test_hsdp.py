@@ -161,6 +161,8 @@ def _refusals() -> dict:
                              process_group=dist.group.WORLD),
         "uneven": None,  # below: every rank must create every group
         "peers": None,
+        "offload": lambda: dict(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
+                                offload="optimizer"),
     }.items():
         try:
             rank = dist.get_rank()
@@ -363,6 +365,7 @@ def test_hsdp_refusals(tmp_path_factory):
     assert "not both" in got["both"], got["both"]
     assert "4 shard ranks" in got["uneven"] and "world has 4" in got["uneven"], got["uneven"]
     assert "joins ranks holding shards [0, 1]" in got["peers"], got["peers"]
+    assert "offload='optimizer' with HSDP (2 replicas) is not supported" in got["offload"], got["offload"]
 
 
 def test_hsdp_checkpoints_across_meshes(tmp_path_factory):

@@ -345,3 +345,89 @@ def test_plan_of_a_frozen_nf4_base():
     assert q.model_state < 0.32 * bf.model_state  # the bf16 embedding (1 B of the 8 B parameters) stays
     staging = [s for s in q.slots if s.kind == "weight" and s.staging_bytes]
     assert staging and "frozen NF4 shard" in q.format()
+
+
+def _qlora_model(preset: str, rank_r: int = 64, **overrides):
+    """A QLoRA model on the meta device: the preset's base frozen, PEFT LoRA of rank ``rank_r`` on
+    every linear layer (target_modules="all-linear": not lm_head), as ``--lora-rank`` plans it."""
+    import peft
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    model = build_llama(preset, device="meta", **overrides)
+    model.model.rotary_emb = LlamaRotaryEmbedding(model.config)  # real buffers: the engine broadcasts them
+    model.requires_grad_(False)
+    return peft.get_peft_model(model, peft.LoraConfig(r=rank_r, lora_alpha=2 * rank_r, target_modules="all-linear",
+                                                      lora_dropout=0.0))
+
+
+QLORA_OPTS = dict(param_dtype="bf16", quantize_frozen="nf4", offload="optimizer")
+
+
+def test_llama2_70b_qlora_offload_plan_on_2_gpus():
+    """Issue 13's anchor: Llama-2-70B QLoRA (NF4 base, LoRA r=64 on all linear layers), seq 2048,
+    activation checkpointing, 2 GPUs. offload="all" (adapters' fp32 state and the NF4/bf16 frozen
+    shards on the host) plans 9.48 GiB per GPU: under the 24 GiB goal. offload="optimizer" alone
+    plans 26.23 GiB, over it: the NF4 base is 17.0 GiB per GPU at N=2 and stays on the device."""
+    from yafsdp.plan.sizing import GiB
+
+    model = _qlora_model("llama2-70b")
+    kw = dict(world_size=2, param_dtype="bf16", quantize_frozen="nf4", batch=1, seq=2048, checkpointing=True)
+    p = memory_plan(model, offload="optimizer", **kw)
+    lora = 80 * 64 * (2 * 16384 + 2 * 9216 + 3 * 36864)  # q, o; k, v; gate, up, down: r x (in + out)
+    assert abs(p.master - 4 * lora / 2) < 1e6 and p.placement()["master"] == "host"
+    assert p.host_total == p.master + p.grad + p.optimizer_state + p.compute_host + p.grad_landing
+    assert p.device_total == p.total - p.host_total
+    assert 16.9 < p.nf4 / GiB < 17.1  # the 4-bit base: (0.5 + 2/64) bytes x 68.7 G linear weights / 2
+    assert 26.0 < p.device_total / GiB < 26.5, p.device_total / GiB  # 26.23 GiB: over the 24 GiB goal
+    every = memory_plan(model, offload="all", **kw)
+    assert every.placement()["nf4"] == every.placement()["frozen"] == "host"
+    assert every.device_total <= 24 * GiB and 9.3 < every.device_total / GiB < 9.7, every.device_total / GiB
+    # the frozen shards leave the device; each weight buffer gains a landing for one unit's shards
+    landing = sum(v for k, v in every.engine_bytes().items() if k.endswith("_landing") and k.startswith("weight"))
+    assert 0 < landing < 0.6 * GiB
+    assert every.device_total == p.device_total - p.nf4 - p.frozen + landing
+    without = memory_plan(model, world_size=2, param_dtype="bf16", quantize_frozen="nf4")
+    # offload moves 16 bytes per trainable parameter / N off the device (fp32 master, grad, AdamW m, v)
+    assert (without.device_total - (p.device_total - p.activations.total)) == 16 * p.master // 4
+    text = every.format()
+    assert "per GPU (device)" in text and "frozen landing" in text
+
+
+def _qlora_8b_fake(rank, world):
+    """Fake process group, one process: a QLoRA Llama-3-8B (its shapes: hidden 4096, intermediate
+    14336, vocab 128256; 2 of its 32 layers, to keep the CPU step short) with offload, planned and
+    measured (exact torch CPU allocations: host and device are both the CPU here)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.destroy_process_group()
+    w, b, s = 8, 1, 64
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=w)
+
+    def build():
+        model = yafsdp.YaFSDP(_qlora_model("llama3-8b", num_hidden_layers=2), param_dtype=torch.bfloat16,
+                              quantize_frozen="nf4", offload="optimizer", device="cpu")
+        model.mark_loaded()
+        model.module.gradient_checkpointing_enable()
+        return model, yafsdp.FusedAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def step(engine, i):
+        model, opt = engine
+        ids = torch.randint(0, 128256, (b, s), generator=torch.Generator().manual_seed(i))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    plan = memory_plan(_qlora_model("llama3-8b", num_hidden_layers=2), world_size=w, batch=b, seq=s,
+                       checkpointing=True, **QLORA_OPTS)
+    m = measure_memory(build, step, 3, torch.device("cpu"), method="torch")
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    return plan.total, plan.engine_total + plan.optimizer_state, plan.host_total, m
+
+
+def test_qlora_offload_8b_fake_pg_confirms_the_plan():
+    total, state, host, m = run_ranks(_qlora_8b_fake, 1)[0]
+    assert host > 0 and m["growth_from_step2"] == 0
+    assert 0 <= m["step_end"][-1] - state <= 64 * 16, (m["step_end"], state)
+    assert abs(total - m["peak_steady"]) / m["peak_steady"] <= 0.10, (total, m["peak_steady"])

@@ -35,6 +35,15 @@ CASES = {
     # them for backward into the same two buffers, with a state-dict round trip between steps
     "z3_bf16_nf4": dict(zero=3, bf16=True, opt="fused_adamw", accum=2, eval=True, sd=True, nf4=True,
                         freeze=("q_proj", "k_proj", "mlp", "lm_head")),
+    # offload (comm.py [Note: streams and events]): FusedAdamW's copy-out into the host staging and its
+    # uploads on the upload stream, the reduced grads' device -> host copies on the comm stream and the
+    # host folds at the end of backward (a tied unit reduced twice per backward); with "all" the
+    # frozen/NF4 shards copied into the landing before their gathers, and torch AdamW (the cast pass)
+    "z3_bf16_offload_fusedadamw_tied": dict(zero=3, bf16=True, opt="fused_adamw", tie=True, accum=2, eval=True,
+                                            sd=True, offload="optimizer"),
+    "z3_bf16_offload_fusedadamw_touched": dict(zero=3, bf16=True, opt="fused_adamw", offload="optimizer", touch=True),
+    "z3_bf16_offload_all_nf4_adamw": dict(zero=3, bf16=True, opt="adamw", accum=2, sd=True, nf4=True,
+                                          offload="all", freeze=("q_proj", "k_proj", "mlp", "lm_head")),
 }
 
 
@@ -69,7 +78,7 @@ def _run_case(rank, case, steps=3):
             module, units=units, zero_stage=case.get("zero", 3),
             param_dtype=torch.bfloat16 if case.get("bf16") else None,
             reduce_dtype=torch.bfloat16 if case.get("reduce_bf16") else torch.float32,
-            quantize_frozen="nf4" if case.get("nf4") else None,
+            quantize_frozen="nf4" if case.get("nf4") else None, offload=case.get("offload"),
         )
         assert isinstance(model.schedule, comm.StreamSchedule)
         assert ("nf4" in model.owned_tensors()) == bool(case.get("nf4"))
@@ -85,6 +94,10 @@ def _run_case(rank, case, steps=3):
                     (loss / accum).backward()
                 model.clip_grad_norm_(1.0)
                 opt.step()
+                if case.get("touch"):  # an in-place change after the step: the cast pass writes every copy again
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.mul_(1.0)
                 opt.zero_grad(set_to_none=step % 2 == 0)
                 losses.append(loss.item())
                 if case.get("eval"):
@@ -100,6 +113,9 @@ def _run_case(rank, case, steps=3):
     comm_side = [(stream, op, label) for stream, op, label in kernels
                  if label.startswith(comm_labels) or stream == "comm"]
     stray = [k for k in comm_side if k[0] != "comm" or not k[2].startswith(comm_labels)]
+    if case.get("offload"):  # uploads ran on their own stream
+        assert any(label.startswith("yafsdp.upload") and stream != "comm" and stream != "compute"
+                   for stream, op, label in kernels), sorted({k[0] for k in kernels})
     if case.get("nf4"):  # the expand kernel ran, on the comm stream
         assert any(op == "yafsdp.nf4_expand_" and stream == "comm" for stream, op, _ in kernels)
     assert any(op.startswith("c10d.") for _, op, _ in comm_side) and not stray, stray[:5]
@@ -147,6 +163,22 @@ def _drop_edge(edge: str):
                     expand()
 
         comm.StreamSchedule.gather = gather
+    elif edge == "upload_unordered":  # offload: the copies-ready point recorded on the compute stream only
+        def copies_written(self):
+            self.copies_ready.record(self.streams.current_stream())
+
+        comm.StreamSchedule.copies_written = copies_written
+    elif edge == "wait_uploads":  # offload: the host writes the staging an upload may still read
+        comm.StreamSchedule.wait_uploads = lambda self: None
+    elif edge == "host_fold_early":  # offload: the host folds without waiting for the grads to land
+        orig_finish = comm.StreamSchedule.finish_host_folds
+
+        def finish(self):
+            for landed, _ in self.host_pending:
+                landed.synchronize = lambda: None
+            orig_finish(self)
+
+        comm.StreamSchedule.finish_host_folds = finish
     else:
         raise ValueError(edge)
 
@@ -160,6 +192,12 @@ FAULTS = {
     "wait_reduced": (dict(zero=3, opt="adamw", accum=2), "grad", ("c10d.reduce_scatter",)),
     "expand_after_ready": (dict(zero=3, bf16=True, opt="adamw", nf4=True, freeze=("mlp",)), "weight",
                            ("yafsdp.nf4_expand_",)),
+    "upload_unordered": (dict(zero=3, bf16=True, opt="fused_adamw", offload="optimizer"), "compute_copy",
+                         ("aten.copy_", "c10d._allgather_base_")),
+    "host_fold_early": (dict(zero=3, bf16=True, opt="adamw", offload="optimizer"), "grad_landing",
+                        ("aten.copy_",)),
+    "wait_uploads": (dict(zero=3, bf16=True, opt="fused_adamw", offload="optimizer", touch=True), "compute_host",
+                     ("yafsdp.cast_", "aten.copy_")),
 }
 
 

@@ -1,6 +1,30 @@
 """Allocation of a runtime's tensors: every unit's shards (one master, one grad, one compute-copy,
 one frozen and one NF4 tensor for all units), the public shard registrations, and the weight and grad buffers
-the plan sizes. Called once, by ``Runtime.__init__``; ``self`` is that runtime."""
+the plan sizes. Called once, by ``Runtime.__init__``; ``self`` is that runtime.
+
+[Note: host and device tensors]
+Every tensor the engine allocates lives in one of two places: ``Runtime.device`` (the compute
+device: weight and grad buffers, the compute copies, frozen and NF4 shards) or
+``Runtime.host_device`` (where the optimizer runs: the fp32 master and grad shards). Without
+offload both are the same device. With ``offload="optimizer"`` the host is the CPU (pinned memory
+when the device is CUDA) and the engine adds two host tensors:
+
+- ``compute_host`` (param_dtype; the master itself in fp32): the optimizer's copy-out and the
+  cast pass write here, on the host; the upload (``Schedule.upload``) moves it into the device
+  compute copy, which stays the all-gather input (a separate device tensor even in fp32);
+- ``grad_landing`` (reduce_dtype): the reduced grad shard goes device -> host into it
+  (``Schedule.reduce``'s fold), and the host folds it into the fp32 grad shard
+  (``kernels.cast_`` / ``accumulate_``, the same kernels and values as without offload).
+
+With ``offload="all"`` the frozen and NF4 stores are host tensors too (pinned on CUDA), and each weight
+buffer has a device *landing* their shards are copied into before their all-gathers: see [Note: the
+frozen landing] in plan/sizing.py.
+
+Collectives only ever see device tensors: code that hands a host tensor to a collective moves it
+with ``Runtime.to_device`` first (``tests/test_offload.py`` checks that no collective touches a
+host tensor's storage). ``Runtime.placement`` says where each role of ``owned_tensors`` lives;
+the plan reports the same split (``MemoryPlan.placement``).
+"""
 from __future__ import annotations
 
 import weakref
@@ -11,7 +35,7 @@ from torch import nn
 from . import nf4, shards
 from .buffers import GradBuffer, WeightBuffer
 from .flat import alias
-from .plan.sizing import plan_buffers
+from .plan.sizing import landing_layout, plan_buffers
 from .unit import FlatGroup
 
 __all__ = ["allocate"]
@@ -22,24 +46,39 @@ def allocate(self, outsized_ratio: float) -> None:
     dev = self.device
     trainable = [g for u in self.all for g in u.groups if g.kind.reduced]
     total = sum(g.layout.shard_numel for g in trainable)
-    # 1-D fp32: every unit's master shard end to end (one cast pass covers all of them).
-    self.master = torch.zeros(total, dtype=torch.float32, device=dev)
+    offload = self.offload is not None
+    # 1-D fp32: every unit's master shard end to end (one cast pass covers all of them). On the
+    # host with offload: see [Note: host and device tensors].
+    self.master = self.host_zeros(total, torch.float32)
     # 1-D fp32: every unit's grad shard; each shard's .grad aliases its slice.
-    self.grad = torch.zeros(total, dtype=torch.float32, device=dev)
-    # 1-D param_dtype: the compute copies (all-gather inputs); the master itself in fp32.
+    self.grad = self.host_zeros(total, torch.float32)
+    # 1-D param_dtype: the compute copies (all-gather inputs); the master itself in fp32 (without
+    # offload: with it, the device copy is always its own tensor).
     self.compute = (
-        self.master if self.compute_dtype == torch.float32
+        self.master if self.compute_dtype == torch.float32 and not offload
         else torch.zeros(total, dtype=self.compute_dtype, device=dev)
     )
+    # offload: the host side of the compute copy (what the copy-out and the cast pass write and
+    # the upload reads; the master itself in fp32) and the host landing of the reduced grads.
+    self.compute_host = None
+    self.grad_landing = None
+    if offload:
+        self.compute_host = (self.master if self.compute_dtype == torch.float32
+                             else self.host_zeros(total, self.compute_dtype))
+        self.grad_landing = self.host_zeros(total, self.reduce_dtype)
     # 1-D param_dtype: every frozen group's shard end to end, stored only in param_dtype (it is
     # its own all-gather input; no master, no grad, no optimizer state).
     frozen_total = sum(g.layout.shard_numel for u in self.all for g in u.groups
                        if not g.kind.reduced and g.kind.compact is None)
-    self.frozen_store = torch.zeros(frozen_total, dtype=self.compute_dtype, device=dev)
+    # With offload="all" on the host (pinned on CUDA): [Note: the frozen landing] in plan/sizing.py.
+    frozen_host = self.offload == "all"
+    self.frozen_store = (self.host_zeros(frozen_total, self.compute_dtype) if frozen_host
+                         else torch.zeros(frozen_total, dtype=self.compute_dtype, device=dev))
     # 1-D uint8: every NF4 group's shard (one byte record each: packed codes, then block scales)
     # end to end; the record is its own all-gather input. See [Note: NF4 frozen groups] in nf4.py.
     nf4_total = sum(u.shape.nf4_record for u in self.all)
-    self.nf4_store = torch.zeros(nf4_total, dtype=torch.uint8, device=dev)
+    self.nf4_store = (self.host_zeros(nf4_total, torch.uint8) if frozen_host
+                      else torch.zeros(nf4_total, dtype=torch.uint8, device=dev))
     codebook = nf4.codebook(self.compute_dtype, dev) if nf4_total else None
     self.flat = nn.Module()  # holds the flat master shards as registered parameters
     off = foff = qoff = 0
@@ -52,9 +91,14 @@ def allocate(self, outsized_ratio: float) -> None:
                 g.shard = nn.Parameter(alias(self.master, off, (n,)))
                 g.grad_shard = alias(self.grad, off, (n,))
                 g.compute = self.compute[off:off + n]
+                if offload:
+                    g.compute_host = self.compute_host[off:off + n]
+                    g.grad_landing = self.grad_landing[off:off + n]
                 self.flat.register_parameter(attr, g.shard)
-                if self.compute is not self.master:
-                    shards.set_copy_out(g.shard, g.compute, _copy_written_cb(self, g))
+                # The optimizer's copy-out goes where the optimizer runs: the host staging with offload.
+                copy, whole = (g.compute_host, self.compute_host) if offload else (g.compute, self.compute)
+                if whole is not self.master:  # fp32: the step writes the master itself, the cast pass uploads it
+                    shards.set_copy_out(g.shard, copy, _copy_written_cb(self, g))
                 name, off = f"flat.{attr}", off + n
             elif g.kind.compact is not None:
                 rec = u.shape.nf4_record
@@ -78,29 +122,34 @@ def allocate(self, outsized_ratio: float) -> None:
         [u.name for u in self.units], [u.shape for u in self.units],
         self.small.shape if self.small is not None else None,
         compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
-        zero_stage=self.zero_stage, outsized_ratio=outsized_ratio,
+        zero_stage=self.zero_stage, outsized_ratio=outsized_ratio, offload_frozen=frozen_host,
     )
     self.grad_buffers: list[GradBuffer] = [
         GradBuffer(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule) for s in plan.grad
     ]
     self.weight_buffers: list[WeightBuffer] = [
-        WeightBuffer(s.name, s.capacity, s.dtype, dev, self.schedule, s.staging_bytes) for s in plan.weight
+        WeightBuffer(s.name, s.capacity, s.dtype, dev, self.schedule, s.staging_bytes, s.landing_bytes)
+        for s in plan.weight
     ]
     for u, w, g in zip(self.all, plan.weight_of, plan.grad_of):
         u.buffer, u.grad_buffer = self.weight_buffers[w], (self.grad_buffers[g] if g >= 0 else None)
     for u, big in zip(self.units, plan.outsized):
         u.outsized = big
     for u in self.all:
+        u.landing_at = landing_layout(u.shape, self.compute_dtype)[0]
         u.aliases = [alias(u.buffer.data, u.group_of[id(p)].buffer_offset + p.offset, p.shape) for p in u.params]
 
 def _copy_written_cb(self, group: FlatGroup):
     me, g = weakref.ref(self), weakref.ref(group)  # the registry must not keep the engine alive
 
-    def copy_written():  # the optimizer wrote the compute copy, on the compute side
+    def copy_written():  # the optimizer wrote the compute copy (offload: its host staging), on the compute side
         rt, grp = me(), g()
         if grp is not None:
             grp.mark_cast()
         if rt is not None:
+            if grp is not None and rt.offload is not None:
+                # Host -> device now, overlapped with the optimizer's pass over the next shards.
+                rt.schedule.upload(grp.compute, grp.compute_host)
             rt.copies_changed = True
 
     return copy_written

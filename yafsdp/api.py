@@ -45,9 +45,11 @@ class YaFSDP(nn.Module):
         align_bytes: int = 16,
         outsized_ratio: float = 1.5,
         quantize_frozen: str | None = None,
+        offload: str | None = None,
     ):
         super().__init__()
         quantize_frozen = nf4.check_format(quantize_frozen)
+        offload = check_offload(offload)
         if zero_stage not in (2, 3):
             raise ValueError(f"yafsdp.YaFSDP: zero_stage={zero_stage!r} is not supported; use 2 or 3")
         for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
@@ -70,6 +72,12 @@ class YaFSDP(nn.Module):
             replicate = None  # one replica: plain full sharding
         if replicate is not None:
             check_layout(group, replicate)
+            if offload is not None:  # the all-reduce across replicas reads device grad shards
+                raise ValueError(
+                    f"yafsdp.YaFSDP: offload={offload!r} with HSDP ({dist.get_world_size(replicate)} replicas) is not "
+                    "supported yet: the all-reduce across replicas runs on the device's grad shards, which offload "
+                    "keeps on the host. Use offload with full sharding (mesh=None, one process_group), or HSDP "
+                    "without offload")
         self.process_group = group  # the shard group: every gather, reduce-scatter and state-dict collective
         self.replicate_group = replicate  # HSDP: this rank's peers holding the same shard; else None
         self.rank = dist.get_rank(group)  # index of this rank's shard
@@ -91,9 +99,10 @@ class YaFSDP(nn.Module):
             specs, small, schedule=self.schedule, group=group, world_size=self.world_size, rank=self.rank, device=self.device,
             compute_dtype=self.compute_dtype, reduce_dtype=reduce_dtype, zero_stage=zero_stage,
             align=unit_align(self.compute_dtype, reduce_dtype, align_bytes), outsized_ratio=outsized_ratio,
-            quantize_frozen=quantize_frozen, replicate_group=replicate,
+            quantize_frozen=quantize_frozen, replicate_group=replicate, offload=offload,
         )
         self.quantize_frozen = quantize_frozen
+        self.offload = offload
         if quantize_frozen is not None and not any(g.kind.compact for u in self._rt.all for g in u.groups):
             import warnings
 
@@ -271,25 +280,30 @@ class YaFSDP(nn.Module):
         HSDP: the gradients are first all-reduced across replicas (if a backward left local
         contributions), so every replica holds the same shards and the norm is taken over the
         shard group only: each element counted once, not once per replica."""
-        self._rt.sync_replicas()
+        rt = self._rt
+        rt.sync_replicas()  # recovers an aborted backward first
         check_collective("clip_grad_norm_()", self.process_group)
         norm_type = float(norm_type)
-        grads = [u.flat_param.grad for u in self._rt.all if u.flat_param is not None and u.flat_param.grad is not None]
+        # The grad shards live where the optimizer runs (rt.host_device: the CPU with offload); the
+        # all-reduce runs on the device (NCCL takes device tensors only), the scaling where the grads are.
+        grads = [u.flat_param.grad for u in rt.all if u.flat_param is not None and u.flat_param.grad is not None]
         if norm_type == float("inf"):
-            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=self.device)
-            local = local.float()
+            local = (torch.stack([g.abs().max() for g in grads]).max() if grads
+                     else torch.zeros((), device=rt.host_device))
+            local = rt.to_device(local.float())
             collectives.all_reduce(local, self.process_group, op=dist.ReduceOp.MAX)
             total = local
         else:
             if grads:
                 local = torch.stack([n.float() ** norm_type for n in torch._foreach_norm(grads, norm_type)]).sum()
             else:
-                local = torch.zeros((), device=self.device)
+                local = torch.zeros((), device=rt.host_device)
+            local = rt.to_device(local)
             collectives.all_reduce(local, self.process_group)
             total = local ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:
-            torch._foreach_mul_(grads, coef)
+            torch._foreach_mul_(grads, rt.to_host(coef))
         return total
 
     def sync_grads(self) -> bool:
@@ -315,6 +329,7 @@ class YaFSDP(nn.Module):
         """Raise unless the engine is between steps (no forward or backward running)."""
         if not self._rt.idle:
             raise RuntimeError(f"yafsdp.YaFSDP.{what} called during forward/backward; call it between steps")
+        self._rt.quiesce()  # offload: nothing in flight still reads the host shards a load writes
 
     @property
     def needs_load(self) -> bool:
@@ -395,13 +410,37 @@ class YaFSDP(nn.Module):
         compute-copy shards of all units (one tensor each) and the weight and grad buffers."""
         return self._rt.owned_tensors()
 
-    def allocated_bytes(self) -> dict[str, int]:
-        """Bytes of every tensor the engine allocated on this rank, by role."""
+    def allocated_bytes(self, where: str | None = None) -> dict[str, int]:
+        """Bytes of every tensor the engine allocated on this rank, by role. ``where="host"`` /
+        ``"device"``: only the roles that live there (offload puts the master and grad shards and
+        their host staging on the host; see [Note: host and device tensors] in alloc.py)."""
+        if where not in (None, "host", "device"):
+            raise ValueError(f"yafsdp.YaFSDP.allocated_bytes: where={where!r}; use None, 'host' or 'device'")
         out = {k: t.numel() * t.element_size() for k, t in self.owned_tensors().items()}
         out.setdefault("compute_copy", 0)
         out.setdefault("frozen", 0)
         out.setdefault("nf4", 0)
+        if self.offload is not None:
+            out.setdefault("compute_host", 0)
+        if where is not None:
+            out = {k: v for k, v in out.items() if self._rt.placement(k) == where}
         return out
+
+    def placement(self) -> dict[str, str]:
+        """Where each role of :meth:`allocated_bytes` lives: "host" or "device"."""
+        return {k: self._rt.placement(k) for k in self.allocated_bytes()}
+
+
+OFFLOAD_CHOICES = (None, "optimizer", "all")
+
+
+def check_offload(offload) -> str | None:
+    """``offload=`` of YaFSDP and the plan: None, "optimizer" (fp32 master, grad shard and optimizer
+    state on the host) or "all" (the frozen and NF4 shards too); anything else is refused by name."""
+    if offload in OFFLOAD_CHOICES:
+        return offload
+    raise ValueError(f"yafsdp.YaFSDP: offload={offload!r} is not supported; use None, 'optimizer' (the fp32 master, "
+                     "grad shard and optimizer state on the host) or 'all' (the frozen and NF4 shards too)")
 
 
 def _refuse_module_state_dict(module, prefix, keep_vars):

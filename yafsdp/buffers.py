@@ -35,7 +35,7 @@ class WeightBuffer:
     """One weight buffer (1-D, ``param_dtype``, ``capacity`` elements) and its owner."""
 
     def __init__(self, name: str, capacity: int, dtype: torch.dtype, device: torch.device, schedule,
-                 staging_bytes: int = 0):
+                 staging_bytes: int = 0, landing_bytes: int = 0):
         self.name = name
         # Gathered weights of the owner unit; allocated once, never resized. The units'
         # parameters during forward/backward alias this storage.
@@ -43,6 +43,9 @@ class WeightBuffer:
         # Compact (NF4) gathers land here, then expand into data: see [Note: the compact staging
         # area] in plan/sizing.py. Empty when no unit of this buffer has a compact group.
         self.staging = torch.zeros(staging_bytes, dtype=torch.uint8, device=device)
+        # offload="all": a unit's host frozen shard and NF4 record are copied here before their
+        # gathers; see [Note: the frozen landing] in plan/sizing.py. Empty otherwise.
+        self.landing = torch.zeros(landing_bytes, dtype=torch.uint8, device=device)
         self.schedule = schedule
         self.sync = schedule.weight_sync()  # the schedule's ordering state for this buffer
         self.owner = None  # the Unit whose gathered data is (or is being) in the buffer
@@ -70,13 +73,24 @@ class WeightBuffer:
         self.owner, self.owner_version = unit, unit.version
         for g in unit.groups:
             out = self.data[g.buffer_offset:g.buffer_offset + g.layout.padded_numel]
+            stage = self._landing(unit, g)
+            kw = {} if stage is None else {"stage": stage}
             if g.kind.compact is None:
-                self.schedule.gather(self.sync, out, g.compute, unit.name)
+                self.schedule.gather(self.sync, out, g.compute, unit.name, **kw)
                 self.schedule.gathered[g.kind.name] += out.numel() * out.element_size()
             else:  # the records into the staging area, then the expand: [Note: expanding a compact gather]
                 staging = self.staging[:g.staging_bytes]
-                self.schedule.gather(self.sync, staging, g.compute, unit.name, functools.partial(g.expand, out, staging))
+                self.schedule.gather(self.sync, staging, g.compute, unit.name, functools.partial(g.expand, out, staging),
+                                     **kw)
                 self.schedule.gathered[g.kind.name] += g.staging_bytes
+
+    def _landing(self, unit, g) -> torch.Tensor | None:
+        """Where a host shard of ``g`` goes on the device before its gather (offload="all"), or None."""
+        if g.kind.reduced or not self.landing.numel():
+            return None
+        n = g.compute.numel() * g.compute.element_size()
+        at = 0 if g.kind.compact is None else unit.landing_at
+        return self.landing[at:at + n].view(g.compute.dtype)
 
     def prefetch(self, unit) -> None:
         """Gather ``unit`` ahead of its use: now if the buffer is free, else at its release."""
@@ -145,10 +159,12 @@ class GradBuffer:
         self.schedule.wait_reduced(self.sync)
         return self.data[:numel]
 
-    def reduce(self, unit: str, numel: int, shard_numel: int, fold: Callable[[torch.Tensor], None]) -> None:
-        """Reduce-scatter the first ``numel`` elements; ``fold(reduced shard)`` runs after it."""
+    def reduce(self, unit: str, numel: int, shard_numel: int, fold: Callable[[torch.Tensor], None],
+               host_fold: Callable[[], None] | None = None) -> None:
+        """Reduce-scatter the first ``numel`` elements; ``fold(reduced shard)`` runs after it, and
+        ``host_fold()`` on the host once that has completed (offload; see ``Schedule.reduce``)."""
         staging = self.staging[:shard_numel]
-        self.schedule.reduce(self.sync, staging, self.data[:numel], unit, lambda: fold(staging))
+        self.schedule.reduce(self.sync, staging, self.data[:numel], unit, lambda: fold(staging), host_fold)
 
     def finish(self) -> None:
         """The compute side waits until the last reduce from this buffer is folded."""

@@ -40,6 +40,26 @@ A compact (NF4) group's expand kernel (records in the staging area -> values in 
 buffer) runs on the comm stream too, right behind its all-gather and before ``ready``: see
 [Note: expanding a compact gather].
 
+With ``offload="optimizer"`` (see [Note: host and device tensors] in alloc.py) two more kinds of work:
+
+- upload stream (``StreamSchedule.h2d``, created at the first upload): the host -> device copies of
+  the compute copies (pinned ``compute_host`` -> device ``compute``, ``non_blocking``), issued by the
+  optimizer's copy-out callback right after each shard's CPU step (so they overlap the step's
+  remaining shards) or by the cast pass. Each upload first waits for ``comm_mark``, recorded on the
+  comm stream when the upload is issued: no gather issued earlier still reads the device copy it
+  overwrites. ``uploaded`` is recorded after it. At the next step entry ``copies_written`` makes
+  the upload stream wait for the compute stream and records ``copies_ready`` on the upload stream,
+  so one event orders every later gather after both the compute side's writes and every upload.
+  Before the host writes ``compute_host`` again (the next optimizer step, via the pre-step hook, or
+  the cast pass) it waits for ``uploaded`` (``wait_uploads``: a host synchronisation on copies
+  issued a whole forward and backward earlier, normally long done).
+- device -> host copies of the reduced grad shards, on the comm stream right behind their
+  reduce-scatter (into pinned ``grad_landing``, ``non_blocking``), each followed by its unit's
+  ``landed`` event; the host folds them into the fp32 grad shards at the end of backward
+  (``finish_host_folds``: the host waits for each ``landed``). That is a host synchronisation at
+  the end of every backward, inherent to an optimizer step that runs on the CPU (it must read the
+  grads); the reduce of the next unit is not delayed by it.
+
 Events, each recorded at the point that defines it (never only "when some work happened"):
 
 - ``copies_ready`` (one): recorded on the compute stream whenever the compute copies changed
@@ -196,10 +216,12 @@ class Schedule:
         """The compute copies (all-gather inputs) were just written on the compute side."""
 
     def gather(self, sync: _WeightSync, out: torch.Tensor, shard: torch.Tensor, unit: str,
-               expand: Callable[[], None] | None = None) -> None:
+               expand: Callable[[], None] | None = None, stage: torch.Tensor | None = None) -> None:
         """Issue the all-gather of ``shard`` into ``out`` (a weight buffer's storage or staging
         area); ``expand()``, when given, runs after it has landed and before the buffer counts as
-        gathered (see [Note: expanding a compact gather])."""
+        gathered (see [Note: expanding a compact gather]). ``stage`` (offload="all"): a device
+        tensor the host ``shard`` is first copied into, the collective's input then (see
+        [Note: the frozen landing] in plan/sizing.py)."""
         raise NotImplementedError
 
     def wait_gathered(self, sync: _WeightSync) -> None:
@@ -210,9 +232,26 @@ class Schedule:
         """The compute side's use of this weight buffer ended (the next gather may overwrite it)."""
 
     def reduce(self, sync: _GradSync, out: torch.Tensor, full: torch.Tensor, unit: str,
-               fold: Callable[[], None]) -> None:
-        """Issue the reduce-scatter of ``full`` (a grad buffer) into ``out``, then ``fold()``."""
+               fold: Callable[[], None], host_fold: Callable[[], None] | None = None) -> None:
+        """Issue the reduce-scatter of ``full`` (a grad buffer) into ``out``, then ``fold()``;
+        ``host_fold()``, when given, runs on the host once ``fold``'s work has completed (offload:
+        after the grads landed on the host; by :meth:`finish_host_folds` at the latest)."""
         raise NotImplementedError
+
+    def finish_host_folds(self) -> None:
+        """The host runs every pending ``host_fold`` (waiting for its data first), in issue order."""
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy the host tensor ``src`` into the device compute copy ``dst`` (offload); later
+        gathers (after the next ``copies_written``) read the new values."""
+        dst.copy_(src)
+
+    def wait_uploads(self) -> None:
+        """The host waits until every upload issued so far has read its source."""
+
+    def quiesce(self) -> None:
+        """The host waits for every copy and collective issued so far (before it writes host
+        shards those may read: loads between steps with offload)."""
 
     def wait_reduced(self, sync: _GradSync) -> None:
         """The compute side waits until the last reduce from this grad buffer is folded."""
@@ -259,6 +298,11 @@ class StreamSchedule(Schedule):
             # compute side left them), and on comm after it (compute waits before reading them).
             self.grads_final = streams.new_event()
             self.replicated = streams.new_event()
+        # offload only (created at the first upload / host fold): see [Note: streams and events].
+        self.h2d = None  # the upload stream
+        self.comm_mark = self.compute_mark = self.uploaded = None
+        self.landed: dict[str, object] = {}  # unit -> event after its grads' device -> host copy
+        self.host_pending: list = []  # (landed event, host fold) in issue order
 
     def weight_sync(self) -> _WeightSync:
         return _WeightSync(ready=self.streams.new_event(), released=self.streams.new_event())
@@ -267,7 +311,37 @@ class StreamSchedule(Schedule):
         return _GradSync(grads_ready=self.streams.new_event(), done=self.streams.new_event())
 
     def copies_written(self) -> None:
-        self.copies_ready.record(self.streams.current_stream())
+        if self.h2d is None:
+            self.copies_ready.record(self.streams.current_stream())
+            return
+        self.compute_mark.record(self.streams.current_stream())
+        self.h2d.wait_event(self.compute_mark)
+        self.copies_ready.record(self.h2d)  # after the compute side's writes and every upload
+
+    def upload(self, dst, src):
+        if self.h2d is None:
+            self.h2d = self.streams.new_stream()
+            self.comm_mark, self.compute_mark, self.uploaded = (self.streams.new_event() for _ in range(3))
+        self.comm_mark.record(self.comm)
+        with span("upload", ""), self.streams.use(self.h2d):
+            self.h2d.wait_event(self.comm_mark)  # gathers issued so far have read the old copy
+            dst.copy_(src, non_blocking=True)
+            self.uploaded.record(self.h2d)
+
+    def wait_uploads(self):
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
+
+    def quiesce(self):
+        self.comm.synchronize()
+        if self.h2d is not None:
+            self.h2d.synchronize()
+
+    def finish_host_folds(self):
+        pending, self.host_pending = self.host_pending, []
+        for landed, host_fold in pending:
+            landed.synchronize()
+            host_fold()
 
     def _timed(self, kind: str, unit: str):
         rec = self.recorder
@@ -275,10 +349,13 @@ class StreamSchedule(Schedule):
             return contextlib.nullcontext()
         return _StreamTiming(rec, kind, unit, self.comm)
 
-    def gather(self, sync, out, shard, unit, expand=None):
+    def gather(self, sync, out, shard, unit, expand=None, stage=None):
         with span("gather", unit), self.streams.use(self.comm):
             self.comm.wait_event(sync.released)
             self.comm.wait_event(self.copies_ready)
+            if stage is not None:  # the host shard onto the device, in this stream's order: [Note: the frozen landing]
+                stage.copy_(shard, non_blocking=True)
+                shard = stage
             with self._timed("gather", unit):
                 all_gather(out, shard, self.group, async_op=False)  # on the comm stream (torch >= 2.8)
             if expand is not None:  # See [Note: expanding a compact gather]
@@ -293,7 +370,7 @@ class StreamSchedule(Schedule):
     def released(self, sync):
         sync.released.record(self.streams.current_stream())
 
-    def reduce(self, sync, out, full, unit, fold):
+    def reduce(self, sync, out, full, unit, fold, host_fold=None):
         with span("reduce", unit):
             sync.grads_ready.record(self.streams.current_stream())
             with self.streams.use(self.comm):
@@ -308,6 +385,12 @@ class StreamSchedule(Schedule):
                     self._count("all_reduce", name, grad)
                 self._after_fold.clear()
                 sync.done.record(self.comm)
+                if host_fold is not None:  # offload: fold() copied the shard to the host
+                    landed = self.landed.get(unit)
+                    if landed is None:
+                        landed = self.landed[unit] = self.streams.new_event()
+                    landed.record(self.comm)
+                    self.host_pending.append((landed, host_fold))
 
     def wait_reduced(self, sync):
         self.streams.current_stream().wait_event(sync.done)
@@ -357,8 +440,11 @@ class HandleSchedule(Schedule):
     def grad_sync(self) -> _GradSync:
         return _GradSync()
 
-    def gather(self, sync, out, shard, unit, expand=None):
+    def gather(self, sync, out, shard, unit, expand=None, stage=None):
         self.wait_gathered(sync)  # a previous gather into this buffer must land (and expand) first
+        if stage is not None:  # its input was this buffer's landing too: [Note: the frozen landing]
+            stage.copy_(shard)
+            shard = stage
         rec = self.recorder
         with span("gather", unit):
             t = rec.now() if rec else None  # before the issuing call, which may itself move data
@@ -378,8 +464,10 @@ class HandleSchedule(Schedule):
                 with span("expand", sync.unit):
                     expand()
 
-    def reduce(self, sync, out, full, unit, fold):
+    def reduce(self, sync, out, full, unit, fold, host_fold=None):
         rec = self.recorder
+        if host_fold is not None:  # the host is the compute side: both at the wait
+            fold = _then(fold, host_fold)
         with span("reduce", unit):
             t = rec.now() if rec else None
             work = reduce_scatter(out, full, self.group, async_op=True)
@@ -417,6 +505,14 @@ class HandleSchedule(Schedule):
             _wait(work, "all-reduce across replicas", unit)
 
 
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both():
+        first()
+        second()
+
+    return both
+
+
 # ---------------------------------------------------------------------------- collective mismatches
 # See [Note: collective mismatches] in dist.py.
 def _wait(work, what: str, unit: str) -> None:
@@ -451,13 +547,13 @@ class CheckedSchedule:
     def __getattr__(self, name):
         return getattr(self.__dict__["inner"], name)
 
-    def gather(self, sync, out, shard, unit, expand=None):
+    def gather(self, sync, out, shard, unit, expand=None, stage=None):
         check_collective(f"gather of unit {unit!r}", self.group)
-        self.inner.gather(sync, out, shard, unit, expand)
+        self.inner.gather(sync, out, shard, unit, expand, stage)
 
-    def reduce(self, sync, out, full, unit, fold):
+    def reduce(self, sync, out, full, unit, fold, host_fold=None):
         check_collective(f"reduce-scatter of unit {unit!r}", self.group)
-        self.inner.reduce(sync, out, full, unit, fold)
+        self.inner.reduce(sync, out, full, unit, fold, host_fold)
 
     def replicate(self, grad, unit):
         check_collective(f"all-reduce across replicas of {unit!r}", self.inner.replicate_group)

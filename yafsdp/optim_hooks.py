@@ -43,6 +43,8 @@ def _versions_before_step(optimizer, args, kwargs):
     before any optimizer step reads the grad shards."""
     recover_all()
     sync_before_step(optimizer)  # HSDP: the all-reduce across replicas, once per step (yafsdp/hsdp.py)
+    for rt in live_runtimes():  # offload: no upload still reads what this step is about to write
+        rt.before_optimizer_step()
     _VERSIONS[optimizer] = [
         (p, p._version) for g in optimizer.param_groups for p in g["params"]
         if p.grad is not None and shards.info_of(p) is not None

@@ -53,6 +53,12 @@ PRESETS: dict[str, dict] = {
         _LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
         num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False,
     ),
+    # Llama-2-70B (Meta's config.json): the QLoRA anchor of issue 13 (the plan's 2-GPU figure).
+    "llama2-70b": dict(
+        vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
 }
 
 
@@ -65,6 +71,7 @@ TRAINING: dict[str, tuple[int, int, float, int, int, str]] = {
     "llama3-3b": (2048, 4, 3e-4, 2000, 100_000, "Llama-3.2-3B shape; GPUs, --bf16"),
     "llama3-8b": (4096, 2, 3e-4, 2000, 100_000, "Llama-3-8B shape; GPU nodes, --bf16, --activation-checkpointing"),
     "llama3-70b": (4096, 1, 1.5e-4, 2000, 100_000, "Llama-3-70B shape; many GPU nodes"),
+    "llama2-70b": (2048, 1, 1e-4, 100, 10_000, "Llama-2-70B shape; the QLoRA fine-tuning anchor (2 GPUs, --offload)"),
 }
 assert TRAINING.keys() == PRESETS.keys(), "every preset needs its training defaults"
 

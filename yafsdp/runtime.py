@@ -68,8 +68,15 @@ class Runtime:
 
     def __init__(self, specs: list[UnitSpec], small: list, *, schedule: Schedule, group, world_size: int, rank: int,
                  device: torch.device, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, zero_stage: int,
-                 align: int, outsized_ratio: float, quantize_frozen: str | None = None, replicate_group=None):
+                 align: int, outsized_ratio: float, quantize_frozen: str | None = None, replicate_group=None,
+                 offload: str | None = None):
         self.schedule = schedule
+        # offload="optimizer": master and grad shards (and so the optimizer) on the host. See
+        # [Note: host and device tensors] in alloc.py.
+        self.offload = offload
+        self.host_device = torch.device("cpu") if offload is not None else device
+        self.pin = offload is not None and device.type == "cuda"
+        self.host_folds: list = []  # units whose reduced grads await the host fold (offload)
         # the shard group; with HSDP, replicate_group joins the replicas (the usage agreement of
         # unused.py runs over both)
         self.group = group
@@ -117,10 +124,47 @@ class Runtime:
         self.replicas = self.replica_sync.replicas if self.replica_sync is not None else 1
         _RUNTIMES.add(self)
 
+    # ------------------------------------------------------------------ host and device
+    def host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed 1-D tensor where the optimizer runs (pinned when that is the host of a GPU)."""
+        return torch.zeros(numel, dtype=dtype, device=self.host_device, pin_memory=self.pin)  # pinned in place
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the compute device, where the collectives run. With offload always a copy (also
+        when host and device are both the CPU, so a CPU run hands collectives the same tensors a GPU
+        run does); without, ``t`` itself when already there."""
+        if self.offload is not None:
+            return t.to(self.device, copy=True)
+        return t if t.device == self.device else t.to(self.device)
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` where the optimizer's tensors live (``t`` itself when already there)."""
+        return t if t.device == self.host_device else t.to(self.host_device)
+
+    def placement(self, role: str) -> str:
+        """Where a role of :meth:`owned_tensors` lives: "host" or "device" (see [Note: host and
+        device tensors] in alloc.py; without offload every role is "device")."""
+        return placement_of(role, self.offload)
+
+    def quiesce(self) -> None:
+        """offload: the host waits for every copy and collective in flight (before host shards they
+        may read are written: loads between steps)."""
+        if self.offload is not None:
+            self.schedule.quiesce()
+
+    def before_optimizer_step(self) -> None:
+        """An optimizer step is about to write host tensors an upload may still read (offload)."""
+        if self.offload is not None:
+            self.schedule.wait_uploads()
+
     def owned_tensors(self) -> dict[str, torch.Tensor]:
         out = {"master": self.master, "grad": self.grad}
         if self.compute is not self.master:
             out["compute_copy"] = self.compute
+        if self.compute_host is not None and self.compute_host is not self.master:
+            out["compute_host"] = self.compute_host
+        if self.grad_landing is not None:
+            out["grad_landing"] = self.grad_landing
         if self.frozen_store.numel():
             out["frozen"] = self.frozen_store
         if self.nf4_store.numel():
@@ -129,6 +173,8 @@ class Runtime:
             out[s.name] = s.data
             if s.staging.numel():
                 out[s.name + "_staging"] = s.staging
+            if s.landing.numel():
+                out[s.name + "_landing"] = s.landing
         for s in self.grad_buffers:
             out[s.name] = s.data
             out[s.name + "_staging"] = s.staging
@@ -186,6 +232,7 @@ class Runtime:
             return False
         for gs in self.grad_buffers:
             gs.finish()
+        self.finish_host_folds()
         if self.replica_sync is not None:
             self.replica_sync.finish_backward()
         for u in self.all:
@@ -243,10 +290,27 @@ class Runtime:
             return
         cast = [g for g in stale if g.kind.reduced]  # a frozen shard is its own compute copy
         with torch.no_grad():
-            if cast and self.compute is not self.master:
-                n_trainable = sum(1 for g in groups if g.kind.reduced)
-                with span("cast", "all" if len(cast) == n_trainable else f"{len(cast)} units"):
-                    if len(cast) == n_trainable:
+            n_trainable = sum(1 for g in groups if g.kind.reduced)
+            everything = len(cast) == n_trainable
+            if cast and self.offload is not None:
+                # master (host) -> compute_host (host, param_dtype) -> upload -> compute (device).
+                # The host waits for the last upload before it writes its source again.
+                with span("cast", "all" if everything else f"{len(cast)} units"):
+                    if self.compute_host is not self.master:
+                        self.schedule.wait_uploads()
+                        if everything:
+                            kernels.cast_(self.compute_host, self.master)
+                        else:
+                            for g in cast:
+                                kernels.cast_(g.compute_host, g.shard.detach())
+                    if everything:
+                        self.schedule.upload(self.compute, self.compute_host)
+                    else:
+                        for g in cast:
+                            self.schedule.upload(g.compute, g.compute_host)
+            elif cast and self.compute is not self.master:
+                with span("cast", "all" if everything else f"{len(cast)} units"):
+                    if everything:
                         kernels.cast_(self.compute, self.master)
                     else:
                         for g in cast:
@@ -391,12 +455,39 @@ class Runtime:
                 with torch.no_grad():
                     sync.fold(unit, target, fresh, lambda: fold_local(reduced))
 
-        unit.grad_buffer.reduce(unit.name, unit.layout.padded_numel, unit.layout.shard_numel, fold)
+        if self.offload is None:
+            unit.grad_buffer.reduce(unit.name, unit.layout.padded_numel, unit.layout.shard_numel, fold)
+            return
+        # [Note: reduced grads to the host] The reduced shard goes device -> host into the unit's
+        # landing (on CUDA: a copy on the comm stream right behind the reduce-scatter, into pinned
+        # memory), and the host folds it into the fp32 grad shard once it has landed: the same
+        # kernel on the same values as without offload, so the grads are bit for bit the same.
+        # On gloo both happen at the reduce's wait. On CUDA the host folds at the end of backward
+        # (finish_host_folds: one host synchronisation per backward, inherent to an optimizer
+        # step on the CPU); a unit reduced twice in one backward (a tied unit) first folds its
+        # previous landing, so the copy never overwrites values the host has not read.
+        landing = unit.trainable.grad_landing
+        if unit in self.host_folds:
+            self.finish_host_folds()
+        self.host_folds.append(unit)
+
+        def to_host(reduced: torch.Tensor) -> None:
+            landing.copy_(reduced, non_blocking=True)
+
+        unit.grad_buffer.reduce(unit.name, unit.layout.padded_numel, unit.layout.shard_numel, to_host,
+                                host_fold=lambda: fold(landing))
+
+    def finish_host_folds(self) -> None:
+        """offload: every reduced grad shard that went to the host is folded there (host sync)."""
+        if self.host_folds:
+            self.host_folds = []
+            self.schedule.finish_host_folds()
 
     def finalize_backward(self) -> None:
         """End of backward: every reduce folded, every hold dropped."""
         for gs in self.grad_buffers:
             gs.finish()
+        self.finish_host_folds()
         if self.replica_sync is not None:
             self.replica_sync.finish_backward()
         for u in self.units:
@@ -413,6 +504,14 @@ class Runtime:
         contributions (a no-op otherwise, and for a flat engine); True when it all-reduced."""
         self.recover()
         return self.replica_sync.sync() if self.replica_sync is not None else False
+
+
+def placement_of(role: str, offload: str | None) -> str:
+    """Where the tensor of ``role`` (a key of ``allocated_bytes()``) lives with ``offload``; the plan
+    uses the same rule. See [Note: host and device tensors] in alloc.py."""
+    host = {None: (), "optimizer": ("master", "grad", "compute_host", "grad_landing"),
+            "all": ("master", "grad", "compute_host", "grad_landing", "frozen", "nf4")}[offload]
+    return "host" if role in host else "device"
 
 
 def live_runtimes() -> list[Runtime]:

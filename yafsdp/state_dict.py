@@ -145,7 +145,7 @@ def gather_full(rt: Runtime, keys: StateDictKeys, group, rank: int) -> dict[str,
     values: dict[int, torch.Tensor] = {}
     for u in rt.all:
         for g in u.groups:
-            shard = g.shard.detach()
+            shard = rt.to_device(g.shard.detach())  # offload: the host master, moved for the collective
             if g.kind.compact is not None:  # the records, expanded: the values the model computes with
                 records = torch.empty(g.staging_bytes, dtype=torch.uint8, device=rt.device)
                 all_gather(records, shard, group, async_op=False)

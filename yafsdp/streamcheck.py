@@ -31,6 +31,15 @@ ordered; otherwise it is a race: a read that may see the bytes before a write on
 (stale or torn weights, an unfolded gradient) or a write that may clobber bytes another stream
 still reads. A CUDA event never recorded orders nothing, as on the device.
 
+Host tensors (offload: ``YaFSDP.placement()`` says "host"; see [Note: host and device tensors] in
+alloc.py): a kernel issued on the compute stream whose watched tensors all live on the host is a
+CPU op (the optimizer's step, the cast into the host staging, the host fold of a reduced grad): it
+runs on the host's own timeline (a pseudo-stream "host"), ordered after everything the host has
+waited for (event/stream ``synchronize``), and every kernel issued after it on any stream is
+ordered after it. A device stream that reads a host tensor (an upload, a landing copy) must still
+be ordered after the host's last write by the issue order, and the host's next write after that
+read by a ``synchronize`` -- which is what the offload cases check.
+
 What it cannot see: kernels issued from another thread than the one that runs the step, and
 tensors it does not watch (activations and optimizer state live on the compute stream only).
 Kernels are ordered on the host exactly as issued; the checker proves the schedule's edges are
@@ -145,6 +154,7 @@ class _Watched:
     name: str
     nbytes: int
     history: list[_Access] = field(default_factory=list)
+    host: bool = False  # lives on the host (offload): see the module note
 
 
 # c10d ops write the tensors in these arguments (their schemas mark no mutation).
@@ -173,6 +183,7 @@ class StreamChecker(comm.StreamAPI):
         self._labels: list[str] = []
         self._override = None
         self.kernels = 0  # kernels that touched a watched tensor
+        self._host_stream: SimStream | None = None  # the host's timeline (offload's CPU ops)
 
     # ------------------------------------------------------------ StreamAPI
     def new_stream(self, priority: int = 0, name: str | None = None) -> SimStream:
@@ -211,9 +222,13 @@ class StreamChecker(comm.StreamAPI):
     def watch(self, engine_or_tensors) -> None:
         """Watch the engine's shared tensors (``YaFSDP.owned_tensors()``) or a dict name -> tensor."""
         tensors = engine_or_tensors.owned_tensors() if hasattr(engine_or_tensors, "owned_tensors") else engine_or_tensors
+        where = engine_or_tensors.placement() if hasattr(engine_or_tensors, "placement") else {}
         for name, t in tensors.items():
             st = t.untyped_storage()
-            self._watched.setdefault(st.data_ptr(), _Watched(name, st.nbytes()))
+            self._watched.setdefault(st.data_ptr(), _Watched(name, st.nbytes(), host=where.get(name) == "host"))
+        if any(w.host for w in self._watched.values()) and self._host_stream is None:
+            self._host_stream = SimStream(self, len(self.streams), "host")
+            self.streams.append(self._host_stream)
 
     @contextlib.contextmanager
     def recording(self):
@@ -258,8 +273,13 @@ class StreamChecker(comm.StreamAPI):
         if not hits:
             return
         s = self.current_stream()
+        host_op = s is self.compute and self._host_stream is not None and all(w.host for w, *_ in hits)
+        if host_op:  # a CPU op: on the host's timeline (see the module note)
+            s = self._host_stream
         _join(s.vc, self._host_vc)
         s.vc[s.index] += 1
+        if host_op:
+            _join(self._host_vc, s.vc)  # done before the host issues anything else
         index = len(self.log)
         self.log.append(("kernel", s.name, op, self._labels[-1] if self._labels else "",
                          [(w.name, lo, hi) for w, wr, lo, hi in hits if not wr],

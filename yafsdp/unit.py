@@ -67,6 +67,10 @@ class FlatGroup:
         self.grad_shard: torch.Tensor | None = None  # 1-D fp32, the shard's .grad storage (reduced groups)
         self.compute: torch.Tensor | None = None  # 1-D gather_dtype, the all-gather input (frozen: the shard)
         self.cast_version = -1  # shard._version when the compute copy was last written
+        # offload="optimizer" (reduced groups): the host side of the compute copy, and the host
+        # landing of the reduced grad shard. See [Note: host and device tensors] in alloc.py.
+        self.compute_host: torch.Tensor | None = None
+        self.grad_landing: torch.Tensor | None = None
         # compact groups: bytes of the gathered records (world x one rank's record), and the
         # 16 levels in gather_dtype on the device (read by the expand kernel)
         self.staging_bytes = 0
@@ -116,6 +120,7 @@ class Unit:
         # (see [Note: parameters no rank used] in unused.py)
         self.used: list[int] = []
         self.forward_versions: tuple | None = None  # its shards' versions at its last forward use
+        self.landing_at = 0  # offload="all": byte offset of its NF4 record in its weight buffer's landing
         self.fw_interval = None  # the recorder's open forward interval (yafsdp.trace), if recording
         self.bw_interval = None  # the recorder's open backward interval
 

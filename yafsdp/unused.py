@@ -75,7 +75,9 @@ def before_step(optimizer) -> None:
             if group is not None and dist.get_world_size(group) > 1:
                 check_collective("optimizer step (agreeing on parameters no rank used)", group)
                 collectives.all_reduce(local, group, op=dist.ReduceOp.MAX)
-        snap = _Snapshot(local)
+        # The restore runs where the shards are: with offload the host (one tiny copy back; the
+        # step itself runs there). See [Note: host and device tensors] in alloc.py.
+        snap = _Snapshot(rt.to_host(local))
         k = 0
         for u in units:
             lay = u.layout

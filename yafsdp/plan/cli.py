@@ -43,6 +43,14 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
                     help="plan a fine-tuning base: every parameter frozen (no master, grad or optimizer state), "
                     "stored in param_dtype (bf16) or with its nn.Linear weights in 4-bit NF4 (nf4: "
                     "quantize_frozen='nf4', QLoRA); adapters are not counted (they are small)")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="add PEFT LoRA adapters of this rank on every linear layer (target_modules='all-linear': "
+                    "not lm_head); they are the trainable parameters, the base is frozen (--frozen-base, default "
+                    "bf16 then)")
+    ap.add_argument("--offload", default="none", choices=["none", "optimizer", "all"],
+                    help="optimizer: fp32 master, grad shard and optimizer state on the host "
+                    "(YaFSDP(offload='optimizer')); all: the frozen and NF4 shards too, copied to the device per "
+                    "unit before its gather; the table says where each role lives and totals per GPU and host")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return ap
 
@@ -62,13 +70,19 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
     model = build_llama(a.preset, device="meta")
     if a.batch is not None and a.seq is None:
         a.seq = model.config.max_position_embeddings
-    if a.frozen_base != "none":
+    if a.frozen_base != "none" or a.lora_rank:
         model.requires_grad_(False)
+    if a.lora_rank:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=a.lora_rank, lora_alpha=2 * a.lora_rank,
+                                                           target_modules="all-linear", lora_dropout=0.0))
     plan = memory_plan(
         model, world_size=shard, rank=a.rank, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype,
         zero_stage=a.zero_stage, outsized_ratio=a.outsized_ratio, optimizer=a.optimizer,
         batch=a.batch, seq=a.seq, checkpointing=a.checkpointing, attention=a.attention,
         quantize_frozen="nf4" if a.frozen_base == "nf4" else None,
+        offload=None if a.offload == "none" else a.offload,
     )
     if a.json:
         print(json.dumps(dict(preset=a.preset, **plan.to_dict()), indent=1, default=str))

@@ -44,6 +44,12 @@ class MemoryPlan:
     frozen: int = 0  # frozen groups' shards, in param_dtype (no master, grad or optimizer state)
     nf4: int = 0  # NF4 groups' shards: packed 4-bit codes + block scales (quantize_frozen="nf4")
     quantize_frozen: str | None = None
+    # offload="optimizer": master, grad shard and optimizer state on the host, plus the host side of
+    # the compute copy (compute_host; 0 in fp32, where it is the master) and the reduced grads'
+    # landing (grad_landing). See [Note: host and device tensors] in yafsdp/alloc.py.
+    offload: str | None = None
+    compute_host: int = 0
+    grad_landing: int = 0
     activations: ActivationEstimate | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -79,18 +85,52 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
+        """Every byte, host and device (see ``device_total`` / ``host_total`` for the split)."""
         act = self.activations.total if self.activations is not None else 0
         return self.engine_total + self.optimizer_state + act
+
+    def placement(self) -> dict[str, str]:
+        """Where each role of :meth:`engine_bytes` lives ("host" / "device"), as ``YaFSDP.placement()``;
+        the optimizer state is where the master shards are."""
+        from ..runtime import placement_of
+
+        return {k: placement_of(k, self.offload) for k in self.engine_bytes()}
+
+    @property
+    def host_bytes(self) -> int:
+        """Engine bytes on the host (``sum(YaFSDP.allocated_bytes("host").values())``)."""
+        where = self.placement()
+        return sum(v for k, v in self.engine_bytes().items() if where[k] == "host")
+
+    @property
+    def device_bytes(self) -> int:
+        """Engine bytes on the device (``sum(YaFSDP.allocated_bytes("device").values())``)."""
+        return self.engine_total - self.host_bytes
+
+    @property
+    def device_total(self) -> int:
+        """Per GPU: the engine's device tensors, the optimizer state unless offloaded, activations."""
+        act = self.activations.total if self.activations is not None else 0
+        return self.device_bytes + (0 if self.offload is not None else self.optimizer_state) + act
+
+    @property
+    def host_total(self) -> int:
+        """Per rank on the host (offload): master, grad, staging, landing and the optimizer state."""
+        return self.host_bytes + (self.optimizer_state if self.offload is not None else 0)
 
     def engine_bytes(self) -> dict[str, int]:
         """The same keys and values as ``YaFSDP.allocated_bytes()`` returns once wrapped."""
         out = {"master": self.master, "grad": self.grad, "compute_copy": self.compute_copy, "frozen": self.frozen,
                "nf4": self.nf4}
+        if self.offload is not None:
+            out.update(compute_host=self.compute_host, grad_landing=self.grad_landing)
         for s in self.slots:
             if s.kind == "weight":
                 out[s.name] = s.capacity * itemsize(s.dtype)
                 if s.staging_bytes:
                     out[s.name + "_staging"] = s.staging_bytes
+                if s.landing_bytes:
+                    out[s.name + "_landing"] = s.landing_bytes
         for s in self.slots:
             if s.kind == "grad":
                 out[s.name] = s.capacity * itemsize(s.dtype)
@@ -103,12 +143,14 @@ class MemoryPlan:
             ("master shard (fp32)", self.master),
             ("grad shard (fp32)", self.grad),
             (f"optimizer state ({self.optimizer})", self.optimizer_state),
+            *([(f"compute copy host staging ({self.param_dtype})", self.compute_host),
+               (f"reduced-grad landing ({self.reduce_dtype})", self.grad_landing)] if self.offload else []),
             (f"compute copy ({self.param_dtype})", self.compute_copy),
             (f"frozen shard ({self.param_dtype})", self.frozen),
-            *([(f"frozen NF4 shard (4-bit codes + {self.param_dtype} block scales)", self.nf4)]
-              if self.quantize_frozen else []),
+            *([(self._nf4_row, self.nf4)] if self.quantize_frozen else []),
             ("weight buffers" + (" (per unit, ZeRO-2)" if self.zero_stage == 2 else " (x2)")
-             + (" + NF4 staging" if self.quantize_frozen else ""), self.weight_buffers),
+             + (" + NF4 staging" if self.quantize_frozen else "")
+             + (" + frozen landing" if self.offload == "all" else ""), self.weight_buffers),
             ("grad buffers (x2, + staging)", self.grad_buffers),
             ("small group (weight + grad)", self.small_group),
             ("outsized-unit buffers", self.outsized_buffers),
@@ -120,6 +162,17 @@ class MemoryPlan:
             rows.append(("backward transient (estimate)", a.transient))
         rows.append(("total", self.total))
         return rows
+
+    def _host_rows(self) -> list[str]:
+        if not self.offload:
+            return []
+        return ["master shard (fp32)", "grad shard (fp32)", f"optimizer state ({self.optimizer})",
+                f"compute copy host staging ({self.param_dtype})", f"reduced-grad landing ({self.reduce_dtype})",
+                *([f"frozen shard ({self.param_dtype})", self._nf4_row] if self.offload == "all" else [])]
+
+    @property
+    def _nf4_row(self) -> str:
+        return f"frozen NF4 shard (4-bit codes + {self.param_dtype} block scales)"
 
     def zero_formula(self) -> dict[str, float]:
         """The ZeRO paper's model-state formula (Rajbhandari et al. 2020, mixed-precision Adam,
@@ -146,11 +199,17 @@ class MemoryPlan:
         if free and self.zero_stage == 3:
             lines.append(f"  not re-gathered for backward (weight-free backward): {', '.join(free)}")
         w = max(len(r) for r, _ in self.rows())
-        lines.append(f"  {'role':<{w}}  {'bytes':>16}  {'GiB':>9}")
+        host_rows = set(self._host_rows())
+        lines.append(f"  {'role':<{w}}  {'bytes':>16}  {'GiB':>9}" + ("  where" if self.offload else ""))
         for role, b in self.rows():
             if role == "total":
                 lines.append("  " + "-" * (w + 29))
-            lines.append(f"  {role:<{w}}  {b:>16,}  {b / GiB:>9.3f}")
+            where = ("  host" if role in host_rows else "  device" if role != "total" else "") if self.offload else ""
+            lines.append(f"  {role:<{w}}  {b:>16,}  {b / GiB:>9.3f}{where}")
+        if self.offload:
+            lines.append(f"  {'per GPU (device)':<{w}}  {self.device_total:>16,}  {self.device_total / GiB:>9.3f}")
+            lines.append(f"  {'per rank on the host (pinned)':<{w}}  {self.host_total:>16,}  "
+                         f"{self.host_total / GiB:>9.3f}")
         z = self.zero_formula()
         stage = "16 Psi/N" if self.zero_stage == 3 else "2 Psi + 14 Psi/N"
         lines.append(
@@ -168,6 +227,8 @@ class MemoryPlan:
         d["activations"] = asdict(self.activations) if self.activations is not None else None
         d["roles"] = dict(self.rows())
         d["engine_bytes"] = self.engine_bytes()
+        d["placement"] = self.placement()
+        d["device_total"], d["host_total"] = self.device_total, self.host_total
         d["zero_formula"] = self.zero_formula()
         return d
 
@@ -190,6 +251,7 @@ def memory_plan(
     attention: str = "fused",
     inputs_fn=None,
     quantize_frozen: str | None = None,
+    offload: str | None = None,
 ) -> MemoryPlan:
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
     or a plain module (any device, meta included; nothing is allocated) with the engine options
@@ -209,6 +271,7 @@ def memory_plan(
         compute_dtype, reduce_dtype, zero_stage = eng.compute_dtype, eng.reduce_dtype, eng.zero_stage
         param_dtype = eng.param_dtype
         quantize_frozen = eng.quantize_frozen
+        offload = eng.offload
         module = eng.module
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
     else:
@@ -218,7 +281,10 @@ def memory_plan(
 
         param_dtype, reduce_dtype = as_dtype(param_dtype), as_dtype(reduce_dtype)
         compute_dtype = param_dtype or torch.float32
+        from ..api import check_offload
+
         quantize_frozen = nf4.check_format(quantize_frozen)
+        offload = check_offload(offload)
         quantize = compute_dtype if quantize_frozen else None
         align = unit_align(compute_dtype, reduce_dtype, align_bytes)
         specs, small_params = discover(model, units)
@@ -228,7 +294,7 @@ def memory_plan(
         small = unit_shape(small_params, world_size, rank, align, quantize) if small_params else None
         slots = plan_buffers(
             names, layouts, small, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
-            zero_stage=zero_stage, outsized_ratio=outsized_ratio,
+            zero_stage=zero_stage, outsized_ratio=outsized_ratio, offload_frozen=offload == "all",
         )
         module = model
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
@@ -255,9 +321,12 @@ def memory_plan(
         param_dtype=dtype_name(compute_dtype), reduce_dtype=dtype_name(reduce_dtype),
         optimizer=str(optimizer), num_params=num_params, shard_numel=shard + frozen_shard + nf4_shard,
         largest_unit=max(regular) if regular else 0, units=rows, slots=slot_list,
-        master=4 * shard, grad=4 * shard, compute_copy=0 if compute_dtype == torch.float32 else cbytes * shard,
+        master=4 * shard, grad=4 * shard,
+        compute_copy=0 if compute_dtype == torch.float32 and offload is None else cbytes * shard,
         optimizer_state=opt_bytes * shard, frozen=cbytes * frozen_shard, nf4=nf4_bytes,
-        quantize_frozen=quantize_frozen,
+        quantize_frozen=quantize_frozen, offload=offload,
+        compute_host=cbytes * shard if offload is not None and compute_dtype != torch.float32 else 0,
+        grad_landing=itemsize(reduce_dtype) * shard if offload is not None else 0,
     )
     if batch is not None and seq is not None:
         largest_unit_grads = max((lay.trainable.numel for lay in layouts if lay.trainable is not None),

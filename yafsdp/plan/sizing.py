@@ -36,10 +36,13 @@ class BufferSpec:
     # weight slots: bytes of the staging area compact (NF4) gathers land in before their expand
     # (see [Note: the compact staging area]); 0 when no unit of the slot has a compact group
     staging_bytes: int = 0
+    # weight slots with offload="all": bytes of the device landing a unit's host frozen shard and NF4
+    # record are copied into before their all-gathers (see [Note: the frozen landing]); else 0
+    landing_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
-        return (self.capacity + self.shard_capacity) * itemsize(self.dtype) + self.staging_bytes
+        return (self.capacity + self.shard_capacity) * itemsize(self.dtype) + self.staging_bytes + self.landing_bytes
 
 
 @dataclass
@@ -150,6 +153,27 @@ def unit_shape(params, world_size: int, rank: int, align: int, quantize: torch.d
 # once (a prefetch into the other buffer while this one's gather has not landed; on gloo both are
 # asynchronous handles), and the buffer's own ordering (its release before the next gather into
 # it, the expand before its ``ready``) then protects its staging area with no new event.
+def round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def landing_layout(shape: UnitShape, compute_dtype: torch.dtype) -> tuple[int, int]:
+    """(byte offset of the NF4 record, bytes in all) of a unit's frozen shard and NF4 record in its
+    weight buffer's landing: the frozen shard first, the record at the next 16-byte line."""
+    at = round16(shape.frozen_shard * itemsize(compute_dtype))
+    return at, at + shape.nf4_record
+
+
+# [Note: the frozen landing]
+# With offload="all" the frozen and NF4 shards live on the host (pinned on CUDA); the all-gather
+# needs its input on the device. Each weight buffer has a device *landing* (sized here: the largest
+# frozen shard + NF4 record of the units sharing the buffer, 16-byte aligned) that a unit's host
+# shards are copied into right before their all-gathers, by the same stream (CUDA: the comm stream,
+# after the gather's waits; gloo: after the previous gather into the buffer was waited for). The
+# landing is then touched only in that stream's order (copy, gather, next copy), as the compact
+# staging area is, so it needs no event. The cost: the host -> device copy (1/N of the unit) sits
+# in front of the gather on the comm stream; the prefetch hides it behind the previous unit's
+# compute as it hides the gather.
 def plan_buffers(
     names: list[str],
     layouts: list[UnitShape],
@@ -159,6 +183,7 @@ def plan_buffers(
     reduce_dtype: torch.dtype,
     zero_stage: int,
     outsized_ratio: float,
+    offload_frozen: bool = False,
 ) -> BufferPlan:
     """The weight and grad buffers for units with ``layouts`` (and the small group): pure, no
     allocation. See [Note: one plan, one allocator]."""
@@ -204,8 +229,9 @@ def plan_buffers(
         grad_of[len(layouts)] = grad_slot("grad_small", [len(layouts)], "small")
 
     def weight_slot(name: str, members: list[int], role: str) -> int:
+        landing = max(landing_layout(lay(i), compute_dtype)[1] for i in members) if offload_frozen else 0
         weight.append(BufferSpec(name, "weight", max(lay(i).weight_numel for i in members), 0, compute_dtype, role,
-                                 staging_bytes=max(lay(i).staging_bytes for i in members)))
+                                 staging_bytes=max(lay(i).staging_bytes for i in members), landing_bytes=landing))
         return len(weight) - 1
 
     if zero_stage == 3:
