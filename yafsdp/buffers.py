@@ -70,11 +70,11 @@ class WeightBuffer:
         self.owner, self.owner_version = unit, unit.version
         for g in unit.groups:
             out = self.data[g.buffer_offset:g.buffer_offset + g.layout.padded_numel]
-            if g.kind.compact is None:
+            if g.kind.gather_format is None:
                 self.schedule.gather(self.sync, out, g.compute, unit.name)
                 self.schedule.gathered[g.kind.name] += out.numel() * out.element_size()
             else:  # the records into the staging area, then the expand: [Note: expanding a compact gather]
-                staging = self.staging[:g.staging_bytes]
+                staging = self.staging[g.staging_offset:g.staging_offset + g.staging_bytes]
                 self.schedule.gather(self.sync, staging, g.compute, unit.name, functools.partial(g.expand, out, staging))
                 self.schedule.gathered[g.kind.name] += g.staging_bytes
 

@@ -14,8 +14,9 @@ trainable group may be gathered as an 8-bit *record* instead of ``param_dtype`` 
   dequantized weights the forward used (straight-through, as FSDP2's float8 all-gather).
 - Which groups: a unit's trainable group is gathered compact when every parameter in it is the
   ``weight`` of ``nn.Linear`` modules only (2-D; not tied to an embedding) with a numel that is
-  a multiple of 128 -- the decoder layers of a transformer, and an untied LM head unless
-  ``gather_exclude`` names it. Embeddings, norms and biases (the small group), and units holding
+  a multiple of 128 -- the decoder layers of a transformer. An HF model's output head
+  (``get_output_embeddings()``) is left out by default, as torchtitan's float8 recipes leave the
+  output layer exact; ``gather_exclude=[module names]`` replaces that list (``()``: include it). Embeddings, norms and biases (the small group), and units holding
   anything else are gathered in ``param_dtype`` as before (a unit is compact as a whole; it has one
   trainable group). Because every compact parameter is a whole number of blocks and the flat
   layout lays parameters end to end, a block never straddles two parameters: the blocks are each
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK", "FORMATS", "check_gather_dtype", "record_bytes", "shard_align", "eligible_unit",
+__all__ = ["BLOCK", "FORMATS", "check_gather_dtype", "record_bytes", "shard_align", "eligible_unit", "default_exclude",
            "quantize", "dequantize", "fake_quantize"]
 
 BLOCK = 128
@@ -85,6 +86,21 @@ def eligible_unit(params, exclude: tuple[str, ...] = ()) -> bool:
     trainable = [p for p in params if not p.frozen]
     return bool(trainable) and all(eligible_param(p) for p in trainable) and not any(
         p.fqn == e or p.fqn.startswith(e + ".") for p in trainable for e in exclude)
+
+
+def default_exclude(module: torch.nn.Module) -> tuple[str, ...]:
+    """The modules kept in ``param_dtype`` by default: an HF model's output head
+    (``get_output_embeddings()``), as torchtitan's float8 recipes keep the output layer exact."""
+    get = getattr(module, "get_output_embeddings", None)
+    head = None
+    if callable(get):
+        try:
+            head = get()
+        except (AttributeError, NotImplementedError):
+            head = None
+    if head is None:
+        return ()
+    return tuple(name for name, m in module.named_modules() if m is head)
 
 
 def split_record(record: torch.Tensor, shard_numel: int) -> tuple[torch.Tensor, torch.Tensor]:

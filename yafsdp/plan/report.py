@@ -44,6 +44,8 @@ class MemoryPlan:
     frozen: int = 0  # frozen groups' shards, in param_dtype (no master, grad or optimizer state)
     nf4: int = 0  # NF4 groups' shards: packed 4-bit codes + block scales (quantize_frozen="nf4")
     quantize_frozen: str | None = None
+    fp8: int = 0  # FP8 records of the trainable groups gathered compact (gather_dtype="fp8")
+    gather_dtype: str | None = None
     activations: ActivationEstimate | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -75,7 +77,7 @@ class MemoryPlan:
     @property
     def model_state(self) -> int:
         """Sharded state + optimizer state: what the ZeRO paper calls model states."""
-        return self.master + self.grad + self.compute_copy + self.frozen + self.nf4 + self.optimizer_state
+        return self.master + self.grad + self.compute_copy + self.frozen + self.nf4 + self.fp8 + self.optimizer_state
 
     @property
     def total(self) -> int:
@@ -85,7 +87,7 @@ class MemoryPlan:
     def engine_bytes(self) -> dict[str, int]:
         """The same keys and values as ``YaFSDP.allocated_bytes()`` returns once wrapped."""
         out = {"master": self.master, "grad": self.grad, "compute_copy": self.compute_copy, "frozen": self.frozen,
-               "nf4": self.nf4}
+               "nf4": self.nf4, "fp8": self.fp8}
         for s in self.slots:
             if s.kind == "weight":
                 out[s.name] = s.capacity * itemsize(s.dtype)
@@ -107,6 +109,8 @@ class MemoryPlan:
             (f"frozen shard ({self.param_dtype})", self.frozen),
             *([(f"frozen NF4 shard (4-bit codes + {self.param_dtype} block scales)", self.nf4)]
               if self.quantize_frozen else []),
+            *([("compute copy, FP8 records (e4m3 codes + fp32 scale per 128)", self.fp8)]
+              if self.gather_dtype else []),
             ("weight buffers" + (" (per unit, ZeRO-2)" if self.zero_stage == 2 else " (x2)")
              + (" + NF4 staging" if self.quantize_frozen else ""), self.weight_buffers),
             ("grad buffers (x2, + staging)", self.grad_buffers),
@@ -190,6 +194,8 @@ def memory_plan(
     attention: str = "fused",
     inputs_fn=None,
     quantize_frozen: str | None = None,
+    gather_dtype: str | None = None,
+    gather_exclude=None,
 ) -> MemoryPlan:
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
     or a plain module (any device, meta included; nothing is allocated) with the engine options
@@ -209,23 +215,27 @@ def memory_plan(
         compute_dtype, reduce_dtype, zero_stage = eng.compute_dtype, eng.reduce_dtype, eng.zero_stage
         param_dtype = eng.param_dtype
         quantize_frozen = eng.quantize_frozen
+        gather_dtype = eng.gather_dtype
         module = eng.module
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
     else:
         if world_size is None:
             raise ValueError("yafsdp.plan.memory_plan: world_size= is required for a model that is not wrapped")
-        from .. import nf4
+        from .. import fp8, nf4
 
         param_dtype, reduce_dtype = as_dtype(param_dtype), as_dtype(reduce_dtype)
         compute_dtype = param_dtype or torch.float32
         quantize_frozen = nf4.check_format(quantize_frozen)
+        gather_dtype = fp8.check_gather_dtype(gather_dtype)
+        exclude = fp8.default_exclude(model) if gather_exclude is None else tuple(gather_exclude)
         quantize = compute_dtype if quantize_frozen else None
         align = unit_align(compute_dtype, reduce_dtype, align_bytes)
         specs, small_params = discover(model, units)
         names = [s.name for s in specs]
         weight_free = [weight_free_backward(s) for s in specs]
-        layouts = [unit_shape(s.params, world_size, rank, align, quantize) for s in specs]
-        small = unit_shape(small_params, world_size, rank, align, quantize) if small_params else None
+        layouts = [unit_shape(s.params, world_size, rank, align, quantize, gather_dtype, exclude) for s in specs]
+        small = (unit_shape(small_params, world_size, rank, align, quantize, gather_dtype, exclude)
+                 if small_params else None)
         slots = plan_buffers(
             names, layouts, small, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
             zero_stage=zero_stage, outsized_ratio=outsized_ratio,
@@ -238,6 +248,8 @@ def memory_plan(
     frozen_shard = sum(lay.frozen_shard for lay in all_layouts)
     nf4_shard = sum(lay.nf4_shard for lay in all_layouts)
     nf4_bytes = sum(lay.nf4_record for lay in all_layouts)
+    fp8_bytes = sum(lay.fp8_record for lay in all_layouts)
+    compute_shard = sum(lay.compute_shard for lay in all_layouts)
     cbytes = itemsize(compute_dtype)
     opt_bytes = optimizer if isinstance(optimizer, int) else OPTIMIZER_BYTES[optimizer]
     slot_list = slots.weight + slots.grad
@@ -255,9 +267,9 @@ def memory_plan(
         param_dtype=dtype_name(compute_dtype), reduce_dtype=dtype_name(reduce_dtype),
         optimizer=str(optimizer), num_params=num_params, shard_numel=shard + frozen_shard + nf4_shard,
         largest_unit=max(regular) if regular else 0, units=rows, slots=slot_list,
-        master=4 * shard, grad=4 * shard, compute_copy=0 if compute_dtype == torch.float32 else cbytes * shard,
+        master=4 * shard, grad=4 * shard, compute_copy=0 if compute_dtype == torch.float32 else cbytes * compute_shard,
         optimizer_state=opt_bytes * shard, frozen=cbytes * frozen_shard, nf4=nf4_bytes,
-        quantize_frozen=quantize_frozen,
+        quantize_frozen=quantize_frozen, fp8=fp8_bytes, gather_dtype=gather_dtype,
     )
     if batch is not None and seq is not None:
         largest_unit_grads = max((lay.trainable.numel for lay in layouts if lay.trainable is not None),
