@@ -150,6 +150,12 @@ class Runtime:
         wait for the compute side's writes."""
         for s in self.weight_buffers:
             s.invalidate()
+        # Every compute copy is rewritten from its master at the next step entry, whether or not the
+        # loader's writes bumped the shards' version counters (a compact group's FP8 record is derived
+        # from the master and never stored: [Note: compact trainable gathers] in fp8.py).
+        for u in self.all:
+            for g in u.groups:
+                g.cast_version = -1
         self.copies_changed = True
 
     def check_frozen(self) -> None:
