@@ -31,6 +31,10 @@ Assumptions (all flags):
   the layer runs), reduce-scatter copy-in of the grads (6 bytes per element, before the
   collective), and per-parameter optimizer dispatch (``--fsdp2-param-us`` per parameter tensor);
   gathers and reduce-scatters share the links, so they are one comm lane here too;
+- yafsdp with ``gather_dtype="fp8"`` (the "fp8" columns): the decoder layers' gathers move the
+  FP8 records the plan sizes (~1.03 bytes per element), each followed on the comm stream by its
+  expand (records read, ``param_dtype`` values written, at ``--hbm-gbs``); embedding and head as
+  before; "gathered MiB/step" is what each rank receives from all-gathers in one step;
 - ignored for both: kernel-launch gaps, the small group (1-D parameters: a few MB), contention of
   the comm kernels for SMs, stragglers.
 
@@ -207,9 +211,15 @@ class Net:
         return self.latency + self.hop * (world - 1) + nbytes * (world - 1) / world / bw
 
 
-def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_free=None) -> dict:
-    """Two lanes (compute, comm) of one ZeRO-3 step of the yafsdp protocol; see the docstring."""
+def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_free=None, gather_bytes=None,
+                    expand=None) -> dict:
+    """Two lanes (compute, comm) of one ZeRO-3 step of the yafsdp protocol; see the docstring.
+    ``gather_bytes``: per unit, the bytes one gather moves (default: padded elements x param_dtype);
+    ``expand``: per unit, seconds of the expand kernel behind its gather on the comm stream (FP8)."""
     pe = 2 if a.param_dtype == "bf16" else 4
+    gather_bytes = gather_bytes or {u: n * pe for u, n in sizes.items()}
+    expand = expand or {}
+    moved = 0.0
     re_ = 2 if a.reduce_dtype == "bf16" else 4
     hbm = a.hbm_gbs * 1e9
     local = sum(sizes.values()) / world
@@ -229,9 +239,11 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
         s = slot_of[unit]
         if owner.get(s) == unit:
             return
+        nonlocal moved
         start = max(comm, release.get(s, 0.0), issue_after)
-        d = net.time(sizes[unit] * pe, world)
-        comm = start + d
+        d = net.time(gather_bytes[unit], world)
+        moved += gather_bytes[unit] * (world - 1) / world  # what the ring brings in from the other ranks
+        comm = start + d + expand.get(unit, 0.0)
         comm_busy += d
         comm_iv.append((start, comm))
         owner[s] = unit
@@ -286,7 +298,7 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
             grad_free[gs] = comm
     t_opt = 28 * local / hbm
     end = max(comp, comm) + t_opt
-    return _lanes(compute_iv, comm_iv, end, comm_busy)
+    return dict(_lanes(compute_iv, comm_iv, end, comm_busy), gathered_bytes=moved)
 
 
 def simulate_fsdp2(uses, sizes, world, net, a, cmp, n_param_tensors: int, root_units: set) -> dict:
@@ -394,12 +406,25 @@ def main(argv=None):
         weight_free = {u.name: u.weight_free_bw for u in p.units}
         y = simulate_yafsdp(uses, slot_of, outsized, sizes, w, net, a, cmp, weight_free)
         f = simulate_fsdp2(uses, sizes, w, net, a, cmp, n_param_tensors, root)
+        # gather_dtype="fp8": the plan of the same model with the decoder layers gathered as FP8 records,
+        # plus the expand (records in, param_dtype values out) behind each such gather on the comm stream
+        p8 = memory_plan(model, world_size=w, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype,
+                         gather_dtype="fp8")
+        pe = 2 if a.param_dtype == "bf16" else 4
+        gb8 = {u.name: u.gather_bytes for u in p8.units}
+        exp8 = {u.name: u.padded_numel * (pe + u.gather_bytes / u.padded_numel) / (a.hbm_gbs * 1e9)
+                for u in p8.units if u.fp8}
+        y8 = simulate_yafsdp(uses, {u.name: u.weight_slot for u in p8.units}, {u.name: u.outsized for u in p8.units},
+                             {u.name: u.padded_numel for u in p8.units}, w, net, a, cmp, weight_free, gb8, exp8)
         gathered = sum(sizes.values())
-        out.append(dict(world=w, yafsdp=y, fsdp2=f, gathered_elements=gathered))
+        out.append(dict(world=w, yafsdp=y, fsdp2=f, yafsdp_fp8=y8, gathered_elements=gathered))
         rows.append([w, 1e3 * y["step"], 1e3 * y["comm"], 1e3 * y["exposed"], y["exposed_fraction"],
-                     1e3 * f["step"], 1e3 * f["exposed"], f["exposed_fraction"], y["step"] / f["step"]])
+                     1e3 * f["step"], 1e3 * f["exposed"], f["exposed_fraction"], y["step"] / f["step"],
+                     y["gathered_bytes"] / 2**20, y8["gathered_bytes"] / 2**20, 1e3 * y8["step"], 1e3 * y8["exposed"],
+                     y8["step"] / y["step"]])
     header = ["GPUs", "yafsdp step ms", "comm ms", "exposed ms", "exposed / comm", "FSDP2-like step ms",
-              "exposed ms", "exposed / comm", "yafsdp / FSDP2"]
+              "exposed ms", "exposed / comm", "yafsdp / FSDP2", f"gathered MiB/step ({a.param_dtype})",
+              "gathered MiB/step (fp8)", "fp8 step ms", "fp8 exposed ms", "fp8 / bf16 step"]
     table = md_table(header, rows)
     compute_ms = 1e3 * (sum(u.fwd + u.bwd for u in uses) + sum(cmp["other"]))
     setup = (f"{a.preset}, batch {a.batch} x seq {a.seq} per GPU, {a.param_dtype} gathers, {a.reduce_dtype} "
@@ -431,8 +456,8 @@ def draw(rows, path, title):
 
     w = [r["world"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for key, style in (("yafsdp", "o-"), ("fsdp2", "s--")):
-        label = "yafsdp" if key == "yafsdp" else "FSDP2-like"
+    for key, style in (("yafsdp", "o-"), ("fsdp2", "s--"), ("yafsdp_fp8", "^-.")):
+        label = {"yafsdp": "yafsdp", "fsdp2": "FSDP2-like", "yafsdp_fp8": "yafsdp, fp8 gathers"}[key]
         ax1.plot(w, [1e3 * r[key]["step"] for r in rows], style, label=label)
         ax2.plot(w, [100 * r[key]["exposed_fraction"] for r in rows], style, label=label)
     ax1.plot(w, [1e3 * r["yafsdp"]["compute"] for r in rows], ":", color="grey", label="compute only")

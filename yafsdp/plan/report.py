@@ -22,6 +22,10 @@ class UnitRow:
     grad_slot: str
     outsized: bool
     weight_free_bw: bool = False  # ZeRO-3 skips its backward re-gather (runtime.py [Note: weight-free backward])
+    # Bytes one gather of the unit brings to each rank (the all-gather outputs: param_dtype values, or
+    # the gathered records of compact groups) and whether its trainable group is gathered as FP8
+    gather_bytes: int = 0
+    fp8: bool = False
 
 
 @dataclass
@@ -176,6 +180,13 @@ class MemoryPlan:
         return d
 
 
+def _gather_bytes(lay, cbytes: int) -> int:
+    """Bytes one gather of a unit (``sizing.UnitShape``) brings to each rank."""
+    plain = (lay.trainable.padded_numel if lay.trainable is not None and not lay.fp8_record else 0) + (
+        lay.frozen.padded_numel if lay.frozen is not None else 0)
+    return plain * cbytes + lay.staging_bytes
+
+
 def memory_plan(
     model: nn.Module,
     *,
@@ -258,6 +269,7 @@ def memory_plan(
             names[i], lay.numel, lay.weight_numel, lay.trainable_shard + lay.frozen_shard + lay.nf4_shard,
             slots.weight[slots.weight_of[i]].name,
             slots.grad[slots.grad_of[i]].name if slots.grad_of[i] >= 0 else "-", slots.outsized[i], weight_free[i],
+            _gather_bytes(lay, cbytes), bool(lay.fp8_record),
         )
         for i, lay in enumerate(layouts)
     ]
