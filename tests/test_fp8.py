@@ -219,3 +219,17 @@ def test_fp8_options_and_errors():
     assert out["head_default"] == [None]  # the HF output head stays in param_dtype by default
     assert out["head"] == ["fp8"]  # gather_exclude=() includes it
     assert out["bf16"] == [None] * len(out["bf16"])
+
+
+def test_plan_cli_fp8(capsys):
+    from yafsdp.plan.cli import main
+
+    plain = main(["--preset", "tiny", "--world-size", "2"])
+    packed = main(["--preset", "tiny", "--world-size", "2", "--gather-dtype", "fp8"])
+    assert plain.fp8 == 0 and packed.fp8 > 0 and "FP8 records" in capsys.readouterr().out
+    # the decoder layers' compute copy: 2-byte values -> 1 + 4/128-byte records (fp32 on the CPU preset: 4 -> 1.03)
+    assert packed.compute_copy + packed.fp8 < plain.compute_copy or plain.compute_copy == 0
+    assert {u.name for u in packed.units if u.fp8} == {"model.layers.0", "model.layers.1"}
+    before = {u.name: u.gather_bytes for u in plain.units}
+    for u in packed.units:  # ~1.03 bytes per element instead of 2 (the CLI's default param_dtype is bf16)
+        assert u.gather_bytes / before[u.name] < 0.53 if u.fp8 else u.gather_bytes == before[u.name]

@@ -41,6 +41,9 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
                     help="plan a fine-tuning base: every parameter frozen (no master, grad or optimizer state), "
                     "stored in param_dtype (bf16) or with its nn.Linear weights in 4-bit NF4 (nf4: "
                     "quantize_frozen='nf4', QLoRA); adapters are not counted (they are small)")
+    ap.add_argument("--gather-dtype", default="param", choices=["param", "fp8"],
+                    help="fp8: the decoder layers' trainable weights gathered as fp8 records (gather_dtype='fp8'): "
+                    "their compute copy is 1.03 bytes per element, plus a staging area per weight buffer")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return ap
 
@@ -63,6 +66,7 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
         zero_stage=a.zero_stage, outsized_ratio=a.outsized_ratio, optimizer=a.optimizer,
         batch=a.batch, seq=a.seq, checkpointing=a.checkpointing, attention=a.attention,
         quantize_frozen="nf4" if a.frozen_base == "nf4" else None,
+        gather_dtype="fp8" if a.gather_dtype == "fp8" else None,
     )
     if a.json:
         print(json.dumps(dict(preset=a.preset, **plan.to_dict()), indent=1, default=str))
