@@ -227,7 +227,7 @@ def test_plan_cli_fp8(capsys):
     plain = main(["--preset", "tiny", "--world-size", "2"])
     packed = main(["--preset", "tiny", "--world-size", "2", "--gather-dtype", "fp8"])
     assert plain.fp8 == 0 and packed.fp8 > 0 and "FP8 records" in capsys.readouterr().out
-    # the decoder layers' compute copy: 2-byte values -> 1 + 4/128-byte records (fp32 on the CPU preset: 4 -> 1.03)
+    # the decoder layers' compute copy: 2-byte bf16 values -> 1 + 4/128-byte records
     assert packed.compute_copy + packed.fp8 < plain.compute_copy or plain.compute_copy == 0
     assert {u.name for u in packed.units if u.fp8} == {"model.layers.0", "model.layers.1"}
     before = {u.name: u.gather_bytes for u in plain.units}

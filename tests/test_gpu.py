@@ -61,9 +61,9 @@ def _buffer_mismatch(model):
             model.schedule.wait_gathered(slot.sync)
             for g in u.groups:
                 got = slot.data[g.buffer_offset:g.buffer_offset + g.layout.padded_numel]
-                if g.kind.compact is None:
+                if g.kind.gather_format is None:
                     n += (got != g.compute).sum()
-                else:  # an NF4 group: the expand of its record (world 1: the gathered records are the shard)
+                else:  # an NF4 or FP8 group: the expand of its record (world 1: the gathered records are the shard)
                     want = torch.empty_like(got)
                     g.expand(want, g.compute)
                     n += (got != want).sum()
@@ -107,6 +107,9 @@ CASES = {
     "z3_bf16_torch_fused": dict(zero=3, dtype="bfloat16", opt="torch_fused"),
     # NF4 groups: the expand runs on the comm stream after each gather of frozen q/k/mlp weights
     "z3_bf16_nf4": dict(zero=3, dtype="bfloat16", opt="fused_adamw", nf4=True),
+    # FP8 gathers of the decoder layers: FusedAdamW writes the records, the expand runs on the comm stream
+    "z3_bf16_fp8": dict(zero=3, dtype="bfloat16", opt="fused_adamw", fp8=True),
+    "z2_bf16_fp8_adamw": dict(zero=2, dtype="bfloat16", opt="adamw", fp8=True),
 }
 
 
@@ -126,7 +129,8 @@ def _race_windows(rank, world, names):
         for sync in (False, True):
             model = yafsdp.YaFSDP(copy.deepcopy(base), zero_stage=case["zero"],
                                   param_dtype=getattr(torch, case["dtype"]) if case["dtype"] else None,
-                                  quantize_frozen="nf4" if case.get("nf4") else None)
+                                  quantize_frozen="nf4" if case.get("nf4") else None,
+                                  gather_dtype="fp8" if case.get("fp8") else None)
             opt = _optimizer(case["opt"], model.parameters())
             torch.cuda.synchronize()
             losses, mismatch = _loop(model, opt, "llama", inputs, sync_after_step=sync, check_buffers=True,
