@@ -34,11 +34,24 @@ Assumptions (all flags):
 - yafsdp with ``gather_dtype="fp8"`` (the "fp8" columns): the decoder layers' gathers move the
   FP8 records the plan sizes (~1.03 bytes per element), each followed on the comm stream by its
   expand (records read, ``param_dtype`` values written, at ``--hbm-gbs``); embedding and head as
-  before; "gathered MiB/step" is what each rank receives from all-gathers in one step;
+  before; "gathered MiB/step" is the all-gather output bytes of one step on each rank;
+- HSDP (yafsdp's ``mesh=(replicas, shard)``): the shard group is the smallest multiple of a node
+  whose memory plan (model states, buffers, and activations of the micro-batch with per-layer
+  checkpointing, from ``yafsdp.plan``) fits ``--gpu-mem-gib`` (or ``--hsdp-shard``); gathers and
+  reduce-scatters run over it exactly as full sharding over that many ranks, and the fp32 grad shards
+  are all-reduced across the replicas (a ring over one GPU per replica, each on its own node, at the
+  per-GPU NIC bandwidth: ``latency + hop * (R - 1) + 2 * B * (R - 1) / R / busbw``), on the same one
+  comm lane: overlapped = right behind each unit's reduce-scatter in backward (the engine's steady
+  state: the last backward of a step is predicted from the previous step), deferred = one
+  all-reduce of every shard after backward, before the optimizer (the first step, or a step whose
+  accumulation changed); with ``--grad-accum k`` every schedule runs k forward/backward passes per
+  optimizer step (yafsdp keeps a unit a buffer still holds; FSDP2 re-gathers), full sharding repeats
+  its cross-node traffic k times while HSDP's all-reduce stays once per step;
 - ignored for both: kernel-launch gaps, the small group (1-D parameters: a few MB), contention of
   the comm kernels for SMs, stragglers.
 
     python benchmarks/model_scaling.py                                   # llama3-8b, FLOP-based compute
+    python benchmarks/model_scaling.py --preset llama3-70b                # HSDP rows: shard group sized by memory
     python benchmarks/model_scaling.py --compute measure --preset cpu-6x256   # compute measured here
     python benchmarks/model_scaling.py --compute measure --device cuda --preset llama3-8b --layers 4 \\
         --batch 1 --seq 8192 --save-compute runs/compute_h100.json      # one GPU, no process group
@@ -64,6 +77,7 @@ def parse(argv=None):
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--layers", type=int, default=None, help="measure with this many layers (times are per layer)")
     ap.add_argument("--batch", type=int, default=1, help="micro-batch per GPU")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches (backward passes) per optimizer step")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--param-dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--reduce-dtype", default="fp32", choices=["bf16", "fp32"])
@@ -81,6 +95,14 @@ def parse(argv=None):
     ap.add_argument("--hop-us", type=float, default=0.5, help="added per rank in the ring")
     ap.add_argument("--hbm-gbs", type=float, default=2500.0, help="achieved memory bandwidth for copies/optimizer")
     ap.add_argument("--fsdp2-param-us", type=float, default=4.0, help="FSDP2 optimizer cost per parameter tensor")
+    ap.add_argument("--hsdp-shard", default="auto",
+                    help="HSDP shard group size (a multiple of --gpus-per-node), or auto: the smallest that fits "
+                    "--gpu-mem-gib")
+    ap.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory for the HSDP shard-size fit (H100: 80)")
+    ap.add_argument("--bytes", default=None, metavar="RxS,...",
+                    help="only print (JSON) the bytes one rank puts into each collective kind per step for these "
+                    "meshes (replicas x shard), overlapped and deferred; tests/test_bench_smoke.py checks them "
+                    "against the engine's counts")
     ap.add_argument("--png", default="runs/model_scaling.png")
     ap.add_argument("--json", default="runs/model_scaling.json")
     ap.add_argument("--md", default=None)
@@ -210,16 +232,26 @@ class Net:
         bw = self.intra if world <= self.per_node else self.inter
         return self.latency + self.hop * (world - 1) + nbytes * (world - 1) / world / bw
 
+    def all_reduce(self, nbytes: float, replicas: int) -> float:
+        """A ring all-reduce of ``nbytes`` over one GPU per replica, each on another node (HSDP)."""
+        if replicas <= 1:
+            return 0.0
+        return self.latency + self.hop * (replicas - 1) + 2 * nbytes * (replicas - 1) / replicas / self.inter
 
-def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_free=None, gather_bytes=None,
-                    expand=None) -> dict:
+
+def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_free=None, replicas: int = 1,
+                    overlap: bool = True, accum: int = 1, gather_bytes=None, expand=None) -> dict:
     """Two lanes (compute, comm) of one ZeRO-3 step of the yafsdp protocol; see the docstring.
-    ``gather_bytes``: per unit, the bytes one gather moves (default: padded elements x param_dtype);
-    ``expand``: per unit, seconds of the expand kernel behind its gather on the comm stream (FP8)."""
+    ``world``: the shard group; ``replicas`` > 1: HSDP, its all-reduce overlapped (with the last of
+    ``accum`` backward passes) or deferred (after it). ``gather_bytes``: per unit, the bytes one
+    gather moves (default: padded elements x param_dtype); ``expand``: per unit, seconds of the
+    expand kernel behind its gather on the comm stream (fp8 gathers).
+    Also counts the bytes put into each kind of collective (``bytes``; the engine's
+    ``schedule.counted`` is checked against it in tests/test_bench_smoke.py)."""
+    nbytes = dict(gather=0, reduce=0, all_reduce=0)
     pe = 2 if a.param_dtype == "bf16" else 4
     gather_bytes = gather_bytes or {u: n * pe for u, n in sizes.items()}
     expand = expand or {}
-    moved = 0.0
     re_ = 2 if a.reduce_dtype == "bf16" else 4
     hbm = a.hbm_gbs * 1e9
     local = sum(sizes.values()) / world
@@ -239,10 +271,9 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
         s = slot_of[unit]
         if owner.get(s) == unit:
             return
-        nonlocal moved
         start = max(comm, release.get(s, 0.0), issue_after)
         d = net.time(gather_bytes[unit], world)
-        moved += gather_bytes[unit] * (world - 1) / world  # what the ring brings in from the other ranks
+        nbytes["gather"] += gather_bytes[unit]
         comm = start + d + expand.get(unit, 0.0)
         comm_busy += d
         comm_iv.append((start, comm))
@@ -250,17 +281,6 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
         ready[unit] = comm
 
     fwd = [(u.unit, u.fwd) for u in uses]
-    # Forward: gather(k) at its pre-hook, prefetch k+1, compute after ready; release at the end.
-    gather(fwd[0][0], 0.0)
-    for k, (unit, t) in enumerate(fwd):
-        if k + 1 < len(fwd):
-            gather(fwd[k + 1][0], 0.0)
-        start = max(comp, ready.get(unit, 0.0))
-        comp = start + t
-        compute_iv.append((start, comp))
-        release[slot_of[unit]] = comp
-    comp += cmp["other"][0] + cmp["other"][1]  # loss forward/backward
-    # Backward: re-gather what no buffer still holds; reduce after each unit; grad buffers alternate.
     grad_slot = {}
     regular = [u for u in dict.fromkeys(x for x, _ in fwd) if not outsized[u]]
     for i, u in enumerate(regular):
@@ -270,38 +290,72 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
             grad_slot[u] = "grad_outsized"
     grad_free: dict[str, float] = {}
     bwd = [(u.unit, u.bwd) for u in uses][::-1]
-    reduced: set[str] = set()
+    all_reduce = 0.0
 
     def bw_gather(unit, issue_after):  # an embedding's backward reads no weights: no re-gather
         if not weight_free.get(unit):
             gather(unit, issue_after)
 
-    bw_gather(bwd[0][0], comp)
-    for k, (unit, t) in enumerate(bwd):
-        if k + 1 < len(bwd):
-            bw_gather(bwd[k + 1][0], comp)
-        start = max(comp, ready.get(unit, 0.0))  # a weight-free unit's ready is from forward, long past
-        end = start + t
-        gs = grad_slot[unit]
-        end = max(end, grad_free.get(gs, 0.0)) + sizes[unit] * pe * 2 / hbm  # grads into the buffer
-        comp = end
-        compute_iv.append((start, end))
-        release[slot_of[unit]] = end
-        last_use = all(x != unit for x, _ in bwd[k + 1:])
-        if last_use and unit not in reduced:
-            reduced.add(unit)
-            rs_start = max(comm, end)
-            d = net.time(sizes[unit] * re_, world)
-            comm = rs_start + d
-            comm_busy += d
-            comm_iv.append((rs_start, comm))
-            grad_free[gs] = comm
+    for micro in range(accum):  # accumulation: buffers still holding a unit keep it (no step in between)
+        last = micro == accum - 1
+        # Forward: gather(k) at its pre-hook, prefetch k+1, compute after ready; release at the end.
+        gather(fwd[0][0], 0.0)
+        for k, (unit, t) in enumerate(fwd):
+            if k + 1 < len(fwd):
+                gather(fwd[k + 1][0], 0.0)
+            start = max(comp, ready.get(unit, 0.0))
+            comp = start + t
+            compute_iv.append((start, comp))
+            release[slot_of[unit]] = comp
+        comp += cmp["other"][0] + cmp["other"][1]  # loss forward/backward
+        # Backward: re-gather what no buffer still holds; reduce after each unit; grad buffers alternate.
+        reduced: set[str] = set()
+        bw_gather(bwd[0][0], comp)
+        for k, (unit, t) in enumerate(bwd):
+            if k + 1 < len(bwd):
+                bw_gather(bwd[k + 1][0], comp)
+            start = max(comp, ready.get(unit, 0.0))  # a weight-free unit's ready is from forward, long past
+            end = start + t
+            gs = grad_slot[unit]
+            end = max(end, grad_free.get(gs, 0.0)) + sizes[unit] * pe * 2 / hbm  # grads into the buffer
+            comp = end
+            compute_iv.append((start, end))
+            release[slot_of[unit]] = end
+            last_use = all(x != unit for x, _ in bwd[k + 1:])
+            if last_use and unit not in reduced:
+                reduced.add(unit)
+                rs_start = max(comm, end)
+                d = net.time(sizes[unit] * re_, world)
+                nbytes["reduce"] += sizes[unit] * re_
+                comm = rs_start + d
+                comm_busy += d
+                comm_iv.append((rs_start, comm))
+                if replicas > 1 and overlap and last:  # the unit's fp32 grad shard, right behind its fold
+                    shard_bytes = sizes[unit] // world * 4
+                    d = net.all_reduce(shard_bytes, replicas)
+                    nbytes["all_reduce"] += shard_bytes
+                    comm_iv.append((comm, comm + d))
+                    comm += d
+                    comm_busy += d
+                    all_reduce += d
+                grad_free[gs] = comm
+    end = max(comp, comm)
+    if replicas > 1 and not overlap:  # deferred: every grad shard at once, before the optimizer
+        shard_bytes = sum(sizes[u] // world for u in reduced) * 4
+        d = net.all_reduce(shard_bytes, replicas)
+        nbytes["all_reduce"] += shard_bytes
+        comm_iv.append((end, end + d))
+        end += d
+        comm_busy += d
+        all_reduce += d
     t_opt = 28 * local / hbm
-    end = max(comp, comm) + t_opt
-    return dict(_lanes(compute_iv, comm_iv, end, comm_busy), gathered_bytes=moved)
+    end = end + t_opt
+    out = _lanes(compute_iv, comm_iv, end, comm_busy)
+    out.update(bytes=nbytes, all_reduce=all_reduce, shard=world, replicas=replicas)
+    return out
 
 
-def simulate_fsdp2(uses, sizes, world, net, a, cmp, n_param_tensors: int, root_units: set) -> dict:
+def simulate_fsdp2(uses, sizes, world, net, a, cmp, n_param_tensors: int, root_units: set, accum: int = 1) -> dict:
     """The FSDP2-like schedule with its copies; see the docstring."""
     pe = 2 if a.param_dtype == "bf16" else 4
     re_ = 2 if a.reduce_dtype == "bf16" else 4
@@ -333,36 +387,37 @@ def simulate_fsdp2(uses, sizes, world, net, a, cmp, n_param_tensors: int, root_u
         return "root" if unit in root_units else unit
 
     fwd = [(group(u.unit), u.fwd) for u in uses]
-    gather("root", 0.0, "root")
-    for k, (g, t) in enumerate(fwd):
-        if k + 1 < len(fwd):
-            gather(fwd[k + 1][0], 0.0, fwd[k + 1][0])
-        start = max(comp, ready.get(g, 0.0))
-        if g != "root" or k == 0:
-            start += 4 * sizes[g] / hbm  # copy-out on the compute stream
-        comp = start + t
-        compute_iv.append((start, comp))
-        if g != "root":
-            held.discard(g)  # reshard after forward
-    comp += cmp["other"][0] + cmp["other"][1]
     bwd = [(group(u.unit), u.bwd) for u in uses][::-1]
-    reduced: set[str] = set()
-    for k, (g, t) in enumerate(bwd):
-        if k + 1 < len(bwd):
-            gather(bwd[k + 1][0], comp, bwd[k + 1][0])
-        start = max(comp, ready.get(g, 0.0))
-        if g != "root":
-            start += 4 * sizes[g] / hbm
-        comp = start + t
-        compute_iv.append((start, comp))
-        if all(x != g for x, _ in bwd[k + 1:]) and g not in reduced:
-            reduced.add(g)
-            held.discard(g)
-            rs_start = max(comm, comp) + 6 * sizes[g] / hbm  # chunk_cat copy-in of the grads
-            d = net.time(sizes[g] * re_, world)
-            comm = rs_start + d
-            comm_busy += d
-            comm_iv.append((rs_start, comm))
+    for _ in range(accum):  # FSDP2 reshards after each backward: every micro-step gathers again
+        gather("root", 0.0, "root")
+        for k, (g, t) in enumerate(fwd):
+            if k + 1 < len(fwd):
+                gather(fwd[k + 1][0], 0.0, fwd[k + 1][0])
+            start = max(comp, ready.get(g, 0.0))
+            if g != "root" or k == 0:
+                start += 4 * sizes[g] / hbm  # copy-out on the compute stream
+            comp = start + t
+            compute_iv.append((start, comp))
+            if g != "root":
+                held.discard(g)  # reshard after forward
+        comp += cmp["other"][0] + cmp["other"][1]
+        reduced: set[str] = set()
+        for k, (g, t) in enumerate(bwd):
+            if k + 1 < len(bwd):
+                gather(bwd[k + 1][0], comp, bwd[k + 1][0])
+            start = max(comp, ready.get(g, 0.0))
+            if g != "root":
+                start += 4 * sizes[g] / hbm
+            comp = start + t
+            compute_iv.append((start, comp))
+            if all(x != g for x, _ in bwd[k + 1:]) and g not in reduced:
+                reduced.add(g)
+                held.discard(g)
+                rs_start = max(comm, comp) + 6 * sizes[g] / hbm  # chunk_cat copy-in of the grads
+                d = net.time(sizes[g] * re_, world)
+                comm = rs_start + d
+                comm_busy += d
+                comm_iv.append((rs_start, comm))
     local = sum(v for k, v in sizes.items() if k != "root") / world
     t_opt = 28 * local / hbm + a.fsdp2_param_us * 1e-6 * n_param_tensors
     end = max(comp, comm) + t_opt
@@ -377,10 +432,60 @@ def _lanes(compute_iv, comm_iv, end, comm_busy) -> dict:
                 compute=fig["compute"])
 
 
+def plan_maps(p):
+    """(padded sizes, weight slot, outsized, weight-free backward) per unit name, from a memory plan."""
+    return ({u.name: u.padded_numel for u in p.units}, {u.name: u.weight_slot for u in p.units},
+            {u.name: u.outsized for u in p.units}, {u.name: u.weight_free_bw for u in p.units})
+
+
+def simulate_plan(uses, p, world, net, a, cmp, **kw) -> dict:
+    """simulate_yafsdp over the units of memory plan ``p``."""
+    sizes, slot_of, outsized, weight_free = plan_maps(p)
+    return simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_free, **kw)
+
+
+def hsdp_shard(a, model) -> int | None:
+    """The HSDP shard group: --hsdp-shard, or the smallest multiple of a node whose memory plan
+    (with the micro-batch's activations under per-layer checkpointing) fits --gpu-mem-gib."""
+    if a.hsdp_shard != "auto":
+        return int(a.hsdp_shard)
+    s = a.gpus_per_node
+    while s <= max(a.worlds):
+        p = memory_plan(model, world_size=s, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype,
+                        batch=a.batch, seq=a.seq, checkpointing=True)
+        if p.total <= a.gpu_mem_gib * 2**30:
+            return s
+        s *= 2
+    return None
+
+
+def predicted_bytes(model, shard: int, replicas: int, param_dtype: str = "fp32", reduce_dtype: str = "fp32",
+                    overlap: bool = True, accum: int = 1) -> dict:
+    """Bytes this rank puts into gathers, reduce-scatters and (HSDP) all-reduces in one optimizer
+    step of ``accum`` backward passes (the small group left out), as the simulation counts them."""
+    a = parse(["--param-dtype", param_dtype, "--reduce-dtype", reduce_dtype])
+    cmp = dict(embed=(0.0, 0.0), layer=(0.0, 0.0), head=(0.0, 0.0), other=(0.0, 0.0))
+    uses = [Use(name, 0.0, 0.0, 0) for name, _, _ in unit_uses(model)]
+    net = Net(1.0, 1.0, 8, 0.0, 0.0)
+    p = memory_plan(model, world_size=shard, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    return simulate_plan(uses, p, shard, net, a, cmp, replicas=replicas, overlap=overlap, accum=accum)["bytes"]
+
+
 # ---------------------------------------------------------------------------- main
 def main(argv=None):
     a = parse(argv)
     model = build_llama(a.preset, device="meta")
+    if a.bytes:
+        import json
+
+        out = {}
+        for mesh in a.bytes.split(","):
+            r, sh = (int(x) for x in mesh.split("x"))
+            out[mesh] = {how: predicted_bytes(model, sh, r, a.param_dtype, a.reduce_dtype,
+                                              overlap=(how == "overlapped"), accum=a.grad_accum)
+                         for how in ("overlapped", "deferred")}
+        print(json.dumps(out))
+        return out
     cfg = model.config
     if a.compute == "flops":
         cmp = flops_compute(a, cfg)
@@ -397,15 +502,23 @@ def main(argv=None):
     net = Net(a.intra_busbw * 1e9, a.inter_busbw * 1e9, a.gpus_per_node, a.latency_us * 1e-6, a.hop_us * 1e-6)
     n_param_tensors = len(list(model.parameters()))
     root = {u.unit for u in uses if not u.unit.startswith("model.layers.")}
-    rows, out = [], []
+    plans: dict[int, object] = {}
+
+    def plan_of(w):
+        if w not in plans:
+            plans[w] = memory_plan(model, world_size=w, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype)
+        return plans[w]
+
+    def sim(w, replicas=1, overlap=True):
+        return simulate_plan(uses, plan_of(w), w, net, a, cmp, replicas=replicas, overlap=overlap, accum=a.grad_accum)
+
+    shard = hsdp_shard(a, model)
+    rows, hrows, out = [], [], []
     for w in a.worlds:
-        p = memory_plan(model, world_size=w, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype)
-        sizes = {u.name: u.padded_numel for u in p.units}
-        slot_of = {u.name: u.weight_slot for u in p.units}
-        outsized = {u.name: u.outsized for u in p.units}
-        weight_free = {u.name: u.weight_free_bw for u in p.units}
-        y = simulate_yafsdp(uses, slot_of, outsized, sizes, w, net, a, cmp, weight_free)
-        f = simulate_fsdp2(uses, sizes, w, net, a, cmp, n_param_tensors, root)
+        sizes, slot_of, outsized, weight_free = plan_maps(plan_of(w))
+        y = sim(w)
+        f = simulate_fsdp2(uses, sizes, w, net, a, cmp, n_param_tensors, root, accum=a.grad_accum)
+        gathered = sum(sizes.values())
         # gather_dtype="fp8": the plan of the same model with the decoder layers gathered as FP8 records,
         # plus the expand (records in, param_dtype values out) behind each such gather on the comm stream
         p8 = memory_plan(model, world_size=w, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype,
@@ -414,31 +527,49 @@ def main(argv=None):
         gb8 = {u.name: u.gather_bytes for u in p8.units}
         exp8 = {u.name: u.padded_numel * (pe + u.gather_bytes / u.padded_numel) / (a.hbm_gbs * 1e9)
                 for u in p8.units if u.fp8}
-        y8 = simulate_yafsdp(uses, {u.name: u.weight_slot for u in p8.units}, {u.name: u.outsized for u in p8.units},
-                             {u.name: u.padded_numel for u in p8.units}, w, net, a, cmp, weight_free, gb8, exp8)
-        gathered = sum(sizes.values())
-        out.append(dict(world=w, yafsdp=y, fsdp2=f, yafsdp_fp8=y8, gathered_elements=gathered))
+        y8 = simulate_plan(uses, p8, w, net, a, cmp, accum=a.grad_accum, gather_bytes=gb8, expand=exp8)
+        row = dict(world=w, yafsdp=y, fsdp2=f, yafsdp_fp8=y8, gathered_elements=gathered)
         rows.append([w, 1e3 * y["step"], 1e3 * y["comm"], 1e3 * y["exposed"], y["exposed_fraction"],
                      1e3 * f["step"], 1e3 * f["exposed"], f["exposed_fraction"], y["step"] / f["step"],
-                     y["gathered_bytes"] / 2**20, y8["gathered_bytes"] / 2**20, 1e3 * y8["step"], 1e3 * y8["exposed"],
-                     y8["step"] / y["step"]])
+                     y["bytes"]["gather"] / 2**20, y8["bytes"]["gather"] / 2**20, 1e3 * y8["step"],
+                     1e3 * y8["exposed"], y8["step"] / y["step"]])
+        if shard is not None and w % shard == 0 and w // shard >= 2:
+            r = w // shard
+            h, hd = sim(shard, r, True), sim(shard, r, False)
+            row.update(hsdp=h, hsdp_deferred=hd)
+            # bytes each GPU sends over its NIC per step: full sharding's rings all cross nodes once
+            # the world leaves a node; HSDP's shard-group rings only when the group spans nodes
+            nic_full = (y["bytes"]["gather"] + y["bytes"]["reduce"]) * (w - 1) / w if w > a.gpus_per_node else 0
+            nic_h = ((h["bytes"]["gather"] + h["bytes"]["reduce"]) * (shard - 1) / shard if shard > a.gpus_per_node
+                     else 0) + 2 * h["bytes"]["all_reduce"] * (r - 1) / r
+            hrows.append([w, f"{r} x {shard}", 1e3 * y["step"], 1e3 * y["exposed"], 1e3 * h["step"],
+                          1e3 * h["exposed"], 1e3 * h["all_reduce"], 1e3 * hd["step"], nic_full / 2**30,
+                          nic_h / 2**30, h["step"] / y["step"]])
+        out.append(row)
     header = ["GPUs", "yafsdp step ms", "comm ms", "exposed ms", "exposed / comm", "FSDP2-like step ms",
               "exposed ms", "exposed / comm", "yafsdp / FSDP2", f"gathered MiB/step ({a.param_dtype})",
               "gathered MiB/step (fp8)", "fp8 step ms", "fp8 exposed ms", "fp8 / bf16 step"]
     table = md_table(header, rows)
-    compute_ms = 1e3 * (sum(u.fwd + u.bwd for u in uses) + sum(cmp["other"]))
-    setup = (f"{a.preset}, batch {a.batch} x seq {a.seq} per GPU, {a.param_dtype} gathers, {a.reduce_dtype} "
+    hheader = ["GPUs", "HSDP replicas x shard", "full-shard step ms", "exposed ms", "HSDP step ms", "exposed ms",
+               "all-reduce ms", "HSDP deferred step ms", "NIC GiB/GPU full", "NIC GiB/GPU HSDP", "HSDP / full"]
+    htable = md_table(hheader, hrows) if hrows else "(no world is a multiple >= 2 of the HSDP shard group)"
+    compute_ms = 1e3 * (sum(u.fwd + u.bwd for u in uses) + sum(cmp["other"])) * a.grad_accum
+    setup = (f"{a.preset}, batch {a.batch} x seq {a.seq} per GPU x {a.grad_accum} accumulation, {a.param_dtype} gathers, {a.reduce_dtype} "
              f"reduce-scatters; compute {cmp['source']} ({compute_ms:.1f} ms of unit compute per step); links: "
              f"{a.intra_busbw:g} GB/s in a node of {a.gpus_per_node}, {a.inter_busbw:g} GB/s per GPU across nodes, "
              f"{a.latency_us:g} us + {a.hop_us:g} us/rank per collective; memory bandwidth {a.hbm_gbs:g} GB/s")
+    hsetup = (f"HSDP: shard group of {shard} GPUs ({a.hsdp_shard} for {a.gpu_mem_gib:g} GiB per GPU), "
+              "fp32 grad shards all-reduced across replicas once per step; 'HSDP step' = overlapped with the last "
+              "backward (steady state), 'deferred' = after backward (first step)" if shard else
+              f"HSDP: no shard group fits {a.gpu_mem_gib:g} GiB")
     assumptions = __doc__.split("Assumptions (all flags):")[1].split("    python")[0].strip()
-    text = "\n".join([f"model_scaling: {setup}", "", table])
+    text = "\n".join([f"model_scaling: {setup}", "", table, "", hsetup, "", htable])
     print(text, flush=True)
     if a.png:
         draw(out, a.png, f"{a.preset}, b={a.batch} s={a.seq}; {cmp['source']}")
         print(f"wrote {a.png}")
     result = dict(kind="model_scaling", command=a.argv, setup=setup, versions=versions(), compute=cmp, rows=out,
-                  table=table, assumptions=assumptions)
+                  table=table, hsdp_table=htable, hsdp_shard=shard, assumptions=assumptions)
     if a.json:
         write_json(a.json, result)
     if a.md:
@@ -457,9 +588,16 @@ def draw(rows, path, title):
     w = [r["world"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
     for key, style in (("yafsdp", "o-"), ("fsdp2", "s--"), ("yafsdp_fp8", "^-.")):
-        label = {"yafsdp": "yafsdp", "fsdp2": "FSDP2-like", "yafsdp_fp8": "yafsdp, fp8 gathers"}[key]
+        label = {"yafsdp": "yafsdp (full sharding)", "fsdp2": "FSDP2-like", "yafsdp_fp8": "yafsdp, fp8 gathers"}[key]
         ax1.plot(w, [1e3 * r[key]["step"] for r in rows], style, label=label)
         ax2.plot(w, [100 * r[key]["exposed_fraction"] for r in rows], style, label=label)
+    hs = [r for r in rows if "hsdp" in r]
+    if hs:
+        hw = [r["world"] for r in hs]
+        shape = f"{hs[0]['hsdp']['shard']}-GPU shard groups"
+        ax1.plot(hw, [1e3 * r["hsdp"]["step"] for r in hs], "^-", label=f"yafsdp HSDP ({shape})")
+        ax1.plot(hw, [1e3 * r["hsdp_deferred"]["step"] for r in hs], "v:", label="HSDP, all-reduce deferred")
+        ax2.plot(hw, [100 * r["hsdp"]["exposed_fraction"] for r in hs], "^-", label="yafsdp HSDP")
     ax1.plot(w, [1e3 * r["yafsdp"]["compute"] for r in rows], ":", color="grey", label="compute only")
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)

@@ -118,8 +118,16 @@ def test_model_scaling(tmp_path):
             assert row[k]["step"] >= row[k]["compute"] > 0 and 0 <= row[k]["exposed"] <= row[k]["comm"]
     assert rows[16]["yafsdp"]["comm"] > rows[8]["yafsdp"]["comm"]  # the ring leaves the node
     for row in rows.values():  # FP8 gathers: ~half the gathered bytes, never a slower predicted step
-        assert row["yafsdp_fp8"]["gathered_bytes"] < 0.6 * row["yafsdp"]["gathered_bytes"]
+        assert row["yafsdp_fp8"]["bytes"]["gather"] < 0.6 * row["yafsdp"]["bytes"]["gather"]
         assert row["yafsdp_fp8"]["step"] <= row["yafsdp"]["step"] * 1.001
+    # HSDP rows (8-GPU shard groups for llama3-8b): overlapped beats full sharding once the ring would
+    # leave the node, deferred pays its all-reduce in full; none at 8 (one replica)
+    assert "hsdp" not in rows[8] and r["hsdp_shard"] == 8
+    for w in (16, 64):
+        h, hd, y = rows[w]["hsdp"], rows[w]["hsdp_deferred"], rows[w]["yafsdp"]
+        assert h["replicas"] == w // 8 and h["bytes"]["all_reduce"] > 0
+        assert h["step"] < y["step"] and h["step"] < hd["step"], (w, h["step"], hd["step"], y["step"])
+    assert r["hsdp_table"] in text
     assert png.stat().st_size < 300_000
     j2 = tmp_path / "m.json"
     _run("model_scaling.py", "--compute", "measure", *TINY, "--worlds", "8", "--json", str(j2), "--png", "")
@@ -146,3 +154,24 @@ def test_benchmarks_gpu(tmp_path):
 def test_host_overhead():
     text = _run("host_overhead.py", "--layers", "2", "--steps", "2", "--rounds", "1")
     assert "ms/step (best of 1 rounds of 2; 5 flat units)" in text and os.path.join(ROOT, "yafsdp") in text
+
+
+def test_bench_hsdp_and_the_byte_model(tmp_path):
+    """benchmarks/bench_hsdp.py at world 4 (full sharding 1 x 4, HSDP 2 x 2): the all-reduce across replicas
+    once per step of 2 backward passes, overlapped (one per unit) and deferred (one), the same elements;
+    none for full sharding. And benchmarks/model_scaling.py's per-step bytes (gathers, reduce-scatters, the all-reduce across
+    replicas) equal what the engine put into its collectives in that run, on every rank."""
+    j = tmp_path / "h.json"
+    text = _run("bench_hsdp.py", *TINY, "--accum", "2", "--warmup", "1", "--steps", "1", "--json", str(j))
+    r = json.loads(j.read_text())
+    assert r["table"] in text
+    full, over, deferred = (r["per_step"][k][0] for k in ("full", "hsdp", "hsdp-deferred"))
+    assert full["all_reduces"] == 0 and deferred["all_reduces"] == 1 and over["all_reduces"] > 1
+    assert over["elements"] == deferred["elements"] > 0
+    predicted = json.loads(_run("model_scaling.py", "--preset", "tiny", "--param-dtype", "fp32", "--grad-accum", "2",
+                                "--bytes", "2x2,1x4").strip().splitlines()[-1])
+    for rank, counted in enumerate(r["bytes"]):
+        assert counted["full"] == predicted["1x4"]["overlapped"], (rank, counted, predicted)
+        assert counted["hsdp"] == predicted["2x2"]["overlapped"], (rank, counted, predicted)
+        assert counted["hsdp-deferred"] == predicted["2x2"]["deferred"], (rank, counted, predicted)
+    assert predicted["2x2"]["overlapped"]["all_reduce"] > 0 == predicted["1x4"]["overlapped"]["all_reduce"]

@@ -27,6 +27,7 @@ CASES = {
     "bf16_z2_fused": ("bf16", 2, "fused", 1),
     "bf16_z3_adamw": ("bf16", 3, "adamw", 1),
     "bf16_z3_fused_accum": ("bf16", 3, "fused", 2),
+    "fp32_hsdp_2x1_fused": (None, 3, "fused", 1),  # HSDP: 2 replicas of a 1-rank shard group
 }
 PLAN = {1: ["fp32_z3_fused", "bf16_z3_adamw"], 2: list(CASES), 3: ["fp32_z3_adamw", "bf16_z2_fused"]}
 _DT = {None: None, "bf16": torch.bfloat16}
@@ -47,7 +48,12 @@ def train_sharded(rank, world, names, gather="fp8"):
     out = {}
     for name in names:
         dtype, zero, optname, accum = CASES[name]
-        model = yafsdp.YaFSDP(tiny_llama(), param_dtype=_DT[dtype], zero_stage=zero, gather_dtype=gather)
+        extra = {}
+        if "hsdp" in name:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            extra["mesh"] = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+        model = yafsdp.YaFSDP(tiny_llama(), param_dtype=_DT[dtype], zero_stage=zero, gather_dtype=gather, **extra)
         opt = _opt(optname, model.parameters())
         model.schedule.gathered.clear()
         losses = []
@@ -63,11 +69,12 @@ def train_sharded(rank, world, names, gather="fp8"):
             model.clip_grad_norm_(MAX_NORM)
             opt.step()
             opt.zero_grad()
+        shard_world = model.world_size  # HSDP: the shard group's
         info = dict(gathered=dict(model.schedule.gathered), plan_ok=model.memory_plan().engine_bytes() ==
                     model.allocated_bytes(), alloc=model.allocated_bytes(),
                     meta_plan_ok=yafsdp.plan.memory_plan(
-                        tiny_llama(), world_size=world, rank=rank, param_dtype=_DT[dtype], zero_stage=zero,
-                        gather_dtype=gather).engine_bytes() == model.allocated_bytes())
+                        tiny_llama(), world_size=shard_world, rank=model.rank, param_dtype=_DT[dtype],
+                        zero_stage=zero, gather_dtype=gather).engine_bytes() == model.allocated_bytes())
         if gather is None:
             out[name] = (losses, None, info)
             continue

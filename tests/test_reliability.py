@@ -476,3 +476,47 @@ def test_exit_hook_waits_until_gloo_released_the_engines_tensors():
 
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "exit hook ran" in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
+# Experts per step and rank at world 4 as a 2 x 2 mesh (replicas {0, 1} and {2, 3}): expert 1 is used by
+# global rank 3 only (one rank of replica 1), expert 2 by no rank, expert 3 by every rank at step 0 only.
+_ROUTES_4 = [[(0, 3), (0, 3), (0, 3), (0, 1, 3)], [(0,), (0,), (0,), (0, 1)], [(0,), (0,), (0,), (0, 1)]]
+
+
+def _moe_hsdp_run(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    inner = _MoE()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = yafsdp.YaFSDP(inner, mesh=mesh)
+    opt = _moe_opt("adamw", model.parameters())
+    for step in range(len(_ROUTES_4)):
+        for b in inner.blocks:
+            b.route = _ROUTES_4[step][rank]
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.full_state_dict()
+
+
+def test_unused_parameters_untouched_with_hsdp():
+    """With HSDP the usage agreement spans the replicas: an expert one rank of the other replica used
+    is stepped everywhere with DDP's average over the 4 ranks; one no rank used is untouched."""
+    got = run_ranks(_moe_hsdp_run, 4)[0]
+    ref = _MoE()
+    opt = _moe_opt("adamw", ref.parameters())
+    for step in range(len(_ROUTES_4)):
+        for r in range(4):
+            for b in ref.blocks:
+                b.route = _ROUTES_4[step][r]
+            ref(torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + r))).backward()
+        for p in ref.parameters():
+            if p.grad is not None:
+                p.grad /= 4
+        opt.step()
+        opt.zero_grad()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    init = _MoE().state_dict()
+    assert torch.equal(got["blocks.0.experts.2.weight"], init["blocks.0.experts.2.weight"])
+    assert not torch.equal(got["blocks.0.experts.1.weight"], init["blocks.0.experts.1.weight"])

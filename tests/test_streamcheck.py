@@ -228,3 +228,51 @@ def test_checker_sees_a_plain_race_and_its_fix():
         buf[:4].mul_(2)  # the side stream reads only [4:): no overlap, no race
     chk2.assert_ordered()
     assert chk2.kernels == 3
+
+
+# ---------------------------------------------------------------------------------- HSDP
+def _hsdp_case(rank, world, fault):
+    """World 4 as a 2x2 mesh under the checker: accumulation 2 over 4 steps (the first defers the
+    all-reduce across replicas to clipping, the later ones overlap it with their last backward; step
+    3 is mispredicted into 1 backward call, step 4 back to 2: repaired), ZeRO-3 bf16 FusedAdamW tied."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if fault == "replicated":  # the compute side no longer waits for the deferred all-reduce
+        def replicate(self, grad, unit):
+            self.grads_final.record(self.streams.current_stream())
+            with self.streams.use(self.comm):
+                self.comm.wait_event(self.grads_final)
+                comm.all_reduce(grad, self.replicate_group, async_op=False)
+
+        comm.StreamSchedule.replicate = replicate
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    kind, module, _ = _build(dict(tie=True))
+    with StreamChecker() as chk:
+        model = yafsdp.YaFSDP(module, mesh=mesh, param_dtype=torch.bfloat16)
+        opt = _optimizer("fused_adamw", model.parameters())
+        chk.watch(model)
+        with chk.recording():
+            for step, accum in enumerate((2, 2, 1, 2)):
+                for micro in range(accum):
+                    (loss_of(model, kind, batch(kind, step, micro, rank)) / accum).backward()
+                model.clip_grad_norm_(1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=step % 2 == 0)
+    kernels = [entry[1:4] for entry in chk.log if entry[0] == "kernel"]
+    all_reduces = [(stream, label) for stream, op, label in kernels if op == "c10d.allreduce_"
+                   and label.startswith("yafsdp.all_reduce")]
+    return [str(r) for r in chk.races], all_reduces, model._rt.replica_sync.stats
+
+
+def _hsdp_cases(rank, world):
+    return [_hsdp_case(rank, world, None), _hsdp_case(rank, world, "replicated")]  # the fault last: it patches
+
+
+def test_hsdp_schedule_is_race_free_and_a_dropped_wait_is_reported():
+    for rank, (clean, faulty) in enumerate(run_ranks(_hsdp_cases, 4)):
+        races, all_reduces, stats = clean
+        assert not races, f"rank {rank}:\n" + "\n".join(races[:5])
+        # every all-reduce across replicas ran on the comm stream, deferred ones and overlapped ones
+        assert all_reduces and {s for s, _ in all_reduces} == {"comm"}, all_reduces[:5]
+        assert stats["overlapped"] > 0 and stats["deferred"] > 0 and stats["rescaled"] > 0, stats
+        assert any(r.startswith("race on 'grad") and "c10d.allreduce_" in r for r in faulty[0]), faulty[0][:5]

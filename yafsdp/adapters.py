@@ -44,7 +44,7 @@ def save_adapter(model, out_dir: str, adapter_name: str = "default") -> str | No
                    f"{adapter_name!r}" + (f" (it has {have})" if have else "; wrap a model made by peft.get_peft_model"))
     raise_together(problem, model.process_group, AdapterError)
     sd = model.full_state_dict()  # collective; rank 0: every key of the PEFT model
-    if model.rank != 0:
+    if not model.coordinator:
         return None
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
@@ -121,7 +121,7 @@ def export_merged(model, out_dir: str, adapter_name: str = "default", *, dtype: 
             problem = "yafsdp.adapters.export_merged: modules_to_save are not supported; save the adapter instead"
     raise_together(problem, model.process_group, AdapterError)
     sd = model.full_state_dict()
-    if model.rank != 0:
+    if not model.coordinator:
         return None
     from .hf import write_hf
 

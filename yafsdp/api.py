@@ -22,6 +22,7 @@ from .plan.sizing import unit_align
 from .optim_hooks import install_optimizer_hooks
 from .runtime import Runtime, in_backward
 from .state_dict import StateDictKeys, gather_full, load_full, materialize
+from .hsdp import across_replicas, broadcast_from_replica0, check_layout, resolve_groups
 from .units import discover, mark_wrapped
 
 __all__ = ["YaFSDP"]
@@ -36,6 +37,7 @@ class YaFSDP(nn.Module):
         *,
         units: list[nn.Module] | None = None,
         process_group=None,
+        mesh=None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype = torch.float32,
         zero_stage: int = 3,
@@ -61,14 +63,22 @@ class YaFSDP(nn.Module):
                 "yafsdp.YaFSDP needs torch.distributed: call torch.distributed.init_process_group() first "
                 "(launch with torchrun; gloo on CPU, nccl on GPU)"
             )
-        group = process_group if process_group is not None else dist.group.WORLD
-        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
-            raise ValueError(
-                f"yafsdp.YaFSDP: the current rank (global rank {dist.get_rank()}) is not in process_group"
-            )
-        self.process_group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        # HSDP: shard over `group`, all-reduce the grad shards over `replicate` (yafsdp/hsdp.py).
+        group, replicate = resolve_groups(mesh, process_group)
+        group = group if group is not None else dist.group.WORLD
+        for what, g in (("process_group", group), ("the replicate group", replicate)):
+            if g is not None and (g == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(g) < 0):
+                raise ValueError(f"yafsdp.YaFSDP: the current rank (global rank {dist.get_rank()}) is not in {what}")
+        if replicate is not None and dist.get_world_size(replicate) == 1:
+            replicate = None  # one replica: plain full sharding
+        if replicate is not None:
+            check_layout(group, replicate)
+        self.process_group = group  # the shard group: every gather, reduce-scatter and state-dict collective
+        self.replicate_group = replicate  # HSDP: this rank's peers holding the same shard; else None
+        self.rank = dist.get_rank(group)  # index of this rank's shard
+        self.world_size = dist.get_world_size(group)  # ranks sharing one copy of the model
+        self.replicas = dist.get_world_size(replicate) if replicate is not None else 1
+        self.replica = dist.get_rank(replicate) if replicate is not None else 0
         self.device = _resolve_device(device, group)
         self.zero_stage = zero_stage
         self.param_dtype = param_dtype
@@ -81,12 +91,13 @@ class YaFSDP(nn.Module):
         self._keys = StateDictKeys(module, specs, small)  # before any surgery
         # How gathers and reduces are ordered against compute: CUDA streams and events, or gloo
         # work handles. See [Note: streams and events] in comm.py.
-        self.schedule = make_schedule(self.device, group)
+        self.schedule = make_schedule(self.device, group, replicate)
         self._rt = Runtime(
             specs, small, schedule=self.schedule, group=group, world_size=self.world_size, rank=self.rank, device=self.device,
             compute_dtype=self.compute_dtype, reduce_dtype=reduce_dtype, zero_stage=zero_stage,
             align=unit_align(self.compute_dtype, reduce_dtype, align_bytes), outsized_ratio=outsized_ratio,
-            quantize_frozen=quantize_frozen, gather_dtype=gather_dtype, gather_exclude=gather_exclude,
+            quantize_frozen=quantize_frozen, replicate_group=replicate, gather_dtype=gather_dtype,
+            gather_exclude=gather_exclude,
         )
         self.quantize_frozen = quantize_frozen
         self.gather_dtype = gather_dtype
@@ -113,6 +124,8 @@ class YaFSDP(nn.Module):
         mark_wrapped(module)
         mark_wrapped(self)
         self._needs_load = materialize(self._rt, module, group, self.rank, self.world_size)
+        if replicate is not None:  # every replica starts from replica 0's values, as DDP does
+            broadcast_from_replica0(self._rt, module, replicate)
         install_hooks(self._rt)
         install_optimizer_hooks()  # See [Note: optimizers that do not bump versions] in optim_hooks.py
         # See [Note: the root entry]. The wrapped module keeps one empty parameter in the compute
@@ -270,8 +283,12 @@ class YaFSDP(nn.Module):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients of all shards together; returns the total norm (unsharded value)."""
-        self._rt.recover()
+        """Clip the gradients of all shards together; returns the total norm (unsharded value).
+
+        HSDP: the gradients are first all-reduced across replicas (if a backward left local
+        contributions), so every replica holds the same shards and the norm is taken over the
+        shard group only: each element counted once, not once per replica."""
+        self._rt.sync_replicas()
         check_collective("clip_grad_norm_()", self.process_group)
         norm_type = float(norm_type)
         grads = [u.flat_param.grad for u in self._rt.all if u.flat_param is not None and u.flat_param.grad is not None]
@@ -291,6 +308,24 @@ class YaFSDP(nn.Module):
         if grads:
             torch._foreach_mul_(grads, coef)
         return total
+
+    def sync_grads(self) -> bool:
+        """HSDP: complete the gradients now (their all-reduce across replicas, which the optimizer
+        step and ``clip_grad_norm_`` otherwise trigger); call it before reading ``.grad`` yourself.
+        Collective over every rank; a no-op for full sharding or when nothing is left to reduce.
+        See [Note: the cross-replica all-reduce] in yafsdp/hsdp.py."""
+        return self._rt.sync_replicas()
+
+    @property
+    def coordinator(self) -> bool:
+        """True on the one rank that receives ``full_state_dict()`` and writes exports: rank 0 of
+        the shard group (HSDP: of replica 0)."""
+        return self.rank == 0 and self.replica == 0
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """(replicas, shard size): (1, world size) for full sharding."""
+        return self.replicas, self.world_size
 
     # ------------------------------------------------------------------ state dicts
     def check_idle(self, what: str) -> None:
@@ -312,15 +347,23 @@ class YaFSDP(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective. Rank 0: the original module's state_dict (same keys, shapes, dtypes) on CPU;
-        other ranks: {}. Gathers one unit at a time."""
+        other ranks: {}. Gathers one unit at a time. HSDP: replica 0's shard group gathers (the
+        replicas hold the same shards); the other replicas return {} at once."""
         self.check_idle("full_state_dict")
+        if self.replica != 0:
+            return {}
         return gather_full(self._rt, self._keys, self.process_group, self.rank)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor] | None):
         """Collective inverse of :meth:`full_state_dict`: rank 0's dict goes to every rank's shards.
         Other ranks may pass ``None`` or ``{}``. Checked on rank 0 first; nothing is modified on error."""
         self.check_idle("load_full_state_dict")
-        load_full(self._rt, self._keys, state_dict, self.process_group, self.rank, self.world_size)
+        if self.replicate_group is None:
+            load_full(self._rt, self._keys, state_dict, self.process_group, self.rank, self.world_size)
+        else:  # replica 0 loads (global rank 0's dict), then every replica takes its shards
+            across_replicas(self.replicate_group, self.replica, ValueError, lambda: load_full(
+                self._rt, self._keys, state_dict, self.process_group, self.rank, self.world_size))
+            broadcast_from_replica0(self._rt, self.module, self.replicate_group)
         self.mark_loaded()
 
     # ------------------------------------------------------------------ introspection

@@ -115,11 +115,16 @@ def _worker_run(group) -> bool:
     return _is_gloo(group if group is not None else dist.group.WORLD)
 
 
-def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
-    """In-place all-reduce, waited for (the tensor retained on gloo)."""
-    dist.all_reduce(tensor, op=op, group=group)
+def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """tensor <- the elementwise ``op`` over ranks of ``tensor`` (the grad-norm and usage agreements;
+    HSDP: grad shards across replicas). gloo's own all-reduce is used as is: across replicas it runs
+    over the few ranks that hold the same shard, once per step. The tensor is retained on gloo (see
+    [Note: gloo work and interpreter exit])."""
+    group = group if group is not None else dist.group.WORLD
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     if _worker_run(group):
         retain(tensor)
+    return work
 
 
 def broadcast(tensor: torch.Tensor, src: int, group) -> None:

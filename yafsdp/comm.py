@@ -23,7 +23,11 @@ Which stream every kernel of the CUDA schedule runs on, and why:
 - comm stream (``StreamSchedule.comm``, high priority so a collective is not queued behind the
   compute kernels): every gather and every reduce-scatter of the step and the fold of a reduced
   shard into the fp32 grad shard (it reads the reduce's output, so it belongs right behind it;
-  it is the only non-collective kernel there, and it runs after the reduce, never in front of one).
+  it is the only non-collective kernel there, and it runs after the reduce, never in front of one);
+  HSDP: the all-reduce of grad shards across replicas, both kinds (see [Note: the cross-replica
+  all-reduce] in hsdp.py): overlapped, right behind a unit's fold in the same comm-stream block
+  and before the grad buffer's ``done`` (with, on a mispredicted step only, the ``1/replicas``
+  scale of the shard before the fold); deferred, between ``grads_final`` and ``replicated``.
   Collectives are issued with ``async_op=False`` inside ``torch.cuda.stream(comm)``: since
   torch 2.8 ProcessGroupNCCL launches a synchronous collective on the *current* stream, so the
   NCCL kernel runs on the comm stream itself. (``async_op=True`` would launch it on the process
@@ -45,6 +49,10 @@ Events, each recorded at the point that defines it (never only "when some work h
   ``released`` (compute, when the owner's last use ends; the next gather into it waits).
 - per grad buffer ``grads_ready`` (compute, after the grads are written; the reduce waits) and
   ``done`` (comm, after the reduce and its fold read the buffer; the next grad write waits).
+- HSDP, the deferred all-reduce (between steps): ``grads_final`` (compute, before it: the grad
+  shards as the compute side left them, e.g. after ``zero_grad``; comm waits) and ``replicated``
+  (comm, after it; the compute stream waits before clipping or the optimizer read the shards).
+  The overlapped ones need no event of their own: they sit before ``done``.
 - end of backward: the compute stream waits on every grad buffer's ``done``; the fold into
   the fp32 grad shards is the last kernel before each, so the optimizer reads folded shards.
   (No blanket wait on the comm stream: a gather still in flight there, prefetched for a unit
@@ -73,13 +81,13 @@ are unchanged (they wait for ``ready`` / the handle and find ``param_dtype`` val
 """
 from __future__ import annotations
 
-import collections
 import contextlib
+from collections import Counter
 from typing import Callable
 
 import torch
 
-from .collectives import all_gather, reduce_scatter
+from .collectives import all_gather, all_reduce, reduce_scatter
 from .dist import CollectiveError, check_collective, debug_sync
 from .trace import span
 
@@ -170,7 +178,13 @@ class Schedule:
     recorder = None  # a yafsdp.trace.Recorder, or None
     # Bytes each rank received from all-gathers of the step protocol, by flat-group kind
     # ("trainable", "frozen", "nf4"): the all-gather outputs' sizes (reset it to measure a window)
-    gathered: collections.Counter
+    gathered: Counter
+    counted: Counter  # (kind, unit) -> bytes this rank put into collectives of that kind (see _count)
+
+    def _count(self, kind: str, unit: str, t: torch.Tensor) -> None:
+        """Bytes per collective kind and unit: a gather's gathered size, a reduce's full size, an
+        all-reduce's size (benchmarks/model_scaling.py's byte model is checked against these)."""
+        self.counted[(kind, unit)] += t.numel() * t.element_size()
 
     def weight_sync(self) -> _WeightSync:
         raise NotImplementedError
@@ -208,20 +222,43 @@ class Schedule:
         """A reduce from this grad buffer has been issued and not yet waited for (host view)."""
         return False
 
+    # HSDP: the all-reduce of grad shards across replicas. See [Note: the cross-replica
+    # all-reduce] in hsdp.py.
+    def replicate_in_fold(self, grad: torch.Tensor, unit: str) -> None:
+        """From inside a reduce's fold: all-reduce ``grad`` (a folded grad shard) across the
+        replicas, behind that fold on the comm side."""
+        raise NotImplementedError
+
+    def replicate(self, grad: torch.Tensor, unit: str) -> None:
+        """From the compute side (between steps): all-reduce ``grad`` across the replicas; the
+        compute side's later kernels see the result (after :meth:`wait_replicated` on gloo)."""
+        raise NotImplementedError
+
+    def wait_replicated(self) -> None:
+        """The host / compute side waits for every all-reduce across replicas issued so far."""
+
 
 class StreamSchedule(Schedule):
     """CUDA: one high-priority comm stream, events between it and the compute stream.
     See [Note: streams and events]."""
 
-    def __init__(self, streams: StreamAPI, group):
+    def __init__(self, streams: StreamAPI, group, replicate_group=None):
         self.streams = streams
         self.group = group
+        self.replicate_group = replicate_group  # HSDP: the ranks holding the same shard, else None
+        self.counted = Counter()
+        self._after_fold: list = []  # HSDP: (grad shard, unit) a fold asked to all-reduce across replicas
         # The comm stream: every gather, reduce-scatter and fold of the step runs here; high
         # priority so a collective is not queued behind compute kernels.
         self.comm = streams.new_stream(priority=-1)
         # Recorded on the compute stream each time the compute copies change; gathers wait on it.
         self.copies_ready = streams.new_event()
-        self.gathered = collections.Counter()
+        self.gathered = Counter()
+        if replicate_group is not None:
+            # HSDP, the deferred all-reduce: recorded on compute before it (the grad shards as the
+            # compute side left them), and on comm after it (compute waits before reading them).
+            self.grads_final = streams.new_event()
+            self.replicated = streams.new_event()
 
     def weight_sync(self) -> _WeightSync:
         return _WeightSync(ready=self.streams.new_event(), released=self.streams.new_event())
@@ -247,6 +284,7 @@ class StreamSchedule(Schedule):
             if expand is not None:  # See [Note: expanding a compact gather]
                 with span("expand", unit):
                     expand()
+            self._count("gather", unit, out)
             sync.ready.record(self.comm)
 
     def wait_gathered(self, sync):
@@ -262,11 +300,33 @@ class StreamSchedule(Schedule):
                 self.comm.wait_event(sync.grads_ready)
                 with self._timed("reduce", unit):
                     reduce_scatter(out, full, self.group, async_op=False)  # on the comm stream
+                    self._count("reduce", unit, full)
                     fold()
+                for grad, name in self._after_fold:  # HSDP: behind the fold, before `done`
+                    with span("all_reduce", name), self._timed("all_reduce", name):
+                        all_reduce(grad, self.replicate_group, async_op=False)
+                    self._count("all_reduce", name, grad)
+                self._after_fold.clear()
                 sync.done.record(self.comm)
 
     def wait_reduced(self, sync):
         self.streams.current_stream().wait_event(sync.done)
+
+    def replicate_in_fold(self, grad, unit):
+        # Issued by reduce() right after the fold, on the comm stream and before the grad buffer's
+        # `done` (outside the reduce's timing, so the recorder times each collective on its own).
+        self._after_fold.append((grad, unit))
+
+    def replicate(self, grad, unit):
+        with span("all_reduce", unit):
+            self.grads_final.record(self.streams.current_stream())
+            with self.streams.use(self.comm):
+                self.comm.wait_event(self.grads_final)
+                with self._timed("all_reduce", unit):
+                    all_reduce(grad, self.replicate_group, async_op=False)
+                self._count("all_reduce", unit, grad)
+                self.replicated.record(self.comm)
+            self.streams.current_stream().wait_event(self.replicated)
 
 
 class _StreamTiming:
@@ -284,9 +344,12 @@ class _StreamTiming:
 class HandleSchedule(Schedule):
     """gloo (CPU): asynchronous work handles; the host is the compute side."""
 
-    def __init__(self, group):
+    def __init__(self, group, replicate_group=None):
         self.group = group
-        self.gathered = collections.Counter()
+        self.gathered = Counter()
+        self.replicate_group = replicate_group  # HSDP: the ranks holding the same shard, else None
+        self.replicating: list = []  # (work, unit) of all-reduces across replicas not yet waited for
+        self.counted = Counter()
 
     def weight_sync(self) -> _WeightSync:
         return _WeightSync()
@@ -302,6 +365,7 @@ class HandleSchedule(Schedule):
             sync.work = all_gather(out, shard, self.group, async_op=True)
             sync.unit = unit
             sync.expand = expand
+            self._count("gather", unit, out)
             if rec:
                 rec.comm("gather", unit, sync.work, issued=t)
 
@@ -320,6 +384,7 @@ class HandleSchedule(Schedule):
             t = rec.now() if rec else None
             work = reduce_scatter(out, full, self.group, async_op=True)
             sync.pending = (work, fold, unit)
+            self._count("reduce", unit, full)
             if rec:
                 rec.comm("reduce", unit, work, issued=t)
 
@@ -332,6 +397,24 @@ class HandleSchedule(Schedule):
 
     def reduce_pending(self, sync) -> bool:
         return sync.pending is not None
+
+    def replicate_in_fold(self, grad, unit):
+        self.replicate(grad, unit)  # the fold runs on the host at the reduce's wait: issue it now
+
+    def replicate(self, grad, unit):
+        rec = self.recorder
+        with span("all_reduce", unit):
+            t = rec.now() if rec else None
+            work = all_reduce(grad, self.replicate_group, async_op=True)
+            self.replicating.append((work, unit))
+            self._count("all_reduce", unit, grad)
+            if rec:
+                rec.comm("all_reduce", unit, work, issued=t)
+
+    def wait_replicated(self):
+        pending, self.replicating = self.replicating, []
+        for work, unit in pending:
+            _wait(work, "all-reduce across replicas", unit)
 
 
 # ---------------------------------------------------------------------------- collective mismatches
@@ -376,14 +459,19 @@ class CheckedSchedule:
         check_collective(f"reduce-scatter of unit {unit!r}", self.group)
         self.inner.reduce(sync, out, full, unit, fold)
 
+    def replicate(self, grad, unit):
+        check_collective(f"all-reduce across replicas of {unit!r}", self.inner.replicate_group)
+        self.inner.replicate(grad, unit)
 
-def make_schedule(device: torch.device, group) -> Schedule:
+
+def make_schedule(device: torch.device, group, replicate_group=None) -> Schedule:
     """The schedule for an engine on ``device``: the stream schedule on CUDA (or over a
-    :func:`use_stream_api` override), work handles elsewhere; checked across ranks in debug mode."""
+    :func:`use_stream_api` override), work handles elsewhere; checked across ranks in debug mode.
+    ``replicate_group``: HSDP's group across replicas (see yafsdp/hsdp.py), or None."""
     if _STREAM_API_OVERRIDE:
-        schedule = StreamSchedule(_STREAM_API_OVERRIDE[-1], group)
+        schedule = StreamSchedule(_STREAM_API_OVERRIDE[-1], group, replicate_group)
     elif device.type == "cuda":
-        schedule = StreamSchedule(CudaStreams(device), group)
+        schedule = StreamSchedule(CudaStreams(device), group, replicate_group)
     else:
-        schedule = HandleSchedule(group)
+        schedule = HandleSchedule(group, replicate_group)
     return CheckedSchedule(schedule, group) if debug_sync() else schedule

@@ -95,7 +95,7 @@ def export_hf(model, out_dir: str, *, dtype: torch.dtype = torch.float32, tokeni
     wrapped HF model into ``out_dir`` on rank 0, via a temporary folder renamed at the end.
     Tied weights are written once, as ``save_pretrained`` does. Returns ``out_dir`` on rank 0."""
     sd = model.full_state_dict()  # rank 0: the whole model on the CPU; others: {}
-    if model.rank != 0:
+    if not model.coordinator:
         return None
     return write_hf(sd, model.module, out_dir, dtype=dtype, tokenizer=tokenizer)
 

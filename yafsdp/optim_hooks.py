@@ -11,8 +11,9 @@ optimizer step left unchanged gets its version bumped. Optimizers that do bump (
 torch optimizers, ``yafsdp.FusedAdamW``) are untouched.
 
 The same pre-step hook completes an aborted backward (``Runtime.recover``) before any optimizer
-step reads the grad shards, and the pair leaves parameters no rank used untouched by the step
-(see [Note: parameters no rank used] in unused.py).
+step reads the grad shards, and (HSDP) all-reduces them across replicas: see [Note: the
+cross-replica all-reduce] in hsdp.py. The pair also leaves parameters no rank used untouched by the
+step (see [Note: parameters no rank used] in unused.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import weakref
 import torch
 
 from . import shards, unused
+from .hsdp import sync_before_step
 from .runtime import live_runtimes
 
 __all__ = ["install_optimizer_hooks"]
@@ -40,6 +42,7 @@ def _versions_before_step(optimizer, args, kwargs):
     """See [Note: optimizers that do not bump versions]. Also: an aborted backward is completed
     before any optimizer step reads the grad shards."""
     recover_all()
+    sync_before_step(optimizer)  # HSDP: the all-reduce across replicas, once per step (yafsdp/hsdp.py)
     _VERSIONS[optimizer] = [
         (p, p._version) for g in optimizer.param_groups for p in g["params"]
         if p.grad is not None and shards.info_of(p) is not None

@@ -36,6 +36,7 @@ import torch
 from . import kernels
 from .alloc import allocate
 from .comm import Schedule
+from .hsdp import ReplicaSync
 from .plan.sizing import unit_shape
 from .trace import span
 from .unit import FlatGroup, Phase, Unit, frozen_kind, nf4_kind, trainable_kind
@@ -67,11 +68,14 @@ class Runtime:
 
     def __init__(self, specs: list[UnitSpec], small: list, *, schedule: Schedule, group, world_size: int, rank: int,
                  device: torch.device, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, zero_stage: int,
-                 align: int, outsized_ratio: float, quantize_frozen: str | None = None,
+                 align: int, outsized_ratio: float, quantize_frozen: str | None = None, replicate_group=None,
                  gather_dtype: str | None = None, gather_exclude: tuple[str, ...] = ()):
         self.schedule = schedule
-        self.group = group  # every data-parallel rank (the usage agreement of unused.py runs over it)
-        self.world_size = world_size
+        # the shard group; with HSDP, replicate_group joins the replicas (the usage agreement of
+        # unused.py runs over both)
+        self.group = group
+        self.replicate_group = replicate_group
+        self.world_size = world_size  # of the shard group (HSDP: one replica)
         self.device = device
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
@@ -116,6 +120,9 @@ class Runtime:
         # after wrapping would have no effect, so it is refused (see check_frozen).
         self.originals: list[tuple[weakref.ref, bool, str]] = []
         allocate(self, outsized_ratio)
+        # HSDP: the grad shards' all-reduce across replicas (see [Note: the cross-replica all-reduce]).
+        self.replica_sync = ReplicaSync(self, replicate_group, schedule) if replicate_group is not None else None
+        self.replicas = self.replica_sync.replicas if self.replica_sync is not None else 1
         _RUNTIMES.add(self)
 
     def owned_tensors(self) -> dict[str, torch.Tensor]:
@@ -195,6 +202,8 @@ class Runtime:
             return False
         for gs in self.grad_buffers:
             gs.finish()
+        if self.replica_sync is not None:
+            self.replica_sync.finish_backward()
         for u in self.all:
             u.bw_held = False
         for s in self.weight_buffers:
@@ -305,6 +314,8 @@ class Runtime:
         if self.phase is Phase.BACKWARD:
             return False
         self.phase = Phase.BACKWARD
+        if self.replica_sync is not None:
+            self.replica_sync.begin_backward()
         return True
 
     def _check_unchanged(self, unit: Unit) -> None:
@@ -383,15 +394,25 @@ class Runtime:
         if fresh:
             p.grad = unit.grad_shard
         target = p.grad
-        scale = 1.0 / self.world_size
+        # The one post-divide: by every rank of the world (HSDP: shard size x replicas, so that
+        # the SUM all-reduce across replicas gives DDP's average).
+        scale = 1.0 / (self.world_size * self.replicas)
 
-        def fold(reduced: torch.Tensor) -> None:
-            """grad shard (+)= reduced sum / world: the one post-divide."""
+        def fold_local(reduced: torch.Tensor) -> None:
+            """grad shard (+)= reduced sum / world."""
             with torch.no_grad():
                 if fresh:
                     kernels.cast_(target, reduced, scale)  # scaled in fp32, rounded once
                 else:
                     kernels.accumulate_(target, reduced, scale)
+
+        sync = self.replica_sync
+        if sync is None:
+            fold = fold_local
+        else:  # See [Note: the cross-replica all-reduce] in hsdp.py
+            def fold(reduced: torch.Tensor) -> None:
+                with torch.no_grad():
+                    sync.fold(unit, target, fresh, lambda: fold_local(reduced))
 
         unit.grad_buffer.reduce(unit.name, unit.layout.padded_numel, unit.layout.shard_numel, fold)
 
@@ -399,6 +420,8 @@ class Runtime:
         """End of backward: every reduce folded, every hold dropped."""
         for gs in self.grad_buffers:
             gs.finish()
+        if self.replica_sync is not None:
+            self.replica_sync.finish_backward()
         for u in self.units:
             if u.bw_held:
                 u.bw_held = False
@@ -406,6 +429,13 @@ class Runtime:
         for s in self.weight_buffers:
             s.drop_deferred()
         self.phase = Phase.IDLE
+
+
+    def sync_replicas(self) -> bool:
+        """HSDP: the grad shards all-reduced across replicas, if a backward left local
+        contributions (a no-op otherwise, and for a flat engine); True when it all-reduced."""
+        self.recover()
+        return self.replica_sync.sync() if self.replica_sync is not None else False
 
 
 def live_runtimes() -> list[Runtime]:

@@ -28,7 +28,7 @@ try:  # the nvtx package is optional at run time; ranges are no-ops without it
 except Exception:  # pragma: no cover - depends on the environment
     _nvtx = None
 
-COMM_KINDS = ("gather", "reduce")
+COMM_KINDS = ("gather", "reduce", "all_reduce")
 COMPUTE_KINDS = ("forward", "backward")
 
 

@@ -13,7 +13,8 @@ decay and momentum. The engine restores such parameters around the step instead:
   otherwise — exactly when DDP's ``.grad`` would go from None to a tensor.
 * **Agreement.** A parameter is unused when no rank used it. The optimizer's pre-step hook
   all-reduces (MAX) one byte per trainable parameter of the units this optimizer steps, over the
-  engine's whole data-parallel group: one tiny collective per ``opt.step()``, issued on the
+  engine's whole data-parallel world (HSDP: the shard group, then the replicas): one tiny
+  collective per ``opt.step()`` (two with HSDP), issued on the
   compute stream like the grad-norm all-reduce, after every reduce of the backward was folded.
 * **Snapshot, step, restore.** Before the step, each rank copies the slices of its shards that hold
   parameters *it* did not use (a superset of the globally unused ones, known on the host): the fp32
@@ -70,9 +71,10 @@ def before_step(optimizer) -> None:
             local = local.pin_memory().to(rt.device, non_blocking=True)
         else:
             local = local.to(rt.device)
-        if dist.get_world_size(rt.group) > 1:
-            check_collective("optimizer step (agreeing on parameters no rank used)", rt.group)
-            collectives.all_reduce(local, rt.group, op=dist.ReduceOp.MAX)
+        for group in (rt.group, rt.replicate_group):  # HSDP: the replicas' usage counts too
+            if group is not None and dist.get_world_size(group) > 1:
+                check_collective("optimizer step (agreeing on parameters no rank used)", group)
+                collectives.all_reduce(local, group, op=dist.ReduceOp.MAX)
         snap = _Snapshot(local)
         k = 0
         for u in units:

@@ -99,6 +99,10 @@ def build_parser(prog: str = "pretrain_llama.py",
                    help="fp8: gather the decoder layers' linear weights as float8 e4m3 + a float32 scale per 128 "
                         "(~1.03 instead of 2 bytes per parameter; YaFSDP gather_dtype='fp8'); the fp32 master, "
                         "gradients and optimizer are unchanged. bf16: gather in the compute dtype")
+    g.add_argument("--hsdp", type=int, default=1, metavar="R",
+                   help="HSDP: R replicas (e.g. R = nodes), each sharding the model over world / R ranks; gathers "
+                   "and reduce-scatters stay inside a replica, gradients are all-reduced across replicas once per "
+                   "step (1: shard over every rank)")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each unit's modules on their own (YaFSDP.compile_units); the first steps "
@@ -144,7 +148,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     for name in ("steps", "warmup", "save_every", "eval_every"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ("seq_len", "batch_size", "grad_accum", "decay_steps", "keep", "eval_batches", "max_skipped_steps"):
+    for name in ("seq_len", "batch_size", "grad_accum", "decay_steps", "keep", "eval_batches", "max_skipped_steps",
+                 "hsdp"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.val_fraction < 0.5:
@@ -308,6 +313,10 @@ class Job:
     # ---------------------------------------------------------------- set-up (nothing written yet)
     def prepare(self):
         a, env = self.args, self.env
+        if self.world % a.hsdp:  # the same verdict on every rank: they all stop together
+            raise JobError(f"--hsdp {a.hsdp} does not divide the world size {self.world}: HSDP needs {a.hsdp} "
+                           f"replicas of equal size; launch a multiple of {a.hsdp} ranks (e.g. --hsdp = the number "
+                           "of nodes) or pick --hsdp among the divisors of the world size")
         if os.path.isdir(a.out):  # lock before reading the run's state; a new --out is made (and locked) below
             self.take_lock()
         err = None
@@ -397,7 +406,7 @@ class Job:
         if a.gather_dtype != "bf16":  # See [Note: compact trainable gathers] in yafsdp/fp8.py
             options["gather_dtype"] = a.gather_dtype
         self.model = yafsdp.YaFSDP(model, param_dtype=self.param_dtype, zero_stage=a.zero_stage, device=self.device,
-                                   **options)
+                                   **options, **hsdp_mesh(a.hsdp, self.world, self.device))
         if a.compile:
             self.model.compile_units()
         self.opt, self.opt_name = make_optimizer(self.model, a, self.device)
@@ -495,6 +504,8 @@ class Job:
         if a.gather_dtype == "fp8":
             n8 = sum(1 for u in m.flat_units for g in u.groups if g.kind.gather_format == "fp8")
             ac += f" | fp8 weight gathers ({n8} units)"
+        if a.hsdp > 1:
+            ac += f" | HSDP {a.hsdp} replicas x {self.world // a.hsdp} shard ranks"
         self.say(f"yafsdp {yafsdp.__version__} | {self.name} | {self.world} rank(s) on {self.env.nodes} node(s) | "
                  f"{self.device.type} ({self.env.backend}) | {dtype} compute, fp32 master | ZeRO-{a.zero_stage}{ac}")
         self.say(f"flags    {non_default_flags(a, self.parse_args)}")
@@ -858,6 +869,16 @@ class Job:
 
 
 # --------------------------------------------------------------------------------------- helpers
+def hsdp_mesh(replicas: int, world: int, device: torch.device) -> dict:
+    """YaFSDP's mesh argument for ``--hsdp R``: a (R, world / R) mesh named ('replicate', 'shard')
+    (torchrun numbers the ranks node by node, so with R = nodes each replica is one node); none for R = 1."""
+    if replicas == 1:
+        return {}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return dict(mesh=init_device_mesh(device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")))
+
+
 def causal_lm_loss(model, x: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy over all ``seq_len`` positions of windows ``x`` (B, seq_len + 1)."""
     logits = model(input_ids=x[:, :-1], use_cache=False).logits

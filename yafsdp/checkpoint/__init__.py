@@ -58,6 +58,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..dist import gather_object, raise_if_any, raise_together
+from ..hsdp import across_replicas
 from .dcp_glue import FlatShard, LoadPlanner, SavePlanner
 from .files import (
     FORMAT,
@@ -194,7 +195,35 @@ def save_checkpoint(
     ``root/step_<step>``, atomically (see [Note: atomic saves]); returns that path. ``state`` must
     be identical on every rank; ``rank_state`` is per rank; ``meta`` (JSON) goes into the
     manifest. A checkpoint of the same step already there is replaced (after the new one is
-    complete). ``keep``: afterwards delete all but the newest ``keep`` complete checkpoints."""
+    complete). ``keep``: afterwards delete all but the newest ``keep`` complete checkpoints.
+
+    HSDP: see [Note: checkpoints of HSDP]."""
+    replicate = getattr(model, "replicate_group", None)
+    if replicate is None:
+        rank, _ = _group_info(model.process_group)
+        return _save(root, step, model, optimizer, state, {rank: rank_state}, meta, keep, None)
+    model.check_idle("save_checkpoint")
+    states = dict(gather_object((dist.get_rank(), rank_state), replicate))  # global rank -> its rank_state
+    across_replicas(replicate, model.replica, CheckpointError, lambda: _save(
+        root, step, model, optimizer, state, states, meta, keep, dist.get_world_size()))
+    return checkpoint_dir(root, step)
+
+
+# [Note: checkpoints of HSDP]
+# The replicas of an HSDP engine hold the same shards and optimizer state, so replica 0 writes the
+# checkpoint (its shard group runs DCP, exactly as a flat engine of that size) while the other
+# replicas wait for its verdict (an error is raised on every rank together). ``rank_state`` is
+# per global rank: each replica-0 rank writes its replicate group's states as
+# ``rank_state.<global rank>``, and the manifest records the whole world (``world_size``) and
+# ``mesh`` [replicas, shard size]. Since the saved tensors are the unpadded flat units (see [Note:
+# what a checkpoint holds]), such a checkpoint loads with any other mesh or a flat world, and a
+# flat one loads on a mesh: every rank of every replica reads its own shard. The other replicas wait
+# for the whole save in one broadcast: the process group's timeout must exceed the time of a save.
+
+
+def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, world_record) -> str:
+    """The save of one shard group; ``rank_states``: this rank's entries ``rank_state.<key>``;
+    ``world_record``: the world size the manifest records (None: the group's)."""
     group = model.process_group
     rank, world = _group_info(group)
     model.check_idle("save_checkpoint")
@@ -226,7 +255,8 @@ def save_checkpoint(
         opt_entries, opt_desc = _optimizer_entries(model, optimizer)
         entries.update(opt_entries)
     entries["state"] = dict(state or {})
-    entries[f"rank_state.{rank}"] = rank_state
+    for key, st in rank_states.items():
+        entries[f"rank_state.{key}"] = st
 
     problem = None
     try:
@@ -255,7 +285,8 @@ def save_checkpoint(
     problem = None
     if rank == 0:
         manifest = dict(
-            format=FORMAT, step=int(step), world_size=world, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+            format=FORMAT, step=int(step), world_size=world_record or world,
+            mesh=list(getattr(model, "mesh_shape", (1, world))), saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
             torch=torch.__version__, units=_units(model), optimizer=opt_desc,
             meta=meta or {}, files=sums,
         )
@@ -407,8 +438,11 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True) ->
                     entries[name] = None
         entries["optim.param_groups"] = None
     entries["state"] = None
-    if rank < saved_world:
-        entries[f"rank_state.{rank}"] = None
+    # rank_state is per global rank under HSDP (see [Note: checkpoints of HSDP]); a flat engine's
+    # group rank is its global rank when it shards over the world.
+    me = dist.get_rank() if getattr(model, "replicate_group", None) is not None else rank
+    if me < saved_world:
+        entries[f"rank_state.{me}"] = None
 
     try:
         dcp.load(entries, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(), process_group=group)
@@ -439,7 +473,7 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True) ->
 
     return Loaded(
         path=path, step=int(manifest["step"]), state=entries["state"] or {},
-        rank_state=entries.get(f"rank_state.{rank}"), meta=manifest.get("meta") or {},
+        rank_state=entries.get(f"rank_state.{me}"), meta=manifest.get("meta") or {},
         manifest=manifest, saved_world_size=saved_world,
     )
 

@@ -19,6 +19,8 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
     )
     ap.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS), help="model shape (yafsdp.presets)")
     ap.add_argument("--world-size", type=int, default=8, help="ranks the model is sharded over")
+    ap.add_argument("--hsdp", type=int, default=1, metavar="R",
+                    help="HSDP: R replicas, each sharded over world-size / R ranks (the plan is that of one replica)")
     ap.add_argument("--rank", type=int, default=0, help="the rank whose shard is planned (padding differs by rank)")
     ap.add_argument("--param-dtype", default="bf16", choices=["fp32", "bf16", "fp16"],
                     help="compute dtype of the gathered weights (the master shards stay fp32)")
@@ -56,13 +58,17 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
     from ..presets import build_llama
 
     a = _parse(argv, prog)
+    if a.hsdp < 1 or a.world_size % a.hsdp:
+        parser(prog).error(f"--hsdp {a.hsdp} does not divide --world-size {a.world_size}; HSDP shards over "
+                           "world-size / R ranks, so pick R among the divisors of the world size")
+    shard = a.world_size // a.hsdp  # HSDP: every memory figure is one replica's (shards over `shard` ranks)
     model = build_llama(a.preset, device="meta")
     if a.batch is not None and a.seq is None:
         a.seq = model.config.max_position_embeddings
     if a.frozen_base != "none":
         model.requires_grad_(False)
     plan = memory_plan(
-        model, world_size=a.world_size, rank=a.rank, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype,
+        model, world_size=shard, rank=a.rank, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype,
         zero_stage=a.zero_stage, outsized_ratio=a.outsized_ratio, optimizer=a.optimizer,
         batch=a.batch, seq=a.seq, checkpointing=a.checkpointing, attention=a.attention,
         quantize_frozen="nf4" if a.frozen_base == "nf4" else None,
@@ -71,6 +77,7 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
     if a.json:
         print(json.dumps(dict(preset=a.preset, **plan.to_dict()), indent=1, default=str))
     else:
-        print(f"preset {a.preset}")
+        print(f"preset {a.preset}" + (f" | HSDP: {a.hsdp} replicas x {shard} shard ranks = {a.world_size} ranks"
+                                      if a.hsdp > 1 else ""))
         print(plan.format())
     return plan
