@@ -103,6 +103,7 @@ def _extensions():
                         f"{csrc}/adamw_cuda.cu",
                         f"{csrc}/copy_cuda.cu",
                         f"{csrc}/nf4_cuda.cu",
+                        f"{csrc}/fp8_cuda.cu",
                     ],
                     include_dirs=[os.path.join(ROOT, csrc)],
                     extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags},

@@ -21,7 +21,9 @@ import torch.distributed as dist
 import yafsdp
 from yafsdp.presets import build_llama
 
-ENGINES = ("yafsdp-z3", "yafsdp-z2", "yafsdp-z3+FusedAdamW", "fsdp2", "fsdp1", "ddp")
+# "+fp8": YaFSDP(gather_dtype="fp8"), the decoder layers gathered as FP8 records (yafsdp/fp8.py)
+ENGINES = ("yafsdp-z3", "yafsdp-z2", "yafsdp-z3+FusedAdamW", "yafsdp-z3+fp8", "yafsdp-z3+FusedAdamW+fp8", "fsdp2",
+           "fsdp1", "ddp")
 
 
 # ---------------------------------------------------------------------------- launching
@@ -161,10 +163,11 @@ def build_engine(name: str, preset: str, device: torch.device, mixed: bool, *, l
     model = make_model(preset, device, seed, layers, meta_init=meta_init)
     if name.startswith("yafsdp"):
         zero = 2 if name.startswith("yafsdp-z2") else 3
-        wrapped = yafsdp.YaFSDP(model, param_dtype=bf16, reduce_dtype=torch.float32, zero_stage=zero, device=device)
+        wrapped = yafsdp.YaFSDP(model, param_dtype=bf16, reduce_dtype=torch.float32, zero_stage=zero, device=device,
+                                gather_dtype="fp8" if name.endswith("+fp8") else None)
         if meta_init:  # zero shards, like the other engines' meta-built models: timing and memory only
             wrapped.mark_loaded()
-        if name.endswith("+FusedAdamW"):
+        if "+FusedAdamW" in name:
             opt = yafsdp.FusedAdamW(wrapped.parameters(), lr=lr, weight_decay=0.1)
         else:
             opt = _adamw(wrapped.parameters(), lr, device)

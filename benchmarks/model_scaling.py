@@ -31,6 +31,10 @@ Assumptions (all flags):
   the layer runs), reduce-scatter copy-in of the grads (6 bytes per element, before the
   collective), and per-parameter optimizer dispatch (``--fsdp2-param-us`` per parameter tensor);
   gathers and reduce-scatters share the links, so they are one comm lane here too;
+- yafsdp with ``gather_dtype="fp8"`` (the "fp8" columns): the decoder layers' gathers move the
+  FP8 records the plan sizes (~1.03 bytes per element), each followed on the comm stream by its
+  expand (records read, ``param_dtype`` values written, at ``--hbm-gbs``); embedding and head as
+  before; "gathered MiB/step" is the all-gather output bytes of one step on each rank;
 - HSDP (yafsdp's ``mesh=(replicas, shard)``): the shard group is the smallest multiple of a node
   whose memory plan (model states, buffers, and activations of the micro-batch with per-layer
   checkpointing, from ``yafsdp.plan``) fits ``--gpu-mem-gib`` (or ``--hsdp-shard``); gathers and
@@ -236,14 +240,18 @@ class Net:
 
 
 def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_free=None, replicas: int = 1,
-                    overlap: bool = True, accum: int = 1) -> dict:
+                    overlap: bool = True, accum: int = 1, gather_bytes=None, expand=None) -> dict:
     """Two lanes (compute, comm) of one ZeRO-3 step of the yafsdp protocol; see the docstring.
     ``world``: the shard group; ``replicas`` > 1: HSDP, its all-reduce overlapped (with the last of
-    ``accum`` backward passes) or deferred (after it).
+    ``accum`` backward passes) or deferred (after it). ``gather_bytes``: per unit, the bytes one
+    gather moves (default: padded elements x param_dtype); ``expand``: per unit, seconds of the
+    expand kernel behind its gather on the comm stream (fp8 gathers).
     Also counts the bytes put into each kind of collective (``bytes``; the engine's
     ``schedule.counted`` is checked against it in tests/test_bench_smoke.py)."""
     nbytes = dict(gather=0, reduce=0, all_reduce=0)
     pe = 2 if a.param_dtype == "bf16" else 4
+    gather_bytes = gather_bytes or {u: n * pe for u, n in sizes.items()}
+    expand = expand or {}
     re_ = 2 if a.reduce_dtype == "bf16" else 4
     hbm = a.hbm_gbs * 1e9
     local = sum(sizes.values()) / world
@@ -264,9 +272,9 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
         if owner.get(s) == unit:
             return
         start = max(comm, release.get(s, 0.0), issue_after)
-        d = net.time(sizes[unit] * pe, world)
-        nbytes["gather"] += sizes[unit] * pe
-        comm = start + d
+        d = net.time(gather_bytes[unit], world)
+        nbytes["gather"] += gather_bytes[unit]
+        comm = start + d + expand.get(unit, 0.0)
         comm_busy += d
         comm_iv.append((start, comm))
         owner[s] = unit
@@ -511,9 +519,20 @@ def main(argv=None):
         y = sim(w)
         f = simulate_fsdp2(uses, sizes, w, net, a, cmp, n_param_tensors, root, accum=a.grad_accum)
         gathered = sum(sizes.values())
-        row = dict(world=w, yafsdp=y, fsdp2=f, gathered_elements=gathered)
+        # gather_dtype="fp8": the plan of the same model with the decoder layers gathered as FP8 records,
+        # plus the expand (records in, param_dtype values out) behind each such gather on the comm stream
+        p8 = memory_plan(model, world_size=w, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype,
+                         gather_dtype="fp8")
+        pe = 2 if a.param_dtype == "bf16" else 4
+        gb8 = {u.name: u.gather_bytes for u in p8.units}
+        exp8 = {u.name: u.padded_numel * (pe + u.gather_bytes / u.padded_numel) / (a.hbm_gbs * 1e9)
+                for u in p8.units if u.fp8}
+        y8 = simulate_plan(uses, p8, w, net, a, cmp, accum=a.grad_accum, gather_bytes=gb8, expand=exp8)
+        row = dict(world=w, yafsdp=y, fsdp2=f, yafsdp_fp8=y8, gathered_elements=gathered)
         rows.append([w, 1e3 * y["step"], 1e3 * y["comm"], 1e3 * y["exposed"], y["exposed_fraction"],
-                     1e3 * f["step"], 1e3 * f["exposed"], f["exposed_fraction"], y["step"] / f["step"]])
+                     1e3 * f["step"], 1e3 * f["exposed"], f["exposed_fraction"], y["step"] / f["step"],
+                     y["bytes"]["gather"] / 2**20, y8["bytes"]["gather"] / 2**20, 1e3 * y8["step"],
+                     1e3 * y8["exposed"], y8["step"] / y["step"]])
         if shard is not None and w % shard == 0 and w // shard >= 2:
             r = w // shard
             h, hd = sim(shard, r, True), sim(shard, r, False)
@@ -528,7 +547,8 @@ def main(argv=None):
                           nic_h / 2**30, h["step"] / y["step"]])
         out.append(row)
     header = ["GPUs", "yafsdp step ms", "comm ms", "exposed ms", "exposed / comm", "FSDP2-like step ms",
-              "exposed ms", "exposed / comm", "yafsdp / FSDP2"]
+              "exposed ms", "exposed / comm", "yafsdp / FSDP2", f"gathered MiB/step ({a.param_dtype})",
+              "gathered MiB/step (fp8)", "fp8 step ms", "fp8 exposed ms", "fp8 / bf16 step"]
     table = md_table(header, rows)
     hheader = ["GPUs", "HSDP replicas x shard", "full-shard step ms", "exposed ms", "HSDP step ms", "exposed ms",
                "all-reduce ms", "HSDP deferred step ms", "NIC GiB/GPU full", "NIC GiB/GPU HSDP", "HSDP / full"]
@@ -567,8 +587,8 @@ def draw(rows, path, title):
 
     w = [r["world"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for key, style in (("yafsdp", "o-"), ("fsdp2", "s--")):
-        label = "yafsdp (full sharding)" if key == "yafsdp" else "FSDP2-like"
+    for key, style in (("yafsdp", "o-"), ("fsdp2", "s--"), ("yafsdp_fp8", "^-.")):
+        label = {"yafsdp": "yafsdp (full sharding)", "fsdp2": "FSDP2-like", "yafsdp_fp8": "yafsdp, fp8 gathers"}[key]
         ax1.plot(w, [1e3 * r[key]["step"] for r in rows], style, label=label)
         ax2.plot(w, [100 * r[key]["exposed_fraction"] for r in rows], style, label=label)
     hs = [r for r in rows if "hsdp" in r]

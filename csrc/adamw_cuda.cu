@@ -13,18 +13,6 @@ namespace {
 
 struct NoOut {};  // "no copy-out"
 
-// One element, with the operations and rounding of the CPU kernels (see
-// make_adamw_consts in common.h). The _rn intrinsics keep the compiler from
-// fusing multiply-adds other than the two written here.
-__device__ __forceinline__ void adamw_update(float& p, float g, float& m, float& v,
-                                             const AdamWConsts& c) {
-  p = __fmul_rn(p, c.decay);
-  m = __fmaf_rn(c.lerp_w, __fsub_rn(g, m), c.lerp_small ? m : g);
-  v = __fmaf_rn(__fmul_rn(c.w2, g), g, __fmul_rn(v, c.beta2));
-  const float den = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bc2_sqrt), c.eps);
-  p = __fadd_rn(p, __fdiv_rn(__fmul_rn(c.neg_step, m), den));
-}
-
 template <class G, class O, int VEC>
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(float* __restrict__ p, const G* __restrict__ g, float* __restrict__ m,

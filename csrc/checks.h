@@ -113,4 +113,55 @@ inline void check_nf4_expand(const at::Tensor& out, const at::Tensor& staging,
                   " bytes");
 }
 
+// An FP8 record for `n` values: uint8, contiguous, fp8_record_bytes(n) bytes.
+inline void check_fp8_record(const at::Tensor& record, const c10::SymInt& n, const char* op) {
+  check_contiguous(record, "record");
+  TORCH_CHECK(record.scalar_type() == at::kByte, "yafsdp: ", op, " record must be uint8, got dtype=",
+              record.scalar_type());
+  TORCH_SYM_CHECK(n.sym_eq(n / kFP8Block * kFP8Block), "yafsdp: ", op, " takes a multiple of ",
+                  kFP8Block, " values, got ", n);
+  TORCH_SYM_CHECK(record.sym_numel().sym_eq(n + n / kFP8Block * 4), "yafsdp: ", op, " record has ",
+                  record.sym_numel(), " bytes, expected ", n, " codes + ", n / kFP8Block,
+                  " float32 scales");
+}
+
+// fp8_quantize_: record <- src (float32).
+inline void check_fp8_quantize(const at::Tensor& record, const at::Tensor& src) {
+  check_contiguous(src, "fp8_quantize_ src");
+  TORCH_CHECK(src.scalar_type() == at::kFloat, "yafsdp: fp8_quantize_ src must be float32, got dtype=",
+              src.scalar_type());
+  TORCH_CHECK(record.device() == src.device(), "yafsdp: fp8_quantize_ record is on ", record.device(),
+              " but src is on ", src.device());
+  check_fp8_record(record, src.sym_numel(), "fp8_quantize_");
+}
+
+// fp8_expand_: out (world * shard_numel elements) from `world` records in staging.
+inline void check_fp8_expand(const at::Tensor& out, const at::Tensor& staging, int64_t shard_numel) {
+  check_contiguous(out, "fp8_expand_ out");
+  check_contiguous(staging, "fp8_expand_ staging");
+  kernel_dtype(out, "out");
+  TORCH_CHECK(staging.scalar_type() == at::kByte, "yafsdp: fp8_expand_ staging must be uint8, got dtype=",
+              staging.scalar_type());
+  TORCH_CHECK(staging.device() == out.device(), "yafsdp: fp8_expand_ out is on ", out.device(),
+              ", staging on ", staging.device());
+  TORCH_CHECK(shard_numel > 0 && shard_numel % kFP8Block == 0, "yafsdp: fp8_expand_ shard_numel=",
+              shard_numel, " must be a positive multiple of ", kFP8Block);
+  TORCH_SYM_CHECK(out.sym_numel().sym_eq(out.sym_numel() / shard_numel * shard_numel),
+                  "yafsdp: fp8_expand_ out has numel=", out.sym_numel(),
+                  ", not a multiple of shard_numel=", shard_numel);
+  TORCH_SYM_CHECK(staging.sym_numel().sym_eq(out.sym_numel() / shard_numel * fp8_record_bytes(shard_numel)),
+                  "yafsdp: fp8_expand_ staging has ", staging.sym_numel(), " bytes, expected ",
+                  out.sym_numel() / shard_numel, " records of ", fp8_record_bytes(shard_numel), " bytes");
+}
+
+// adamw_step_fp8_: the AdamW arguments, and the record of the updated param.
+inline void check_adamw_fp8(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                            const at::Tensor& exp_avg_sq, const at::Tensor& step,
+                            const std::optional<at::Tensor>& lr_tensor, const at::Tensor& record) {
+  check_adamw(param, grad, exp_avg, exp_avg_sq, step, lr_tensor, std::nullopt);
+  TORCH_CHECK(record.device() == param.device(), "yafsdp: adamw_step_fp8_ record is on ", record.device(),
+              " but param is on ", param.device());
+  check_fp8_record(record, param.sym_numel(), "adamw_step_fp8_");
+}
+
 }  // namespace yafsdp

@@ -5,6 +5,7 @@
 #include <math.h>
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define YAFSDP_HOST_DEVICE __host__ __device__
@@ -96,6 +97,80 @@ constexpr int64_t kNF4Block = 64;
 
 YAFSDP_HOST_DEVICE inline int64_t nf4_record_bytes(int64_t shard_numel, int64_t scale_bytes) {
   return shard_numel / 2 + (shard_numel / kNF4Block) * scale_bytes;
+}
+
+
+// [Note: FP8 gather records]
+// A trainable group gathered compact (YaFSDP(gather_dtype="fp8")) has, besides its fp32
+// master shard of shard_numel elements (a multiple of kFP8Block), one byte record per
+// rank: shard_numel e4m3fn codes (one byte each), then one float32 scale per block of
+// kFP8Block elements. Quantizing a block of fp32 values x:
+//   amax = max |x|;  s = amax / 448 (fp32 division);  code = e4m3(clamp(x / s, -448, 448))
+// with x / s an fp32 division and e4m3() torch's round-to-nearest-even cast to
+// float8_e4m3fn; a block whose amax is 0 keeps s = 0 and codes 0. Expanding writes
+// T(float(code) * s): the product in fp32 (one rounding), then one rounding to T.
+// The same arithmetic on the CPU, on CUDA and in the PyTorch twin: bit for bit.
+// The values must be finite (a NaN or inf in the master makes its block NaN).
+constexpr int64_t kFP8Block = 128;
+constexpr float kFP8Max = 448.0f;
+
+YAFSDP_HOST_DEVICE inline int64_t fp8_record_bytes(int64_t shard_numel) {
+  return shard_numel + (shard_numel / kFP8Block) * 4;
+}
+
+YAFSDP_HOST_DEVICE inline uint32_t f32_to_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+#endif
+}
+
+YAFSDP_HOST_DEVICE inline float bits_to_f32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+// fp32 -> float8_e4m3fn code, round to nearest even; x must already lie in
+// [-448, 448] (the quantizer clamps); NaN -> 0x7F with x's sign, as torch.
+YAFSDP_HOST_DEVICE inline uint8_t fp8_e4m3_from_float(float x) {
+  const uint32_t u = f32_to_bits(x);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7F;
+  if (a < 0x3C800000u) {  // below 2^-6: a subnormal code, in units of 2^-9 (exact scaling)
+    return sign | static_cast<uint8_t>(rintf(bits_to_f32(a) * 512.0f));  // 8 -> 2^-6, code 8
+  }
+  a += 0x7FFFFu + ((a >> 20) & 1u);  // round the 20 dropped mantissa bits to nearest even
+  return sign | static_cast<uint8_t>((((a >> 23) - 120u) << 3) | ((a >> 20) & 7u));
+}
+
+YAFSDP_HOST_DEVICE inline float fp8_e4m3_to_float(uint8_t c) {
+  const uint32_t sign = static_cast<uint32_t>(c & 0x80u) << 24;
+  const uint32_t e = (c >> 3) & 15u, m = c & 7u;
+  if ((c & 0x7Fu) == 0x7Fu) return bits_to_f32(sign | 0x7FC00000u);
+  if (e == 0) {
+    const float f = static_cast<float>(m) * 0.001953125f;  // m * 2^-9, exact
+    return sign ? -f : f;
+  }
+  return bits_to_f32(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// The dequantization scale of one block from its amax (0 for a zero block).
+YAFSDP_HOST_DEVICE inline float fp8_scale(float amax) { return amax / kFP8Max; }
+
+// One value of a block with scale s > 0 -> its code.
+YAFSDP_HOST_DEVICE inline uint8_t fp8_quantize_one(float x, float s) {
+  float q = x / s;
+  q = q > kFP8Max ? kFP8Max : (q < -kFP8Max ? -kFP8Max : q);  // NaN passes through
+  return fp8_e4m3_from_float(q);
 }
 
 }  // namespace yafsdp

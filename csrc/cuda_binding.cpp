@@ -95,6 +95,55 @@ void nf4_expand_cuda(at::Tensor& out, const at::Tensor& staging, const at::Tenso
                "nf4_expand_");
 }
 
+void check_scales_aligned(const at::Tensor& bytes, int64_t codes, const char* op) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(bytes.const_data_ptr<uint8_t>() + codes) % 4 == 0,
+              "yafsdp: ", op, " needs the float32 scales of every record 4-byte aligned");
+}
+
+void fp8_quantize_cuda(at::Tensor& record, const at::Tensor& src) {
+  check_fp8_quantize(record, src);
+  check_device(src, "fp8_quantize_", "src");
+  check_scales_aligned(record, src.numel(), "fp8_quantize_");
+  const c10::cuda::CUDAGuard guard(src.device());
+  check_launch(cuda::fp8_quantize(record.data_ptr<uint8_t>(), src.const_data_ptr<float>(),
+                                  src.numel(), c10::cuda::getCurrentCUDAStream()),
+               "fp8_quantize_");
+}
+
+void fp8_expand_cuda(at::Tensor& out, const at::Tensor& staging, int64_t shard_numel) {
+  check_fp8_expand(out, staging, shard_numel);
+  check_device(out, "fp8_expand_", "out");
+  check_scales_aligned(staging, shard_numel, "fp8_expand_");
+  const c10::cuda::CUDAGuard guard(out.device());
+  check_launch(cuda::fp8_expand(out.data_ptr(), kernel_dtype(out, "out"),
+                                staging.const_data_ptr<uint8_t>(), shard_numel, out.numel(),
+                                c10::cuda::getCurrentCUDAStream()),
+               "fp8_expand_");
+}
+
+void adamw_step_fp8_cuda(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
+                         at::Tensor& exp_avg_sq, const at::Tensor& step, double lr, double beta1,
+                         double beta2, double weight_decay, double eps,
+                         const std::optional<at::Tensor>& lr_tensor, at::Tensor& record) {
+  check_adamw_fp8(param, grad, exp_avg, exp_avg_sq, step, lr_tensor, record);
+  check_device(param, "adamw_step_fp8_", "param");
+  check_scales_aligned(record, param.numel(), "adamw_step_fp8_");
+  const c10::cuda::CUDAGuard guard(param.device());
+  AdamWHyper h{};
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.weight_decay = weight_decay;
+  h.eps = eps;
+  h.step_ptr = device_scalar(step, param, &h.step, "step");
+  if (lr_tensor.has_value()) h.lr_ptr = device_scalar(*lr_tensor, param, &h.lr, "lr_tensor");
+  check_launch(cuda::adamw_fp8(param.data_ptr<float>(), grad.const_data_ptr(),
+                               kernel_dtype(grad, "grad"), exp_avg.data_ptr<float>(),
+                               exp_avg_sq.data_ptr<float>(), record.data_ptr<uint8_t>(),
+                               param.numel(), h, c10::cuda::getCurrentCUDAStream()),
+               "adamw_step_fp8_");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(yafsdp, CUDA, m) {
@@ -102,6 +151,9 @@ TORCH_LIBRARY_IMPL(yafsdp, CUDA, m) {
   m.impl("cast_", &cast_cuda);
   m.impl("accumulate_", &accumulate_cuda);
   m.impl("nf4_expand_", &nf4_expand_cuda);
+  m.impl("fp8_quantize_", &fp8_quantize_cuda);
+  m.impl("fp8_expand_", &fp8_expand_cuda);
+  m.impl("adamw_step_fp8_", &adamw_step_fp8_cuda);
 }
 
 }  // namespace yafsdp

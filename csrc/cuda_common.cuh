@@ -30,6 +30,18 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
 template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
+// One AdamW element, with the operations and rounding of the CPU kernels (see
+// make_adamw_consts in common.h). The _rn intrinsics keep the compiler from
+// fusing multiply-adds other than the two written here. (adamw_cuda.cu, fp8_cuda.cu)
+__device__ __forceinline__ void adamw_update(float& p, float g, float& m, float& v,
+                                             const AdamWConsts& c) {
+  p = __fmul_rn(p, c.decay);
+  m = __fmaf_rn(c.lerp_w, __fsub_rn(g, m), c.lerp_small ? m : g);
+  v = __fmaf_rn(__fmul_rn(c.w2, g), g, __fmul_rn(v, c.beta2));
+  const float den = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bc2_sqrt), c.eps);
+  p = __fadd_rn(p, __fdiv_rn(__fmul_rn(c.neg_step, m), den));
+}
+
 // VEC elements of T loaded or stored with one vector instruction: the pointer is
 // aligned to sizeof(Pack) (checked on the host by aligned()).
 template <class T, int VEC>

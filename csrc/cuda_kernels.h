@@ -28,4 +28,15 @@ cudaError_t accumulate(float* dst, const void* src, DType src_t, float scale, in
 cudaError_t nf4_expand(void* out, DType out_t, const uint8_t* staging, const void* codebook,
                        int64_t shard_numel, int64_t n, cudaStream_t stream);
 
+// FP8 gather records: see fp8_quantize, fp8_expand and adamw_fp8 in cpu_kernels.h
+// ([Note: FP8 gather records] in common.h). The records' scales must be 4-byte aligned.
+cudaError_t fp8_quantize(uint8_t* record, const float* src, int64_t n, cudaStream_t stream);
+
+cudaError_t fp8_expand(void* out, DType out_t, const uint8_t* staging, int64_t shard_numel,
+                       int64_t n, cudaStream_t stream);
+
+cudaError_t adamw_fp8(float* param, const void* grad, DType grad_t, float* exp_avg,
+                      float* exp_avg_sq, uint8_t* record, int64_t n, const AdamWHyper& h,
+                      cudaStream_t stream);
+
 }  // namespace yafsdp::cuda

@@ -71,6 +71,37 @@ void nf4_expand_cpu(at::Tensor& out, const at::Tensor& staging, const at::Tensor
                   codebook.const_data_ptr(), shard_numel, out.numel());
 }
 
+void fp8_quantize_cpu(at::Tensor& record, const at::Tensor& src) {
+  check_fp8_quantize(record, src);
+  TORCH_CHECK(src.is_cpu(), "yafsdp: fp8_quantize_ CPU kernel got src on ", src.device());
+  cpu::fp8_quantize(record.data_ptr<uint8_t>(), src.const_data_ptr<float>(), src.numel());
+}
+
+void fp8_expand_cpu(at::Tensor& out, const at::Tensor& staging, int64_t shard_numel) {
+  check_fp8_expand(out, staging, shard_numel);
+  TORCH_CHECK(out.is_cpu(), "yafsdp: fp8_expand_ CPU kernel got out on ", out.device());
+  cpu::fp8_expand(out.data_ptr(), kernel_dtype(out, "out"), staging.const_data_ptr<uint8_t>(),
+                  shard_numel, out.numel());
+}
+
+void adamw_step_fp8_cpu(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
+                        at::Tensor& exp_avg_sq, const at::Tensor& step, double lr, double beta1,
+                        double beta2, double weight_decay, double eps,
+                        const std::optional<at::Tensor>& lr_tensor, at::Tensor& record) {
+  check_adamw_fp8(param, grad, exp_avg, exp_avg_sq, step, lr_tensor, record);
+  TORCH_CHECK(param.is_cpu(), "yafsdp: adamw_step_fp8_ CPU kernel got param on ", param.device());
+  AdamWHyper h{};
+  h.lr = lr_tensor.has_value() ? read_scalar(*lr_tensor) : lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.weight_decay = weight_decay;
+  h.eps = eps;
+  h.step = read_scalar(step);
+  cpu::adamw_fp8(param.data_ptr<float>(), grad.const_data_ptr(), kernel_dtype(grad, "grad"),
+                 exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
+                 record.data_ptr<uint8_t>(), param.numel(), h);
+}
+
 // Meta: the ops return nothing, so shape inference is only the checks.
 void adamw_step_meta(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
                      at::Tensor& exp_avg_sq, const at::Tensor& step, double, double, double,
@@ -88,6 +119,19 @@ void accumulate_meta(at::Tensor& dst, const at::Tensor& src, double) {
 void nf4_expand_meta(at::Tensor& out, const at::Tensor& staging, const at::Tensor& codebook,
                      int64_t shard_numel) {
   check_nf4_expand(out, staging, codebook, shard_numel);
+}
+
+void fp8_quantize_meta(at::Tensor& record, const at::Tensor& src) { check_fp8_quantize(record, src); }
+
+void fp8_expand_meta(at::Tensor& out, const at::Tensor& staging, int64_t shard_numel) {
+  check_fp8_expand(out, staging, shard_numel);
+}
+
+void adamw_step_fp8_meta(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
+                         at::Tensor& exp_avg_sq, const at::Tensor& step, double, double, double,
+                         double, double, const std::optional<at::Tensor>& lr_tensor,
+                         at::Tensor& record) {
+  check_adamw_fp8(param, grad, exp_avg, exp_avg_sq, step, lr_tensor, record);
 }
 
 // ADInplaceOrView: run the backend kernel, then bump the mutated tensors' versions.
@@ -147,6 +191,47 @@ void nf4_expand_inplace(c10::DispatchKeySet ks, at::Tensor& out, const at::Tenso
   bump(out);
 }
 
+void fp8_quantize_inplace(c10::DispatchKeySet ks, at::Tensor& record, const at::Tensor& src) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("yafsdp::fp8_quantize_", "")
+                             .typed<decltype(fp8_quantize_cpu)>();
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatch(ks & c10::after_ADInplaceOrView_keyset, record, src);
+  }
+  bump(record);
+}
+
+void fp8_expand_inplace(c10::DispatchKeySet ks, at::Tensor& out, const at::Tensor& staging,
+                        int64_t shard_numel) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("yafsdp::fp8_expand_", "")
+                             .typed<decltype(fp8_expand_cpu)>();
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatch(ks & c10::after_ADInplaceOrView_keyset, out, staging, shard_numel);
+  }
+  bump(out);
+}
+
+void adamw_step_fp8_inplace(c10::DispatchKeySet ks, at::Tensor& param, const at::Tensor& grad,
+                            at::Tensor& exp_avg, at::Tensor& exp_avg_sq, const at::Tensor& step,
+                            double lr, double beta1, double beta2, double weight_decay, double eps,
+                            const std::optional<at::Tensor>& lr_tensor, at::Tensor& record) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("yafsdp::adamw_step_fp8_", "")
+                             .typed<decltype(adamw_step_fp8_cpu)>();
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatch(ks & c10::after_ADInplaceOrView_keyset, param, grad, exp_avg, exp_avg_sq, step,
+                  lr, beta1, beta2, weight_decay, eps, lr_tensor, record);
+  }
+  bump(param);
+  bump(exp_avg);
+  bump(exp_avg_sq);
+  bump(record);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(yafsdp, m) {
@@ -168,6 +253,15 @@ TORCH_LIBRARY(yafsdp, m) {
   // scales) laid end to end in staging: out[i] = codebook[code] * scale in out's
   // dtype. See [Note: NF4 shard records] in common.h.
   m.def("nf4_expand_(Tensor(a!) out, Tensor staging, Tensor codebook, int shard_numel) -> ()");
+  // FP8 gather records (see [Note: FP8 gather records] in common.h): the record (e4m3
+  // codes, then one float32 scale per 128 values) of float32 src; the values of `world`
+  // records laid end to end in staging; and the AdamW step whose copy-out is the record.
+  m.def("fp8_quantize_(Tensor(a!) record, Tensor src) -> ()");
+  m.def("fp8_expand_(Tensor(a!) out, Tensor staging, int shard_numel) -> ()");
+  m.def(
+      "adamw_step_fp8_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+      "Tensor step, float lr, float beta1, float beta2, float weight_decay, float eps, "
+      "Tensor? lr_tensor, Tensor(d!) record) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(yafsdp, CPU, m) {
@@ -175,6 +269,9 @@ TORCH_LIBRARY_IMPL(yafsdp, CPU, m) {
   m.impl("cast_", &cast_cpu);
   m.impl("accumulate_", &accumulate_cpu);
   m.impl("nf4_expand_", &nf4_expand_cpu);
+  m.impl("fp8_quantize_", &fp8_quantize_cpu);
+  m.impl("fp8_expand_", &fp8_expand_cpu);
+  m.impl("adamw_step_fp8_", &adamw_step_fp8_cpu);
 }
 
 TORCH_LIBRARY_IMPL(yafsdp, ADInplaceOrView, m) {
@@ -182,6 +279,9 @@ TORCH_LIBRARY_IMPL(yafsdp, ADInplaceOrView, m) {
   m.impl("cast_", TORCH_FN(cast_inplace));
   m.impl("accumulate_", TORCH_FN(accumulate_inplace));
   m.impl("nf4_expand_", TORCH_FN(nf4_expand_inplace));
+  m.impl("fp8_quantize_", TORCH_FN(fp8_quantize_inplace));
+  m.impl("fp8_expand_", TORCH_FN(fp8_expand_inplace));
+  m.impl("adamw_step_fp8_", TORCH_FN(adamw_step_fp8_inplace));
 }
 
 TORCH_LIBRARY_IMPL(yafsdp, Meta, m) {
@@ -189,6 +289,9 @@ TORCH_LIBRARY_IMPL(yafsdp, Meta, m) {
   m.impl("cast_", &cast_meta);
   m.impl("accumulate_", &accumulate_meta);
   m.impl("nf4_expand_", &nf4_expand_meta);
+  m.impl("fp8_quantize_", &fp8_quantize_meta);
+  m.impl("fp8_expand_", &fp8_expand_meta);
+  m.impl("adamw_step_fp8_", &adamw_step_fp8_meta);
 }
 
 }  // namespace yafsdp

@@ -36,9 +36,14 @@ def test_bench_step_cpu(tmp_path):
         assert row["peak_mib"] > 0
         # Same init, data and optimizer in fp32: every engine's loss sequence matches DDP's.
         # (This is what caught torch's fused AdamW not bumping parameter versions.)
+        # (+fp8: the decoder weights are quantize-dequantized in forward; close, not equal.)
+        tol = 2e-2 if name.endswith("+fp8") else 1e-4
         for a, b in zip(row["losses"], rows["ddp"]["losses"]):
-            assert abs(a - b) <= 1e-4 * abs(b), (name, row["losses"], rows["ddp"]["losses"])
+            assert abs(a - b) <= tol * abs(b), (name, row["losses"], rows["ddp"]["losses"])
     assert rows["yafsdp-z3"]["plan_mib"] > 0
+    # FP8 gathers: the engine counts fewer bytes gathered per step (the decoder layers at ~1.03 B/element)
+    assert 0 < rows["yafsdp-z3+fp8"]["gathered_mib"] < 0.8 * rows["yafsdp-z3"]["gathered_mib"]
+    assert rows["yafsdp-z3+FusedAdamW+fp8"]["gathered_mib"] == rows["yafsdp-z3+fp8"]["gathered_mib"]
     assert len(r["goals"]) == 2 and all("ratio" in g for g in r["goals"])
     # The per-step ratio spread behind each goal, and the machine's noise.
     assert "spread: yafsdp-z3 / ddp per interleaved step" in text and "own spread (max - min over median)" in text
@@ -112,6 +117,9 @@ def test_model_scaling(tmp_path):
         for k in ("yafsdp", "fsdp2"):
             assert row[k]["step"] >= row[k]["compute"] > 0 and 0 <= row[k]["exposed"] <= row[k]["comm"]
     assert rows[16]["yafsdp"]["comm"] > rows[8]["yafsdp"]["comm"]  # the ring leaves the node
+    for row in rows.values():  # FP8 gathers: ~half the gathered bytes, never a slower predicted step
+        assert row["yafsdp_fp8"]["bytes"]["gather"] < 0.6 * row["yafsdp"]["bytes"]["gather"]
+        assert row["yafsdp_fp8"]["step"] <= row["yafsdp"]["step"] * 1.001
     # HSDP rows (8-GPU shard groups for llama3-8b): overlapped beats full sharding once the ring would
     # leave the node, deferred pays its all-reduce in full; none at 8 (one replica)
     assert "hsdp" not in rows[8] and r["hsdp_shard"] == 8

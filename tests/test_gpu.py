@@ -62,9 +62,9 @@ def _buffer_mismatch(model):
             for g in u.groups:
                 got = slot.data[g.buffer_offset:g.buffer_offset + g.layout.padded_numel]
                 shard = g.compute.to(got.device)  # offload="all": a host shard (a synchronous copy)
-                if g.kind.compact is None:
+                if g.kind.gather_format is None:
                     n += (got != shard).sum()
-                else:  # an NF4 group: the expand of its record (world 1: the gathered records are the shard)
+                else:  # an NF4 or FP8 group: the expand of its record (world 1: the gathered records are the shard)
                     want = torch.empty_like(got)
                     g.expand(want, shard)
                     n += (got != want).sum()
@@ -112,6 +112,9 @@ CASES = {
     # device -> host on the comm stream, host folds; "all": the frozen/NF4 shards through the landing
     "z3_bf16_fused_adamw_offload": dict(zero=3, dtype="bfloat16", opt="fused_adamw", offload="optimizer"),
     "z3_bf16_nf4_adamw_offload_all": dict(zero=3, dtype="bfloat16", opt="adamw", nf4=True, offload="all"),
+    # FP8 gathers of the decoder layers: FusedAdamW writes the records, the expand runs on the comm stream
+    "z3_bf16_fp8": dict(zero=3, dtype="bfloat16", opt="fused_adamw", fp8=True),
+    "z2_bf16_fp8_adamw": dict(zero=2, dtype="bfloat16", opt="adamw", fp8=True),
 }
 
 
@@ -131,7 +134,8 @@ def _race_windows(rank, world, names):
         for sync in (False, True):
             model = yafsdp.YaFSDP(copy.deepcopy(base), zero_stage=case["zero"],
                                   param_dtype=getattr(torch, case["dtype"]) if case["dtype"] else None,
-                                  quantize_frozen="nf4" if case.get("nf4") else None, offload=case.get("offload"))
+                                  quantize_frozen="nf4" if case.get("nf4") else None, offload=case.get("offload"),
+                                  gather_dtype="fp8" if case.get("fp8") else None)
             opt = _optimizer(case["opt"], model.parameters())
             torch.cuda.synchronize()
             losses, mismatch = _loop(model, opt, "llama", inputs, sync_after_step=sync, check_buffers=True,

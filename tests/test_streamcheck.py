@@ -44,6 +44,11 @@ CASES = {
     "z3_bf16_offload_fusedadamw_touched": dict(zero=3, bf16=True, opt="fused_adamw", offload="optimizer", touch=True),
     "z3_bf16_offload_all_nf4_adamw": dict(zero=3, bf16=True, opt="adamw", accum=2, sd=True, nf4=True,
                                           offload="all", freeze=("q_proj", "k_proj", "mlp", "lm_head")),
+    # compact trainable gathers (gather_dtype="fp8", fp8.py): FusedAdamW writes the FP8 records in its
+    # pass on the compute stream, the gathers read them on the comm stream after copies-ready, the
+    # expand runs before `ready`; ZeRO-2 with torch AdamW (the cast pass quantizes) and a reload
+    "z3_bf16_fp8_fusedadamw": dict(zero=3, bf16=True, opt="fused_adamw", accum=2, eval=True, fp8=True),
+    "z2_fp32_fp8_adamw_sd": dict(zero=2, opt="adamw", sd=True, fp8=True),
 }
 
 
@@ -79,7 +84,9 @@ def _run_case(rank, case, steps=3):
             param_dtype=torch.bfloat16 if case.get("bf16") else None,
             reduce_dtype=torch.bfloat16 if case.get("reduce_bf16") else torch.float32,
             quantize_frozen="nf4" if case.get("nf4") else None, offload=case.get("offload"),
+            gather_dtype="fp8" if case.get("fp8") else None,
         )
+        assert ("fp8" in model.owned_tensors()) == bool(case.get("fp8"))
         assert isinstance(model.schedule, comm.StreamSchedule)
         assert ("nf4" in model.owned_tensors()) == bool(case.get("nf4"))
         assert ("frozen" in model.owned_tensors() or "nf4" in model.owned_tensors()) == bool(case.get("freeze"))
@@ -118,6 +125,10 @@ def _run_case(rank, case, steps=3):
                    for stream, op, label in kernels), sorted({k[0] for k in kernels})
     if case.get("nf4"):  # the expand kernel ran, on the comm stream
         assert any(op == "yafsdp.nf4_expand_" and stream == "comm" for stream, op, _ in kernels)
+    if case.get("fp8"):  # the records written on the compute stream, expanded on the comm stream
+        assert any(op == "yafsdp.fp8_expand_" and stream == "comm" for stream, op, _ in kernels)
+        writer = "yafsdp.adamw_step_fp8_" if case.get("opt") == "fused_adamw" else "yafsdp.fp8_quantize_"
+        assert any(op == writer and stream == "compute" for stream, op, _ in kernels)
     assert any(op.startswith("c10d.") for _, op, _ in comm_side) and not stray, stray[:5]
     return chk.report(), [str(r) for r in chk.races], chk.kernels, losses
 
@@ -198,11 +209,15 @@ FAULTS = {
                         ("aten.copy_",)),
     "wait_uploads": (dict(zero=3, bf16=True, opt="fused_adamw", offload="optimizer", touch=True), "compute_host",
                      ("yafsdp.cast_", "aten.copy_")),
+    # the FP8 records FusedAdamW writes are read by the next gathers without the copies-ready point
+    "fp8_copies_written_once": (dict(zero=3, bf16=True, opt="fused_adamw", fp8=True), "fp8",
+                                ("yafsdp.adamw_step_fp8_", "c10d._allgather_base_")),
+    "fp8_expand_after_ready": (dict(zero=3, bf16=True, opt="adamw", fp8=True), "weight", ("yafsdp.fp8_expand_",)),
 }
 
 
 def _with_fault(rank, world, fault):
-    _drop_edge(fault)
+    _drop_edge(fault.removeprefix("fp8_"))
     case = FAULTS[fault][0]
     return _run_case(rank, case)[1]
 

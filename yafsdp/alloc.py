@@ -52,20 +52,26 @@ def allocate(self, outsized_ratio: float) -> None:
     self.master = self.host_zeros(total, torch.float32)
     # 1-D fp32: every unit's grad shard; each shard's .grad aliases its slice.
     self.grad = self.host_zeros(total, torch.float32)
-    # 1-D param_dtype: the compute copies (all-gather inputs); the master itself in fp32 (without
-    # offload: with it, the device copy is always its own tensor).
+    # 1-D param_dtype: the compute copies (all-gather inputs) of the groups gathered in param_dtype,
+    # laid as in the master when every group is; the master itself in fp32 (without offload: with
+    # it, the device copy is always its own tensor).
+    plain_total = sum(g.layout.shard_numel for g in trainable if g.kind.gather_format is None)
     self.compute = (
         self.master if self.compute_dtype == torch.float32 and not offload
-        else torch.zeros(total, dtype=self.compute_dtype, device=dev)
+        else torch.zeros(plain_total, dtype=self.compute_dtype, device=dev)
     )
     # offload: the host side of the compute copy (what the copy-out and the cast pass write and
     # the upload reads; the master itself in fp32) and the host landing of the reduced grads.
+    # (offload and gather_dtype are not combined: api.py refuses it, so plain_total == total here.)
     self.compute_host = None
     self.grad_landing = None
     if offload:
         self.compute_host = (self.master if self.compute_dtype == torch.float32
                              else self.host_zeros(total, self.compute_dtype))
         self.grad_landing = self.host_zeros(total, self.reduce_dtype)
+    # 1-D uint8: the compute copies of the trainable groups gathered compact (gather_dtype="fp8"):
+    # one FP8 record each, end to end. See [Note: compact trainable gathers] in fp8.py.
+    self.fp8_store = torch.zeros(sum(u.shape.fp8_record for u in self.all), dtype=torch.uint8, device=dev)
     # 1-D param_dtype: every frozen group's shard end to end, stored only in param_dtype (it is
     # its own all-gather input; no master, no grad, no optimizer state).
     frozen_total = sum(g.layout.shard_numel for u in self.all for g in u.groups
@@ -81,7 +87,7 @@ def allocate(self, outsized_ratio: float) -> None:
                       else torch.zeros(nf4_total, dtype=torch.uint8, device=dev))
     codebook = nf4.codebook(self.compute_dtype, dev) if nf4_total else None
     self.flat = nn.Module()  # holds the flat master shards as registered parameters
-    off = foff = qoff = 0
+    off = foff = qoff = coff = roff = 0
     for u in self.all:
         u.anchor = torch.empty(0, device=dev, requires_grad=True)
         attr = u.name.replace(".", "_")
@@ -90,15 +96,25 @@ def allocate(self, outsized_ratio: float) -> None:
             if g.kind.reduced:
                 g.shard = nn.Parameter(alias(self.master, off, (n,)))
                 g.grad_shard = alias(self.grad, off, (n,))
-                g.compute = self.compute[off:off + n]
-                if offload:
-                    g.compute_host = self.compute_host[off:off + n]
-                    g.grad_landing = self.grad_landing[off:off + n]
                 self.flat.register_parameter(attr, g.shard)
-                # The optimizer's copy-out goes where the optimizer runs: the host staging with offload.
-                copy, whole = (g.compute_host, self.compute_host) if offload else (g.compute, self.compute)
-                if whole is not self.master:  # fp32: the step writes the master itself, the cast pass uploads it
-                    shards.set_copy_out(g.shard, copy, _copy_written_cb(self, g))
+                if g.kind.gather_format is not None:  # its compute copy is its FP8 record
+                    rec = u.shape.fp8_record
+                    g.compute = self.fp8_store[roff:roff + rec]
+                    shards.set_copy_out(g.shard, g.compute, _copy_written_cb(self, g), format=g.kind.gather_format)
+                    roff += rec
+                elif self.compute is self.master:
+                    g.compute = self.compute[off:off + n]
+                else:
+                    g.compute = self.compute[coff:coff + n]
+                    coff += n
+                    if offload:
+                        g.compute_host = self.compute_host[off:off + n]
+                        g.grad_landing = self.grad_landing[off:off + n]
+                    # The optimizer's copy-out goes where the optimizer runs: the host staging with
+                    # offload (fp32 offload: the step writes the master itself, the cast pass uploads it).
+                    copy = g.compute_host if offload else g.compute
+                    if copy is not None and not (offload and self.compute_host is self.master):
+                        shards.set_copy_out(g.shard, copy, _copy_written_cb(self, g))
                 name, off = f"flat.{attr}", off + n
             elif g.kind.compact is not None:
                 rec = u.shape.nf4_record

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import collectives, nf4, shards
+from . import collectives, fp8, nf4, shards
 import sys
 
 from .autograd import gate_small_group, install_hooks
@@ -46,10 +46,18 @@ class YaFSDP(nn.Module):
         outsized_ratio: float = 1.5,
         quantize_frozen: str | None = None,
         offload: str | None = None,
+        gather_dtype: str | None = None,
+        gather_exclude: list[str] | tuple[str, ...] | None = None,
     ):
         super().__init__()
         quantize_frozen = nf4.check_format(quantize_frozen)
         offload = check_offload(offload)
+        gather_dtype = fp8.check_gather_dtype(gather_dtype)
+        if offload is not None and gather_dtype is not None:
+            raise ValueError(
+                f"yafsdp.YaFSDP: offload={offload!r} with gather_dtype={gather_dtype!r} is not supported yet: "
+                "the optimizer's copy-out writes a param_dtype host staging copy with offload and an FP8 record on "
+                "the device with gather_dtype. Use one of them")
         if zero_stage not in (2, 3):
             raise ValueError(f"yafsdp.YaFSDP: zero_stage={zero_stage!r} is not supported; use 2 or 3")
         for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
@@ -91,6 +99,8 @@ class YaFSDP(nn.Module):
         self.reduce_dtype = reduce_dtype
 
         specs, small = discover(module, units)
+        # See [Note: compact trainable gathers] in fp8.py
+        gather_exclude = fp8.default_exclude(module) if gather_exclude is None else tuple(gather_exclude)
         self._keys = StateDictKeys(module, specs, small)  # before any surgery
         # How gathers and reduces are ordered against compute: CUDA streams and events, or gloo
         # work handles. See [Note: streams and events] in comm.py.
@@ -99,10 +109,22 @@ class YaFSDP(nn.Module):
             specs, small, schedule=self.schedule, group=group, world_size=self.world_size, rank=self.rank, device=self.device,
             compute_dtype=self.compute_dtype, reduce_dtype=reduce_dtype, zero_stage=zero_stage,
             align=unit_align(self.compute_dtype, reduce_dtype, align_bytes), outsized_ratio=outsized_ratio,
-            quantize_frozen=quantize_frozen, replicate_group=replicate, offload=offload,
+            quantize_frozen=quantize_frozen, replicate_group=replicate, offload=offload, gather_dtype=gather_dtype,
+            gather_exclude=gather_exclude,
         )
         self.quantize_frozen = quantize_frozen
         self.offload = offload
+        self.gather_dtype = gather_dtype
+        self.gather_exclude = gather_exclude
+        if gather_dtype is not None and not any(g.kind.gather_format == gather_dtype for u in self._rt.all
+                                                for g in u.groups):
+            import warnings
+
+            warnings.warn(
+                f"yafsdp.YaFSDP: gather_dtype={gather_dtype!r} found no unit to gather compact (a unit qualifies "
+                "when all its trainable parameters are 2-D nn.Linear weights with a multiple of 128 elements; "
+                f"excluded: {list(gather_exclude)}); every weight is gathered in param_dtype. Drop gather_dtype, "
+                "or list units so that the linear layers form units of their own", UserWarning, stacklevel=2)
         if quantize_frozen is not None and not any(g.kind.compact for u in self._rt.all for g in u.groups):
             import warnings
 
@@ -420,6 +442,7 @@ class YaFSDP(nn.Module):
         out.setdefault("compute_copy", 0)
         out.setdefault("frozen", 0)
         out.setdefault("nf4", 0)
+        out.setdefault("fp8", 0)
         if self.offload is not None:
             out.setdefault("compute_host", 0)
         if where is not None:

@@ -75,11 +75,11 @@ class WeightBuffer:
             out = self.data[g.buffer_offset:g.buffer_offset + g.layout.padded_numel]
             stage = self._landing(unit, g)
             kw = {} if stage is None else {"stage": stage}
-            if g.kind.compact is None:
+            if g.kind.gather_format is None:
                 self.schedule.gather(self.sync, out, g.compute, unit.name, **kw)
                 self.schedule.gathered[g.kind.name] += out.numel() * out.element_size()
             else:  # the records into the staging area, then the expand: [Note: expanding a compact gather]
-                staging = self.staging[:g.staging_bytes]
+                staging = self.staging[g.staging_offset:g.staging_offset + g.staging_bytes]
                 self.schedule.gather(self.sync, staging, g.compute, unit.name, functools.partial(g.expand, out, staging),
                                      **kw)
                 self.schedule.gathered[g.kind.name] += g.staging_bytes

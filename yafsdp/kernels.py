@@ -8,7 +8,10 @@ The engine and :class:`yafsdp.FusedAdamW` call only the functions below:
 - :func:`adamw_step_` — one fused AdamW step over a flat fp32 buffer, optionally writing the
   updated param's ``param_dtype`` copy in the same pass,
 - :func:`nf4_expand_` — a gathered NF4 group (every rank's byte record of packed codes and block
-  scales) -> its ``param_dtype`` values in the weight buffer (see [Note: NF4 frozen groups] in nf4.py).
+  scales) -> its ``param_dtype`` values in the weight buffer (see [Note: NF4 frozen groups] in nf4.py),
+- :func:`fp8_quantize_`, :func:`fp8_expand_`, :func:`adamw_step_fp8_` — the FP8 record of a trainable
+  group gathered compact (fp32 master -> record; gathered records -> values; AdamW writing the
+  record in its pass): see [Note: compact trainable gathers] in fp8.py.
 
 Each dispatches to the compiled extension (``torch.ops.yafsdp.*``: ``yafsdp._C`` for the CPU,
 ``yafsdp._C_cuda`` for CUDA, built from ``csrc/``) when it is built for the tensor's device and
@@ -47,6 +50,12 @@ __all__ = [
     "adamw_step_reference",
     "nf4_expand_",
     "nf4_expand_reference",
+    "fp8_quantize_",
+    "fp8_quantize_reference",
+    "fp8_expand_",
+    "fp8_expand_reference",
+    "adamw_step_fp8_",
+    "adamw_step_fp8_reference",
 ]
 
 log = logging.getLogger(__name__)
@@ -364,3 +373,86 @@ def nf4_expand_(out: torch.Tensor, staging: torch.Tensor, codebook: torch.Tensor
         _ops.nf4_expand_.default(out, staging, codebook, int(shard_numel))
         return out
     return nf4_expand_reference(out, staging, codebook, shard_numel)
+
+
+# ---------------------------------------------------------------------------
+# FP8 gather records (see [Note: compact trainable gathers] in fp8.py and
+# [Note: FP8 gather records] in csrc/common.h)
+# ---------------------------------------------------------------------------
+
+
+def fp8_quantize_reference(record: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Twin of :func:`fp8_quantize_`, with torch's own ``float8_e4m3fn`` cast."""
+    from .fp8 import quantize, split_record
+
+    codes, scales = split_record(record, src.numel())
+    c, s = quantize(src.detach().reshape(-1))
+    with torch.no_grad():
+        codes.copy_(c)
+        scales.copy_(s)
+    return record
+
+
+def fp8_quantize_(record: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``record`` (1-D uint8, ``fp8.record_bytes(n)``) <- the FP8 record of ``src`` (1-D fp32, n a
+    multiple of 128): e4m3 codes, then one float32 scale per 128 values."""
+    if (src.device.type in _EXT_DEVICES and src.dtype == torch.float32 and src.is_contiguous()
+            and record.is_contiguous() and record.dtype == torch.uint8 and record.device == src.device):
+        _ops.fp8_quantize_.default(record, src)
+        return record
+    return fp8_quantize_reference(record, src)
+
+
+def fp8_expand_reference(out: torch.Tensor, staging: torch.Tensor, shard_numel: int) -> torch.Tensor:
+    """Twin of :func:`fp8_expand_`: ``float(code) * scale`` in fp32, rounded once to ``out.dtype``."""
+    from .fp8 import dequantize, record_bytes
+
+    world = out.numel() // shard_numel
+    rec = staging.view(world, record_bytes(shard_numel))
+    codes = rec[:, :shard_numel].reshape(-1)
+    scales = rec[:, shard_numel:].contiguous().view(torch.float32).reshape(-1)
+    with torch.no_grad():
+        out.copy_(dequantize(codes, scales, out.dtype))
+    return out
+
+
+def fp8_expand_(out: torch.Tensor, staging: torch.Tensor, shard_numel: int) -> torch.Tensor:
+    """``out`` (1-D, ``world * shard_numel`` elements of float32/bfloat16/float16) <- the values of
+    ``world`` FP8 records laid end to end in ``staging`` (1-D uint8)."""
+    if (out.device.type in _EXT_DEVICES and out.is_contiguous() and out.dtype in _KERNEL_DTYPES
+            and staging.is_contiguous() and staging.dtype == torch.uint8 and staging.device == out.device):
+        _ops.fp8_expand_.default(out, staging, int(shard_numel))
+        return out
+    return fp8_expand_reference(out, staging, shard_numel)
+
+
+def adamw_step_fp8_reference(param, grad, exp_avg, exp_avg_sq, step, *, record: torch.Tensor, exact: bool = True,
+                             **hyper) -> None:
+    """Twin of :func:`adamw_step_fp8_`: the AdamW twin, then the quantizer twin on the updated param."""
+    adamw_step_reference(param, grad, exp_avg, exp_avg_sq, step, exact=exact, **hyper)
+    fp8_quantize_reference(record, param.detach().view(-1))
+
+
+def adamw_step_fp8_(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1: float, beta2: float, weight_decay: float,
+                    eps: float, record: torch.Tensor) -> bool:
+    """:func:`adamw_step_` whose copy-out is the FP8 record of the updated param, written in the same
+    pass (``param.numel()`` a multiple of 128). Returns True when the compiled kernel ran."""
+    if (
+        param.device.type in _EXT_DEVICES
+        and param.dtype == torch.float32
+        and param.is_contiguous()
+        and _flat(grad, param)
+        and exp_avg.dtype == torch.float32 and _flat(exp_avg, param)
+        and exp_avg_sq.dtype == torch.float32 and _flat(exp_avg_sq, param)
+        and record.is_contiguous() and record.dtype == torch.uint8 and record.device == param.device
+    ):
+        lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+        _ops.adamw_step_fp8_.default(
+            param, grad, exp_avg, exp_avg_sq, step,
+            0.0 if lr_tensor is not None else float(lr),
+            float(beta1), float(beta2), float(weight_decay), float(eps), lr_tensor, record,
+        )
+        return True
+    adamw_step_fp8_reference(param, grad, exp_avg, exp_avg_sq, step, record=record, exact=False, lr=lr, beta1=beta1,
+                             beta2=beta2, weight_decay=weight_decay, eps=eps)
+    return False

@@ -17,7 +17,10 @@ For each parameter with a gradient: if ``yafsdp.shards.copy_out_of(p)`` is set (
 ``yafsdp.shards.set_copy_out(p, copy, written)``), ``copy`` must be contiguous with ``p.numel()``
 elements on ``p``'s device; the step writes ``p.to(copy.dtype)`` into it and then calls
 ``written()`` (no arguments). The engine records ``p._version`` at that call; any later in-place
-change of ``p`` bumps the version and makes the engine cast again. Parameters without a
+change of ``p`` bumps the version and makes the engine cast again. A copy-out with
+``format="fp8"`` is ``p``'s FP8 record (``yafsdp.fp8``: e4m3 codes + a float32 scale per 128
+values, the all-gather input of a trainable group gathered compact): the step quantizes its
+freshly updated values into it in the same pass (``kernels.adamw_step_fp8_``). Parameters without a
 registered copy-out get a plain AdamW step.
 """
 from __future__ import annotations
@@ -175,17 +178,25 @@ class FusedAdamW(torch.optim.Optimizer):
                 self._warn_fallback(work)
             for p, grad, state in work:
                 out = shards.copy_out_of(p)
+                fmt = out.format if out is not None else None
                 copy = out.copy if out is not None else None
                 if copy is not None:
-                    _check_copy(p, copy)
+                    _check_copy(p, copy, fmt)
                 args = dict(
                     lr=_lr_for(group["lr"], p),
                     beta1=float(beta1),
                     beta2=float(beta2),
                     weight_decay=float(group["weight_decay"]),
                     eps=float(group["eps"]),
-                    copy_out=copy,
                 )
+                if fmt == "fp8":  # the copy is p's FP8 record: [Note: compact trainable gathers] in fp8.py
+                    step_fp8 = kernels.adamw_step_fp8_reference if use_twin else kernels.adamw_step_fp8_
+                    extra = dict(exact=False) if use_twin else {}
+                    step_fp8(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], record=copy, **args,
+                             **extra)
+                    out.written()
+                    continue
+                args["copy_out"] = copy
                 if use_twin:
                     kernels.adamw_step_reference(
                         p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
@@ -239,7 +250,21 @@ class FusedAdamW(torch.optim.Optimizer):
         return grad if grad.is_contiguous() else grad.contiguous()
 
 
-def _check_copy(p: torch.Tensor, copy: torch.Tensor) -> None:
+def _check_copy(p: torch.Tensor, copy: torch.Tensor, fmt: str | None = None) -> None:
+    if fmt is not None:
+        from .fp8 import BLOCK, record_bytes
+
+        if fmt != "fp8":
+            raise ValueError(f"the copy-out registered for p (yafsdp.shards.set_copy_out) has format={fmt!r}; "
+                             "FusedAdamW writes format None (values) or 'fp8' (an FP8 record)")
+        if not (isinstance(copy, torch.Tensor) and copy.dtype == torch.uint8 and copy.is_contiguous()
+                and p.numel() % BLOCK == 0 and copy.numel() == record_bytes(p.numel()) and copy.device == p.device):
+            raise ValueError(
+                f"the FP8 copy-out registered for p must be a contiguous uint8 record of "
+                f"yafsdp.fp8.record_bytes({p.numel()}) bytes on {p.device} (p.numel() a multiple of {BLOCK}); got "
+                + (f"dtype={copy.dtype} numel={copy.numel()} device={copy.device}" if isinstance(copy, torch.Tensor)
+                   else repr(type(copy))))
+        return
     if not (
         isinstance(copy, torch.Tensor)
         and copy.is_contiguous()

@@ -69,7 +69,7 @@ class Runtime:
     def __init__(self, specs: list[UnitSpec], small: list, *, schedule: Schedule, group, world_size: int, rank: int,
                  device: torch.device, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, zero_stage: int,
                  align: int, outsized_ratio: float, quantize_frozen: str | None = None, replicate_group=None,
-                 offload: str | None = None):
+                 offload: str | None = None, gather_dtype: str | None = None, gather_exclude: tuple[str, ...] = ()):
         self.schedule = schedule
         # offload="optimizer": master and grad shards (and so the optimizer) on the host. See
         # [Note: host and device tensors] in alloc.py.
@@ -87,18 +87,25 @@ class Runtime:
         self.reduce_dtype = reduce_dtype
         self.zero_stage = zero_stage
         self.quantize_frozen = quantize_frozen  # "nf4" or None: see [Note: NF4 frozen groups] in nf4.py
-        kinds = (trainable_kind(compute_dtype), frozen_kind(compute_dtype), nf4_kind(compute_dtype))
+        # "fp8" or None: trainable groups gathered compact, see [Note: compact trainable gathers] in fp8.py
+        self.gather_dtype = gather_dtype
         quantize = compute_dtype if quantize_frozen is not None else None
 
         def unit(name, index, params, members):
-            shape = unit_shape(params, world_size, rank, align, quantize)  # the same split the plan makes
+            # the same split the plan makes
+            shape = unit_shape(params, world_size, rank, align, quantize, gather_dtype, gather_exclude)
+            kinds = (trainable_kind(compute_dtype, "fp8" if shape.fp8_record else None), frozen_kind(compute_dtype),
+                     nf4_kind(compute_dtype))
             groups, offset = [], 0
             for kind, lay in zip(kinds, (shape.trainable, shape.frozen, shape.nf4)):
                 if lay is not None:
                     groups.append(FlatGroup(kind, lay, buffer_offset=offset))
                     offset += lay.padded_numel
-                    if kind.compact is not None:
-                        groups[-1].staging_bytes = shape.staging_bytes
+                    if kind.gather_format == "fp8":  # its records first in the staging area, the NF4 ones after
+                        groups[-1].staging_bytes = shape.fp8_staging
+                    elif kind.gather_format is not None:
+                        groups[-1].staging_offset = shape.fp8_staging
+                        groups[-1].staging_bytes = shape.staging_bytes - shape.fp8_staging
             u = Unit(name, index, groups, members, list(params))
             u.shape = shape
             return u
@@ -169,6 +176,8 @@ class Runtime:
             out["frozen"] = self.frozen_store
         if self.nf4_store.numel():
             out["nf4"] = self.nf4_store
+        if self.fp8_store.numel():
+            out["fp8"] = self.fp8_store
         for s in self.weight_buffers:
             out[s.name] = s.data
             if s.staging.numel():
@@ -193,6 +202,12 @@ class Runtime:
         wait for the compute side's writes."""
         for s in self.weight_buffers:
             s.invalidate()
+        # Every compute copy is rewritten from its master at the next step entry, whether or not the
+        # loader's writes bumped the shards' version counters (a compact group's FP8 record is derived
+        # from the master and never stored: [Note: compact trainable gathers] in fp8.py).
+        for u in self.all:
+            for g in u.groups:
+                g.cast_version = -1
         self.copies_changed = True
 
     def check_frozen(self) -> None:
@@ -288,9 +303,13 @@ class Runtime:
                 self.copies_changed = False
                 self.schedule.copies_written()
             return
-        cast = [g for g in stale if g.kind.reduced]  # a frozen shard is its own compute copy
+        # a frozen shard is its own compute copy; a compact trainable group's is its FP8 record
+        cast = [g for g in stale if g.kind.reduced and g.kind.gather_format is None]
+        packed = [g for g in stale if g.kind.reduced and g.kind.gather_format is not None]
         with torch.no_grad():
             n_trainable = sum(1 for g in groups if g.kind.reduced)
+            # every trainable group, laid alike in master and compute (never with FP8 groups: their
+            # compute copies are records in fp8_store)
             everything = len(cast) == n_trainable
             if cast and self.offload is not None:
                 # master (host) -> compute_host (host, param_dtype) -> upload -> compute (device).
@@ -315,6 +334,10 @@ class Runtime:
                     else:
                         for g in cast:
                             kernels.cast_(g.compute, g.shard.detach())
+            if packed:  # See [Note: compact trainable gathers] in fp8.py
+                with span("quantize", f"{len(packed)} units"):
+                    for g in packed:
+                        kernels.fp8_quantize_(g.compute, g.shard.detach())
             for g in stale:
                 g.mark_cast()
         self.copies_changed = False

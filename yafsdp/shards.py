@@ -61,8 +61,12 @@ class ShardInfo:
 class CopyOut:
     """A parameter's ``param_dtype`` copy, written by the optimizer in its pass."""
 
-    copy: torch.Tensor  # contiguous, p.numel() elements, on p's device
+    copy: torch.Tensor  # contiguous, p.numel() elements, on p's device (format None)
     written: Callable[[], None]  # called (no arguments) after the optimizer wrote ``copy``
+    # None: ``copy`` holds p's values in its dtype. "fp8": ``copy`` is the FP8 record of p (1-D uint8,
+    # yafsdp.fp8.record_bytes(p.numel()): e4m3 codes, then a float32 scale per 128 values), written
+    # with yafsdp.kernels.fp8_quantize_'s arithmetic. See [Note: compact trainable gathers] in fp8.py.
+    format: str | None = None
 
 
 _INFO: dict[int, tuple[weakref.ref, ShardInfo]] = {}
@@ -88,8 +92,8 @@ def info_of(p: torch.Tensor) -> ShardInfo | None:
     return _get(_INFO, p)
 
 
-def set_copy_out(p: torch.Tensor, copy: torch.Tensor, written: Callable[[], None]) -> None:
-    _put(_COPY, p, CopyOut(copy, written))
+def set_copy_out(p: torch.Tensor, copy: torch.Tensor, written: Callable[[], None], format: str | None = None) -> None:
+    _put(_COPY, p, CopyOut(copy, written, format))
 
 
 def copy_out_of(p: torch.Tensor) -> CopyOut | None:

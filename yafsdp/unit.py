@@ -11,7 +11,10 @@ shard, no optimizer state), laid one after the other in the unit's weight buffer
 *compact*: ``nf4`` (``YaFSDP(quantize_frozen="nf4")``), frozen ``nn.Linear`` weights stored as 4-bit
 codes + block scales (a byte record per rank), gathered compact into the weight buffer's staging
 area and expanded by one kernel into the group's place in the buffer, after the other two
-([Note: NF4 frozen groups] in nf4.py). Whatever the kind, the modules see ``gather_dtype`` views of
+([Note: NF4 frozen groups] in nf4.py). A trainable group may itself be *gathered* compact
+(``gather_dtype="fp8"``: ``GroupKind.gather_format``): its master stays fp32 and its compute copy
+is an FP8 byte record, gathered and expanded the same way ([Note: compact trainable gathers] in
+fp8.py); ``compact`` says how a shard is stored, ``gather_format`` how it is gathered. Whatever the kind, the modules see ``gather_dtype`` views of
 the weight buffer; what differs is only what the gather moves and what runs after it
 (``FlatGroup.expand``). A new kind adds a group, not a branch.
 """
@@ -38,11 +41,15 @@ class GroupKind:
     storage_dtype: torch.dtype  # the shard as kept on this rank (the fp32 master for trainable groups)
     gather_dtype: torch.dtype  # the all-gather input and the weight buffer's dtype
     reduced: bool  # gradients are reduce-scattered into a grad shard and stepped by the optimizer
-    compact: str | None = None  # a compact storage format ("nf4"): gathered as bytes, then expanded
+    compact: str | None = None  # a compact storage format ("nf4"): the shard itself is a byte record
+    # The format the group is gathered in when not gather_dtype values ("nf4", "fp8"): the compute
+    # copy is a byte record, gathered into the staging area and expanded (FlatGroup.expand).
+    gather_format: str | None = None
 
 
-def trainable_kind(compute_dtype: torch.dtype) -> GroupKind:
-    return GroupKind("trainable", torch.float32, compute_dtype, reduced=True)
+def trainable_kind(compute_dtype: torch.dtype, gather_format: str | None = None) -> GroupKind:
+    """``gather_format="fp8"``: gathered as FP8 records ([Note: compact trainable gathers] in fp8.py)."""
+    return GroupKind("trainable", torch.float32, compute_dtype, reduced=True, gather_format=gather_format)
 
 
 def frozen_kind(compute_dtype: torch.dtype) -> GroupKind:
@@ -50,7 +57,7 @@ def frozen_kind(compute_dtype: torch.dtype) -> GroupKind:
 
 
 def nf4_kind(compute_dtype: torch.dtype) -> GroupKind:
-    return GroupKind("nf4", torch.uint8, compute_dtype, reduced=False, compact="nf4")
+    return GroupKind("nf4", torch.uint8, compute_dtype, reduced=False, compact="nf4", gather_format="nf4")
 
 
 class FlatGroup:
@@ -74,12 +81,16 @@ class FlatGroup:
         # compact groups: bytes of the gathered records (world x one rank's record), and the
         # 16 levels in gather_dtype on the device (read by the expand kernel)
         self.staging_bytes = 0
+        self.staging_offset = 0  # where its records start in the staging area (FP8 first, then NF4)
         self.codebook: torch.Tensor | None = None
 
     def expand(self, out: torch.Tensor, staging: torch.Tensor) -> None:
         """A compact group's gathered records (``staging``) -> its values in ``out`` (its place in
         the weight buffer). See [Note: expanding a compact gather] in comm.py."""
-        kernels.nf4_expand_(out, staging, self.codebook, self.layout.shard_numel)
+        if self.kind.gather_format == "fp8":
+            kernels.fp8_expand_(out, staging, self.layout.shard_numel)
+        else:
+            kernels.nf4_expand_(out, staging, self.codebook, self.layout.shard_numel)
 
     @property
     def stale(self) -> bool:

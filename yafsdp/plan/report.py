@@ -22,6 +22,10 @@ class UnitRow:
     grad_slot: str
     outsized: bool
     weight_free_bw: bool = False  # ZeRO-3 skips its backward re-gather (runtime.py [Note: weight-free backward])
+    # Bytes one gather of the unit brings to each rank (the all-gather outputs: param_dtype values, or
+    # the gathered records of compact groups) and whether its trainable group is gathered as FP8
+    gather_bytes: int = 0
+    fp8: bool = False
 
 
 @dataclass
@@ -50,6 +54,8 @@ class MemoryPlan:
     offload: str | None = None
     compute_host: int = 0
     grad_landing: int = 0
+    fp8: int = 0  # FP8 records of the trainable groups gathered compact (gather_dtype="fp8")
+    gather_dtype: str | None = None
     activations: ActivationEstimate | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -81,7 +87,7 @@ class MemoryPlan:
     @property
     def model_state(self) -> int:
         """Sharded state + optimizer state: what the ZeRO paper calls model states."""
-        return self.master + self.grad + self.compute_copy + self.frozen + self.nf4 + self.optimizer_state
+        return self.master + self.grad + self.compute_copy + self.frozen + self.nf4 + self.fp8 + self.optimizer_state
 
     @property
     def total(self) -> int:
@@ -121,7 +127,7 @@ class MemoryPlan:
     def engine_bytes(self) -> dict[str, int]:
         """The same keys and values as ``YaFSDP.allocated_bytes()`` returns once wrapped."""
         out = {"master": self.master, "grad": self.grad, "compute_copy": self.compute_copy, "frozen": self.frozen,
-               "nf4": self.nf4}
+               "nf4": self.nf4, "fp8": self.fp8}
         if self.offload is not None:
             out.update(compute_host=self.compute_host, grad_landing=self.grad_landing)
         for s in self.slots:
@@ -148,6 +154,8 @@ class MemoryPlan:
             (f"compute copy ({self.param_dtype})", self.compute_copy),
             (f"frozen shard ({self.param_dtype})", self.frozen),
             *([(self._nf4_row, self.nf4)] if self.quantize_frozen else []),
+            *([("compute copy, FP8 records (e4m3 codes + fp32 scale per 128)", self.fp8)]
+              if self.gather_dtype else []),
             ("weight buffers" + (" (per unit, ZeRO-2)" if self.zero_stage == 2 else " (x2)")
              + (" + NF4 staging" if self.quantize_frozen else "")
              + (" + frozen landing" if self.offload == "all" else ""), self.weight_buffers),
@@ -233,6 +241,13 @@ class MemoryPlan:
         return d
 
 
+def _gather_bytes(lay, cbytes: int) -> int:
+    """Bytes one gather of a unit (``sizing.UnitShape``) brings to each rank."""
+    plain = (lay.trainable.padded_numel if lay.trainable is not None and not lay.fp8_record else 0) + (
+        lay.frozen.padded_numel if lay.frozen is not None else 0)
+    return plain * cbytes + lay.staging_bytes
+
+
 def memory_plan(
     model: nn.Module,
     *,
@@ -252,6 +267,8 @@ def memory_plan(
     inputs_fn=None,
     quantize_frozen: str | None = None,
     offload: str | None = None,
+    gather_dtype: str | None = None,
+    gather_exclude=None,
 ) -> MemoryPlan:
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
     or a plain module (any device, meta included; nothing is allocated) with the engine options
@@ -272,12 +289,13 @@ def memory_plan(
         param_dtype = eng.param_dtype
         quantize_frozen = eng.quantize_frozen
         offload = eng.offload
+        gather_dtype = eng.gather_dtype
         module = eng.module
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
     else:
         if world_size is None:
             raise ValueError("yafsdp.plan.memory_plan: world_size= is required for a model that is not wrapped")
-        from .. import nf4
+        from .. import fp8, nf4
 
         param_dtype, reduce_dtype = as_dtype(param_dtype), as_dtype(reduce_dtype)
         compute_dtype = param_dtype or torch.float32
@@ -285,13 +303,19 @@ def memory_plan(
 
         quantize_frozen = nf4.check_format(quantize_frozen)
         offload = check_offload(offload)
+        gather_dtype = fp8.check_gather_dtype(gather_dtype)
+        exclude = fp8.default_exclude(model) if gather_exclude is None else tuple(gather_exclude)
+        if offload is not None and gather_dtype is not None:
+            raise ValueError(f"memory_plan: offload={offload!r} with gather_dtype={gather_dtype!r} is not supported "
+                             "yet (YaFSDP refuses it too); plan one of them")
         quantize = compute_dtype if quantize_frozen else None
         align = unit_align(compute_dtype, reduce_dtype, align_bytes)
         specs, small_params = discover(model, units)
         names = [s.name for s in specs]
         weight_free = [weight_free_backward(s) for s in specs]
-        layouts = [unit_shape(s.params, world_size, rank, align, quantize) for s in specs]
-        small = unit_shape(small_params, world_size, rank, align, quantize) if small_params else None
+        layouts = [unit_shape(s.params, world_size, rank, align, quantize, gather_dtype, exclude) for s in specs]
+        small = (unit_shape(small_params, world_size, rank, align, quantize, gather_dtype, exclude)
+                 if small_params else None)
         slots = plan_buffers(
             names, layouts, small, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
             zero_stage=zero_stage, outsized_ratio=outsized_ratio, offload_frozen=offload == "all",
@@ -304,6 +328,8 @@ def memory_plan(
     frozen_shard = sum(lay.frozen_shard for lay in all_layouts)
     nf4_shard = sum(lay.nf4_shard for lay in all_layouts)
     nf4_bytes = sum(lay.nf4_record for lay in all_layouts)
+    fp8_bytes = sum(lay.fp8_record for lay in all_layouts)
+    compute_shard = sum(lay.compute_shard for lay in all_layouts)
     cbytes = itemsize(compute_dtype)
     opt_bytes = optimizer if isinstance(optimizer, int) else OPTIMIZER_BYTES[optimizer]
     slot_list = slots.weight + slots.grad
@@ -312,6 +338,7 @@ def memory_plan(
             names[i], lay.numel, lay.weight_numel, lay.trainable_shard + lay.frozen_shard + lay.nf4_shard,
             slots.weight[slots.weight_of[i]].name,
             slots.grad[slots.grad_of[i]].name if slots.grad_of[i] >= 0 else "-", slots.outsized[i], weight_free[i],
+            _gather_bytes(lay, cbytes), bool(lay.fp8_record),
         )
         for i, lay in enumerate(layouts)
     ]
@@ -322,9 +349,9 @@ def memory_plan(
         optimizer=str(optimizer), num_params=num_params, shard_numel=shard + frozen_shard + nf4_shard,
         largest_unit=max(regular) if regular else 0, units=rows, slots=slot_list,
         master=4 * shard, grad=4 * shard,
-        compute_copy=0 if compute_dtype == torch.float32 and offload is None else cbytes * shard,
+        compute_copy=0 if compute_dtype == torch.float32 and offload is None else cbytes * compute_shard,
         optimizer_state=opt_bytes * shard, frozen=cbytes * frozen_shard, nf4=nf4_bytes,
-        quantize_frozen=quantize_frozen, offload=offload,
+        quantize_frozen=quantize_frozen, offload=offload, fp8=fp8_bytes, gather_dtype=gather_dtype,
         compute_host=cbytes * shard if offload is not None and compute_dtype != torch.float32 else 0,
         grad_landing=itemsize(reduce_dtype) * shard if offload is not None else 0,
     )
