@@ -4,6 +4,7 @@ gradient clipping and the full state dict at the end (the README's "Use" block i
     torchrun --nproc-per-node 2 examples/minimal.py              # CPU: gloo; GPUs: NCCL, bf16
     torchrun --nproc-per-node 2 examples/minimal.py model.pt     # also save the state dict (rank 0)
 """
+import gc
 import glob
 import os
 import sys
@@ -52,4 +53,8 @@ if rank == 0 and len(sys.argv) > 1:
     torch.save(sd, sys.argv[1])
     print(f"saved {len(sd)} tensors to {sys.argv[1]}")
 dist.barrier()                                 # no rank leaves while another still receives
+# End as README "Exiting a script" says: drop the engine, then destroy the group and collect, so the gloo
+# backend's threads are joined while Python still runs (never during interpreter finalization).
+del model, opt, sd, loss, norm
 dist.destroy_process_group()
+gc.collect()
