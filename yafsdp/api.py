@@ -142,12 +142,12 @@ class YaFSDP(nn.Module):
             broadcast_from_replica0(self._rt, module, replicate)
         install_hooks(self._rt)
         install_optimizer_hooks()  # See [Note: optimizers that do not bump versions] in optim_hooks.py
-        # See [Note: the root entry]. The wrapped module keeps one empty parameter in the compute
-        # dtype on the device (HF's `model.device` / `model.dtype` read its first parameter);
-        # YaFSDP.parameters() leaves it out.
+        # See [Note: the root entry] and [Note: the device anchor]. YaFSDP.parameters() leaves it out.
         anchor = nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device), requires_grad=False)
         object.__setattr__(self, "_device_param", anchor)  # not a parameter of the wrapper itself
-        module.register_parameter("yafsdp_device_anchor", anchor)
+        self._anchored = anchored_modules(module)
+        for m in self._anchored:
+            m.register_parameter(ANCHOR, anchor)
         module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         module.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True)
         module.register_state_dict_pre_hook(_refuse_module_state_dict)
@@ -419,7 +419,7 @@ class YaFSDP(nn.Module):
 
         The first ``numel`` elements of a unit's flat layout do not depend on the world size (the
         padding after them does), which is what lets a sharded checkpoint be resharded."""
-        return [shards.info_of(g.shard) for u in self._rt.all for g in u.groups]
+        return [shards.info_of(s.group.shard) for s in self._rt.stored_shards()]  # [Note: stored shards]
 
     def memory_plan(self, **activation_options):
         """Bytes per rank by role; see yafsdp.plan."""
@@ -455,6 +455,28 @@ class YaFSDP(nn.Module):
 
 
 OFFLOAD_CHOICES = (None, "optimizer", "all")
+
+# [Note: the device anchor]
+# After wrapping, the modules hold no parameters (the flat shards are the engine's), but model code
+# finds its device and dtype from them: HF's ``PreTrainedModel.device`` / ``.dtype`` are
+# ``next(self.parameters())``'s, and ``generate()`` asks the *inner* model (a PEFT model delegates
+# to ``base_model.model``), as do ``get_input_embeddings``-style helpers and ``num_parameters``. So
+# one empty parameter in the compute dtype on the device, shared, is registered as ``yafsdp_device_anchor``
+# on the wrapped module and on every module under it whose class answers ``device`` or ``dtype``
+# through a property (HF ``PreTrainedModel`` / ``ModuleUtilsMixin``, diffusers' ``ModelMixin``, any
+# model class written the same way): each of them, at any depth, finds a parameter of the right
+# device and dtype. Plain layers (``nn.Linear`` ...) do not get one: their own state_dict() keys and
+# PEFT's view of them (``state_dict.original_structure`` hides the anchors too) stay as before.
+ANCHOR = "yafsdp_device_anchor"
+
+
+def anchored_modules(module: nn.Module) -> list[nn.Module]:
+    """The wrapped module and every submodule whose class has a ``device`` or ``dtype`` property."""
+    out = [module]
+    for _, m in module.named_modules():
+        if m is not module and any(isinstance(getattr(type(m), k, None), property) for k in ("device", "dtype")):
+            out.append(m)
+    return out
 
 
 def check_offload(offload) -> str | None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -42,7 +43,7 @@ from .trace import span
 from .unit import FlatGroup, Phase, Unit, frozen_kind, nf4_kind, trainable_kind
 from .units import UnitSpec, weight_free_backward
 
-__all__ = ["Runtime", "BackwardUse", "in_backward"]
+__all__ = ["Runtime", "BackwardUse", "StoredShard", "in_backward"]
 
 _RUNTIMES: "weakref.WeakSet[Runtime]" = weakref.WeakSet()  # live runtimes (for the optimizer hooks)
 
@@ -50,6 +51,27 @@ _RUNTIMES: "weakref.WeakSet[Runtime]" = weakref.WeakSet()  # live runtimes (for 
 def in_backward() -> bool:
     """True while autograd's engine runs a backward on this thread."""
     return torch._C._current_graph_task_id() != -1
+
+
+class StoredShard(NamedTuple):
+    """One flat group's state of record on this rank. See [Note: stored shards]."""
+
+    unit: Unit
+    group: FlatGroup
+    role: str  # the group kind's name: "trainable" (the fp32 master), "frozen", "nf4" (a byte record)
+    tensor: torch.Tensor  # the group's shard, detached (1-D, storage_dtype; nf4: its byte record)
+
+
+# [Note: stored shards]
+# ``Runtime.stored_shards()`` is the one enumeration of what a rank holds of the model: per unit
+# and flat group (whatever its kind: trainable master, frozen, NF4 record, any kind added later),
+# the shard that is the state of record. Everything else the engine holds is derived from these
+# and rebuilt after they change (``invalidate_buffers``): compute copies, FP8 gather records
+# ([Note: compact trainable gathers] in fp8.py), weight buffers. Every reader and writer of the
+# model's shards iterates it -- the replica broadcast (hsdp.py), the wrap-time scatter, the full
+# state dict and its load (state_dict.py), ``YaFSDP.shard_info()`` (and through it checkpoints and
+# ``yafsdp.init``) -- so a new kind of group is carried by all of them or by none. HSDP + NF4 once
+# lost its base on every replica but the first because the broadcast listed stores by hand.
 
 
 class BackwardUse:
@@ -188,6 +210,13 @@ class Runtime:
             out[s.name] = s.data
             out[s.name + "_staging"] = s.staging
         return out
+
+    def stored_shards(self) -> Iterator[StoredShard]:
+        """Every flat group's shard on this rank, unit by unit (the small group last), groups in
+        their order. See [Note: stored shards]."""
+        for u in self.all:
+            for g in u.groups:
+                yield StoredShard(u, g, g.kind.name, g.shard.detach())
 
     def fp32_scratch(self, unit: Unit, group: FlatGroup) -> torch.Tensor:
         """fp32 room for one gathered group: the unit's grad buffer when that is fp32 and idle, else a temporary."""
