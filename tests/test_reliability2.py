@@ -153,8 +153,11 @@ def _peft_cases(rank, world, root):
         model.eval()
         anchored = [m for m in model.module.modules()
                     if any(isinstance(getattr(type(m), k, None), property) for k in ("device", "dtype"))]
-        out[("devices", case)] = [(str(m.device), str(m.dtype), next(m.parameters()).numel()) for m in anchored]
-        out[("generate", case)] = model.generate(input_ids=_IDS, max_new_tokens=6, do_sample=False)
+        try:  # an error is a value: the adapter tests above still get their results
+            out[("devices", case)] = [(str(m.device), str(m.dtype), next(m.parameters()).numel()) for m in anchored]
+            out[("generate", case)] = model.generate(input_ids=_IDS, max_new_tokens=6, do_sample=False)
+        except Exception as e:  # noqa: BLE001
+            out[("generate", case)] = f"{type(e).__name__}: {e}"
         del model
     return out
 
@@ -226,5 +229,166 @@ def test_generate_on_a_wrapped_peft_model(peft_results):
         ref = _peft_model(case).eval()
         want = ref.generate(input_ids=_IDS, max_new_tokens=6, do_sample=False)
         for r in peft_results:
-            assert torch.equal(r[("generate", case)], want), (case, r[("generate", case)], want)
+            got = r[("generate", case)]
+            assert isinstance(got, torch.Tensor) and torch.equal(got, want), (case, got, want)
             assert r[("devices", case)] == [("cpu", "torch.float32", 0)] * 2, r[("devices", case)]
+
+
+# ---------------------------------------------------------------------------- per-parameter Adam steps
+class _Expert(nn.Module):
+    def __init__(self, d, bias):
+        super().__init__()
+        self.fc = nn.Linear(d, d, bias=bias)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class _Layer(nn.Module):
+    """A unit of 3 experts (``route``: which run) and a norm (the small group)."""
+
+    def __init__(self, d, bias):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.experts = nn.ModuleList(_Expert(d, bias) for _ in range(3))
+        self.route = (0,)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + sum(self.experts[e](h) for e in self.route)
+
+
+class _Lagging(nn.Module):
+    """Three layers; ``drop`` (LayerDrop) names the layers every rank skips in this step."""
+
+    def __init__(self, d=8, bias=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(_Layer(d, bias) for _ in range(3))
+        self.drop = ()
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i not in self.drop:
+                x = layer(x)
+        return x.pow(2).mean()
+
+
+# Per step: (routes per rank, layers dropped by every rank). Expert 1: no rank at step 0, then rank 0,
+# then both (it lags its unit by one step); expert 2: every rank at steps 0 and 2, none at step 1. Layer 2 is
+# dropped (LayerDrop) at step 1: its norm, in the small group that the other layers' norms keep stepping, lags.
+_LAG_STEPS = [([(0, 2), (0, 2)], ()), ([(0, 1), (0,)], (2,)), ([(0, 1, 2), (0, 1)], ())]
+
+
+def _lag_set(model, step, rank):
+    routes, drop = _LAG_STEPS[step]
+    model.drop = drop
+    for layer in model.layers:
+        layer.route = routes[rank]
+
+
+def _lag_input(step, rank, d=8):
+    return torch.randn(4, d, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _lag_reference(d=8, bias=True, world=2):
+    """DDP: the unsharded model, gradients averaged over ranks and None where no rank used the
+    parameter, torch's per-parameter AdamW."""
+    ref = _Lagging(d, bias)
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.3, foreach=False)
+    for step in range(len(_LAG_STEPS)):
+        for r in range(world):
+            _lag_set(ref, step, r)
+            ref(_lag_input(step, r, d)).backward()
+        for p in ref.parameters():
+            if p.grad is not None:
+                p.grad /= world
+        opt.step()
+        opt.zero_grad()
+    return ref.state_dict()
+
+
+def _lag_train(model, inner, opt, rank, steps, d=8):
+    for step in steps:
+        _lag_set(inner, step, rank)
+        model(_lag_input(step, rank, d)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _lagging_runs(rank, world, root):
+    from yafsdp import checkpoint as ckpt
+    from yafsdp import fp8
+
+    units = lambda m: list(m.layers)  # noqa: E731
+    out = {}
+    for name, zero, fused in (("kernel", 3, None), ("twin", 2, False)):
+        inner = _Lagging()
+        model = yafsdp.YaFSDP(inner, units=units(inner), zero_stage=zero)
+        opt = yafsdp.FusedAdamW(model.parameters(), lr=0.05, weight_decay=0.3, fused=fused)
+        _lag_train(model, inner, opt, rank, range(3))
+        out[name] = model.full_state_dict()
+        out[name + "_counts"] = {i.unit: opt.state[i.param]["param_step"].tolist() for i in model.shard_info()}
+    # torch AdamW: one step count per shard (the difference the README states)
+    inner = _Lagging()
+    model = yafsdp.YaFSDP(inner, units=units(inner))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.3, foreach=False)
+    _lag_train(model, inner, opt, rank, range(3))
+    out["torch_adamw"] = model.full_state_dict()
+    # a checkpoint after the lagging step keeps the per-parameter counts
+    inner = _Lagging()
+    model = yafsdp.YaFSDP(inner, units=units(inner))
+    opt = yafsdp.FusedAdamW(model.parameters(), lr=0.05, weight_decay=0.3)
+    _lag_train(model, inner, opt, rank, range(2))
+    path = ckpt.save_checkpoint(root, 2, model, opt)
+    inner = _Lagging()
+    model = yafsdp.YaFSDP(inner, units=units(inner))
+    opt = yafsdp.FusedAdamW(model.parameters(), lr=0.05, weight_decay=0.3)
+    _lag_train(model, inner, opt, rank, range(1))  # some other state, overwritten by the load
+    ckpt.load_checkpoint(path, model, opt)
+    _lag_train(model, inner, opt, rank, range(2, 3))
+    out["resumed"] = model.full_state_dict()
+    # FP8-gathered experts (16 x 16 weights, no bias): the per-parameter path writes the record of the
+    # whole updated shard
+    inner = _Lagging(16, bias=False)
+    model = yafsdp.YaFSDP(inner, units=units(inner), gather_dtype="fp8")
+    opt = yafsdp.FusedAdamW(model.parameters(), lr=0.05, weight_decay=0.3)
+    _lag_train(model, inner, opt, rank, range(3), d=16)
+    records = []
+    for u in model.units:
+        g = u.trainable
+        if g.kind.gather_format == "fp8":
+            want = torch.empty_like(g.compute)
+            yafsdp.kernels.fp8_quantize_reference(want, g.shard.detach())
+            records.append(torch.equal(want, g.compute))
+    out["fp8_records"] = records
+    out["fp8_lagging"] = any(bool((opt.state[u.flat_param]["param_step"] != opt.state[u.flat_param]["step"]).any())
+                             for u in model.units)
+    return out
+
+
+def test_per_parameter_adam_steps_equal_ddp(tmp_path):
+    """[Note: per-parameter steps]: an expert no rank used in one step and a LayerDrop-skipped layer's
+    norm keep their own AdamW step counts in yafsdp.FusedAdamW (kernel and twin, ZeRO-3 and ZeRO-2), so
+    the run equals DDP's per-parameter AdamW; the counts survive a checkpoint; an FP8 record written on
+    the per-parameter path is the record of the updated shard. torch AdamW keeps one count per shard:
+    its difference is the one the README states."""
+    from parity import rel_l2
+
+    res = run_ranks(_lagging_runs, 2, str(tmp_path))[0]
+    ref = _lag_reference()
+    for name in ("kernel", "twin", "resumed"):
+        got = res[name]
+        assert set(got) == set(ref)
+        for k, v in ref.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {k}: {m}")
+    # the counts, per expert weight in layout order (the biases and norms are in the small group);
+    # layer 2 sat out step 1 as a whole (its shard was not stepped), its expert 1 also step 0
+    counts = res["kernel_counts"]
+    assert counts["layers.0"] == counts["layers.1"] == [[3.0, 2.0, 2.0]] and counts["layers.2"] == [[2.0, 1.0, 2.0]], \
+        counts
+    assert sorted(set(counts["small_group"][0])) == [1.0, 2.0, 3.0], counts
+    # torch AdamW: the lagging parameters are off by a bias correction (README: "Gradients are DDP's")
+    off = max((res["torch_adamw"][k] - v).abs().max().item() for k, v in ref.items())
+    assert 1e-4 < off < 0.1, off  # 0.03 at lr 0.05: the lagging updates scaled by ~0.86 (README)
+    assert res["fp8_lagging"] and res["fp8_records"] and all(res["fp8_records"]), res["fp8_records"]
