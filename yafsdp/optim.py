@@ -35,7 +35,9 @@ as before. Once they differ the shard is stepped one parameter slice at a time, 
 count as the kernel's ``step`` -- the same kernel, so the values are those of DDP's per-parameter
 AdamW to the bit the kernel gives (an FP8 copy-out is then quantized once over the shard after the
 slices: the twin's order). A parameter no rank used is stepped too and then put back by the
-engine's restore. Cost once counts differ: one launch per parameter of that shard. The host knows
+engine's restore. Cost once counts differ: one call per run of adjacent parameters with equal
+counts on the CPU (the counts are read there for free), one launch per parameter of that shard on
+CUDA (reading the counts would synchronise the host). The host knows
 the counts are equal when this rank used every parameter so far; on CUDA a shard that was ever
 partly unused here stays on the per-parameter path (on the CPU the counts are compared each step).
 A state without ``param_step`` (a torch AdamW checkpoint) starts every count at ``step``.
@@ -268,10 +270,20 @@ class FusedAdamW(torch.optim.Optimizer):
         flat, m, v = p.detach().view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
         g = grad.view(-1)
         start, end = info.shard_start, info.shard_start + info.shard_numel
+        runs: list[list[int]] = []  # [lo, hi, j]: parameter j's slice of the shard
         for j, (off, shape) in enumerate(zip(info.param_offsets, info.param_shapes)):
             lo, hi = max(off, start) - start, min(off + math.prod(shape), end) - start
-            if hi <= lo:
-                continue  # not on this rank (the padding after the last parameter stays zero)
+            if hi > lo:  # else not on this rank (the padding after the last parameter stays zero)
+                runs.append([lo, hi, j])
+        if counts.device.type == "cpu" and runs:  # counts readable for free: adjacent equal counts, one call
+            host, merged = counts.tolist(), [runs[0]]
+            for lo, hi, j in runs[1:]:
+                if merged[-1][1] == lo and host[merged[-1][2]] == host[j]:
+                    merged[-1][1] = hi
+                else:
+                    merged.append([lo, hi, j])
+            runs = merged
+        for lo, hi, j in runs:
             seg = dict(args, copy_out=copy.view(-1)[lo:hi] if copy is not None and fmt is None else None)
             if use_twin:
                 kernels.adamw_step_reference(flat[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], counts[j], exact=False, **seg)
