@@ -23,6 +23,7 @@ from .optim_hooks import install_optimizer_hooks
 from .runtime import Runtime, in_backward
 from .state_dict import StateDictKeys, gather_full, load_full, materialize
 from .hsdp import across_replicas, broadcast_from_replica0, check_layout, resolve_groups
+from .anchor import ANCHOR, anchored_modules
 from .units import discover, mark_wrapped
 
 __all__ = ["YaFSDP"]
@@ -142,7 +143,7 @@ class YaFSDP(nn.Module):
             broadcast_from_replica0(self._rt, module, replicate)
         install_hooks(self._rt)
         install_optimizer_hooks()  # See [Note: optimizers that do not bump versions] in optim_hooks.py
-        # See [Note: the root entry] and [Note: the device anchor]. YaFSDP.parameters() leaves it out.
+        # See [Note: the root entry] and [Note: the device anchor] in anchor.py. YaFSDP.parameters() leaves it out.
         anchor = nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device), requires_grad=False)
         object.__setattr__(self, "_device_param", anchor)  # not a parameter of the wrapper itself
         self._anchored = anchored_modules(module)
@@ -456,27 +457,6 @@ class YaFSDP(nn.Module):
 
 OFFLOAD_CHOICES = (None, "optimizer", "all")
 
-# [Note: the device anchor]
-# After wrapping, the modules hold no parameters (the flat shards are the engine's), but model code
-# finds its device and dtype from them: HF's ``PreTrainedModel.device`` / ``.dtype`` are
-# ``next(self.parameters())``'s, and ``generate()`` asks the *inner* model (a PEFT model delegates
-# to ``base_model.model``), as do ``get_input_embeddings``-style helpers and ``num_parameters``. So
-# one empty parameter in the compute dtype on the device, shared, is registered as ``yafsdp_device_anchor``
-# on the wrapped module and on every module under it whose class answers ``device`` or ``dtype``
-# through a property (HF ``PreTrainedModel`` / ``ModuleUtilsMixin``, diffusers' ``ModelMixin``, any
-# model class written the same way): each of them, at any depth, finds a parameter of the right
-# device and dtype. Plain layers (``nn.Linear`` ...) do not get one: their own state_dict() keys and
-# PEFT's view of them (``state_dict.original_structure`` hides the anchors too) stay as before.
-ANCHOR = "yafsdp_device_anchor"
-
-
-def anchored_modules(module: nn.Module) -> list[nn.Module]:
-    """The wrapped module and every submodule whose class has a ``device`` or ``dtype`` property."""
-    out = [module]
-    for _, m in module.named_modules():
-        if m is not module and any(isinstance(getattr(type(m), k, None), property) for k in ("device", "dtype")):
-            out.append(m)
-    return out
 
 
 def check_offload(offload) -> str | None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Iterator, NamedTuple
+from typing import Iterator
 
 import torch
 
@@ -40,10 +40,10 @@ from .comm import Schedule
 from .hsdp import ReplicaSync
 from .plan.sizing import unit_shape
 from .trace import span
-from .unit import FlatGroup, Phase, Unit, frozen_kind, nf4_kind, trainable_kind
+from .unit import FlatGroup, Phase, StoredShard, Unit, frozen_kind, nf4_kind, trainable_kind
 from .units import UnitSpec, weight_free_backward
 
-__all__ = ["Runtime", "BackwardUse", "StoredShard", "in_backward"]
+__all__ = ["Runtime", "BackwardUse", "in_backward"]
 
 _RUNTIMES: "weakref.WeakSet[Runtime]" = weakref.WeakSet()  # live runtimes (for the optimizer hooks)
 
@@ -51,27 +51,6 @@ _RUNTIMES: "weakref.WeakSet[Runtime]" = weakref.WeakSet()  # live runtimes (for 
 def in_backward() -> bool:
     """True while autograd's engine runs a backward on this thread."""
     return torch._C._current_graph_task_id() != -1
-
-
-class StoredShard(NamedTuple):
-    """One flat group's state of record on this rank. See [Note: stored shards]."""
-
-    unit: Unit
-    group: FlatGroup
-    role: str  # the group kind's name: "trainable" (the fp32 master), "frozen", "nf4" (a byte record)
-    tensor: torch.Tensor  # the group's shard, detached (1-D, storage_dtype; nf4: its byte record)
-
-
-# [Note: stored shards]
-# ``Runtime.stored_shards()`` is the one enumeration of what a rank holds of the model: per unit
-# and flat group (whatever its kind: trainable master, frozen, NF4 record, any kind added later),
-# the shard that is the state of record. Everything else the engine holds is derived from these
-# and rebuilt after they change (``invalidate_buffers``): compute copies, FP8 gather records
-# ([Note: compact trainable gathers] in fp8.py), weight buffers. Every reader and writer of the
-# model's shards iterates it -- the replica broadcast (hsdp.py), the wrap-time scatter, the full
-# state dict and its load (state_dict.py), ``YaFSDP.shard_info()`` (and through it checkpoints and
-# ``yafsdp.init``) -- so a new kind of group is carried by all of them or by none. HSDP + NF4 once
-# lost its base on every replica but the first because the broadcast listed stores by hand.
 
 
 class BackwardUse:
@@ -213,7 +192,7 @@ class Runtime:
 
     def stored_shards(self) -> Iterator[StoredShard]:
         """Every flat group's shard on this rank, unit by unit (the small group last), groups in
-        their order. See [Note: stored shards]."""
+        their order. See [Note: stored shards] in unit.py."""
         for u in self.all:
             for g in u.groups:
                 yield StoredShard(u, g, g.kind.name, g.shard.detach())

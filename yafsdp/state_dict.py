@@ -109,7 +109,7 @@ def materialize(rt: Runtime, module: nn.Module, group, rank: int, world: int) ->
     device (the model then needs a load: ``load_full_state_dict``, ``yafsdp.init`` or a checkpoint)."""
     on_meta = {u.index for u in rt.all if any(p.param.is_meta for p in u.params)}  # built on the meta device
     needs_load = bool(on_meta)
-    for u, g, _, _ in rt.stored_shards():  # See [Note: stored shards] in runtime.py
+    for u, g, _, _ in rt.stored_shards():  # See [Note: stored shards] in unit.py
         if u.index in on_meta:
             continue
         full = None
@@ -144,7 +144,7 @@ def gather_full(rt: Runtime, keys: StateDictKeys, group, rank: int) -> dict[str,
 
     check_collective("full_state_dict()", group)
     values: dict[int, torch.Tensor] = {}
-    for u, g, _, stored in rt.stored_shards():  # See [Note: stored shards] in runtime.py
+    for u, g, _, stored in rt.stored_shards():  # See [Note: stored shards] in unit.py
         shard = rt.to_device(stored)  # offload: the host master, moved for the collective
         if g.kind.compact is not None:  # the records, expanded: the values the model computes with
             records = torch.empty(g.staging_bytes, dtype=torch.uint8, device=rt.device)
@@ -181,7 +181,7 @@ def load_full(rt: Runtime, keys: StateDictKeys, state_dict, group, rank: int, wo
         for key, kind, ref in keys.entries:
             if kind == "param" and key in state_dict:
                 by_param.setdefault(id(ref), state_dict[key])
-    for u, g, _, _ in rt.stored_shards():  # See [Note: stored shards] in runtime.py
+    for u, g, _, _ in rt.stored_shards():  # See [Note: stored shards] in unit.py
         full = None
         if rank == 0:
             full = rt.fp32_scratch(u, g)
@@ -209,12 +209,13 @@ def original_structure(rt: Runtime, anchored=()):
     keys, as PEFT's ``get_peft_model_state_dict`` does for ``modules_to_save`` -- sees the model as it
     was before wrapping. Values are not there (take them from ``gather_full``); no forward may run
     inside. The device anchors (``anchored``: the modules holding one, [Note: the device anchor] in
-    api.py) are out meanwhile. On exit the modules are as before. Not collective."""
+    anchor.py) are out meanwhile. On exit the modules are as before. Not collective."""
     import torch.nn as nn
 
     moved = []  # (owner, attr, what its __dict__ held)
-    anchors = [(m, m._parameters.pop("yafsdp_device_anchor")) for m in anchored
-               if "yafsdp_device_anchor" in m._parameters]
+    from .anchor import ANCHOR
+
+    anchors = [(m, m._parameters.pop(ANCHOR)) for m in anchored if ANCHOR in m._parameters]
     try:
         for u in rt.all:
             for p in u.params:
@@ -229,4 +230,4 @@ def original_structure(rt: Runtime, anchored=()):
             if held is not None:
                 owner.__dict__[attr] = held
         for m, a in anchors:
-            m._parameters["yafsdp_device_anchor"] = a
+            m._parameters[ANCHOR] = a
