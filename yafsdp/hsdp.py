@@ -282,9 +282,12 @@ def broadcast_from_replica0(rt, module, replicate_group) -> None:
 
 def _store_runs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Maximal runs of 1-D views that lie end to end in one storage, each as one view (a tensor of
-    its own stays itself)."""
-    runs: list[list] = []  # [tensor, storage ptr, end offset]
+    its own stays itself); storages in order of first appearance (the same on every rank), then by offset."""
+    first: dict[int, int] = {}  # storage -> where it first appears: the same order on every rank
     for t in tensors:
+        first.setdefault(t.untyped_storage().data_ptr(), len(first))
+    runs: list[list] = []  # [tensor, storage ptr, end offset]
+    for t in sorted(tensors, key=lambda t: (first[t.untyped_storage().data_ptr()], t.storage_offset())):
         ptr, off = t.untyped_storage().data_ptr(), t.storage_offset()
         last = runs[-1] if runs else None
         if (last is not None and t.dim() == 1 and last[0].dim() == 1 and t.is_contiguous() and last[1] == ptr
