@@ -221,6 +221,8 @@ def original_structure(rt: Runtime, anchored=()):
             for p in u.params:
                 ph = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=not p.frozen)
                 for owner, attr in p.owners:
+                    if owner._parameters.get(attr) is not None:
+                        continue  # still registered there: nothing to stand in for
                     moved.append((owner, attr, owner.__dict__.pop(attr, None)))
                     owner._parameters[attr] = ph
         yield
