@@ -9,7 +9,9 @@
     # later: LlamaForCausalLM.from_pretrained("runs/merged")
 
 The adapter is taken from the full state dict (gathered one unit at a time, on rank 0) with PEFT's
-own ``get_peft_model_state_dict``, and written as ``adapter_model.safetensors`` +
+own ``get_peft_model_state_dict`` (run while the modules show their original parameters:
+``state_dict.original_structure``), so the file holds what PEFT's ``save_pretrained`` writes --
+LoRA/DoRA matrices, ``modules_to_save`` copies, trainable-token deltas -- and is written as ``adapter_model.safetensors`` +
 ``adapter_config.json`` into a temporary folder renamed at the end (a failed save leaves no partial
 directory behind).
 """
@@ -49,7 +51,13 @@ def save_adapter(model, out_dir: str, adapter_name: str = "default") -> str | No
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    adapter = get_peft_model_state_dict(inner, state_dict=sd, adapter_name=adapter_name)
+    from .state_dict import original_structure
+
+    # PEFT decides which keys belong to the adapter partly from the modules themselves (a
+    # modules_to_save wrapper lists its copy's state_dict() keys; tuner layers their own
+    # parameters): it must see them as they were before wrapping, the values coming from ``sd``.
+    with original_structure(model._rt, model._anchored):
+        adapter = get_peft_model_state_dict(inner, state_dict=sd, adapter_name=adapter_name)
     if not adapter:
         raise AdapterError(f"yafsdp.adapters.save_adapter: adapter {adapter_name!r} holds no tensors")
     tmp = out_dir.rstrip("/") + ".tmp-adapter"

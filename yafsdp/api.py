@@ -23,6 +23,7 @@ from .optim_hooks import install_optimizer_hooks
 from .runtime import Runtime, in_backward
 from .state_dict import StateDictKeys, gather_full, load_full, materialize
 from .hsdp import across_replicas, broadcast_from_replica0, check_layout, resolve_groups
+from .anchor import ANCHOR, anchored_modules
 from .units import discover, mark_wrapped
 
 __all__ = ["YaFSDP"]
@@ -142,12 +143,12 @@ class YaFSDP(nn.Module):
             broadcast_from_replica0(self._rt, module, replicate)
         install_hooks(self._rt)
         install_optimizer_hooks()  # See [Note: optimizers that do not bump versions] in optim_hooks.py
-        # See [Note: the root entry]. The wrapped module keeps one empty parameter in the compute
-        # dtype on the device (HF's `model.device` / `model.dtype` read its first parameter);
-        # YaFSDP.parameters() leaves it out.
+        # See [Note: the root entry] and [Note: the device anchor] in anchor.py. YaFSDP.parameters() leaves it out.
         anchor = nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device), requires_grad=False)
         object.__setattr__(self, "_device_param", anchor)  # not a parameter of the wrapper itself
-        module.register_parameter("yafsdp_device_anchor", anchor)
+        self._anchored = anchored_modules(module)
+        for m in self._anchored:
+            m.register_parameter(ANCHOR, anchor)
         module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         module.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True)
         module.register_state_dict_pre_hook(_refuse_module_state_dict)
@@ -419,7 +420,7 @@ class YaFSDP(nn.Module):
 
         The first ``numel`` elements of a unit's flat layout do not depend on the world size (the
         padding after them does), which is what lets a sharded checkpoint be resharded."""
-        return [shards.info_of(g.shard) for u in self._rt.all for g in u.groups]
+        return [shards.info_of(s.group.shard) for s in self._rt.stored_shards()]  # [Note: stored shards]
 
     def memory_plan(self, **activation_options):
         """Bytes per rank by role; see yafsdp.plan."""
@@ -455,6 +456,7 @@ class YaFSDP(nn.Module):
 
 
 OFFLOAD_CHOICES = (None, "optimizer", "all")
+
 
 
 def check_offload(offload) -> str | None:

@@ -262,21 +262,42 @@ def across_replicas(replicate_group, replica: int, error: type[Exception], fn):
 
 @torch.no_grad()
 def broadcast_from_replica0(rt, module, replicate_group) -> None:
-    """Every replica takes replica 0's shards (master and frozen) and module buffers: one
-    broadcast per tensor, over the ranks that hold the same shard."""
+    """Every replica takes replica 0's shards -- every stored shard, whatever its group's kind
+    (``Runtime.stored_shards``: trainable master, frozen, NF4 record; see [Note: stored shards] in
+    runtime.py) -- and module buffers, over the ranks that hold the same shard. Shards adjacent in
+    one store go as one broadcast."""
     from .dist import source_rank
 
     src = source_rank(replicate_group)
-    tensors = [rt.master, rt.frozen_store]
+    tensors = _store_runs([s.tensor for s in rt.stored_shards()])
     tensors += [b for _, m in module.named_modules() for b in m._buffers.values()
                 if b is not None and not b.is_meta]
     for t in tensors:
         if t.numel():
             dist.broadcast(t, src, group=replicate_group)
-    for u in rt.all:  # the shards changed in place behind the engine: their compute copies are stale
-        for g in u.groups:
-            torch.autograd.graph.increment_version(g.shard)
+    for s in rt.stored_shards():  # changed in place behind the engine: their compute copies are stale
+        torch.autograd.graph.increment_version(s.group.shard)
     rt.invalidate_buffers()
+
+
+def _store_runs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Maximal runs of 1-D views that lie end to end in one storage, each as one view (a tensor of
+    its own stays itself); storages in order of first appearance (the same on every rank), then by offset."""
+    first: dict[int, int] = {}  # storage -> where it first appears: the same order on every rank
+    for t in tensors:
+        first.setdefault(t.untyped_storage().data_ptr(), len(first))
+    runs: list[list] = []  # [tensor, storage ptr, end offset]
+    for t in sorted(tensors, key=lambda t: (first[t.untyped_storage().data_ptr()], t.storage_offset())):
+        ptr, off = t.untyped_storage().data_ptr(), t.storage_offset()
+        last = runs[-1] if runs else None
+        if (last is not None and t.dim() == 1 and last[0].dim() == 1 and t.is_contiguous() and last[1] == ptr
+                and last[2] == off and t.dtype == last[0].dtype):
+            base = last[0]
+            last[0] = base.as_strided((base.numel() + t.numel(),), (1,), base.storage_offset())
+            last[2] = off + t.numel()
+        else:
+            runs.append([t, ptr, off + t.numel()])
+    return [r[0] for r in runs]
 
 
 def sync_before_step(optimizer) -> None:

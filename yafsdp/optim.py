@@ -22,15 +22,35 @@ change of ``p`` bumps the version and makes the engine cast again. A copy-out wi
 values, the all-gather input of a trainable group gathered compact): the step quantizes its
 freshly updated values into it in the same pass (``kernels.adamw_step_fp8_``). Parameters without a
 registered copy-out get a plain AdamW step.
+
+[Note: per-parameter steps]
+DDP's AdamW keeps a step count per parameter, and a parameter no rank used in a step (an MoE
+expert no token reached, a block LayerDrop skipped) has no gradient, so its count stays. A flat
+shard holds many parameters; its ``state["step"]`` counts the shard's steps. For a YaFSDP shard
+FusedAdamW also keeps ``state["param_step"]`` (float32, shape ``(1, parameters of the unit)``, in
+layout order, the same on every rank: checkpoints save it once and it reshards) and advances it by
+the engine's agreed usage bytes (``unused.step_usage``; see [Note: parameters no rank used]), on
+the device, without a host sync. While every count equals ``step`` the shard is one kernel call,
+as before. Once they differ the shard is stepped one parameter slice at a time, each with its own
+count as the kernel's ``step`` -- the same kernel, so the values are those of DDP's per-parameter
+AdamW to the bit the kernel gives (an FP8 copy-out is then quantized once over the shard after the
+slices: the twin's order). A parameter no rank used is stepped too and then put back by the
+engine's restore. Cost once counts differ: one call per run of adjacent parameters with equal
+counts on the CPU (the counts are read there for free), one launch per parameter of that shard on
+CUDA (reading the counts would synchronise the host). The host knows
+the counts are equal when this rank used every parameter so far; on CUDA a shard that was ever
+partly unused here stays on the per-parameter path (on the CPU the counts are compared each step).
+A state without ``param_step`` (a torch AdamW checkpoint) starts every count at ``step``.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable, Optional
 
 import torch
 
-from . import kernels, shards
+from . import kernels, shards, unused
 
 __all__ = ["FusedAdamW"]
 
@@ -118,6 +138,7 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        self.__dict__.pop("_counts_differ", None)  # per-parameter counts: compared again at the next step
         # torch.optim.AdamW keeps `step` on the CPU unless capturable/fused; ours lives on the
         # parameter's device (the kernel reads it there), as float32.
         for group in self.param_groups:
@@ -170,6 +191,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 work.append((p, self._prepare(p), self._init_state(p)))
             if not work:
                 continue
+            segmented = {id(p): self._count_param_steps(p, state) for p, _, state in work}
             # Every parameter's step counter, in one op (on CUDA: one launch, no sync).
             torch._foreach_add_([state["step"] for _, _, state in work], 1.0)
             beta1, beta2 = group["betas"]
@@ -189,6 +211,11 @@ class FusedAdamW(torch.optim.Optimizer):
                     weight_decay=float(group["weight_decay"]),
                     eps=float(group["eps"]),
                 )
+                if segmented[id(p)]:  # See [Note: per-parameter steps]
+                    self._step_by_parameter(p, grad, state, copy, fmt, args, use_twin)
+                    if out is not None:
+                        out.written()
+                    continue
                 if fmt == "fp8":  # the copy is p's FP8 record: [Note: compact trainable gathers] in fp8.py
                     step_fp8 = kernels.adamw_step_fp8_reference if use_twin else kernels.adamw_step_fp8_
                     extra = dict(exact=False) if use_twin else {}
@@ -207,6 +234,63 @@ class FusedAdamW(torch.optim.Optimizer):
                 if out is not None:
                     out.written()
         return loss
+
+    def _count_param_steps(self, p: torch.Tensor, state: dict) -> bool:
+        """Advance ``param_step`` by the agreed usage (before ``step`` is incremented); True when
+        the shard must be stepped parameter by parameter. See [Note: per-parameter steps]."""
+        usage = unused.step_usage(self, p)
+        info = shards.info_of(p)
+        if usage is None or info is None or info.kind != "trainable":
+            return False
+        n = len(info.param_names)
+        differ = self.__dict__.setdefault("_counts_differ", {})
+        ps = state.get("param_step")
+        if ps is None:  # a fresh state, or one from torch AdamW: every parameter at the shard's count
+            ps = state["param_step"] = state["step"].detach().reshape(1, 1).expand(1, n).clone()
+            differ[id(p)] = False
+        elif tuple(ps.shape) != (1, n):
+            raise ValueError(
+                f"FusedAdamW: the state of shard {info.name!r} (unit {info.unit!r}, {n} parameters) holds "
+                f"param_step of shape {tuple(ps.shape)}; it belongs to another model. Load a state saved for this one")
+        ps.add_(usage.agreed.view(1, n))
+        if not usage.used_here:
+            differ[id(p)] = True  # some rank may have used what this one did not: unknown here
+        known = differ.get(id(p))
+        if known is None or (known and ps.device.type == "cpu"):  # after a load; on the CPU, every step
+            known = differ[id(p)] = not bool((ps == state["step"] + 1).all())
+        return known
+
+    @staticmethod
+    def _step_by_parameter(p, grad, state, copy, fmt, args, use_twin: bool) -> None:
+        """One kernel call per parameter slice of shard ``p``, each with its own step count."""
+        info = shards.info_of(p)
+        # A parameter no rank has used yet has count 0 (a division by zero in the bias correction);
+        # its slice is put back after the step anyway, so any count will do: 1.
+        counts = state["param_step"][0].clamp(min=1.0)
+        flat, m, v = p.detach().view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+        g = grad.view(-1)
+        start, end = info.shard_start, info.shard_start + info.shard_numel
+        runs: list[list[int]] = []  # [lo, hi, j]: parameter j's slice of the shard
+        for j, (off, shape) in enumerate(zip(info.param_offsets, info.param_shapes)):
+            lo, hi = max(off, start) - start, min(off + math.prod(shape), end) - start
+            if hi > lo:  # else not on this rank (the padding after the last parameter stays zero)
+                runs.append([lo, hi, j])
+        if counts.device.type == "cpu" and runs:  # counts readable for free: adjacent equal counts, one call
+            host, merged = counts.tolist(), [runs[0]]
+            for lo, hi, j in runs[1:]:
+                if merged[-1][1] == lo and host[merged[-1][2]] == host[j]:
+                    merged[-1][1] = hi
+                else:
+                    merged.append([lo, hi, j])
+            runs = merged
+        for lo, hi, j in runs:
+            seg = dict(args, copy_out=copy.view(-1)[lo:hi] if copy is not None and fmt is None else None)
+            if use_twin:
+                kernels.adamw_step_reference(flat[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], counts[j], exact=False, **seg)
+            else:
+                kernels.adamw_step_(flat[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], counts[j], **seg)
+        if fmt == "fp8":  # the record of the whole updated shard, as the fused kernel writes it
+            (kernels.fp8_quantize_reference if use_twin else kernels.fp8_quantize_)(copy, flat)
 
     def _warn_fallback(self, work) -> None:
         """Once per device type: the compiled kernels were expected (``fused=None``) but the

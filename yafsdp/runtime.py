@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from typing import Iterator
 
 import torch
 
@@ -39,7 +40,7 @@ from .comm import Schedule
 from .hsdp import ReplicaSync
 from .plan.sizing import unit_shape
 from .trace import span
-from .unit import FlatGroup, Phase, Unit, frozen_kind, nf4_kind, trainable_kind
+from .unit import FlatGroup, Phase, StoredShard, Unit, frozen_kind, nf4_kind, trainable_kind
 from .units import UnitSpec, weight_free_backward
 
 __all__ = ["Runtime", "BackwardUse", "in_backward"]
@@ -188,6 +189,13 @@ class Runtime:
             out[s.name] = s.data
             out[s.name + "_staging"] = s.staging
         return out
+
+    def stored_shards(self) -> Iterator[StoredShard]:
+        """Every flat group's shard on this rank, unit by unit (the small group last), groups in
+        their order. See [Note: stored shards] in unit.py."""
+        for u in self.all:
+            for g in u.groups:
+                yield StoredShard(u, g, g.kind.name, g.shard.detach())
 
     def fp32_scratch(self, unit: Unit, group: FlatGroup) -> torch.Tensor:
         """fp32 room for one gathered group: the unit's grad buffer when that is fp32 and idle, else a temporary."""

@@ -12,6 +12,7 @@ module buffers are broadcast from rank 0 (``broadcast_buffers``).
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from .runtime import Runtime
 from .unit import FlatGroup
 from .units import UnitSpec, WrapError
 
-__all__ = ["StateDictKeys", "gather_full", "load_full", "materialize", "scatter_group"]
+__all__ = ["StateDictKeys", "gather_full", "load_full", "materialize", "scatter_group", "original_structure"]
 
 
 class StateDictKeys:
@@ -106,17 +107,17 @@ def materialize(rt: Runtime, module: nn.Module, group, rank: int, world: int) ->
     """Rank 0's values into every rank's shards, one unit at a time; then the module surgery
     (parameters replaced by the buffer aliases). Returns True when something was on the meta
     device (the model then needs a load: ``load_full_state_dict``, ``yafsdp.init`` or a checkpoint)."""
-    needs_load = False
+    on_meta = {u.index for u in rt.all if any(p.param.is_meta for p in u.params)}  # built on the meta device
+    needs_load = bool(on_meta)
+    for u, g, _, _ in rt.stored_shards():  # See [Note: stored shards] in unit.py
+        if u.index in on_meta:
+            continue
+        full = None
+        if rank == 0:
+            full = rt.fp32_scratch(u, g)
+            g.layout.flatten([p.param.detach().to(rt.device, torch.float32) for p in g.params], full)
+        scatter_group(rt, g, full, group, rank, world)
     for u in rt.all:
-        if any(p.param.is_meta for p in u.params):
-            needs_load = True  # built on the meta device
-        else:
-            for g in u.groups:
-                full = None
-                if rank == 0:
-                    full = rt.fp32_scratch(u, g)
-                    g.layout.flatten([p.param.detach().to(rt.device, torch.float32) for p in g.params], full)
-                scatter_group(rt, g, full, group, rank, world)
         for p, a in zip(u.params, u.aliases):
             rt.originals.append((weakref.ref(p.param), p.param.requires_grad, p.fqn))
             for owner, attr in p.owners:
@@ -143,21 +144,20 @@ def gather_full(rt: Runtime, keys: StateDictKeys, group, rank: int) -> dict[str,
 
     check_collective("full_state_dict()", group)
     values: dict[int, torch.Tensor] = {}
-    for u in rt.all:
-        for g in u.groups:
-            shard = rt.to_device(g.shard.detach())  # offload: the host master, moved for the collective
-            if g.kind.compact is not None:  # the records, expanded: the values the model computes with
-                records = torch.empty(g.staging_bytes, dtype=torch.uint8, device=rt.device)
-                all_gather(records, shard, group, async_op=False)
-                full = nf4.dequantize_record(records, g.layout.shard_numel, g.kind.gather_dtype)
-                del records
-            else:
-                full = (rt.fp32_scratch(u, g) if shard.dtype == torch.float32
-                        else torch.empty(g.layout.padded_numel, dtype=shard.dtype, device=rt.device))
-                all_gather(full, shard, group, async_op=False)
-            if rank == 0:
-                for p, v in zip(g.params, g.layout.views(full)):
-                    values[id(p)] = v.to("cpu", p.dtype, copy=True)
+    for u, g, _, stored in rt.stored_shards():  # See [Note: stored shards] in unit.py
+        shard = rt.to_device(stored)  # offload: the host master, moved for the collective
+        if g.kind.compact is not None:  # the records, expanded: the values the model computes with
+            records = torch.empty(g.staging_bytes, dtype=torch.uint8, device=rt.device)
+            all_gather(records, shard, group, async_op=False)
+            full = nf4.dequantize_record(records, g.layout.shard_numel, g.kind.gather_dtype)
+            del records
+        else:
+            full = (rt.fp32_scratch(u, g) if shard.dtype == torch.float32
+                    else torch.empty(g.layout.padded_numel, dtype=shard.dtype, device=rt.device))
+            all_gather(full, shard, group, async_op=False)
+        if rank == 0:
+            for p, v in zip(g.params, g.layout.views(full)):
+                values[id(p)] = v.to("cpu", p.dtype, copy=True)
     if rank != 0:
         return {}
     out = {}
@@ -181,13 +181,12 @@ def load_full(rt: Runtime, keys: StateDictKeys, state_dict, group, rank: int, wo
         for key, kind, ref in keys.entries:
             if kind == "param" and key in state_dict:
                 by_param.setdefault(id(ref), state_dict[key])
-    for u in rt.all:
-        for g in u.groups:
-            full = None
-            if rank == 0:
-                full = rt.fp32_scratch(u, g)
-                g.layout.flatten([by_param[id(p)].to(rt.device, torch.float32) for p in g.params], full)
-            scatter_group(rt, g, full, group, rank, world)
+    for u, g, _, _ in rt.stored_shards():  # See [Note: stored shards] in unit.py
+        full = None
+        if rank == 0:
+            full = rt.fp32_scratch(u, g)
+            g.layout.flatten([by_param[id(p)].to(rt.device, torch.float32) for p in g.params], full)
+        scatter_group(rt, g, full, group, rank, world)
     for key, kind, ref in keys.entries:
         if kind != "buffer":
             continue
@@ -200,3 +199,37 @@ def load_full(rt: Runtime, keys: StateDictKeys, state_dict, group, rank: int, wo
         _broadcast_buffer(b, group)
         m._buffers[bname] = b
     rt.invalidate_buffers()
+
+
+@contextmanager
+def original_structure(rt: Runtime, anchored=()):
+    """Inside: every parameter the wrap moved into the flat shards is back in its modules'
+    ``_parameters`` as a meta-device placeholder of its original shape and ``requires_grad``, so that
+    code which reads a module's structure -- ``named_parameters()``, a submodule's ``state_dict()``
+    keys, as PEFT's ``get_peft_model_state_dict`` does for ``modules_to_save`` -- sees the model as it
+    was before wrapping. Values are not there (take them from ``gather_full``); no forward may run
+    inside. The device anchors (``anchored``: the modules holding one, [Note: the device anchor] in
+    anchor.py) are out meanwhile. On exit the modules are as before. Not collective."""
+    import torch.nn as nn
+
+    moved = []  # (owner, attr, what its __dict__ held)
+    from .anchor import ANCHOR
+
+    anchors = [(m, m._parameters.pop(ANCHOR)) for m in anchored if ANCHOR in m._parameters]
+    try:
+        for u in rt.all:
+            for p in u.params:
+                ph = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=not p.frozen)
+                for owner, attr in p.owners:
+                    if owner._parameters.get(attr) is not None:
+                        continue  # still registered there: nothing to stand in for
+                    moved.append((owner, attr, owner.__dict__.pop(attr, None)))
+                    owner._parameters[attr] = ph
+        yield
+    finally:
+        for owner, attr, held in reversed(moved):
+            owner._parameters.pop(attr, None)
+            if held is not None:
+                owner.__dict__[attr] = held
+        for m, a in anchors:
+            m._parameters[ANCHOR] = a

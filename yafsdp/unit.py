@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ from . import kernels
 from .flat import FlatLayout, ParamInfo
 from .units import Member
 
-__all__ = ["GroupKind", "FlatGroup", "Unit", "Phase", "trainable_kind", "frozen_kind", "nf4_kind"]
+__all__ = ["GroupKind", "FlatGroup", "Unit", "Phase", "StoredShard", "trainable_kind", "frozen_kind", "nf4_kind"]
 
 
 @dataclass(frozen=True)
@@ -177,3 +178,24 @@ class Unit:
 
     def __repr__(self):
         return f"Unit({self.name!r}, groups={[(g.kind.name, g.layout.numel) for g in self.groups]})"
+
+
+class StoredShard(NamedTuple):
+    """One flat group's state of record on this rank (``Runtime.stored_shards``). See [Note: stored shards]."""
+
+    unit: Unit
+    group: FlatGroup
+    role: str  # the group kind's name: "trainable" (the fp32 master), "frozen", "nf4" (a byte record)
+    tensor: torch.Tensor  # the group's shard, detached (1-D, storage_dtype; nf4: its byte record)
+
+
+# [Note: stored shards]
+# ``Runtime.stored_shards()`` (runtime.py) is the one enumeration of what a rank holds of the model: per unit
+# and flat group (whatever its kind: trainable master, frozen, NF4 record, any kind added later),
+# the shard that is the state of record. Everything else the engine holds is derived from these
+# and rebuilt after they change (``invalidate_buffers``): compute copies, FP8 gather records
+# ([Note: compact trainable gathers] in fp8.py), weight buffers. Every reader and writer of the
+# model's shards iterates it -- the replica broadcast (hsdp.py), the wrap-time scatter, the full
+# state dict and its load (state_dict.py), ``YaFSDP.shard_info()`` (and through it checkpoints and
+# ``yafsdp.init``) -- so a new kind of group is carried by all of them or by none. HSDP + NF4 once
+# lost its base on every replica but the first because the broadcast listed stores by hand.

@@ -24,11 +24,24 @@ decay and momentum. The engine restores such parameters around the step instead:
   step. A rank that used every parameter copies nothing. The restore bumps the shard's version, so
   the next cast pass writes its compute copy again.
 
-What remains different from DDP: a per-shard counter (AdamW's ``step``) and any optimizer state not
-shaped like the shard (factored statistics) still advance, so a parameter used again later gets its
-unit's bias correction, not its own. Nothing else moves.
+* **Per-parameter steps.** DDP's AdamW counts steps per parameter; a flat shard's ``step`` counts
+  the shard's. ``yafsdp.FusedAdamW`` asks :func:`step_usage` for the agreed bytes of each shard it
+  steps and keeps, besides ``step``, a ``param_step`` per parameter of the unit (``state["param_step"]``,
+  float32, shape ``(1, parameters)``, the same on every rank and world size): it advances only where
+  some rank used the parameter, and a shard whose parameters' counts differ is stepped parameter by
+  parameter with each one's own count -- DDP's per-parameter AdamW exactly (see optim.py,
+  [Note: per-parameter steps]).
+
+What remains different from DDP with other optimizers: their per-shard counters (torch AdamW's and
+Adam's ``step``) and any optimizer state not shaped like the shard (factored statistics) still
+advance, so a parameter used again later gets its unit's bias correction, not its own; for AdamW,
+after a parameter sat out ``s`` of ``t`` steps, its update is scaled by
+``(1-beta1^(t-s))/(1-beta1^t) * sqrt((1-beta2^t)/(1-beta2^(t-s)))`` (0.86 at t=3, s=1 with the default
+betas), which tends to 1 as ``beta^t`` vanishes. Nothing else moves.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,9 +50,25 @@ from . import collectives
 from .dist import check_collective
 from .runtime import live_runtimes
 
-__all__ = ["before_step", "after_step"]
+__all__ = ["before_step", "after_step", "step_usage", "StepUsage"]
 
 _PENDING: dict[int, list["_Snapshot"]] = {}  # id(optimizer) -> the snapshots of its current step
+
+
+class StepUsage(NamedTuple):
+    """Which parameters of one shard's unit some rank used in the step being taken."""
+
+    agreed: torch.Tensor  # 1-D uint8 where the shard lives, one per trainable parameter (layout order)
+    used_here: bool  # this rank used every one of them (then the agreed bytes are all 1, known on the host)
+
+
+_USAGE: dict[int, dict[int, StepUsage]] = {}  # id(optimizer) -> id(shard) -> its usage in the current step
+
+
+def step_usage(optimizer, p: torch.Tensor) -> StepUsage | None:
+    """Inside ``optimizer.step()``: the usage of flat shard ``p`` (None for a parameter that is no
+    engine's shard). See [Note: parameters no rank used]."""
+    return _USAGE.get(id(optimizer), {}).get(id(p))
 
 
 class _Snapshot:
@@ -58,6 +87,7 @@ def before_step(optimizer) -> None:
     """Agree on usage across ranks and copy the slices this rank did not use (see the Note)."""
     params = {id(p) for g in optimizer.param_groups for p in g["params"]}
     snaps = []
+    _USAGE[id(optimizer)] = {}
     for rt in live_runtimes():
         units = _units_of(rt, params)
         if not units:
@@ -79,9 +109,12 @@ def before_step(optimizer) -> None:
         # step itself runs there). See [Note: host and device tensors] in alloc.py.
         snap = _Snapshot(rt.to_host(local))
         k = 0
+        usage = _USAGE[id(optimizer)]
         for u in units:
             lay = u.layout
             shard = u.flat_param
+            n = len(lay.params)
+            usage[id(shard)] = StepUsage(snap.agreed[k:k + n], all(flags[k:k + n]))
             state = optimizer.state.get(shard, {})
             for j, p in enumerate(lay.params):
                 if shard.grad is None or flags[k + j]:
@@ -102,6 +135,7 @@ def before_step(optimizer) -> None:
 
 def after_step(optimizer) -> None:
     """Put the copied slices back where no rank used the parameter."""
+    _USAGE.pop(id(optimizer), None)
     for snap in _PENDING.pop(id(optimizer), ()):
         with torch.no_grad():
             for k, shard, lo, hi, master, states in snap.slices:
