@@ -189,9 +189,10 @@ def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, wo
         mine = {f: dict(bytes=os.path.getsize(os.path.join(tmp, f)), crc32=crc32(os.path.join(tmp, f)))
                 for f in files[rank::world]}
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        problem = f"saving checkpoint into {tmp!r} failed on rank {rank}: {_root_cause(e)}"
+        who = _failing_rank(e, rank)
+        problem = f"saving checkpoint into {tmp!r} failed on rank {who}: {_root_cause(e)}"
         if space.is_out_of_space(e, tmp):  # checked before the partial save is removed
-            problem = f"{space.space_problem(root, free, needed)} (saving into {tmp!r} failed on rank {rank}: " \
+            problem = f"{space.space_problem(root, free, needed)} (saving into {tmp!r} failed on rank {who}: " \
                       f"{_root_cause(e)})"
         mine = {}
     # Every rank reaches this gather, failed or not (DCP raises on every rank together; a failed
@@ -236,6 +237,13 @@ def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, wo
     return final
 
 
+def _failing_rank(e: BaseException, rank: int) -> int:
+    """The rank whose write failed: DCP raises every rank's failures on every rank."""
+    if isinstance(e, CheckpointException) and e.failures:
+        return min(e.failures)
+    return rank
+
+
 def _root_cause(e: BaseException) -> str:
     """The first OSError inside ``e`` (DCP wraps each rank's failure in a CheckpointException),
     as errno + path; else the exception's type and first line."""
@@ -246,6 +254,8 @@ def _root_cause(e: BaseException) -> str:
         if x is None or any(x is y for y in seen):
             continue
         seen.append(x)
+        if isinstance(x, CheckpointError):  # ours, raised inside DCP (a refused file): it names the file
+            return str(x)
         if isinstance(x, OSError):
             return describe_os_error(x)
         if isinstance(x, CheckpointException):
@@ -380,6 +390,7 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True, st
 
     try:
         reader = SafeReader(path)
+        reader.read_metadata()  # a refusal raised as itself, not as DCP's "fall back to rank-local metadata"
         dcp.load(entries, storage_reader=reader, planner=LoadPlanner(reader), process_group=group)
     except CheckpointError:
         raise
@@ -414,8 +425,10 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True, st
     )
 
 
+from .background import AsyncSaver, Staged  # noqa: E402 - it calls _save
+
 __all__ = [
-    "CheckpointError", "CheckpointWarning", "foreign_dirs", "unfinished_saves", "FlatShard", "Loaded", "MANIFEST", "checkpoint_dir", "check_compatible",
+    "AsyncSaver", "Staged", "CheckpointError", "CheckpointWarning", "foreign_dirs", "unfinished_saves", "FlatShard", "Loaded", "MANIFEST", "checkpoint_dir", "check_compatible",
     "incomplete_checkpoints", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
     "read_manifest", "save_checkpoint", "verify_checkpoint",
 ]

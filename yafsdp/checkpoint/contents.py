@@ -128,6 +128,11 @@ def describe_buffers(model) -> list[dict]:
 
 
 def buffer_entries(model) -> dict[str, torch.Tensor]:
+    """Rank 0's copies only: one copy is written, and it is rank 0's whatever DCP's de-duplication
+    would pick (a rank whose forward updated its copy differently -- BatchNorm on per-rank data
+    without SyncBatchNorm -- does not make the checkpoint depend on plan sizes)."""
+    if model.rank != 0:
+        return {}
     return {f"buffer.{key}": m._buffers[b].detach() for key, m, b in _buffers(model)}
 
 
@@ -226,13 +231,14 @@ def collect(model, optimizer, state, rank_states: dict) -> tuple[dict, dict | No
 
 def needed_bytes(model, entries: dict) -> int:
     """About how many bytes a save of ``entries`` writes, over all ranks: the global tensors'
-    bytes (the unpadded flat units, optimizer state like them; plain tensors once) plus DCP's
-    per-item overhead and the small items. A lower bound in practice (DCP adds a zip header per
-    item and rank)."""
-    total = 64 << 10  # .metadata, manifest, byte items
+    bytes (the unpadded flat units, optimizer state like them; plain tensors once) plus 1 KiB per
+    tensor. A lower bound (torch.save's zip container adds about 2 KiB per item and rank, and
+    ``.metadata`` and the manifest come on top), so that a save refused for want of space would
+    surely have failed."""
+    total = 0
     for v in entries.values():
         if isinstance(v, FlatShard):
-            total += v.numel * v.local.element_size() + 1024 * model.world_size
+            total += v.numel * v.local.element_size() + 1024
         elif isinstance(v, torch.Tensor):
             total += v.numel() * v.element_size() + 1024
     return total

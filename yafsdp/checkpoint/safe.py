@@ -155,9 +155,10 @@ def load_bytes(value: io.BytesIO, fqn: str, file: str):
     try:
         return decode(torch.load(value, weights_only=True, map_location="cpu"))
     except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError (or others) for a refused global
-        first = str(e).strip().splitlines()
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        why = next((x for x in lines if "WeightsUnpickler error" in x), lines[0] if lines else "")
+        why = why.split(" was not an allowed global")[0].replace("WeightsUnpickler error: ", "")
         raise CheckpointError(
             f"checkpoint file {file!r}: entry {fqn!r} needs more than tensors, numbers and containers to load "
-            f"({type(e).__name__}: {first[0] if first else ''}); loading it could run code from the file, so it "
-            "is refused. Do not load this checkpoint"
+            f"({why}); loading it could run code from the file, so it is refused. Do not load this checkpoint"
         ) from None
