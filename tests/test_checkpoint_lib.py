@@ -81,14 +81,16 @@ def _same(a, b):
 class _Full:
     """A write stream that takes ``room`` bytes, then fails as a full disk does."""
 
-    def __init__(self, inner, room):
-        self.inner, self.room = inner, room
+    def __init__(self, inner, room, lose_errno=False):
+        self.inner, self.room, self.lose_errno = inner, room, lose_errno
 
     def write(self, b):
         n = len(memoryview(b).cast("B"))
         if n > self.room:
             self.inner.write(memoryview(b).cast("B")[:self.room])
             self.room = 0
+            if self.lose_errno:  # as torch's zip writer reports it: no errno, and the disk is full
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self.room -= n
         return self.inner.write(b)
@@ -98,22 +100,27 @@ class _Full:
 
 
 @contextlib.contextmanager
-def _disk_full(name_part, room, on=True):
-    """DCP's files whose name contains ``name_part`` take ``room`` bytes, then ENOSPC."""
+def _disk_full(name_part, room, on=True, lose_errno=False):
+    """DCP's files whose name contains ``name_part`` take ``room`` bytes, then ENOSPC (or, with
+    ``lose_errno``, a RuntimeError while the filesystem reports no free bytes)."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    real = FileSystem.create_stream
+    from yafsdp.checkpoint import space
+
+    real, real_free = FileSystem.create_stream, space.free_bytes
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
         with real(self, path, mode) as s:
-            yield _Full(s, room) if on and "w" in mode and name_part in str(path) else s
+            yield _Full(s, room, lose_errno) if on and "w" in mode and name_part in str(path) else s
 
     FileSystem.create_stream = create_stream
+    if on and lose_errno:  # the partial save's folder is on a full filesystem
+        space.free_bytes = lambda path: 0 if ckpt.TMP_PREFIX in str(path) else real_free(path)
     try:
         yield
     finally:
-        FileSystem.create_stream = real
+        FileSystem.create_stream, space.free_bytes = real, real_free
 
 
 class Evil:
@@ -195,6 +202,7 @@ def _world2(rank, world, base):
         "data file (rank 1)": lambda: _disk_full("__1_", 100, on=rank == 1),
         "data file (rank 0)": lambda: _disk_full("__0_", 700, on=rank == 0),
         ".metadata": lambda: _disk_full(".metadata", 10, on=rank == 0),
+        "data file, errno lost": lambda: _disk_full("__1_", 100, on=rank == 1, lose_errno=True),
     }.items():
         with ctx():
             try:
@@ -292,22 +300,41 @@ def _world1(rank, world, path3, base):
     model, opt = _bn()
     ckpt.load_checkpoint(path3, model, opt)
     out["sd3"] = model.full_state_dict()
-    # A real full disk: a tmpfs with room for one checkpoint and a half.
+    # A real full disk: a small tmpfs, filled up to a point by a filler file.
+    from yafsdp.checkpoint import contents, space
+
     mnt = os.path.join(base, "small")
     first = ckpt.save_checkpoint(os.path.join(base, "probe"), 1, model, opt)
     size = sum(os.path.getsize(os.path.join(first, f)) for f in os.listdir(first))
-    ok, why = _tmpfs(mnt, (size * 3 // 2 // 4096 + 1) * 4096)
+    ok, why = _tmpfs(mnt, (size * 3 // 4096 + 1) * 4096)
     out["tmpfs"] = why if not ok else None
+    needed = contents.needed_bytes(model, contents.collect(model, opt, None, {0: None})[0])
+
+    def leave(n):  # fill the tmpfs until about n bytes are free
+        with open(os.path.join(mnt, "filler"), "wb") as f:
+            f.write(b"\0" * max(0, (space.free_bytes(mnt) - n) // 4096 * 4096))
+
     if ok:
         try:
             root = os.path.join(mnt, "ck")
             out["real_first"] = ckpt.save_checkpoint(root, 1, model, opt)
+            leave(needed // 2)  # less than the estimate: refused before writing
             try:
                 ckpt.save_checkpoint(root, 2, model, opt)
                 out["real_full"] = None
             except ckpt.CheckpointError as e:
                 out["real_full"] = str(e)
             out["real_after"] = (ckpt.latest_checkpoint(root), ckpt.incomplete_checkpoints(root))
+            # Room for the estimate but not for DCP's zip headers and .metadata: the write itself fails.
+            os.remove(os.path.join(mnt, "filler"))
+            leave(needed + 12288)
+            out["midway_free"] = (space.free_bytes(mnt), needed)
+            try:
+                ckpt.save_checkpoint(root, 3, model, opt)
+                out["real_midway"] = None
+            except ckpt.CheckpointError as e:
+                out["real_midway"] = str(e)
+            out["real_after_midway"] = (ckpt.latest_checkpoint(root), ckpt.incomplete_checkpoints(root))
             m2, o2 = _bn()
             ckpt.load_checkpoint(out["real_first"], m2, o2)
             out["real_loads"] = _same(m2.full_state_dict(), out["sd3"])
@@ -352,7 +379,8 @@ def test_full_disk_says_so(runs):
     r0 = runs[0][0]
     for rank in (0, 1):
         fails = runs[0][rank]["disk_full"]
-        assert set(fails) == {"data file (rank 1)", "data file (rank 0)", ".metadata", "manifest"}
+        assert set(fails) == {"data file (rank 1)", "data file (rank 0)", ".metadata", "manifest",
+                              "data file, errno lost"}
         for case, msg in fails.items():
             assert msg is not None, case
             assert "out of disk space in" in msg and "/bn'" in msg, (case, msg)
@@ -366,7 +394,11 @@ def test_full_disk_says_so(runs):
         pytest.skip(f"cannot mount a tmpfs here: {b['tmpfs']}")
     assert "out of disk space in" in b["real_full"] and "nothing was written" in b["real_full"], b["real_full"]
     assert b["real_after"] == (b["real_first"], []) and b["real_loads"]
+    assert "out of disk space in" in b["real_midway"] and "free there before this save" in b["real_midway"]
+    assert "nothing was written" not in b["real_midway"], (b["real_midway"], b["midway_free"])  # failed writing
+    assert b["real_after_midway"] == (b["real_first"], [])
     assert r0["disk_full"]["data file (rank 1)"].count("rank 1") == 1
+    assert "unexpected pos" in r0["disk_full"]["data file, errno lost"]
 
 
 def test_settings_recorded_and_checked(runs):

@@ -199,7 +199,8 @@ def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, wo
     # checksum is one rank's): no rank is left waiting, and rank 0 removes the partial save only
     # once no rank writes into it any more.
     parts = gather_object((problem, mine), group)
-    problem = next((p for p, _ in parts if p), None)
+    problems = [p for p, _ in parts if p]  # a rank that saw the disk full says more than one that did not
+    problem = next((p for p in problems if p.startswith("out of disk space")), problems[0] if problems else None)
     if problem is not None:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
