@@ -276,8 +276,17 @@ def _world2(rank, world, base):
     contents.encode = lambda x, where: x
     try:
         bad_state = ckpt.save_checkpoint(os.path.join(base, "evil_state"), 3, m3, o3, state={"x": Evil(marker)})
+        # as written before encode existed: numpy's RNG state pickled as an array -- still loads
+        import numpy as np
+
+        np.random.seed(rank)
+        old = ckpt.save_checkpoint(os.path.join(base, "old_rng"), 3, m3, o3, rank_state=np.random.get_state())
     finally:
         contents.encode = real_encode
+    st = ckpt.load_checkpoint(old, *_bn()).rank_state
+    np.random.seed(rank)
+    want = np.random.get_state()
+    out["old_rng"] = st[0] == want[0] and np.array_equal(st[1], want[1]) and st[2:] == want[2:]
     out["evil_state"] = _load_error(bad_state, *_bn())
     out["evil_state_marker"] = os.path.exists(marker)
     try:
@@ -372,6 +381,7 @@ def test_loading_runs_no_code(runs):
         msg = r["evil_state"]
         assert ".distcp'" in msg and "io.open" in msg and "'state'" in msg and "refused" in msg
     assert not r0["evil_meta_marker"] and not r0["evil_state_marker"]
+    assert r0["old_rng"] and runs[0][1]["old_rng"]  # numpy arrays in byte items written earlier still load
     assert "rank_state (rank 0)['gen']" in r0["save_object"] and "Evil" in r0["save_object"]
 
 

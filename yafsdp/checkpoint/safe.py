@@ -150,10 +150,23 @@ def decode(x):
     return x
 
 
+def _numpy_globals() -> list:
+    """What a plain numpy array needs under weights_only: checkpoints written before ``encode``
+    pickled ``rank_state``'s numpy RNG state as an array. Object arrays stay refused (their dtype
+    class is left out)."""
+    core = getattr(np, "_core", None) or np.core
+    out = [core.multiarray._reconstruct, np.ndarray, np.dtype]
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        out += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType") and n != "ObjectDType"]
+    return out
+
+
 def load_bytes(value: io.BytesIO, fqn: str, file: str):
     """A byte item, read with ``weights_only=True``; CheckpointError naming the file otherwise."""
     try:
-        return decode(torch.load(value, weights_only=True, map_location="cpu"))
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return decode(torch.load(value, weights_only=True, map_location="cpu"))
     except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError (or others) for a refused global
         lines = [x.strip() for x in str(e).splitlines() if x.strip()]
         why = next((x for x in lines if "WeightsUnpickler error" in x), lines[0] if lines else "")
