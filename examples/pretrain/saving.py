@@ -9,6 +9,8 @@ the one in flight), and an exception or a signal waits for the write in flight.
 """
 from __future__ import annotations
 
+import time
+
 from yafsdp import checkpoint as C
 
 
@@ -27,22 +29,28 @@ def _failed(job, e: C.CheckpointError, step: int):
 def save(job, bar, state: dict, meta: dict, rank_state) -> None:
     """Stage this step's checkpoint and write it in the background (collective)."""
     a = job.args
+    t0 = time.perf_counter()
     try:
         if getattr(job, "saver", None) is None:
             job.saver_step = None
             job.saver = C.AsyncSaver(job.model, job.opt)  # collective: its writer's gloo group
+        job.saver.wait()  # the previous save (at most one in flight): its failure stops the run here
+    except C.CheckpointError as e:
+        raise _failed(job, e, job.step if job.saver_step is None else job.saver_step) from None
+    poll(job, bar)  # the previous one's "saved", if it completed while we waited
+    wait_s = time.perf_counter() - t0
+    try:
         staged = job.saver.save(job.plan["ck_root"], job.step, state=state, rank_state=rank_state, meta=meta,
                                 keep=a.keep)
     except C.CheckpointError as e:
         raise _failed(job, e, job.step) from None
-    poll(job, bar)  # the previous one, if it completed while we waited
     job.saver_step = job.step
-    waited = f"; waited {staged.waited_s:.1f} s for the previous save" if staged.waited_s >= 0.05 else ""
+    waited = f"; waited {wait_s:.1f} s for the previous save to finish" if wait_s >= 0.05 else ""
     _write(job, bar, f"saving   step {job.step} in the background (training blocked {staged.staged_s:.2f} s{waited}; "
                      f"staging copy {staged.staging_bytes / 2**20:.0f} MiB of host memory on this rank)")
     if job.main:
         job.events.write(dict(event="save_staged", step=job.step, path=staged.path,
-                              seconds=round(staged.staged_s + staged.waited_s, 3)))
+                              seconds=round(staged.staged_s + wait_s, 3)))
 
 
 def poll(job, bar) -> None:
