@@ -132,7 +132,8 @@ def run(a):
         for k, v in rows.items():
             lines.append(f"| {k} | {med[k]:.3f} | {', '.join(f'{x:.3f}' for x in v)} |")
         ratio = med["async_blocked"] / med["sync_blocked"]
-        lines += ["", f"async blocked / sync blocked = {ratio:.3f} (goal <= 0.25: {'met' if ratio <= 0.25 else 'NOT met'})",
+        verdict = "met" if ratio <= 0.25 else "NOT met"
+        lines += ["", f"async blocked / sync blocked = {ratio:.3f} (goal <= 0.25: {verdict})",
                   f"step time: baseline {med['baseline']:.3f} s, after a sync save {med['after_sync']:.3f} s, "
                   f"during the async write {med['during_async']:.3f} s "
                   f"({med['during_async'] / med['baseline']:.2f}x baseline)"]
@@ -142,7 +143,8 @@ def run(a):
             v = versions()
             with open(a.md, "w") as f:
                 f.write(f"# bench_ckpt -- {dev.type} ({cores} cores), {time.strftime('%Y-%m-%d')}\n\n")
-                f.write(f"Command:\n\n```\n{a.argv}\n```\n\nVersions: {v}. Load average (1 min) at the end: {load}.\n\n")
+                f.write(f"Command:\n\n```\n{a.argv}\n```\n\n")
+                f.write(f"Versions: {v}. Load average (1 min) at the end: {load}.\n\n")
                 f.write(text + "\n")
         shutil.rmtree(a.root, ignore_errors=True)
     dist.barrier()

@@ -166,6 +166,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error("--export-only reads the run in --out; it cannot be combined with --overwrite")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+    if args.async_save and args.hsdp > 1:
+        p.error("--async-save is not supported with --hsdp yet (HSDP checkpoints are saved synchronously); drop one")
     args.preset_info = pr
     return args
 
