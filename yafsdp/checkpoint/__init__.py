@@ -24,9 +24,14 @@ elements of a flat unit are laid out the same for every world size, a checkpoint
 ranks loads on M ranks: DCP reads, for each rank, the byte ranges of the saved chunks that
 overlap its new shard. Optimizer state tensors shaped like a shard (AdamW's ``exp_avg``,
 ``exp_avg_sq``) are saved the same way as ``optim.<unit>.<key>``; other state (the ``step``
-count) is saved once. ``state`` (picklable, identical on every rank: step, data position) is
-saved once; ``rank_state`` (picklable, per rank: RNG states) is saved per rank as
-``rank_state.<rank>`` and given back on load to ranks that existed in the saved world.
+count) is saved once. ``state`` (identical on every rank: step, data position) is saved once;
+``rank_state`` (per rank: RNG states) is saved per rank as ``rank_state.<rank>`` and given back
+on load to ranks that existed in the saved world; both hold tensors, numpy arrays, numbers,
+strings and containers of them (see [Note: loading runs no code from the checkpoint] in safe.py).
+The module's persistent buffers are saved once as ``buffer.<key>`` (see [Note: module buffers in
+checkpoints] in contents.py) and the engine's settings go into the manifest (see [Note: engine
+settings in the manifest]). A full disk: see [Note: a full disk] in space.py; saving in the
+background: [Note: asynchronous saves] in background.py.
 
 [Note: atomic saves]
 All ranks write into ``root/.tmp.step_N``. When DCP returns (its metadata is written after every

@@ -26,7 +26,8 @@ A failure of the background phase is kept and raised by the next ``save``, by ``
 The thread is not a daemon: an interpreter that exits (the end of a script, an exception) waits
 for the write to end. The staging buffers are kept for the next save (no reallocation); their
 size is ``staging_bytes`` -- host memory on top of the engine's plan, the size of this rank's part
-of the checkpoint.
+of the checkpoint. Call ``wait()`` before a synchronous ``save_checkpoint`` into the same root: a
+save removes the ``.tmp.*`` directories it finds, which would include the one being written.
 """
 from __future__ import annotations
 
