@@ -52,6 +52,13 @@ def test_bench_step_cpu(tmp_path):
     assert ("NOISE WARNING" in text) == r["noise"]["busy"]
 
 
+def test_bench_ckpt_cpu(tmp_path):
+    text = _run("bench_ckpt.py", *TINY, "--hidden", "0", "--intermediate", "0", "--layers", "0", "--rounds", "1",
+                "--steps", "1", "--root", str(tmp_path / "ck"), "--md", str(tmp_path / "r.md"))
+    assert "async blocked / sync blocked =" in text and "staging copy" in text
+    assert not os.path.exists(tmp_path / "ck")  # the checkpoints are removed
+
+
 def test_bench_step_noise_report():
     """[Note: noise]: quiet competitors and an idle machine give no warning; a competitor whose own
     step times spread by 40% (or a loaded machine) does, with the values."""

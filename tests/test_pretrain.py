@@ -49,7 +49,7 @@ def runs(tmp_path_factory):
     def lane_ref():  # 2 nodes x 1 rank; then HF in (1 rank) and out again (2 ranks)
         port = free_port()
         rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "ref", "--nnodes", "2"]
-        ref_args = ["--steps", "12", "--save-every", "6", "--out", out["ref"], "--export-hf",
+        ref_args = ["--steps", "12", "--save-every", "6", "--async-save", "--out", out["ref"], "--export-hf",
                     os.path.join(out["ref"], "hf")]
         nodes = [subprocess.Popen(torchrun_cmd(1, rdzv + ["--node-rank", str(i)]) + FAST + ref_args, env=env(),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -106,6 +106,17 @@ def test_two_nodes_match_one_node_and_exact_resume(runs):
     resume = [e for e in ev if e["event"] == "resume"]
     assert len(resume) == 1 and resume[0]["step"] == 6 and resume[0]["checkpoint"].endswith("step_00000006")
     assert "resumed from" in runs["second"].stdout
+
+
+def test_async_save_reports_when_complete(runs):
+    """ref saved step 6 with --async-save: staged, then 'saved' once complete; the same losses as half."""
+    out = runs["ref_stdout"]
+    staged = out.index("saving   step 6 in the background (training blocked")
+    done = out.index("saved    ", staged)
+    assert "step_00000006 (" in out[done:done + 300] and "in the background)" in out[done:done + 300]
+    ev = events(runs["out"]["ref"])
+    assert [e["step"] for e in ev if e["event"] == "save_staged"] == [6]
+    assert [(e["step"], e.get("background")) for e in ev if e["event"] == "save"] == [(6, True), (12, None)]
 
 
 def test_reshard_2_to_1(runs):
@@ -385,3 +396,29 @@ def test_compile_flag_trains_like_eager(tmp_path):
     flags = next(line for line in p.stdout.splitlines() if line.startswith("flags    ")).split()
     assert "--compile" in flags
     assert close(losses(comp), losses(eager), rel=1e-4), (losses(comp), losses(eager))
+
+
+def test_crafted_checkpoint_runs_no_code(runs, tmp_path):
+    """A checkpoint whose .metadata would run code on unpickling (checksums recomputed) is refused by
+    examples/generate.py's loader and by the job's --resume, naming the file; the payload never runs."""
+    import pickle
+
+    from test_checkpoint_lib import Evil, _rewrite_manifest
+
+    run = str(tmp_path / "run")
+    shutil.copytree(runs["out"]["ref"], run, ignore=shutil.ignore_patterns("hf"))
+    marker = str(tmp_path / "PWNED")
+    path = os.path.join(run, "checkpoints", "step_00000012")
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(Evil(marker), f)
+    _rewrite_manifest(path)
+    sys.path.insert(0, os.path.dirname(GENERATE))
+    try:
+        import generate
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(generate.GenerateError, match=r"\.metadata' refers to io\.open.*refused"):
+        generate.load(run)
+    p = run_job(["--resume", "--steps", "13", "--out", run], nproc=0, check=False)
+    assert p.returncode != 0 and "step_00000012/.metadata' refers to io.open" in p.stderr, p.stderr[-2000:]
+    assert not os.path.exists(marker)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import yafsdp
 from pretrain import data as D  # examples/pretrain (the job script's directory is on sys.path)
 from pretrain import progress as P
+from pretrain import saving as S
 from pretrain.ops import Diverged, JobError, OutLock, StopSignal, agree, init_distributed
 from pretrain.presets import DEFAULT_PRESET, model_config_dict, presets
 from yafsdp import checkpoint as C
@@ -113,6 +114,9 @@ def build_parser(prog: str = "pretrain_llama.py",
     g.add_argument("--out", default="runs/default", help="checkpoints, metrics, plots")
     g.add_argument("--save-every", type=int, default=100, help="checkpoint every K steps (0: only at the end)")
     g.add_argument("--keep", type=int, default=3, help="complete checkpoints kept")
+    g.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=False,
+                   help="write the periodic checkpoints in the background: training is blocked only for a host "
+                   "copy of this rank's part of the checkpoint (see docs/checkpoints.md)")
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="auto|PATH",
                    help="continue from the newest complete checkpoint in --out (--resume), that one if any "
                    "(--resume auto), or a given checkpoint directory")
@@ -162,6 +166,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error("--export-only reads the run in --out; it cannot be combined with --overwrite")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+    if args.async_save and args.hsdp > 1:
+        p.error("--async-save is not supported with --hsdp yet (HSDP checkpoints are saved synchronously); drop one")
     args.preset_info = pr
     return args
 
@@ -665,6 +671,12 @@ class Job:
                 if a.save_every and self.step % a.save_every == 0 and self.step < a.steps:
                     self.save(bar)
                     last_saved = self.step
+                S.poll(self, bar)
+        except BaseException:
+            S.drain(self, bar, quiet=True)  # the write in flight ends before the exception goes on
+            raise
+        else:
+            S.drain(self, bar)
         finally:
             bar.close()
             stop.uninstall()
@@ -685,6 +697,8 @@ class Job:
         meta = dict(model_shape=self.shape, preset_args=describe_model_args(a), optimizer=self.opt_name,
                     tokenizer="bytes" if isinstance(self.tokenizer, D.ByteTokenizer) else self.tokenizer.name)
         self.check_finite()
+        if a.async_save and bar is not None:  # periodic saves; the run's last one is synchronous
+            return S.save(self, bar, state, meta, get_rng_state(self.device))
         with warnings.catch_warnings(record=True) as notes:
             warnings.simplefilter("always", C.CheckpointWarning)
             try:

@@ -24,9 +24,14 @@ elements of a flat unit are laid out the same for every world size, a checkpoint
 ranks loads on M ranks: DCP reads, for each rank, the byte ranges of the saved chunks that
 overlap its new shard. Optimizer state tensors shaped like a shard (AdamW's ``exp_avg``,
 ``exp_avg_sq``) are saved the same way as ``optim.<unit>.<key>``; other state (the ``step``
-count) is saved once. ``state`` (picklable, identical on every rank: step, data position) is
-saved once; ``rank_state`` (picklable, per rank: RNG states) is saved per rank as
-``rank_state.<rank>`` and given back on load to ranks that existed in the saved world.
+count) is saved once. ``state`` (identical on every rank: step, data position) is saved once;
+``rank_state`` (per rank: RNG states) is saved per rank as ``rank_state.<rank>`` and given back
+on load to ranks that existed in the saved world; both hold tensors, numpy arrays, numbers,
+strings and containers of them (see [Note: loading runs no code from the checkpoint] in safe.py).
+The module's persistent buffers are saved once as ``buffer.<key>`` (see [Note: module buffers in
+checkpoints] in contents.py) and the engine's settings go into the manifest (see [Note: engine
+settings in the manifest]). A full disk: see [Note: a full disk] in space.py; saving in the
+background: [Note: asynchronous saves] in background.py.
 
 [Note: atomic saves]
 All ranks write into ``root/.tmp.step_N``. When DCP returns (its metadata is written after every
@@ -59,7 +64,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..dist import gather_object, raise_if_any, raise_together
 from ..hsdp import across_replicas
+from . import contents, space
+from .contents import (
+    _model_entries,
+    _optimizer_params,
+    _units,
+    _zero_padding,
+    _flat_shard,
+)
 from .dcp_glue import FlatShard, LoadPlanner, SavePlanner
+from .safe import SafeReader
 from .files import (
     FORMAT,
     MANIFEST,
@@ -85,98 +99,6 @@ def _group_info(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-
-
-# ------------------------------------------------------------------------------ state collection
-def _units(model) -> list[dict]:
-    return [
-        dict(name=i.key, numel=i.numel, params=[[n, list(sh)] for n, sh in zip(i.param_names, i.param_shapes)])
-        for i in model.shard_info()
-    ]
-
-
-def _flat_shard(info, tensor: torch.Tensor) -> FlatShard:
-    """The part of this rank's shard (``info``: a yafsdp.shards.ShardInfo) below the unpadded length."""
-    valid = max(0, min(info.shard_numel, info.numel - info.shard_start))
-    return FlatShard(tensor[:valid], min(info.shard_start, info.numel), info.numel)
-
-
-def _model_entries(model) -> dict[str, FlatShard]:
-    """The DCP entries of the model's shards: ``model.<key>`` per flat group; an NF4 group (see
-    [Note: NF4 frozen groups] in yafsdp/nf4.py) as its packed codes ``model.<unit>.nf4`` (uint8,
-    numel/2 bytes) and its scales ``model.<unit>.nf4.scales`` (numel/64), both laid out the same
-    for every world size (blocks start at the group's start), so they reshard like the others."""
-    from .. import nf4
-
-    out = {}
-    for i in model.shard_info():
-        if i.values_dtype is None:
-            out[f"model.{i.key}"] = _flat_shard(i, i.param.detach())
-            continue
-        data, scales = nf4.split_record(i.param.detach(), i.shard_numel, i.values_dtype)
-        valid = max(0, min(i.shard_numel, i.numel - i.shard_start))
-        start = min(i.shard_start, i.numel)
-        out[f"model.{i.key}"] = FlatShard(data[:valid // 2], start // 2, i.numel // 2)
-        out[f"model.{i.key}.scales"] = FlatShard(scales[:valid // nf4.BLOCK], start // nf4.BLOCK,
-                                                 i.numel // nf4.BLOCK)
-    return out
-
-
-def _zero_padding(model, entries: dict) -> None:
-    """After a load: the padding past the loaded part is zero (NF4: a block of zeros, which
-    expands to zeros), whatever was there; bumps each shard's version."""
-    from .. import nf4
-
-    with torch.no_grad():
-        for i in model.shard_info():
-            valid = entries[f"model.{i.key}"].local.numel()
-            if i.values_dtype is None:
-                i.param.detach()[valid:].zero_()
-                continue
-            data, scales = nf4.split_record(i.param.detach(), i.shard_numel, i.values_dtype)
-            data[valid:].fill_(nf4.ZERO_INDEX << 4 | nf4.ZERO_INDEX)
-            scales[entries[f"model.{i.key}.scales"].local.numel():].zero_()
-
-
-def _optimizer_params(model, optimizer) -> list[tuple[Any, Any]]:
-    """(shard info, param) for every parameter of ``optimizer``, in its state_dict index order."""
-    by_id = {id(i.param): i for i in model.shard_info()}
-    out = []
-    for gi, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            info = by_id.get(id(p))
-            if info is None:
-                raise CheckpointError(
-                    f"optimizer param group {gi} holds a parameter of shape {tuple(p.shape)} that is not one "
-                    "of the wrapped model's flat shards; build the optimizer from model.parameters() or "
-                    "model.param_groups()"
-                )
-            out.append((info, p))
-    return out
-
-
-def _optimizer_entries(model, optimizer) -> tuple[dict, dict]:
-    """DCP entries and the manifest's description of the optimizer state."""
-    entries: dict[str, Any] = {}
-    layout: dict[str, dict] = {}
-    for info, p in _optimizer_params(model, optimizer):
-        st = optimizer.state.get(p, {})
-        desc = {}
-        for key, v in st.items():
-            name = f"optim.{info.key}.{key}"
-            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == p.shape:
-                entries[name] = _flat_shard(info, v.detach())
-                desc[key] = dict(kind="shard", dtype=str(v.dtype).replace("torch.", ""))
-            elif isinstance(v, torch.Tensor):
-                entries[name] = v.detach()
-                desc[key] = dict(kind="tensor", dtype=str(v.dtype).replace("torch.", ""), shape=list(v.shape))
-            else:
-                entries[name] = v
-                desc[key] = dict(kind="object")
-        layout[info.key] = desc
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
-    entries["optim.param_groups"] = groups
-    return entries, dict(cls=type(optimizer).__name__, state=layout, groups=[len(g["params"]) for g in optimizer.param_groups])
 
 
 # ------------------------------------------------------------------------------------------ save
@@ -221,14 +143,23 @@ def save_checkpoint(
 # for the whole save in one broadcast: the process group's timeout must exceed the time of a save.
 
 
-def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, world_record) -> str:
+def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, world_record,
+          group=None, collected=None) -> str:
     """The save of one shard group; ``rank_states``: this rank's entries ``rank_state.<key>``;
-    ``world_record``: the world size the manifest records (None: the group's)."""
-    group = model.process_group
+    ``world_record``: the world size the manifest records (None: the group's). An asynchronous
+    save (see background.py) runs this on its writer thread with its own ``group`` and the
+    ``collected`` (entries, optimizer description) it staged; it then reads nothing of ``model``
+    but its static layout."""
+    group = group if group is not None else model.process_group
     rank, world = _group_info(group)
-    model.check_idle("save_checkpoint")
+    if collected is None:
+        model.check_idle("save_checkpoint")
+        collected = contents.collect(model, optimizer, state, rank_states)
+    entries, opt_desc = collected
+    needed = contents.needed_bytes(model, entries)
     final = checkpoint_dir(root, step)
     tmp = os.path.join(root, f"{TMP_PREFIX}{PREFIX}{step:08d}")
+    free = space.free_bytes(root)  # before this save writes (see [Note: a full disk])
 
     problem = None
     if rank == 0:
@@ -243,20 +174,16 @@ def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, wo
                     break
                 warnings.warn(f"{other!r} has no {MANIFEST}: not a complete checkpoint, skipped and left in place",
                               CheckpointWarning, stacklevel=2)
+            free = space.free_bytes(root)  # after removing killed saves
+            if problem is None and free is not None and free < needed:
+                problem = f"step {step} was not saved: {space.space_problem(root, free, needed)}; nothing was written"
             if problem is None:
                 os.makedirs(tmp)
         except OSError as e:
             problem = f"cannot prepare checkpoint directory {tmp!r}: {describe_os_error(e)}"
+            if space.is_out_of_space(e, root):
+                problem += f"; {space.space_problem(root, free, needed)}"
     raise_together(problem, group, CheckpointError)
-
-    entries: dict[str, Any] = dict(_model_entries(model))
-    opt_desc = None
-    if optimizer is not None:
-        opt_entries, opt_desc = _optimizer_entries(model, optimizer)
-        entries.update(opt_entries)
-    entries["state"] = dict(state or {})
-    for key, st in rank_states.items():
-        entries[f"rank_state.{key}"] = st
 
     problem = None
     try:
@@ -267,13 +194,18 @@ def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, wo
         mine = {f: dict(bytes=os.path.getsize(os.path.join(tmp, f)), crc32=crc32(os.path.join(tmp, f)))
                 for f in files[rank::world]}
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        problem = f"saving checkpoint into {tmp!r} failed on rank {rank}: {_root_cause(e)}"
+        who = _failing_rank(e, rank)
+        problem = f"saving checkpoint into {tmp!r} failed on rank {who}: {_root_cause(e)}"
+        if space.is_out_of_space(e, tmp):  # checked before the partial save is removed
+            problem = f"{space.space_problem(root, free, needed)} (saving into {tmp!r} failed on rank {who}: " \
+                      f"{_root_cause(e)})"
         mine = {}
     # Every rank reaches this gather, failed or not (DCP raises on every rank together; a failed
     # checksum is one rank's): no rank is left waiting, and rank 0 removes the partial save only
     # once no rank writes into it any more.
     parts = gather_object((problem, mine), group)
-    problem = next((p for p, _ in parts if p), None)
+    problems = [p for p, _ in parts if p]  # a rank that saw the disk full says more than one that did not
+    problem = next((p for p in problems if p.startswith("out of disk space")), problems[0] if problems else None)
     if problem is not None:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -288,6 +220,7 @@ def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, wo
             format=FORMAT, step=int(step), world_size=world_record or world,
             mesh=list(getattr(model, "mesh_shape", (1, world))), saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
             torch=torch.__version__, units=_units(model), optimizer=opt_desc,
+            buffers=contents.describe_buffers(model), settings=contents.settings(model, world_record or world),
             meta=meta or {}, files=sums,
         )
         try:
@@ -301,11 +234,20 @@ def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, wo
                     remove_checkpoint(old, root)
         except OSError as e:
             problem = f"finishing checkpoint {final!r} failed: {describe_os_error(e)}"
+            if space.is_out_of_space(e, tmp):
+                problem = f"{space.space_problem(root, free, needed)} ({problem})"
             if os.path.isdir(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)
                 problem += "; the partial save was removed"
     raise_together(problem, group, CheckpointError)
     return final
+
+
+def _failing_rank(e: BaseException, rank: int) -> int:
+    """The rank whose write failed: DCP raises every rank's failures on every rank."""
+    if isinstance(e, CheckpointException) and e.failures:
+        return min(e.failures)
+    return rank
 
 
 def _root_cause(e: BaseException) -> str:
@@ -318,6 +260,8 @@ def _root_cause(e: BaseException) -> str:
         if x is None or any(x is y for y in seen):
             continue
         seen.append(x)
+        if isinstance(x, CheckpointError):  # ours, raised inside DCP (a refused file): it names the file
+            return str(x)
         if isinstance(x, OSError):
             return describe_os_error(x)
         if isinstance(x, CheckpointException):
@@ -399,17 +343,23 @@ def check_compatible(manifest: dict, model, path: str = "") -> None:
         )
 
 
-def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True) -> Loaded:
-    """Collective. Load checkpoint ``path`` into ``model``'s shards (and ``optimizer``'s state),
-    whatever world size wrote it. Everything is checked before anything is loaded."""
+def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True, strict_buffers: bool = True) -> Loaded:
+    """Collective. Load checkpoint ``path`` into ``model``'s shards, buffers (and ``optimizer``'s
+    state), whatever world size, mesh, zero_stage or offload wrote it. Everything is checked
+    before anything is loaded, and nothing in the checkpoint is run as code (see [Note: loading
+    runs no code from the checkpoint] in safe.py). ``strict_buffers=False``: a checkpoint written
+    before checkpoints held module buffers loads, the buffers keeping their values."""
     group = model.process_group
     rank, world = _group_info(group)
     model.check_idle("load_checkpoint")
     manifest = verify_checkpoint(path, group, checksums=verify)
+    contents.check_settings(manifest, model, path)
     check_compatible(manifest, model, path)
+    contents.check_buffers(manifest, model, path, strict_buffers)
     saved_world = int(manifest["world_size"])
 
     entries: dict[str, Any] = dict(_model_entries(model))
+    entries.update(contents.load_targets(manifest))
     opt_state: dict = {}
     opt_desc = manifest.get("optimizer")
     if optimizer is not None:
@@ -445,13 +395,16 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True) ->
         entries[f"rank_state.{me}"] = None
 
     try:
-        dcp.load(entries, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(), process_group=group)
+        reader = SafeReader(path)
+        reader.read_metadata()  # a refusal raised as itself, not as DCP's "fall back to rank-local metadata"
+        dcp.load(entries, storage_reader=reader, planner=LoadPlanner(reader), process_group=group)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         raise CheckpointError(f"loading checkpoint {path!r} failed: {_root_cause(e)}") from e
 
     _zero_padding(model, entries)
+    contents.load_buffers(model, entries)
     model.mark_loaded()
 
     if optimizer is not None:
@@ -478,8 +431,10 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True) ->
     )
 
 
+from .background import AsyncSaver, Staged  # noqa: E402 - it calls _save
+
 __all__ = [
-    "CheckpointError", "CheckpointWarning", "foreign_dirs", "unfinished_saves", "FlatShard", "Loaded", "MANIFEST", "checkpoint_dir", "check_compatible",
+    "AsyncSaver", "Staged", "CheckpointError", "CheckpointWarning", "foreign_dirs", "unfinished_saves", "FlatShard", "Loaded", "MANIFEST", "checkpoint_dir", "check_compatible",
     "incomplete_checkpoints", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
     "read_manifest", "save_checkpoint", "verify_checkpoint",
 ]

@@ -75,8 +75,9 @@ class LoadPlanner(DefaultLoadPlanner):
     """DCP's default planner, plus FlatShard destinations: each reads the overlapping parts of
     whatever chunks the checkpoint holds (this is the resharding)."""
 
-    def __init__(self):
+    def __init__(self, reader=None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.reader = reader  # a safe.SafeReader: names the file of a refused byte item
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         # The default set-up walks the dict to materialise meta tensors and replaces any value of
@@ -101,3 +102,10 @@ class LoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
         return obj.local if isinstance(obj, FlatShard) else super().lookup_tensor(index)
+
+    def load_bytes(self, read_item, value) -> None:
+        # weights_only, unlike DCP's default: see [Note: loading runs no code from the checkpoint].
+        from .safe import load_bytes
+
+        file = self.reader.file_of(read_item.storage_index) if self.reader is not None else "?"
+        self.state_dict[read_item.dest_index.fqn] = load_bytes(value, read_item.dest_index.fqn, file)
