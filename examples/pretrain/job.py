@@ -170,6 +170,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error("--export-only reads the run in --out; it cannot be combined with --overwrite")
     if args.rewind and args.resume in (None, "latest", "auto"):
         p.error("--rewind needs --resume PATH: the checkpoint to go back to")
+    if args.rewind and args.export_only:
+        p.error("--export-only reads the run as it is; it cannot be combined with --rewind")
     allowed = R.parse_allow_change(args.allow_change)
     if isinstance(allowed, str):
         p.error(allowed)
@@ -396,7 +398,7 @@ class Job:
                 raise JobError(str(e)) from None
             st = loaded.state
             if "settings" not in loaded.meta:  # written before settings were recorded: what its state holds
-                self.check_resumable({}, {k: st[k] for k in ("seq_len", "seed", "global_batch") if k in st})
+                self.check_resumable({}, {k: st[k] for k in ("seq_len", "seed") if k in st})
             self.step, self.cursor = int(st["step"]), int(st["cursor"])
             self.tokens_seen, self.elapsed_before = int(st.get("tokens", 0)), float(st.get("elapsed", 0.0))
             self.resumed_from = (loaded.path, loaded.saved_world_size, st.get("global_batch"))
@@ -525,7 +527,8 @@ class Job:
             self.say(f"rewind   back to step {r['step']}: the continuation after it ({self.plan['rewind']['what']}) "
                      f"is set aside in {r['set_aside']} (moved, nothing deleted; recorded in events.jsonl)")
         if self.changes:
-            self.say(f"note     --allow-change: {R.describe_changes(self.changes)} (recorded in events.jsonl)")
+            self.say(f"note     resumed with settings other than the checkpoint's (see --allow-change): "
+                     f"{R.describe_changes(self.changes)}; recorded in events.jsonl")
         for path in self.plan["foreign"]:
             self.say(f"note     skipped {path}: no {C.MANIFEST}, not a complete checkpoint (not used by --resume, "
                      "left in place)")

@@ -229,12 +229,9 @@ def _finish_rewind(out: str, dest: str, record: dict) -> dict:
     ck_root = os.path.join(out, "checkpoints")
     metrics = os.path.join(out, "metrics.jsonl")
     cks, rows = _later(k, record["checkpoint"], C.list_checkpoints(ck_root), metrics)
-    moved = list(record.get("checkpoints", []))
     os.makedirs(os.path.join(dest, "checkpoints"), exist_ok=True)
     for path in cks:
-        name = os.path.basename(path).replace(OLD_PREFIX, "")
-        os.rename(path, os.path.join(dest, "checkpoints", name))
-        moved.append(name)
+        os.rename(path, os.path.join(dest, "checkpoints", os.path.basename(path).replace(OLD_PREFIX, "")))
     fsync_dir(ck_root)
     if rows:  # the abandoned rows first, then the current line's file without them
         later = [r for r in P.read_jsonl(metrics) if r.get("step", 0) > k]
@@ -247,7 +244,7 @@ def _finish_rewind(out: str, dest: str, record: dict) -> dict:
     png = os.path.join(out, "loss.png")
     if os.path.isfile(png) and not os.path.exists(os.path.join(dest, "loss.png")):
         shutil.copyfile(png, os.path.join(dest, "loss.png"))  # it drew the abandoned line
-    record.update(checkpoints=sorted(set(moved)), time=round(time.time(), 3))
+    record.update(checkpoints=sorted(os.listdir(os.path.join(dest, "checkpoints"))), time=round(time.time(), 3))
     events = P.Events(os.path.join(out, "events.jsonl"))
     events.write({k_: v for k_, v in record.items() if k_ not in ("done", "time")})
     events.close()
@@ -276,7 +273,10 @@ def finish_interrupted_rewinds(out: str) -> list[str]:
 #   seed          the order of the windows;
 #   global_batch  sequences per optimizer step, batch x ranks x accum: the windows of each step.
 #                 batch, ranks and accum are free as long as their product stays (2 ranks ->
-#                 1 rank with --grad-accum 2 continues the same steps);
+#                 1 rank with --grad-accum 2 continues the same steps); a change through the
+#                 number of ranks alone (same --batch-size and --grad-accum: an elastic restart
+#                 on fewer nodes, a resume on more GPUs) is free too -- the launch's size, not the
+#                 recipe; it is noted in the header and recorded like an accepted change;
 #   data          the training token stream -- count and CRC-32 of its first and last 2^20 ids --
 #                 whatever file, format or tokenizer gives it (--data, --tokenizer, --text-key,
 #                 --data-dtype, --val-fraction);
@@ -284,8 +284,8 @@ def finish_interrupted_rewinds(out: str) -> list[str]:
 #                 other shapes are refused outright (the checkpoint cannot be loaded).
 # Free: --lr and the schedule, --weight-decay, --grad-clip, --steps, precision (--bf16), the
 # engine's settings (--zero-stage, --hsdp, --gather-dtype, --compile, activation checkpointing),
-# --attn. A checkpoint written before these were recorded is checked on seq_len, seed and
-# global_batch (its state holds them) once loaded.
+# --attn. A checkpoint written before these were recorded is checked on seq_len and seed (its
+# state holds them) once loaded.
 SETTINGS = ("seq_len", "seed", "global_batch", "data", "model")
 ARCH_KEYS = ("hidden_act", "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "attention_bias",
              "mlp_bias", "attention_dropout", "pretraining_tp")
@@ -342,6 +342,8 @@ def check_settings(saved: dict, now: dict, allowed: set, path: str) -> dict:
             keys = [k for k in sorted({*old, *new}) if old.get(k) != new.get(k)]
             old, new = {k: old.get(k) for k in keys}, {k: new.get(k) for k in keys}
         changes[name] = [old, new]
+        if name == "global_batch" and _ranks_only(saved, now):
+            continue  # the launch's size, not the recipe: free (the header notes it)
         if name not in allowed:
             refused.append(f"{name} {_show(name, old, saved)} (checkpoint) vs {_show(name, new, now)} (now)")
     if refused:
@@ -355,6 +357,13 @@ def check_settings(saved: dict, now: dict, allowed: set, path: str) -> dict:
             f"{'; '.join(refused)}. Resuming would not continue the run's data.{hint} Resume with the run's values, "
             f"or accept the change deliberately with --allow-change {names} (recorded in events.jsonl)")
     return changes
+
+
+def _ranks_only(saved: dict, now: dict) -> bool:
+    """The global batch differs only because the number of ranks does (same --batch-size and
+    --grad-accum): an elastic restart on fewer nodes, a resume on more GPUs."""
+    return bool(saved.get("batch")) and bool(now.get("batch")) and \
+        (saved["batch"][0], saved["batch"][2]) == (now["batch"][0], now["batch"][2])
 
 
 def describe_changes(changes: dict) -> str:
