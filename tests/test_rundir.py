@@ -263,7 +263,7 @@ def test_two_jobs_on_a_new_out(tmp_path):
     run meanwhile; B goes on. Before the fix B had planned a fresh start without the lock and then
     trained into A's run (both exit 0, metrics steps 1-6 twice). Now the plan is made under the
     lock: A is refused, naming B, and B's run is the only one. (b) Two jobs started at once on a
-    new --out: one trains, the other is refused; (c) a refused job leaves no new --out behind."""
+    new --out: one trains, the other is refused."""
     out = str(tmp_path / "new")
     gate = str(tmp_path / "gate")
     script = tmp_path / "paused_job.py"
@@ -281,10 +281,9 @@ def test_two_jobs_on_a_new_out(tmp_path):
     assert [r["step"] for r in metrics(out)] == list(range(1, 7))
     assert [e["event"] for e in events(out)].count("start") == 1
 
-    # (b) at once, each would run for long; (c) --resume on a new --out: refused, nothing left.
+    # (b) at once, each would run for long.
     out2 = str(tmp_path / "new2")
     jobs = [_popen(["--steps", "100000", "--save-every", "0", "--out", out2]) for _ in range(2)]
-    refused = _popen(["--resume", "--out", str(tmp_path / "nothing")])
     t0 = time.monotonic()
     while all(j.poll() is None for j in jobs):
         assert time.monotonic() - t0 < 120
@@ -301,9 +300,27 @@ def test_two_jobs_on_a_new_out(tmp_path):
     assert winner.returncode == 0 and "stopped  by SIGTERM" in wo, we[-2000:]
     steps = [r["step"] for r in metrics(out2)]
     assert steps == list(range(1, len(steps) + 1))
-    ro, re_ = refused.communicate(timeout=120)
-    assert refused.returncode == 2 and "nothing to resume" in re_, re_[-2000:]
-    assert not os.path.exists(tmp_path / "nothing")
+
+
+def test_the_lock_makes_a_new_out_and_a_refused_job_leaves_none(tmp_path):
+    """The lock is taken before --out is read, so it makes a new --out; a job refused before it
+    wrote anything (e.g. --resume with nothing to resume) removes it again. A second lock on the
+    same folder is refused (flock: per open file, also within one process)."""
+    from pretrain.ops import OutLock
+
+    out = str(tmp_path / "a" / "new")
+    first = OutLock(out)
+    first.acquire()
+    assert first.created and os.path.isfile(os.path.join(out, ".lock"))
+    with pytest.raises(R.JobError, match=f"--out {out!r} is in use by another job \\(pid {os.getpid()} on host"):
+        OutLock(out).acquire()
+    first.release()
+    assert not os.path.exists(out) and os.path.isdir(tmp_path / "a")
+    kept = OutLock(out)
+    kept.acquire()
+    open(os.path.join(out, "metrics.jsonl"), "w").close()  # the job wrote something: --out stays
+    kept.release()
+    assert os.listdir(out) == ["metrics.jsonl"]
 
 
 # ----------------------------------------------------------------------- job: rewind and settings

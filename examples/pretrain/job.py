@@ -275,7 +275,7 @@ class Job:
             self.tokenizer = D.make_tokenizer(a.tokenizer)
             self.shape, self.config = model_config(a, self.tokenizer)
             self.load_data()
-            self.settings = R.run_settings(a, self.world, self.batches, self.config)
+            self.settings = R.run_settings(a, self.world, self.batches, self.config, self.model_settings())
             self.manifest = None
             self.changes = {}
             if self.plan["resume_path"]:
@@ -314,6 +314,11 @@ class Job:
         if saved_settings and not self.args.export_only and step < self.args.steps:
             self.changes = R.check_settings(saved_settings, self.settings, self.args.allowed_changes,
                                             self.plan["resume_path"])
+
+    def model_settings(self) -> dict:
+        """What a derived job adds to the ``model`` setting a resume keeps (see [Note: settings a
+        resume keeps]); here nothing beyond the architecture."""
+        return {}
 
     def rewind(self) -> None:
         """Collective: rank 0 sets the continuation after the resumed checkpoint aside (see

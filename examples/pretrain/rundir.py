@@ -280,7 +280,8 @@ def finish_interrupted_rewinds(out: str) -> list[str]:
 #   data          the training token stream -- count and CRC-32 of its first and last 2^20 ids --
 #                 whatever file, format or tokenizer gives it (--data, --tokenizer, --text-key,
 #                 --data-dtype, --val-fraction);
-#   model         the architecture beyond the shapes (RoPE, norm epsilon, activation, biases);
+#   model         the architecture beyond the shapes (RoPE, norm epsilon, activation, biases;
+#                 a derived job adds its own: Job.model_settings, the LoRA job's rank, alpha, targets);
 #                 other shapes are refused outright (the checkpoint cannot be loaded).
 # Free: --lr and the schedule, --weight-decay, --grad-clip, --steps, precision (--bf16), the
 # engine's settings (--zero-stage, --hsdp, --gather-dtype, --compile, activation checkpointing),
@@ -313,10 +314,12 @@ def data_fingerprint(batches) -> dict:
     return dict(tokens=int(n), crc32=f"{crc:08x}")
 
 
-def run_settings(args, world: int, batches, config) -> dict:
-    """This run's values of the settings a resume keeps (see [Note: settings a resume keeps])."""
+def run_settings(args, world: int, batches, config, model_extra: dict | None = None) -> dict:
+    """This run's values of the settings a resume keeps (see [Note: settings a resume keeps]);
+    ``model_extra``: what a derived job adds to ``model`` (the LoRA job: rank, alpha, targets)."""
     cfg = config.to_dict()
-    arch = json.loads(json.dumps({k: cfg[k] for k in ARCH_KEYS if k in cfg}, default=str))
+    arch = {k: cfg[k] for k in ARCH_KEYS if k in cfg}
+    arch = json.loads(json.dumps({**arch, **(model_extra or {})}, default=str))
     return dict(seq_len=args.seq_len, seed=args.seed, global_batch=args.batch_size * world * args.grad_accum,
                 batch=[args.batch_size, world, args.grad_accum], data=data_fingerprint(batches), model=arch)
 
