@@ -263,7 +263,7 @@ class Job:
 
     # ---------------------------------------------------------------- set-up (nothing written yet)
     def prepare(self):
-        a, env = self.args, self.env
+        a = self.args
         if self.world % a.hsdp:  # the same verdict on every rank: they all stop together
             raise JobError(f"--hsdp {a.hsdp} does not divide the world size {self.world}: HSDP needs {a.hsdp} "
                            f"replicas of equal size; launch a multiple of {a.hsdp} ranks (e.g. --hsdp = the number "
@@ -470,7 +470,8 @@ class Job:
         self.metrics = P.JsonLines(self.metrics_path)
         self.events = P.Events(os.path.join(out, "events.jsonl"))
         with open(os.path.join(out, "run.json"), "w") as f:
-            json.dump(dict(argv=sys.argv, args={k: v for k, v in vars(a).items() if k not in ("preset_info", "allowed_changes")},
+            args = {k: v for k, v in vars(a).items() if k not in ("preset_info", "allowed_changes")}
+            json.dump(dict(argv=sys.argv, args=args,
                            world=self.world, device=str(self.device), torch=torch.__version__,
                            yafsdp=yafsdp.__version__, optimizer=self.opt_name, model_shape=self.shape,
                            params=self.n_params), f, indent=1, default=str)
@@ -532,8 +533,8 @@ class Job:
             self.say(f"rewind   back to step {r['step']}: the continuation after it ({self.plan['rewind']['what']}) "
                      f"is set aside in {r['set_aside']} (moved, nothing deleted; recorded in events.jsonl)")
         if self.changes:
-            self.say(f"note     resumed with settings other than the checkpoint's (see --allow-change): "
-                     f"{R.describe_changes(self.changes)}; recorded in events.jsonl")
+            self.say(f"note     settings changed from the checkpoint's: {R.describe_changes(self.changes)}; "
+                     "recorded in events.jsonl")
         for path in self.plan["foreign"]:
             self.say(f"note     skipped {path}: no {C.MANIFEST}, not a complete checkpoint (not used by --resume, "
                      "left in place)")
@@ -569,7 +570,7 @@ class Job:
             kind = "resume" if self.plan["resume_path"] else "start"
             self.events.write(dict(event=kind, step=self.step, world=self.world, restart=self.env.restart_count,
                                    checkpoint=self.plan["resume_path"], optimizer=self.opt_name))
-            if self.changes:  # accepted by --allow-change; see [Note: settings a resume keeps]
+            if self.changes:  # accepted by --allow-change, or free; see [Note: settings a resume keeps]
                 self.events.write(dict(event="settings_changed", step=self.step, checkpoint=self.plan["resume_path"],
                                        changes=self.changes))
         try:

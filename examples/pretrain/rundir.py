@@ -53,7 +53,7 @@ def plan_run(job) -> dict:
         try:
             notes = finish_interrupted_rewinds(job.args.out)
             box[0] = plan_output(job.args, job.env)
-            box[0]["notes"] = notes
+            box[0]["notes"] = notes + box[0].get("notes", [])
         except (JobError, C.CheckpointError, OSError) as e:
             box[1] = str(e) if not isinstance(e, OSError) else \
                 f"--out {job.args.out!r}: {C.describe_os_error(e)}"
@@ -106,6 +106,9 @@ def plan_output(args, env) -> dict:
         plan.update(resume_path=mode.rstrip("/"))
     if plan["resume_path"] and not args.export_only:
         plan["rewind"] = rewind_plan(args, plan["resume_path"], complete, metrics)
+        if args.rewind and plan["rewind"] is None:
+            plan["notes"] = [f"--rewind: no checkpoint after {os.path.basename(plan['resume_path'])} in {ck_root}; "
+                             "nothing set aside"]
     if args.export_hf and os.path.isdir(args.export_hf) and os.listdir(args.export_hf) and env.restart_count == 0:
         raise JobError(f"--export-hf {args.export_hf!r} exists and is not empty; choose a new directory")
     return plan
@@ -166,9 +169,9 @@ def _records(out: str) -> list[tuple[str, dict]]:
 
 
 def rewound_by_this_launch(out: str, path: str) -> bool:
-    me = launcher_id()
+    me, here = launcher_id(), os.path.realpath(path)
     return me is not None and any(
-        r.get("done") and r.get("launcher") == me and os.path.realpath(r.get("checkpoint", "")) == os.path.realpath(path)
+        r.get("done") and r.get("launcher") == me and os.path.realpath(r.get("checkpoint", "")) == here
         for _, r in _records(out))
 
 
