@@ -29,6 +29,7 @@ import os
 import shutil
 import socket
 import time
+import traceback
 import zlib
 
 import numpy as np
@@ -54,9 +55,13 @@ def plan_run(job) -> dict:
             notes = finish_interrupted_rewinds(job.args.out)
             box[0] = plan_output(job.args, job.env)
             box[0]["notes"] = notes + box[0].get("notes", [])
-        except (JobError, C.CheckpointError, OSError) as e:
-            box[1] = str(e) if not isinstance(e, OSError) else \
-                f"--out {job.args.out!r}: {C.describe_os_error(e)}"
+        except (JobError, C.CheckpointError) as e:
+            box[1] = str(e)
+        except OSError as e:
+            box[1] = f"--out {job.args.out!r}: {C.describe_os_error(e)}"
+        except Exception as e:  # noqa: BLE001 - unexpected: still stop every rank together
+            traceback.print_exc()
+            box[1] = f"rank 0: {type(e).__name__}: {e}"
     dist.broadcast_object_list(box, src=0)
     if box[1] is not None:
         raise JobError(box[1])
@@ -242,8 +247,10 @@ def _finish_rewind(out: str, dest: str, record: dict) -> dict:
         with open(tmp, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in later)
         os.replace(tmp, os.path.join(dest, "metrics.jsonl"))
-        record["metrics_steps"] = [rows[0], rows[-1]]
         P.truncate_metrics(metrics, k)
+    moved_rows = P.read_jsonl(os.path.join(dest, "metrics.jsonl"))
+    if moved_rows:
+        record["metrics_steps"] = [moved_rows[0].get("step"), moved_rows[-1].get("step")]
     png = os.path.join(out, "loss.png")
     if os.path.isfile(png) and not os.path.exists(os.path.join(dest, "loss.png")):
         shutil.copyfile(png, os.path.join(dest, "loss.png"))  # it drew the abandoned line
