@@ -215,6 +215,12 @@ class FinetuneJob(J.Job):
         self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return model
 
+    def model_settings(self) -> dict:
+        """The adapters' shape and scaling: a resume with another --lora-alpha would silently scale
+        them differently (another rank or targets would not load); see [Note: settings a resume keeps]."""
+        a = self.args
+        return dict(lora_r=a.lora_r, lora_alpha=a.lora_alpha, lora_targets=sorted(a.targets))
+
     def wrap_options(self) -> dict:
         out = dict(quantize_frozen="nf4") if self.args.qlora else {}
         if self.args.offload:

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 import yafsdp
 from pretrain import data as D  # examples/pretrain (the job script's directory is on sys.path)
 from pretrain import progress as P
+from pretrain import rundir as R
 from pretrain import saving as S
+from pretrain.rundir import describe_run, plan_output  # noqa: F401 - their home was here
 from pretrain.ops import Diverged, JobError, OutLock, StopSignal, agree, init_distributed
 from pretrain.presets import DEFAULT_PRESET, model_config_dict, presets
 from yafsdp import checkpoint as C
@@ -120,6 +122,12 @@ def build_parser(prog: str = "pretrain_llama.py",
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="auto|PATH",
                    help="continue from the newest complete checkpoint in --out (--resume), that one if any "
                    "(--resume auto), or a given checkpoint directory")
+    g.add_argument("--rewind", action="store_true",
+                   help="with --resume PATH of a checkpoint older than the run's newest: go back to it, setting the "
+                   "continuation after it (checkpoints, metrics) aside in --out/abandoned/ (moved, never deleted)")
+    g.add_argument("--allow-change", default=None, metavar="NAMES",
+                   help="resume although these settings differ from the checkpoint's (comma-separated: seq_len, "
+                   "seed, global_batch, data, model; see docs/pretrain.md); recorded in events.jsonl")
     g.add_argument("--overwrite", action="store_true",
                    help="start afresh in an --out that holds a run (deletes it, and says what it deleted)")
     g.add_argument("--export-hf", default=None, metavar="DIR", help="write a HF checkpoint at the end")
@@ -164,6 +172,14 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error("--export-only needs --export-hf DIR: the directory to write the Hugging Face export to")
     if args.export_only and args.overwrite:
         p.error("--export-only reads the run in --out; it cannot be combined with --overwrite")
+    if args.rewind and args.resume in (None, "latest", "auto"):
+        p.error("--rewind needs --resume PATH: the checkpoint to go back to")
+    if args.rewind and args.export_only:
+        p.error("--export-only reads the run as it is; it cannot be combined with --rewind")
+    allowed = R.parse_allow_change(args.allow_change)
+    if isinstance(allowed, str):
+        p.error(allowed)
+    args.allowed_changes = allowed
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     if args.async_save and args.hsdp > 1:
@@ -186,65 +202,6 @@ def lr_at(args, step: int) -> float:
 
 
 # ----------------------------------------------------------------------------------- checks
-def plan_output(args, env) -> dict:
-    """Decide fresh start vs resume; a problem becomes an error before anything is written."""
-    out = args.out
-    ck_root = os.path.join(out, "checkpoints")
-    complete = C.list_checkpoints(ck_root)
-    metrics = os.path.join(out, "metrics.jsonl")
-    has_metrics = os.path.isfile(metrics) and os.path.getsize(metrics) > 0
-    mode = args.resume
-    if mode is None and args.export_only:
-        mode = "latest"  # export the newest complete checkpoint
-    if mode is None and env.restart_count > 0:
-        mode = "auto"  # torchrun restarted us after a failure: continue from the last checkpoint
-    plan = dict(resume_path=None, wipe=False, ck_root=ck_root, foreign=C.foreign_dirs(ck_root))
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise JobError(f"--out {out!r} exists and is not a directory")
-    if mode is None:
-        if (complete or has_metrics) and not args.overwrite:
-            what = f"checkpoints up to {os.path.basename(complete[-1][1])}" if complete else "metrics.jsonl"
-            raise JobError(
-                f"--out {out!r} already holds a run ({what}); pass --resume to continue it, --overwrite to "
-                "discard it, or choose another --out"
-            )
-        plan["wipe"] = args.overwrite and (complete or has_metrics)
-        if plan["wipe"]:
-            plan["discarded"] = describe_run(out, complete, metrics)
-    elif mode in ("latest", "auto"):
-        if complete:
-            plan.update(resume_path=complete[-1][1])
-        elif mode == "latest":
-            partial = C.incomplete_checkpoints(ck_root)
-            extra = f" (only incomplete ones: {', '.join(os.path.basename(x) for x in partial)})" if partial else ""
-            flag = "--export-only" if args.export_only and args.resume is None else "--resume"
-            raise JobError(f"{flag}: nothing to {'export' if flag == '--export-only' else 'resume'}, no complete "
-                           f"checkpoint in {ck_root!r}{extra}")
-        else:
-            plan["wipe"] = has_metrics  # a restart before the first checkpoint: start the run again
-    else:
-        if not os.path.isdir(mode):
-            raise JobError(f"--resume {mode!r}: no such checkpoint directory")
-        plan.update(resume_path=mode.rstrip("/"))
-    if args.export_hf and os.path.isdir(args.export_hf) and os.listdir(args.export_hf) and env.restart_count == 0:
-        raise JobError(f"--export-hf {args.export_hf!r} exists and is not empty; choose a new directory")
-    return plan
-
-
-def describe_run(out: str, complete: list, metrics: str) -> str:
-    """What --overwrite is about to delete in ``out``: checkpoints, metrics steps, other files."""
-    parts = []
-    if complete:
-        names = [os.path.basename(p) for _, p in complete]
-        parts.append(f"{len(names)} checkpoint(s) {', '.join(names)}")
-    rows = P.read_jsonl(metrics)
-    if rows:
-        parts.append(f"metrics.jsonl ({len(rows)} steps, {rows[0].get('step')}-{rows[-1].get('step')}, "
-                     f"last loss {rows[-1].get('loss', float('nan')):.4f})")
-    parts += [n for n in ("events.jsonl", "loss.png", "run.json") if os.path.exists(os.path.join(out, n))]
-    return ", ".join(parts)
-
-
 def model_config(args, tokenizer) -> tuple[dict, object]:
     """(shape dict for checks and checkpoints, the HF config)."""
     from transformers import LlamaConfig
@@ -295,13 +252,7 @@ class Job:
 
     def take_lock(self) -> None:
         """Collective: rank 0 locks --out (once); a job already there stops every rank."""
-        err = None
-        if self.main and self.lock.fd is None:
-            try:
-                self.lock.acquire()
-            except JobError as e:
-                err = str(e)
-        agree(err)
+        R.take_out_lock(self)
 
     def say(self, msg: str) -> None:
         if self.main:
@@ -318,44 +269,73 @@ class Job:
 
     # ---------------------------------------------------------------- set-up (nothing written yet)
     def prepare(self):
-        a, env = self.args, self.env
+        a = self.args
         if self.world % a.hsdp:  # the same verdict on every rank: they all stop together
             raise JobError(f"--hsdp {a.hsdp} does not divide the world size {self.world}: HSDP needs {a.hsdp} "
                            f"replicas of equal size; launch a multiple of {a.hsdp} ranks (e.g. --hsdp = the number "
                            "of nodes) or pick --hsdp among the divisors of the world size")
-        if os.path.isdir(a.out):  # lock before reading the run's state; a new --out is made (and locked) below
-            self.take_lock()
+        self.take_lock()  # before --out is read, also a new one: see [Note: one line per run directory]
+        self.plan = R.plan_run(self)
         err = None
         try:
-            self.plan = plan_output(a, env)
             self.tokenizer = D.make_tokenizer(a.tokenizer)
             self.shape, self.config = model_config(a, self.tokenizer)
             self.load_data()
+            self.settings = R.run_settings(a, self.world, self.batches, self.config, self.model_settings())
             self.manifest = None
+            self.changes = {}
             if self.plan["resume_path"]:
                 self.manifest = C.read_manifest(self.plan["resume_path"])
-                saved = self.manifest.get("meta", {}).get("model_shape")
-                if saved is not None and saved != self.shape:
-                    diff = ", ".join(f"{k} {saved.get(k)} (checkpoint) vs {self.shape.get(k)} (this run)"
-                                     for k in SHAPE_KEYS if saved.get(k) != self.shape.get(k))
-                    raise JobError(
-                        f"checkpoint {self.plan['resume_path']!r} was written for a different model: {diff}; "
-                        f"resume with the --preset/--tokenizer/--init-from-hf of the run that wrote it "
-                        f"(it was: {self.manifest.get('meta', {}).get('preset_args', '?')})"
-                    )
+                self.check_resumable(self.manifest.get("meta", {}))
         except (JobError, D.DataError, C.CheckpointError) as e:
             err = str(e)
         except Exception as e:  # noqa: BLE001 - unexpected: still stop every rank together
             traceback.print_exc()
             err = f"rank {self.rank}: {type(e).__name__}: {e}"
         agree(err)
-        self.take_lock()
         if self.plan["resume_path"]:  # every file's size and checksum, before building anything
             try:
                 C.verify_checkpoint(self.plan["resume_path"])
             except C.CheckpointError as e:
                 raise JobError(f"{e}; nothing was changed. Delete that checkpoint to fall back to an older one, "
-                               f"or pass --resume PATH") from None
+                               f"or pass --resume PATH --rewind") from None
+        if self.plan["rewind"]:
+            self.rewind()
+
+    def check_resumable(self, meta: dict, saved_settings: dict | None = None) -> None:
+        """The checkpoint fits this run: the model's shapes (else refused), and the settings that
+        decide the data stream or the model unless --allow-change accepts them (``self.changes``;
+        see [Note: settings a resume keeps]). Not checked when nothing will be trained."""
+        saved = meta.get("model_shape")
+        if saved is not None and saved != self.shape:
+            diff = ", ".join(f"{k} {saved.get(k)} (checkpoint) vs {self.shape.get(k)} (this run)"
+                             for k in SHAPE_KEYS if saved.get(k) != self.shape.get(k))
+            raise JobError(
+                f"checkpoint {self.plan['resume_path']!r} was written for a different model: {diff}; "
+                f"resume with the --preset/--tokenizer/--init-from-hf of the run that wrote it "
+                f"(it was: {meta.get('preset_args', '?')})"
+            )
+        saved_settings = saved_settings if saved_settings is not None else meta.get("settings")
+        step = self.manifest.get("step", 0) if self.manifest else 0
+        if saved_settings and not self.args.export_only and step < self.args.steps:
+            self.changes = R.check_settings(saved_settings, self.settings, self.args.allowed_changes,
+                                            self.plan["resume_path"])
+
+    def model_settings(self) -> dict:
+        """What a derived job adds to the ``model`` setting a resume keeps (see [Note: settings a
+        resume keeps]); here nothing beyond the architecture."""
+        return {}
+
+    def rewind(self) -> None:
+        """Collective: rank 0 sets the continuation after the resumed checkpoint aside (see
+        [Note: one line per run directory]); every rank then goes on or stops together."""
+        err = None
+        if self.main:
+            try:
+                self.rewound = R.set_aside(self.args.out, self.plan["rewind"])
+            except OSError as e:
+                err = f"--rewind: setting the continuation aside failed: {C.describe_os_error(e)}; nothing was deleted"
+        agree(err)
 
     def load_data(self):
         """``self.corpus``, the training windows ``self.batches`` and the held-out ``self.val``
@@ -428,6 +408,8 @@ class Job:
             except C.CheckpointError as e:
                 raise JobError(str(e)) from None
             st = loaded.state
+            if "settings" not in loaded.meta:  # written before settings were recorded: what its state holds
+                self.check_resumable({}, {k: st[k] for k in ("seq_len", "seed") if k in st})
             self.step, self.cursor = int(st["step"]), int(st["cursor"])
             self.tokens_seen, self.elapsed_before = int(st.get("tokens", 0)), float(st.get("elapsed", 0.0))
             self.resumed_from = (loaded.path, loaded.saved_world_size, st.get("global_batch"))
@@ -494,7 +476,8 @@ class Job:
         self.metrics = P.JsonLines(self.metrics_path)
         self.events = P.Events(os.path.join(out, "events.jsonl"))
         with open(os.path.join(out, "run.json"), "w") as f:
-            json.dump(dict(argv=sys.argv, args={k: v for k, v in vars(a).items() if k != "preset_info"},
+            args = {k: v for k, v in vars(a).items() if k not in ("preset_info", "allowed_changes")}
+            json.dump(dict(argv=sys.argv, args=args,
                            world=self.world, device=str(self.device), torch=torch.__version__,
                            yafsdp=yafsdp.__version__, optimizer=self.opt_name, model_shape=self.shape,
                            params=self.n_params), f, indent=1, default=str)
@@ -549,6 +532,15 @@ class Job:
             self.say(f"note     {self.tb.problem}")
         if self.main and self.lock.note:
             self.say(f"note     {self.lock.note}")
+        for note in self.plan.get("notes", []):
+            self.say(f"note     {note}")
+        if getattr(self, "rewound", None):
+            r = self.rewound
+            self.say(f"rewind   back to step {r['step']}: the continuation after it ({self.plan['rewind']['what']}) "
+                     f"is set aside in {r['set_aside']} (moved, nothing deleted; recorded in events.jsonl)")
+        if self.changes:
+            self.say(f"note     settings changed from the checkpoint's: {R.describe_changes(self.changes)}; "
+                     "recorded in events.jsonl")
         for path in self.plan["foreign"]:
             self.say(f"note     skipped {path}: no {C.MANIFEST}, not a complete checkpoint (not used by --resume, "
                      "left in place)")
@@ -584,6 +576,9 @@ class Job:
             kind = "resume" if self.plan["resume_path"] else "start"
             self.events.write(dict(event=kind, step=self.step, world=self.world, restart=self.env.restart_count,
                                    checkpoint=self.plan["resume_path"], optimizer=self.opt_name))
+            if self.changes:  # accepted by --allow-change, or free; see [Note: settings a resume keeps]
+                self.events.write(dict(event="settings_changed", step=self.step, checkpoint=self.plan["resume_path"],
+                                       changes=self.changes))
         try:
             while self.step < a.steps:
                 t0 = time.perf_counter()
@@ -694,7 +689,8 @@ class Job:
         state = dict(step=self.step, cursor=self.cursor, tokens=self.tokens_seen,
                      elapsed=self.elapsed_before + time.perf_counter() - self.t_session,
                      global_batch=a.batch_size * self.world * a.grad_accum, seq_len=a.seq_len, seed=a.seed)
-        meta = dict(model_shape=self.shape, preset_args=describe_model_args(a), optimizer=self.opt_name,
+        meta = dict(model_shape=self.shape, settings=self.settings, preset_args=describe_model_args(a),
+                    optimizer=self.opt_name,
                     tokenizer="bytes" if isinstance(self.tokenizer, D.ByteTokenizer) else self.tokenizer.name)
         self.check_finite()
         if a.async_save and bar is not None:  # periodic saves; the run's last one is synchronous
@@ -922,7 +918,7 @@ def non_default_flags(args, parse_args) -> str:
     command line: the header shows every setting a reader cannot assume. ``parse_args`` is the
     job's own (its defaults are the reference)."""
     ref = parse_args(["--preset", args.preset])
-    skip = {"preset_info", "out", "preset", "no_progress"}
+    skip = {"preset_info", "allowed_changes", "out", "preset", "no_progress"}
     diff = []
     for k, v in vars(args).items():
         if k in skip or getattr(ref, k, None) == v:

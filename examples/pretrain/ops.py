@@ -121,7 +121,9 @@ class StopSignal:
 
 class OutLock:
     """An exclusive lock on ``--out``, held by rank 0 for the whole job: a second job on the same
-    directory is refused instead of interleaving its metrics and checkpoints with the first's.
+    directory is refused instead of interleaving its metrics and checkpoints with the first's. It
+    is taken before the job looks at --out at all (a new --out is made for it), so the decision
+    between a fresh start and a resume is made by the holder only (see examples/pretrain/rundir.py).
 
     ``flock`` on ``<out>/.lock``: the kernel releases it when the process ends, however it ends
     (exception, SIGTERM, SIGKILL). The file names the holder (pid, host, start time) and is removed
@@ -136,6 +138,7 @@ class OutLock:
         self.path = os.path.join(out, self.NAME)
         self.fd: int | None = None
         self.note: str | None = None  # "took over a stale lock ..." when it did
+        self.created = False  # acquire made --out: release removes it again if the job left it empty
         self.me = dict(pid=os.getpid(), host=socket.gethostname(), started=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
     @staticmethod
@@ -152,8 +155,10 @@ class OutLock:
     def acquire(self) -> None:
         """Take the lock or raise JobError naming the holder (pid/host) and the lock file."""
         try:
-            os.makedirs(self.out, exist_ok=True)
             while True:
+                if not os.path.isdir(self.out):  # (again after a refused job removed the one it made)
+                    os.makedirs(self.out, exist_ok=True)
+                    self.created = True
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -198,6 +203,11 @@ class OutLock:
             pass
         os.close(self.fd)  # releases the flock
         self.fd = None
+        if self.created:  # a job refused before writing anything leaves no empty --out behind
+            try:
+                os.rmdir(self.out)  # only if empty (another job may have locked it meanwhile)
+            except OSError:
+                pass
 
 
 def _pid_alive(pid: int) -> bool:

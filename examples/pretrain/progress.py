@@ -183,13 +183,18 @@ class TensorBoard:
 def validation_points(metrics_rows: list[dict], events_path: str | None, final_val: tuple | None) -> list[tuple]:
     """(step, val_loss) of every validation this run has recorded: the --eval-every points in
     metrics.jsonl, the end-of-run ones of earlier invocations in events.jsonl ("end" events), and
-    this invocation's ``final_val``. Points past the last metrics step (a branch abandoned by
-    resuming an older checkpoint) are dropped; one point per step, the latest recorded."""
+    this invocation's ``final_val``. Points of a continuation set aside by a rewind (a ``rewind``
+    event after them) and points past the last metrics step are dropped; one point per step, the
+    latest recorded."""
     last = metrics_rows[-1]["step"] if metrics_rows else 0
-    val = {r["step"]: r["val_loss"] for r in metrics_rows if r.get("val_loss") is not None}
+    ends = {}
     for e in read_jsonl(events_path) if events_path else []:
         if e.get("event") == "end" and e.get("val_loss") is not None and e.get("step") is not None:
-            val[e["step"]] = e["val_loss"]
+            ends[e["step"]] = e["val_loss"]
+        elif e.get("event") == "rewind":
+            ends = {s: v for s, v in ends.items() if s <= e["step"]}
+    val = {r["step"]: r["val_loss"] for r in metrics_rows if r.get("val_loss") is not None}
+    val.update(ends)
     if final_val is not None and final_val[1] is not None:
         val[final_val[0]] = final_val[1]
     return sorted((s, v) for s, v in val.items() if s <= last)

@@ -44,7 +44,8 @@ CheckpointError naming the path and the errno on every rank. A ``step_*`` direct
 manifest was not written by a save (see ``files.foreign_dirs``): it is skipped, reported with a
 CheckpointWarning, and never deleted -- a save of that very step is refused instead. Old checkpoints
 beyond ``keep`` are first renamed to ``.trash.*`` and then deleted, so a checkpoint directory is
-either complete or absent. On load the manifest's sizes and checksums are verified first (each
+either complete or absent; a checkpoint of the saved step already there goes only after the new one
+is in place ([Note: replacing a checkpoint] in files.py). On load the manifest's sizes and checksums are verified first (each
 rank a share of the files) and any problem is reported with the file's name before a byte is
 loaded into the model.
 """
@@ -85,12 +86,13 @@ from .files import (
     crc32,
     describe_os_error,
     foreign_dirs,
-    fsync_dir,
     incomplete_checkpoints,
     latest_checkpoint,
     list_checkpoints,
+    publish_checkpoint,
     read_manifest,
     remove_checkpoint,
+    rotate_checkpoints,
     unfinished_saves,
     write_json_atomic,
 )
@@ -116,8 +118,10 @@ def save_checkpoint(
     """Collective. Save ``model`` (a ``yafsdp.YaFSDP``), ``optimizer`` and the extra states as
     ``root/step_<step>``, atomically (see [Note: atomic saves]); returns that path. ``state`` must
     be identical on every rank; ``rank_state`` is per rank; ``meta`` (JSON) goes into the
-    manifest. A checkpoint of the same step already there is replaced (after the new one is
-    complete). ``keep``: afterwards delete all but the newest ``keep`` complete checkpoints.
+    manifest. A checkpoint of the same step already there is replaced once the new one is in place
+    (see [Note: replacing a checkpoint] in files.py). ``keep``: afterwards delete the complete
+    checkpoints of steps up to ``step`` beyond the newest ``keep`` (the new one is never deleted;
+    those of later steps are left alone).
 
     HSDP: see [Note: checkpoints of HSDP]."""
     replicate = getattr(model, "replicate_group", None)
@@ -225,13 +229,9 @@ def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, wo
         )
         try:
             write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
-            if os.path.isdir(final):  # an older save of this step (a run resumed from further back)
-                remove_checkpoint(final, root)
-            os.rename(tmp, final)
-            fsync_dir(root)
+            publish_checkpoint(tmp, final, root)  # see [Note: replacing a checkpoint]
             if keep is not None and keep > 0:
-                for _, old in list_checkpoints(root)[:-keep]:
-                    remove_checkpoint(old, root)
+                rotate_checkpoints(root, step, keep)
         except OSError as e:
             problem = f"finishing checkpoint {final!r} failed: {describe_os_error(e)}"
             if space.is_out_of_space(e, tmp):

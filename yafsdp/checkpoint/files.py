@@ -12,14 +12,17 @@ import zlib
 
 __all__ = ["CheckpointError", "CheckpointWarning", "describe_os_error", "unfinished_saves", "foreign_dirs", "FORMAT", "MANIFEST", "PREFIX", "TMP_PREFIX", "TRASH_PREFIX", "checkpoint_dir",
            "list_checkpoints", "incomplete_checkpoints", "latest_checkpoint", "read_manifest", "crc32",
-           "fsync_dir", "write_json_atomic", "remove_checkpoint"]
+           "fsync_dir", "write_json_atomic", "remove_checkpoint", "publish_checkpoint", "rotate_checkpoints",
+           "OLD_PREFIX"]
 
 FORMAT = "yafsdp-checkpoint/1"
 MANIFEST = "checkpoint.json"  # completion marker and manifest
 PREFIX = "step_"
 TMP_PREFIX = ".tmp."
 TRASH_PREFIX = ".trash."
+OLD_PREFIX = ".old."  # a checkpoint being replaced by a new save of its step; see publish_checkpoint
 _STEP_RE = re.compile(rf"^{PREFIX}(\d+)$")
+_OLD_RE = re.compile(rf"^{re.escape(OLD_PREFIX)}{PREFIX}(\d+)$")
 
 
 class CheckpointError(RuntimeError):
@@ -45,16 +48,22 @@ def checkpoint_dir(root: str, step: int) -> str:
 
 
 def list_checkpoints(root: str) -> list[tuple[int, str]]:
-    """Complete checkpoints (those with a manifest) under ``root``, oldest first."""
-    out = []
+    """Complete checkpoints (those with a manifest) under ``root``, oldest first. A replacement
+    interrupted between its two renames (see ``publish_checkpoint``) left the step's previous
+    checkpoint as ``.old.step_N``: it is the step's checkpoint while no ``step_N`` is there."""
+    out = {}
     if not os.path.isdir(root):
-        return out
-    for name in os.listdir(root):
-        m = _STEP_RE.match(name)
+        return []
+    names = os.listdir(root)
+    for name in names:
+        m = _STEP_RE.match(name) or _OLD_RE.match(name)
         path = os.path.join(root, name)
-        if m and os.path.isfile(os.path.join(path, MANIFEST)):
-            out.append((int(m.group(1)), path))
-    return sorted(out)
+        if not m or not os.path.isfile(os.path.join(path, MANIFEST)):
+            continue
+        step = int(m.group(1))
+        if step not in out or _STEP_RE.match(name):  # step_N wins over its .old.step_N
+            out[step] = path
+    return sorted(out.items())
 
 
 def incomplete_checkpoints(root: str) -> list[str]:
@@ -156,3 +165,61 @@ def remove_checkpoint(path: str, root: str) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+
+
+def publish_checkpoint(tmp: str, final: str, root: str) -> None:
+    """Rename the complete save ``tmp`` (manifest written) to ``final``.
+
+    [Note: replacing a checkpoint] A checkpoint of the same step already there (a run resumed
+    from further back) goes only once the new one is in place: it is renamed aside to
+    ``.old.step_N``, the new one renamed to ``step_N``, then the old one deleted. A kill between
+    the renames leaves ``.old.step_N`` (complete) and the new save as ``.tmp.step_N``: discovery
+    (``list_checkpoints``) reads the former as the step's checkpoint, and the next save puts it
+    back (``_restore_replaced``) before it drops the ``.tmp.*``. A kill after the second rename
+    leaves ``step_N`` (the new one) and a stale ``.old.step_N``, removed by the next save. So at
+    every moment there is a complete checkpoint of the step. A failed rename (OSError) puts the
+    old one back and raises."""
+    _restore_replaced(root)
+    aside = None
+    if os.path.isdir(final):
+        aside = os.path.join(root, OLD_PREFIX + os.path.basename(final))
+        os.rename(final, aside)
+        fsync_dir(root)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if aside is not None:
+            os.rename(aside, final)
+        raise
+    fsync_dir(root)
+    if aside is not None:
+        remove_checkpoint(aside, root)
+
+
+def _restore_replaced(root: str) -> None:
+    """Finish replacements a kill interrupted (see [Note: replacing a checkpoint]): an
+    ``.old.step_N`` goes back to ``step_N`` where that is absent, and is deleted where the new
+    ``step_N`` is complete."""
+    for name in sorted(os.listdir(root)):
+        m = _OLD_RE.match(name)
+        if not m:
+            continue
+        old, final = os.path.join(root, name), os.path.join(root, f"{PREFIX}{m.group(1)}")
+        if os.path.isfile(os.path.join(final, MANIFEST)):
+            remove_checkpoint(old, root)
+        elif not os.path.exists(final):
+            os.rename(old, final)
+            fsync_dir(root)
+
+
+def rotate_checkpoints(root: str, step: int, keep: int) -> list[str]:
+    """After the save of ``step``: delete the complete checkpoints of steps up to ``step`` beyond
+    the newest ``keep`` of them (the one just written counts and is never deleted). Checkpoints of
+    later steps -- a continuation the caller went back from -- are not older than the new one and
+    are left alone (the pretraining job sets them aside before it saves; see
+    examples/pretrain/rundir.py). Returns the deleted paths."""
+    older = [path for s, path in list_checkpoints(root) if s <= step]
+    gone = older[:-keep] if keep > 0 else []
+    for path in gone:
+        remove_checkpoint(path, root)
+    return gone
