@@ -103,7 +103,8 @@ def before_step(optimizer) -> None:
     for p, info in infos:
         st = optimizer.state.get(p)
         if st and TAG in st:
-            _check(st.pop(TAG), info)
+            _check(st[TAG], info)  # a mismatch stays refused at every later step too
+            del st[TAG]
 
 
 # ---------------------------------------------------------------------------------------------- full form
