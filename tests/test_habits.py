@@ -261,6 +261,7 @@ def _optim_state_cases(rank: int, world: int, root: str) -> dict:
         out["full_shape"] = {k: tuple(v.shape) for k, v in full["state"]["blocks.0.fc1.weight"].items()}
     dist.barrier()
     out["resumed"] = _resume_at(rank, world, root)
+    out["resumed_hsdp"] = _resume_at(rank, world, root, _hsdp_groups(2, 1))  # 2 replicas of 1 shard
     return out
 
 
@@ -445,7 +446,7 @@ def test_full_optimizer_state_dict_resumes_at_any_world(worlds):
     r0 = worlds[2][0]["optim"]
     assert r0["full_keys"] == ["blocks.0.fc1.bias", "blocks.0.fc1.weight", "blocks.0.fc2.bias"]
     assert r0["full_shape"] == {"exp_avg": (37, 17), "exp_avg_sq": (37, 17), "step": ()}
-    for world, got in ((2, r0["resumed"]), (1, worlds[3][0]["resumed_1"]), (3, worlds[3][0]["resumed"])):
+    for world, got in ((2, r0["resumed"]), ("hsdp 2x1", r0["resumed_hsdp"]), (1, worlds[3][0]["resumed_1"]), (3, worlds[3][0]["resumed"])):
         assert _rel(got, ref) < 1e-6, (world, _rel(got, ref))
 
 
