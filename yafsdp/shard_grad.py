@@ -89,6 +89,9 @@ class ShardGrad(torch.Tensor):
         view._valid = max(0, min(lay.shard_numel, lay.numel - lay.shard_start))
         return view
 
+    def __reduce_ex__(self, protocol):  # torch.save / pickle: the values, as a plain tensor
+        return self._plain.__reduce_ex__(protocol)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
