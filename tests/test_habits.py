@@ -199,6 +199,26 @@ def _clip_cases(rank: int, world: int) -> dict:
     return out
 
 
+def _grad_reads(rank: int, world: int) -> dict:
+    """Other reads of a shard's .grad: a full norm is the unit's unsharded norm (collective), a norm
+    over dims is refused by name, a saved .grad is a plain tensor."""
+    import io
+
+    model = yafsdp.YaFSDP(Stack())
+    model(*_part(0, rank, world)).backward()
+    g = next(iter(model.parameters())).grad  # unit "inp": inp.weight (its bias is in the small group)
+    out = dict(norm=float(g.norm()), linalg=float(torch.linalg.norm(g, ord=math.inf)))
+    try:
+        g.norm(dim=0)
+    except RuntimeError as e:
+        out["dim"] = str(e)
+    buf = io.BytesIO()
+    torch.save(g, buf)
+    buf.seek(0)
+    out["saved"] = type(torch.load(buf)).__name__
+    return out
+
+
 # ---------------------------------------------------------------------------- (C) optimizer state
 def _adamw(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=False)
@@ -394,7 +414,7 @@ def _hook_cases(rank: int, world: int) -> dict:
 
 # ----------------------------------------------------------------------------------------- spawns
 def _world2(rank, world, root):
-    return dict(fp16=_fp16_cases(rank, world), clip=_clip_cases(rank, world),
+    return dict(fp16=_fp16_cases(rank, world), clip=_clip_cases(rank, world), reads=_grad_reads(rank, world),
                 optim=_optim_state_cases(rank, world, root), ema=_ema_cases(rank, world),
                 no_sync=_no_sync_case(rank, world), hooks=_hook_cases(rank, world))
 
@@ -404,6 +424,16 @@ def _world3(rank, world, root):
     alone = dist.new_group([0])  # world 1: rank 0 on its own
     out["resumed_1"] = _resume_at(rank, 1, root, alone) if rank == 0 else None
     return out
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The unsharded references run in this process: one thread, as each rank does (several
+    threads on a busy machine make the tiny ops many times slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -428,6 +458,18 @@ def test_torch_clip_functions_use_the_model_norm(worlds):
         for a, b in zip(norms, ref_norms):
             assert (a is None) == (b is None) and (a is None or abs(a - b) <= 1e-5 * b), (name, norms, ref_norms)
         assert _rel(sd, ref_sd) < 1e-5, (name, _rel(sd, ref_sd))
+
+
+def test_other_reads_of_shard_grads(worlds):
+    ref = Stack()
+    ref(*_global_batch(0)).backward()
+    w = ref.inp.weight.grad
+    for r in worlds[2]:
+        got = r["reads"]
+        assert abs(got["norm"] - float(w.norm())) <= 1e-6 * float(w.norm()), (got, float(w.norm()))
+        assert got["linalg"] == float(w.abs().max()), got
+        assert "model.clip_grad_norm_" in got["dim"], got
+        assert got["saved"] == "Tensor"
 
 
 def test_optimizer_state_of_another_rank_is_refused(worlds):

@@ -16,7 +16,7 @@ FSDP2 solves both by making its shards DTensors. Here the grad shard is handed o
 passes every op through unchanged (plain tensors out, the same kernels, so optimizers give
 bit-identical results) except these:
 
-- a full norm (``torch.linalg.vector_norm``, ``torch.norm`` / ``Tensor.norm``, ``torch._foreach_norm``)
+- a full norm (``torch.linalg.vector_norm`` / ``norm``, ``torch.norm`` / ``Tensor.norm``, ``torch._foreach_norm``)
   returns a ``PartialNorm``: this rank's norm of its slice (without the padding of the flat
   layout), which is not yet the value. ``.to()`` keeps it partial; ``torch.stack`` of partial norms
   is partial; ``torch.linalg.vector_norm`` of such a stack with the same order (exactly what
@@ -52,7 +52,7 @@ from . import collectives
 
 __all__ = ["ShardGrad", "PartialNorm", "grad_view", "plain"]
 
-_NORMS = {torch.linalg.vector_norm, torch.norm, torch.Tensor.norm}
+_NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.norm, torch.Tensor.norm}
 _CLAMPS = {torch.Tensor.clamp_, torch.Tensor.clamp, torch.clamp, torch.clamp_, torch.Tensor.clamp_min_,
            torch.Tensor.clamp_max_, torch._foreach_clamp_min_, torch._foreach_clamp_max_, torch.Tensor.clip_,
            torch.Tensor.clip}
@@ -143,8 +143,9 @@ class PartialNorm(torch.Tensor):
 
 def _ord(func, args, kwargs):
     """(the order, whether the call is a norm over every element) of a norm call."""
-    if func is torch.linalg.vector_norm:
-        ord_ = kwargs.get("ord", args[1] if len(args) > 1 else 2)
+    if func in (torch.linalg.vector_norm, torch.linalg.norm):
+        ord_ = kwargs.get("ord", args[1] if len(args) > 1 else None)
+        ord_ = 2 if ord_ is None else ord_
         dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
     else:  # torch.norm(input, p="fro", dim=None, keepdim=False, out=None, dtype=None)
         ord_ = kwargs.get("p", args[1] if len(args) > 1 else "fro")
@@ -186,6 +187,9 @@ def _local_norm(g: ShardGrad, ord_, dtype=None) -> torch.Tensor:
 
 
 def _norm(func, args, kwargs):
+    if not args or type(args[0]) is not ShardGrad:
+        with DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
     ord_, full = _ord(func, args, kwargs)
     if not full:
         _refuse(f"{getattr(func, '__name__', func)} with dim= or a matrix norm")
