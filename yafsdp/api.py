@@ -8,6 +8,8 @@ state dicts and introspection. The work is done elsewhere:
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,6 +23,8 @@ from .dist import check_collective
 from .plan.sizing import unit_align
 from .optim_hooks import install_optimizer_hooks
 from .runtime import Runtime, in_backward
+from .ema import refuse_deepcopy
+from .shard_grad import plain
 from .state_dict import StateDictKeys, gather_full, load_full, materialize
 from .hsdp import across_replicas, broadcast_from_replica0, check_layout, resolve_groups
 from .anchor import ANCHOR, anchored_modules
@@ -138,6 +142,8 @@ class YaFSDP(nn.Module):
         self.module = module
         mark_wrapped(module)
         mark_wrapped(self)
+        # See [Note: copies of a wrapped model] in ema.py
+        module.__dict__["__deepcopy__"] = refuse_deepcopy(f"the module wrapped by yafsdp.YaFSDP ({type(module).__name__})")
         self._needs_load = materialize(self._rt, module, group, self.rank, self.world_size)
         if replicate is not None:  # every replica starts from replica 0's values, as DDP does
             broadcast_from_replica0(self._rt, module, replicate)
@@ -309,7 +315,8 @@ class YaFSDP(nn.Module):
         norm_type = float(norm_type)
         # The grad shards live where the optimizer runs (rt.host_device: the CPU with offload); the
         # all-reduce runs on the device (NCCL takes device tensors only), the scaling where the grads are.
-        grads = [u.flat_param.grad for u in rt.all if u.flat_param is not None and u.flat_param.grad is not None]
+        grads = [plain(u.flat_param.grad) for u in rt.all
+                 if u.flat_param is not None and u.flat_param.grad is not None]
         if norm_type == float("inf"):
             local = (torch.stack([g.abs().max() for g in grads]).max() if grads
                      else torch.zeros((), device=rt.host_device))
@@ -328,6 +335,33 @@ class YaFSDP(nn.Module):
         if grads:
             torch._foreach_mul_(grads, rt.to_host(coef))
         return total
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's accumulation context, kept for scripts and accelerate's ``accumulate()``: a no-op.
+        Each backward inside it reduce-scatters as any other and its gradients accumulate in the
+        fp32 grad shards, so the result is DDP's (which defers the all-reduce instead); no
+        unsharded gradient is held across micro-steps. HSDP defers its cross-replica all-reduce to
+        the step anyway (see [Note: the cross-replica all-reduce] in hsdp.py)."""
+        yield
+
+    def __deepcopy__(self, memo):
+        raise refuse_deepcopy("a yafsdp.YaFSDP model")()
+
+    def full_optim_state_dict(self, optimizer) -> dict:
+        """Collective. Rank 0: ``optimizer``'s state (an optimizer over this model's shards) in the
+        unsharded form, keyed by original parameter name (as DCP's full optimizer state dict);
+        other ranks: {}. See [Note: optimizer state that knows its shard] in optim_state.py."""
+        from .optim_state import full_optim_state_dict
+
+        return full_optim_state_dict(self, optimizer)
+
+    def load_full_optim_state_dict(self, optimizer, state_dict: dict | None) -> None:
+        """Collective inverse of :meth:`full_optim_state_dict`, at any world size: rank 0's dict
+        (other ranks may pass None) into every rank's optimizer state for its slice."""
+        from .optim_state import load_full_optim_state_dict
+
+        load_full_optim_state_dict(self, optimizer, state_dict)
 
     def sync_grads(self) -> bool:
         """HSDP: complete the gradients now (their all-reduce across replicas, which the optimizer

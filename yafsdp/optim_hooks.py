@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from . import shards, unused
+from . import optim_state, shards, unused
 from .hsdp import sync_before_step
 from .runtime import live_runtimes
 
@@ -41,6 +41,7 @@ _VERSIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimize
 def _versions_before_step(optimizer, args, kwargs):
     """See [Note: optimizers that do not bump versions]. Also: an aborted backward is completed
     before any optimizer step reads the grad shards."""
+    optim_state.before_step(optimizer)  # first: see [Note: optimizer state that knows its shard] in optim_state.py
     recover_all()
     sync_before_step(optimizer)  # HSDP: the all-reduce across replicas, once per step (yafsdp/hsdp.py)
     for rt in live_runtimes():  # offload: no upload still reads what this step is about to write

@@ -39,6 +39,8 @@ from .alloc import allocate
 from .comm import Schedule
 from .hsdp import ReplicaSync
 from .plan.sizing import unit_shape
+from .shard_grad import grad_view, plain
+from .shard_hooks import fire as fire_shard_hooks
 from .trace import span
 from .unit import FlatGroup, Phase, StoredShard, Unit, frozen_kind, nf4_kind, trainable_kind
 from .units import UnitSpec, weight_free_backward
@@ -463,9 +465,9 @@ class Runtime:
     def _reduce(self, unit: Unit) -> None:
         p = unit.flat_param
         fresh = p.grad is None
-        if fresh:
-            p.grad = unit.grad_shard
-        target = p.grad
+        if fresh:  # See [Note: shard gradients that know they are shards] in shard_grad.py
+            p.grad = grad_view(unit, self)
+        target = plain(p.grad)
         # The one post-divide: by every rank of the world (HSDP: shard size x replicas, so that
         # the SUM all-reduce across replicas gives DDP's average).
         scale = 1.0 / (self.world_size * self.replicas)
@@ -528,6 +530,7 @@ class Runtime:
         for s in self.weight_buffers:
             s.drop_deferred()
         self.phase = Phase.IDLE
+        fire_shard_hooks(self)  # See [Note: hooks on the shards] in shard_hooks.py
 
 
     def sync_replicas(self) -> bool:
