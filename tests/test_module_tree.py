@@ -236,12 +236,28 @@ def _outside_reads(rank, zero):
     return out
 
 
+def _case(fn, rank, zero):
+    """One case's results, or what it raised (then only that case's test fails)."""
+    import traceback
+
+    try:
+        return fn(rank, zero)
+    except Exception:  # noqa: BLE001 - reported by the case's test
+        return {"crashed": traceback.format_exc()}
+
+
 def _all(rank, world):
     out = {}
     for zero in (3, 2):
-        out[zero] = dict(reinit=_reinit(rank, zero), freeze=_freeze(rank, zero),
-                         hooks=_hooks_and_logging(rank, zero), reads=_outside_reads(rank, zero))
+        out[zero] = {k: _case(fn, rank, zero) for k, fn in
+                     (("reinit", _reinit), ("freeze", _freeze), ("hooks", _hooks_and_logging), ("reads", _outside_reads))}
     return out
+
+
+def _get(r, zero, case):
+    x = r[zero][case]
+    assert "crashed" not in x, x["crashed"]
+    return x
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +268,7 @@ def results():
 @pytest.mark.parametrize("zero", [3, 2])
 def test_reinit_after_wrap_takes_effect(results, zero):
     for r in results:
-        x = r[zero]["reinit"]
+        x = _get(r, zero, "reinit")
         for key in ("reset_refused", "init_refused"):
             assert "summon_full_params(writeback=True)" in x[key] and "'lm_head.weight'" in x["reset_refused"], x[key]
         assert x["state_equal"]
@@ -268,7 +284,7 @@ def test_reinit_after_wrap_takes_effect(results, zero):
 def test_freeze_after_wrap_refused_at_the_call(results, zero):
     ref_names = [n for n, _ in tiny_llama().named_parameters()]
     for r in results:
-        x = r[zero]["freeze"]
+        x = _get(r, zero, "freeze")
         assert x["names"] == ref_names and x["head_params"] == ["weight"]
         for key in ("module_refused", "loop_refused"):
             assert "'lm_head.weight'" in x[key] and "Freeze before wrapping" in x[key], x[key]
@@ -280,7 +296,7 @@ def test_freeze_after_wrap_refused_at_the_call(results, zero):
 @pytest.mark.parametrize("zero", [3, 2])
 def test_parameter_hooks_fire_with_the_local_gradient(results, zero):
     for r in results:
-        x = r[zero]["hooks"]
+        x = _get(r, zero, "hooks")
         assert x["calls"] == {"kept_before": BACKWARDS, "kept_after": BACKWARDS, "module_after": BACKWARDS}
         assert x["hook_grads"]
         assert x["o_proj_norm"] == 0.0  # the hook's returned gradient is what was reduced
@@ -290,7 +306,7 @@ def test_parameter_hooks_fire_with_the_local_gradient(results, zero):
 @pytest.mark.parametrize("zero", [3, 2])
 def test_per_parameter_grad_norms_and_full_views(results, zero):
     for r in results:
-        x = r[zero]["hooks"]
+        x = _get(r, zero, "hooks")
         assert x["norm_names"] and x["norm_err"] < 1e-5
         assert x["full_grad"] and x["full_param"]
         assert x["summon_values"] and x["summon_grads"]
@@ -301,7 +317,7 @@ def test_per_parameter_grad_norms_and_full_views(results, zero):
 @pytest.mark.parametrize("zero", [3, 2])
 def test_weights_read_outside_their_unit(results, zero):
     for r in results:
-        x = r[zero]["reads"]
+        x = _get(r, zero, "reads")
         assert "base_model.model.model.embed_tokens.token_adapter" in x["peft_units"]
         assert x["peft_logits"] < 1e-5 and x["peft_logits_after"] < 1e-5
         for mine, ref in x["peft_losses"]:

@@ -204,29 +204,28 @@ class YaFSDP(nn.Module):
                 yield name, p
 
     # ------------------------------------------------------------------ the module tree after wrapping
+    # Per-parameter views, all collective: yafsdp/views.py; [Note: the module tree after wrapping] in orig_params.py.
     def summon_full_params(self, writeback: bool = False, with_grads: bool = False):
-        """Collective context: every original parameter of the wrapped module holds its full values
-        (and, ``with_grads=True``, its full ``.grad``); ``writeback=True`` writes rank 0's values back
-        into the shards at exit. See yafsdp/views.py."""
+        """Context: the original parameters hold their full values (and ``.grad``); ``writeback=True``
+        writes rank 0's values into the shards at exit."""
         from .views import summon_full_params
 
         return summon_full_params(self, writeback=writeback, with_grads=with_grads)
 
     def full_parameter(self, name: str) -> torch.Tensor:
-        """Collective: the full values of original parameter ``name`` on every rank (yafsdp/views.py)."""
+        """The full values of original parameter ``name``, on every rank."""
         from .views import full_tensor
 
         return full_tensor(self, name, grad=False)
 
     def full_grad(self, name: str) -> torch.Tensor | None:
-        """Collective: the full (averaged) gradient of original parameter ``name`` on every rank, or
-        None where the unit has no gradient (yafsdp/views.py)."""
+        """The full (averaged) gradient of original parameter ``name``, on every rank (None: no gradient)."""
         from .views import full_tensor
 
         return full_tensor(self, name, grad=True)
 
     def named_grad_norms(self) -> dict[str, torch.Tensor]:
-        """Collective: {original parameter name: norm of its full gradient} (one small all-reduce)."""
+        """{original parameter name: norm of its full gradient} (one small all-reduce)."""
         from .views import named_grad_norms
 
         return named_grad_norms(self)

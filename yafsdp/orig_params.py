@@ -35,6 +35,15 @@ re-initialises parameters finds them. Everything else is decided at the call:
   is refused (no per-parameter ``.grad`` exists to accumulate into).
 - **``.grad``** raises, pointing to ``model.named_grad_norms()``, ``model.full_grad(name)`` and
   ``summon_full_params(with_grads=True)`` (views.py).
+
+Why not the peers' mechanisms. FSDP1's ``use_orig_params=True`` makes each original parameter a
+1-D view of its part of the local flat shard (empty on ranks that hold none of it): writes land,
+but an init that reads the shape (``kaiming_uniform_``'s fan-in, HF's per-module init) sees the
+flattened slice and draws other values than the unsharded model, and ``p.grad`` is a rank-local
+slice that logs look plausible on. FSDP2 makes every parameter a DTensor with per-parameter
+dispatch in the optimizer, which this engine exists to avoid. Here the shards stay the only
+parameters the optimizer sees; the original names keep their metadata, and every access to values
+goes through an explicit collective (views.py) or is refused.
 """
 from __future__ import annotations
 
@@ -55,6 +64,8 @@ _METADATA = frozenset({
     "numel", "nelement", "dim", "size", "stride", "is_floating_point", "is_complex", "element_size",
     "is_contiguous", "get_device", "is_signed", "__hash__", "__len__", "ndimension", "__format__",
 })
+
+_CONVERSIONS = frozenset({"to", "cuda", "cpu", "half", "float", "double", "bfloat16", "type", "pin_memory"})
 
 _REMEDY = ("between steps change values inside `with model.summon_full_params(writeback=True):` (model.apply(fn) "
            "and HF init_weights()/post_init() on the wrapper run inside it) and read them with "
@@ -134,6 +145,11 @@ class ShardedParameter(torch.Tensor):
                 "its unit's flat shard's .grad (model.named_parameters()). For per-parameter values use "
                 "model.named_grad_norms() (collective), model.full_grad(name), or "
                 "`with model.summon_full_params(with_grads=True):`; model.zero_grad() / opt.zero_grad() clear them")
+        if me is not None and name in _CONVERSIONS:
+            raise RuntimeError(
+                f"yafsdp: {me._where()}: {name}() on a parameter of a wrapped module (e.g. model.module.to(...)) is "
+                "not supported: the engine owns its shards. Pass param_dtype= / device= to yafsdp.YaFSDP(...), or "
+                "move the module before wrapping (model.to(...) on the wrapper passes when it changes nothing)")
         resolved = _resolve_in_backward(args, kwargs)
         if resolved is not None:
             return func(*resolved[0], **resolved[1])

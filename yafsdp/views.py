@@ -67,14 +67,21 @@ def summon_full_params(model, writeback: bool = False, with_grads: bool = False)
     """See the module docstring."""
     from .state_dict import scatter_group
 
+    outer = getattr(model, "_summoned", None)
+    if outer is not None:  # nested (model.apply(model._init_weights), apply inside a context): the outer one rules
+        if (writeback and not outer[0]) or (with_grads and not outer[1]):
+            raise RuntimeError(
+                f"yafsdp.YaFSDP.summon_full_params(writeback={writeback}, with_grads={with_grads}) inside "
+                f"summon_full_params(writeback={outer[0]}, with_grads={outer[1]}): the outer context decides what is "
+                "written back and which gradients are there; open the outer one with these options")
+        yield model
+        return
     rt = model._rt
     group = model.process_group
     model.check_idle("summon_full_params")
     check_collective("summon_full_params()", group)
     if with_grads:
         rt.sync_replicas()
-    if getattr(model, "_summoned", False):
-        raise RuntimeError("yafsdp.YaFSDP.summon_full_params(): already inside summon_full_params on this model")
     unloaded = model.needs_load  # See [Note: writing back after a meta-device wrap]
     installed = []  # (ParamInfo, the nn.Parameter handed out)
     for u, g in _all_groups(rt):
@@ -91,13 +98,13 @@ def summon_full_params(model, writeback: bool = False, with_grads: bool = False)
             for owner, attr in info.owners:
                 owner._parameters[attr] = t
             installed.append((info, t))
-    model._summoned = True
+    model._summoned = (writeback, with_grads)
     ok = False
     try:
         yield model
         ok = True
     finally:
-        model._summoned = False
+        model._summoned = None
         current = {id(info): _current(info) for info, _ in installed}
         for info, _ in installed:  # the module tree rests again, whatever happens below
             for owner, attr in info.owners:
