@@ -174,6 +174,7 @@ class YaFSDP(nn.Module):
                 "yafsdp.hf.load_hf_weights(model, path) or yafsdp.checkpoint.load_checkpoint(path, model)"
             )
         rt = self._rt
+        rt.recover()  # before counting this entry: recovering an aborted backward resets the depth
         rt.root_depth += 1
         if rt.root_depth == 1:
             small = rt.begin_forward()
