@@ -144,7 +144,8 @@ class ShardedParameter(torch.Tensor):
                 f"yafsdp: {me._where()} has no .grad of its own after wrapping: its gradient is this rank's slice of "
                 "its unit's flat shard's .grad (model.named_parameters()). For per-parameter values use "
                 "model.named_grad_norms() (collective), model.full_grad(name), or "
-                "`with model.summon_full_params(with_grads=True):`; model.zero_grad() / opt.zero_grad() clear them")
+                "`with model.summon_full_params(with_grads=True):`; model.zero_grad() / opt.zero_grad() clear them. An "
+                "optimizer steps model.parameters() (the flat shards), not model.module.parameters()")
         if me is not None and name in _CONVERSIONS:
             raise RuntimeError(
                 f"yafsdp: {me._where()}: {name}() on a parameter of a wrapped module (e.g. model.module.to(...)) is "
