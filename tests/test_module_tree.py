@@ -106,6 +106,8 @@ def _freeze(rank, zero):
         "no_change_ok": _err(lambda: head.requires_grad_(True)) == "",
         "trainable": sum(p.numel() for p in model.module.parameters() if p.requires_grad),
     }
+    tied = yafsdp.YaFSDP(tiny_llama(tie=True), zero_stage=zero)
+    out["tied_hook_refused"] = _err(lambda: tied.module.lm_head.weight.register_hook(print))
     return out
 
 
@@ -117,7 +119,10 @@ def _hooks_and_logging(rank, zero):
     seen = {"kept_before": [], "kept_after": [], "module_after": []}
     kept = base.get_parameter(down)
     kept.register_hook(lambda g: seen["kept_before"].append(g.clone()))  # registered before wrapping
+    removed = kept.register_hook(lambda g: seen["removed"].append(1))
+    seen["removed"] = []
     model = yafsdp.YaFSDP(base, zero_stage=zero)
+    removed.remove()  # a handle from before wrapping still removes its hook
     kept.register_hook(lambda g: seen["kept_after"].append(g.clone()))  # on the kept reference, after
     model.module.lm_head.weight.register_hook(lambda g: seen["module_after"].append(g.clone()))
     model.module.get_parameter(o_proj).register_hook(lambda g: g * 0)  # a hook that replaces the gradient
@@ -289,6 +294,7 @@ def test_freeze_after_wrap_refused_at_the_call(results, zero):
         for key in ("module_refused", "loop_refused"):
             assert "'lm_head.weight'" in x[key] and "Freeze before wrapping" in x[key], x[key]
         assert "'model.norm.weight'" in x["setter_refused"]
+        assert "tied" in x["tied_hook_refused"] and "'model.embed_tokens.weight'" in x["tied_hook_refused"]
         assert x["no_change_ok"]
         assert x["trainable"] == sum(p.numel() for p in tiny_llama().parameters())
 
@@ -297,7 +303,8 @@ def test_freeze_after_wrap_refused_at_the_call(results, zero):
 def test_parameter_hooks_fire_with_the_local_gradient(results, zero):
     for r in results:
         x = _get(r, zero, "hooks")
-        assert x["calls"] == {"kept_before": BACKWARDS, "kept_after": BACKWARDS, "module_after": BACKWARDS}
+        assert x["calls"] == {"kept_before": BACKWARDS, "kept_after": BACKWARDS, "module_after": BACKWARDS,
+                              "removed": 0}
         assert x["hook_grads"]
         assert x["o_proj_norm"] == 0.0  # the hook's returned gradient is what was reduced
         assert "register_hook" in x["post_accumulate_refused"]
