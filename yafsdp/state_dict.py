@@ -105,7 +105,8 @@ def _broadcast_buffer(b: torch.Tensor, group) -> None:
 def materialize(rt: Runtime, module: nn.Module, group, rank: int, world: int) -> bool:
     """Rank 0's values into every rank's shards, one unit at a time; then the module surgery
     (parameters replaced by ShardedParameters: [Note: the module tree after wrapping] in
-    orig_params.py). Returns True when something was on the meta device (the model then needs a load: ``load_full_state_dict``, ``yafsdp.init`` or a checkpoint)."""
+    orig_params.py). Returns True when something was on the meta device (the model then needs a
+    load: ``load_full_state_dict``, ``yafsdp.init`` or a checkpoint)."""
     needs_load = False
     for u in rt.all:
         if any(p.param.is_meta for p in u.params):
