@@ -17,11 +17,12 @@ from torch import nn
 from . import collectives, fp8, nf4, shards
 import sys
 
-from .autograd import gate_small_group, install_hooks
+from .autograd import gate_small_group, install_hooks, rest_small_group
 from .comm import make_schedule
 from .dist import check_collective
 from .plan.sizing import unit_align
 from .optim_hooks import install_optimizer_hooks
+from .orig_params import ShardedParameter
 from .runtime import Runtime, in_backward
 from .ema import refuse_deepcopy
 from .shard_grad import plain
@@ -155,7 +156,8 @@ class YaFSDP(nn.Module):
         self._anchored = anchored_modules(module)
         for m in self._anchored:
             m.register_parameter(ANCHOR, anchor)
-        module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
+        # prepend: the step entry runs before a unit's own pre-hook when the root is itself a unit (units=[module])
+        module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True, prepend=True)
         module.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True)
         module.register_state_dict_pre_hook(_refuse_module_state_dict)
 
@@ -179,6 +181,7 @@ class YaFSDP(nn.Module):
                 "yafsdp.hf.load_hf_weights(model, path) or yafsdp.checkpoint.load_checkpoint(path, model)"
             )
         rt = self._rt
+        rt.recover()  # before counting this entry: recovering an aborted backward resets the depth
         rt.root_depth += 1
         if rt.root_depth == 1:
             small = rt.begin_forward()
@@ -194,15 +197,53 @@ class YaFSDP(nn.Module):
             return None
         rt.root_depth -= 1
         if rt.root_depth == 0:
+            if rt.small is not None:  # See [Note: the module tree after wrapping] in orig_params.py
+                rest_small_group(rt)
             # Called from torch's exception handler when the forward raised (see always_call).
             rt.end_forward(ok=not (output is None and sys.exc_info()[0] is not None))
         return None
 
     def named_parameters(self, *args, **kwargs):
-        """The flat master shards (one per unit and the small group) as ``flat.<unit>``."""
+        """The flat master shards (one per unit and the small group) as ``flat.<unit>``. (The wrapped
+        module's own ``named_parameters()`` lists the original names: [Note: the module tree after
+        wrapping] in orig_params.py.)"""
         for name, p in super().named_parameters(*args, **kwargs):
-            if p is not self.__dict__.get("_device_param"):
+            if p is not self.__dict__.get("_device_param") and not isinstance(p, ShardedParameter):
                 yield name, p
+
+    # ------------------------------------------------------------------ the module tree after wrapping
+    # Per-parameter views, all collective: yafsdp/views.py; [Note: the module tree after wrapping] in orig_params.py.
+    def summon_full_params(self, writeback: bool = False, with_grads: bool = False):
+        """Context: the original parameters hold their full values (and ``.grad``); ``writeback=True``
+        writes rank 0's values into the shards at exit."""
+        from .views import summon_full_params
+
+        return summon_full_params(self, writeback=writeback, with_grads=with_grads)
+
+    def full_parameter(self, name: str) -> torch.Tensor:
+        """The full values of original parameter ``name``, on every rank."""
+        from .views import full_tensor
+
+        return full_tensor(self, name, grad=False)
+
+    def full_grad(self, name: str) -> torch.Tensor | None:
+        """The full (averaged) gradient of original parameter ``name``, on every rank (None: no gradient)."""
+        from .views import full_tensor
+
+        return full_tensor(self, name, grad=True)
+
+    def named_grad_norms(self) -> dict[str, torch.Tensor]:
+        """{original parameter name: norm of its full gradient} (one small all-reduce)."""
+        from .views import named_grad_norms
+
+        return named_grad_norms(self)
+
+    def apply(self, fn):
+        """``fn`` on every module, inside ``summon_full_params(writeback=True)`` (collective): what
+        ``fn`` writes into parameters lands in the shards (rank 0's values)."""
+        with self.summon_full_params(writeback=True):
+            super().apply(fn)
+        return self
 
     # ------------------------------------------------------------------ refused PyTorch habits
     def _apply(self, fn, recurse=True):
@@ -212,13 +253,14 @@ class YaFSDP(nn.Module):
         probe = torch.empty(1, dtype=torch.float32, device=self.device)
         out = fn(probe)
         if isinstance(out, torch.Tensor) and (out.dtype != probe.dtype or out.device != probe.device):
-            raise RuntimeError(
-                f"yafsdp.YaFSDP: converting the wrapped model to dtype={out.dtype}, device={out.device} is not "
-                f"supported: its parameters are fp32 master shards on {self.device} that the engine owns. For "
-                "bf16/fp16 compute pass param_dtype= (and reduce_dtype=) to YaFSDP(...); to use another device, "
-                "move the module before wrapping or pass device= to YaFSDP(...)"
-            )
-        return super()._apply(fn, recurse)
+            raise _conversion_error(out, self.device)
+        # Nothing to convert: the flat shards stay as they are, the original parameters hold no
+        # values ([Note: the module tree after wrapping]); only the module buffers see fn.
+        for m in self.modules():
+            for key, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[key] = fn(b)
+        return self
 
     def state_dict(self, *args, **kwargs):
         raise RuntimeError(
@@ -247,7 +289,14 @@ class YaFSDP(nn.Module):
             inner = self.__dict__.get("_modules", {}).get("module")
             if inner is None or name == "module":
                 raise
-            return getattr(inner, name)
+            attr = getattr(inner, name)
+            if name in _INIT_METHODS and callable(attr):
+                def run_written_back(*args, **kwargs):
+                    with self.summon_full_params(writeback=True):
+                        return attr(*args, **kwargs)
+
+                return run_written_back
+            return attr
 
     def save_adapter(self, out_dir: str, adapter_name: str = "default") -> str | None:
         """Collective: the PEFT adapter of a wrapped PEFT model, in PEFT's format (see yafsdp.adapters)."""
@@ -500,6 +549,21 @@ def check_offload(offload) -> str | None:
         return offload
     raise ValueError(f"yafsdp.YaFSDP: offload={offload!r} is not supported; use None, 'optimizer' (the fp32 master, "
                      "grad shard and optimizer state on the host) or 'all' (the frozen and NF4 shards too)")
+
+
+def _conversion_error(out: torch.Tensor, device) -> RuntimeError:
+    return RuntimeError(
+        f"yafsdp.YaFSDP: converting the wrapped model to dtype={out.dtype}, device={out.device} is not "
+        f"supported: its parameters are fp32 master shards on {device} that the engine owns. For "
+        "bf16/fp16 compute pass param_dtype= (and reduce_dtype=) to YaFSDP(...); to use another device, "
+        "move the module before wrapping or pass device= to YaFSDP(...)"
+    )
+
+
+# Methods of the wrapped module (reached through YaFSDP.__getattr__) that (re-)initialise parameters:
+# they run inside summon_full_params(writeback=True). See [Note: the module tree after wrapping].
+_INIT_METHODS = frozenset({"init_weights", "post_init", "_init_weights", "initialize_weights", "reset_parameters",
+                           "_initialize_weights"})
 
 
 def _refuse_module_state_dict(module, prefix, keep_vars):

@@ -33,11 +33,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import orig_params
 from .runtime import BackwardUse, Runtime, in_backward
 from .unit import Unit
 from .units import Member
 
-__all__ = ["in_backward", "install_hooks", "gate_small_group"]
+__all__ = ["in_backward", "install_hooks", "gate_small_group", "rest_small_group"]
 
 
 # [Note: weak references from autograd nodes]
@@ -142,6 +143,8 @@ class _MemberIndex:
     pidx: list[int]
     slots: list[tuple[nn.Module, str, int]]  # (owner, attr, position in pidx)
     trainable: list[int]  # positions in pidx of the trainable parameters (those the gate hands out)
+    slots_by_param: list[tuple[nn.Module, str, int]]  # (owner, attr, param idx in unit.params)
+    frozen: list[bool]  # per parameter of the unit: frozen at wrap time
 
     @classmethod
     def of(cls, member: Member, params: list) -> "_MemberIndex":
@@ -151,7 +154,8 @@ class _MemberIndex:
             if idx not in pidx:
                 pidx.append(idx)
             slots.append((owner, attr, pidx.index(idx)))
-        return cls(pidx, slots, [k for k, i in enumerate(pidx) if not params[i].frozen])
+        return cls(pidx, slots, [k for k, i in enumerate(pidx) if not params[i].frozen],
+                   list(member.assignments), [p.frozen for p in params])
 
 
 def _gate(rt: Runtime, unit: Unit, pidx: list[int], trainable: list[int], tensors: list):
@@ -178,6 +182,14 @@ def gate_small_group(rt: Runtime, tensors: list) -> None:
             owner.__dict__[attr] = t
 
 
+def rest_small_group(rt: Runtime) -> None:
+    """After the root forward (or a unit run on its own): the small group's owners fall back to their
+    ShardedParameters. See [Note: the module tree after wrapping] in orig_params.py."""
+    for p in rt.small.params:
+        for owner, attr in p.owners:
+            owner.__dict__.pop(attr, None)
+
+
 def _attach_inputs_done(rt: Runtime, unit: Unit, use: BackwardUse, args, kwargs):
     """Route the grad-requiring tensors among ``(args, kwargs)`` through one _InputsDone node."""
     leaves, spec = tree_flatten((args, kwargs))
@@ -194,17 +206,19 @@ def _attach_inputs_done(rt: Runtime, unit: Unit, use: BackwardUse, args, kwargs)
 def _pre_hook(rt: Runtime, unit: Unit, index: _MemberIndex):
     def pre_hook(module, args, kwargs):
         if in_backward():  # activation-checkpoint recompute: weights must be there, nothing else
-            trainable = [s for s in index.slots if s[2] in index.trainable]
-            owner, attr, _ = trainable[0] if trainable else (None, None, None)
-            if owner is not None and torch.is_grad_enabled() and not owner.__dict__[attr].requires_grad:
+            if index.trainable and torch.is_grad_enabled() and not unit.forward_grad:
                 raise RuntimeError(
                     f"yafsdp: unit {unit.name!r} is recomputed in backward but its forward ran without "
                     "autograd: reentrant activation checkpointing is not supported; use "
                     "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
                 )
             rt.unit_recompute(unit)
+            orig_params.recompute_views(unit, index.slots_by_param, index.frozen)
             return None
         rt.unit_forward(unit)
+        if rt.root_depth == 0 and rt.small is not None:  # a unit run on its own: its norms and biases too
+            gate_small_group(rt, rt.small.aliases)
+        unit.forward_grad = torch.is_grad_enabled()
         if rt.schedule.recorder is not None:  # after the wait: waiting for the gather is not compute
             unit.fw_interval = rt.schedule.recorder.compute_start("forward", unit.name)
         tensors = [unit.aliases[i] for i in index.pidx]
@@ -220,10 +234,14 @@ def _pre_hook(rt: Runtime, unit: Unit, index: _MemberIndex):
     return pre_hook
 
 
-def _post_hook(rt: Runtime, unit: Unit):
+def _post_hook(rt: Runtime, unit: Unit, index: "_MemberIndex"):
     def post_hook(module, args, kwargs, output):
+        # The weights were valid only during this use: [Note: the module tree after wrapping]
+        orig_params.rest(index.slots)
         if in_backward():
             return None
+        if rt.root_depth == 0 and rt.small is not None:
+            rest_small_group(rt)
         if rt.schedule.recorder is not None and unit.fw_interval is not None:
             rt.schedule.recorder.compute_end(unit.fw_interval)
             unit.fw_interval = None
@@ -239,5 +257,6 @@ def install_hooks(rt: Runtime) -> None:
     """A forward pre-hook and post-hook on every member module of every unit."""
     for u in rt.units:
         for m in u.members:
-            m.module.register_forward_pre_hook(_pre_hook(rt, u, _MemberIndex.of(m, u.params)), with_kwargs=True)
-            m.module.register_forward_hook(_post_hook(rt, u), with_kwargs=True)
+            index = _MemberIndex.of(m, u.params)
+            m.module.register_forward_pre_hook(_pre_hook(rt, u, index), with_kwargs=True)
+            m.module.register_forward_hook(_post_hook(rt, u, index), with_kwargs=True)

@@ -22,6 +22,9 @@ class ParamInfo:
     offset: int = 0  # element offset inside the flat unit
     small: bool = False  # a 1-D parameter that lives in the small group
     frozen: bool = False  # requires_grad=False at wrap time: gathered, never reduced (a frozen group)
+    # after wrapping: what the owners hold in its place (orig_params.ShardedParameter); see
+    # [Note: the module tree after wrapping] in orig_params.py
+    resting: object = field(default=None, compare=False, repr=False)
 
     @property
     def numel(self) -> int:

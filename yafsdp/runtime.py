@@ -38,6 +38,7 @@ from . import kernels
 from .alloc import allocate
 from .comm import Schedule
 from .hsdp import ReplicaSync
+from .orig_params import run_grad_hooks
 from .plan.sizing import unit_shape
 from .shard_grad import grad_view, plain
 from .shard_hooks import fire as fire_shard_hooks
@@ -428,6 +429,7 @@ class Runtime:
     def post_backward(self, unit: Unit, pidx, grads, use: "BackwardUse") -> None:
         """The gate of a unit's use: its weight grads are in; grads into the grad buffer, reduce issued."""
         self._check_unchanged(unit)
+        grads = run_grad_hooks(unit, pidx, grads)  # [Note: the module tree after wrapping] in orig_params.py
         if (self.zero_stage == 3 and unit is not self.small and not unit.weight_free_bw and unit.frozen is None
                 and not unit.buffer.holds(unit)):
             raise RuntimeError(

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from . import collectives, nf4
+from . import collectives, nf4, orig_params
 from .dist import check_collective, raise_together, source_rank
 from .flat import ParamInfo
 from .runtime import Runtime
@@ -105,8 +105,9 @@ def _broadcast_buffer(b: torch.Tensor, group) -> None:
 @torch.no_grad()
 def materialize(rt: Runtime, module: nn.Module, group, rank: int, world: int) -> bool:
     """Rank 0's values into every rank's shards, one unit at a time; then the module surgery
-    (parameters replaced by the buffer aliases). Returns True when something was on the meta
-    device (the model then needs a load: ``load_full_state_dict``, ``yafsdp.init`` or a checkpoint)."""
+    (parameters replaced by ShardedParameters: [Note: the module tree after wrapping] in
+    orig_params.py). Returns True when something was on the meta device (the model then needs a
+    load: ``load_full_state_dict``, ``yafsdp.init`` or a checkpoint)."""
     on_meta = {u.index for u in rt.all if any(p.param.is_meta for p in u.params)}  # built on the meta device
     needs_load = bool(on_meta)
     for u, g, _, _ in rt.stored_shards():  # See [Note: stored shards] in unit.py
@@ -118,11 +119,10 @@ def materialize(rt: Runtime, module: nn.Module, group, rank: int, world: int) ->
             g.layout.flatten([p.param.detach().to(rt.device, torch.float32) for p in g.params], full)
         scatter_group(rt, g, full, group, rank, world)
     for u in rt.all:
-        for p, a in zip(u.params, u.aliases):
+        for i, p in enumerate(u.params):
             rt.originals.append((weakref.ref(p.param), p.param.requires_grad, p.fqn))
-            for owner, attr in p.owners:
-                del owner._parameters[attr]
-                owner.__dict__[attr] = a
+            # See [Note: the module tree after wrapping] in orig_params.py
+            orig_params.install(rt, u, i, p.param)
             del p.param
     for _, m in module.named_modules():
         for bname, b in list(m._buffers.items()):

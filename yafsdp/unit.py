@@ -132,6 +132,7 @@ class Unit:
         # (see [Note: parameters no rank used] in unused.py)
         self.used: list[int] = []
         self.forward_versions: tuple | None = None  # its shards' versions at its last forward use
+        self.forward_grad = False  # its last forward use ran with autograd on (a recompute needs that)
         self.landing_at = 0  # offload="all": byte offset of its NF4 record in its weight buffer's landing
         self.fw_interval = None  # the recorder's open forward interval (yafsdp.trace), if recording
         self.bw_interval = None  # the recorder's open backward interval

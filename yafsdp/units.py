@@ -223,12 +223,32 @@ def discover(root: nn.Module, units: list[nn.Module] | None) -> tuple[list[UnitS
                 if isinstance(c, (nn.ParameterList, nn.ParameterDict)):
                     own += [infos[id(p)] for p in c._parameters.values() if p is not None]
             if any(not p.small for p in own):
-                add_unit(m, own)
+                if _reads_base_layer(m):  # See [Note: wrappers that read their child's weight]
+                    add_unit(m, _params_in(m, infos))
+                    under.update(id(sub) for sub in m.modules() if sub is not m)
+                else:
+                    add_unit(m, own)
     # Members beyond a unit's home module see parameters owned elsewhere in their subtree only.
     order = {id(m): i for i, (_, m) in enumerate(root.named_modules())}
     specs.sort(key=lambda s: order[id(s.members[0].module)])
     small = [i for i in infos.values() if i.small]
     return specs, small
+
+
+# [Note: wrappers that read their child's weight]
+# A unit's weights are gathered while one of its member modules' forward runs; a weight read by
+# another module's forward is not ([Note: the module tree after wrapping] in orig_params.py: such
+# a read raises). PEFT's tuner layers hold parameters of their own next to a wrapped ``base_layer``
+# whose weight some of them read directly, without calling ``base_layer``'s forward: the trainable
+# tokens layer (``trainable_token_indices``) computes ``F.embedding(x, W)`` from
+# ``base_layer.weight`` with its rows replaced. Such a module (own >= 2-D parameters and a
+# ``base_layer`` child that holds parameters) is made one unit with its whole subtree, so the
+# base weight is gathered whenever the wrapper runs.
+
+
+def _reads_base_layer(module: nn.Module) -> bool:
+    base = getattr(module, "_modules", {}).get("base_layer")
+    return base is not None and any(True for _ in base.parameters())
 
 
 def _plain_embedding(module: nn.Module) -> bool:
