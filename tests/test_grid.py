@@ -25,6 +25,8 @@ from grid import MAX_NORM, RESUME_AT, STEPS, rel_l2, rel_seq, row_name
 
 # Known engine bugs the grid hits, fixed elsewhere: (issue item, what, predicate over a row).
 KNOWN: list[tuple[str, str, callable]] = [
+    ("21.1", "HSDP + NF4: load_full_state_dict leaves the other replicas' NF4 base as it was",
+     lambda r: r["mesh"] == "hsdp" and r["trainable"] == "qlora" and r["resume"] == "weights"),
 ]
 
 PARITY = grid.parity_rows()
@@ -78,6 +80,7 @@ def test_every_allowed_pair_is_covered():
     assert refused <= refusal and not (refused & parity)
     assert all(grid.allowed(r) for r in PARITY + REFUSALS)
     assert all(len(grid.refusal_of(r)) == 1 for r in REFUSALS)
+    assert all(any(r.items() >= seed.items() for r in PARITY) for seed in grid.SEEDS)
     assert len(PARITY) <= 2 * max(len(a) * len(b) for a in grid.VALUES.values() for b in grid.VALUES.values()
                                   if a is not b)  # a covering, not a product
 
@@ -93,6 +96,9 @@ def test_generator_honours_constraints():
     assert all(ok(r) for r in rows)
     assert grid.all_value_pairs(dims, ok) <= set().union(*(grid.pairs_of(r) for r in rows))
     assert rows == grid.all_pairs(dims, ok)  # deterministic
+    seeded = grid.all_pairs(dims, ok, [dict(a=1, c=False, d=5)])
+    assert seeded[0] == dict(a=1, b=seeded[0]["b"], c=False, d=5)
+    assert grid.all_value_pairs(dims, ok) <= set().union(*(grid.pairs_of(r) for r in seeded))
     assert len(rows) < 3 * 2 * 2 * 2
 
 
