@@ -478,7 +478,7 @@ def train_reference(row: dict, compute: torch.dtype | None = None, worlds: list[
     """One process, the unsharded model, torch AdamW, the same rounding as the row's engine: stored
     values (frozen in param_dtype, NF4) once, gathered values (fp8) before each forward, the
     forward/backward in ``compute`` (default: the row's param_dtype). ``per_rank=False``: one
-    backward over the global batch (the fp32 reference). ``per_rank=True``: data parallelism done in
+    backward over the global batch. ``per_rank=True`` (what rows are judged against): data parallelism done in
     one process, rounded as the engine rounds it -- a backward per rank's batch in ``compute``, the
     gradient of each use of a weight (a tied weight has two) taken to fp32, summed over the ranks
     and folded into the fp32 gradient (``grad (+)= sum * (1 / world)``) in backward order.
@@ -498,7 +498,7 @@ def train_reference(row: dict, compute: torch.dtype | None = None, worlds: list[
         world = worlds[s] if worlds else r.world
         if r.resume == "weights" and s == RESUME_AT:  # weights only: the optimizer starts afresh
             opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=0.1, foreach=False)
-        low, uses = _compute_copy(model, dt) if (dt != torch.float32 or r.step) else (model, None)
+        low, uses = _compute_copy(model, dt) if (dt != torch.float32 or r.step or per_rank) else (model, None)
         for fn in r.step:
             fn(model, low, dt)
         total = 0.0
