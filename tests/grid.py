@@ -7,7 +7,7 @@ Effects are built from four helpers and combined with ``both``:
 
 - ``engine(**kw)``     keyword arguments of ``YaFSDP(...)`` (the reference ignores them);
 - ``sets(**kw)``       fields of the ``Recipe`` the runs read: ``accum``, ``clip``, ``optimizer``,
-                       ``resume``, ``world``, ``mesh``, ``compute_dtype``;
+                       ``resume``, ``world``, ``mesh``, ``compute_dtype``, ``tie``, ``set_to_none``, ``tol``;
 - ``edit(fn)``         ``fn(model, seed) -> model`` applied to the freshly built model, on both sides,
                        in the order of ``DIMS`` (a PEFT wrap before the checkpointing switch);
 - ``store(fn)`` / ``step(fn)``  the reference's rounding: ``fn(model, compute_dtype)`` once after
@@ -19,7 +19,13 @@ Something the run does that no field says yet (a GradScaler, a second backward, 
 ``Recipe`` field, set by ``sets(...)``, and the few lines that read it in ``train_sharded`` /
 ``train_reference``. Pairs a feature cannot meet go into ``allowed`` (the generator never builds
 them); pairs the engine refuses by design go into ``REFUSED`` (rows that check the error message);
-known engine bugs into ``KNOWN`` in tests/test_grid.py (strict expected failures).
+known engine bugs into ``KNOWN`` in tests/test_grid.py (strict expected failures); a combination of
+three or more values that must stay covered (a bug's reproduction) into ``SEEDS``.
+
+Example, fp16 + GradScaler once the engine takes it: a ``Recipe`` field ``scaler``, a third value of
+``"param_dtype"``: ``"fp16": both(engine(param_dtype=torch.float16), sets(compute_dtype=torch.float16,
+scaler=True))``, and in ``train_sharded`` / ``train_reference`` the scaler's ``scale(loss).backward()``,
+``unscale_`` before clipping and ``step(opt)`` / ``update()`` where ``scaler`` is set.
 
 The rows are an all-pairs covering array (``all_pairs``: greedy, deterministic). Rows of one world
 size run in one spawned process group (``run_world``), several rows per spawn.
