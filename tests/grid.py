@@ -1,0 +1,570 @@
+"""The combination grid: every pair of engine options trained at least once, against the unsharded
+reference (tests/test_grid.py runs it; docs/design.md "The combination grid" says why).
+
+A **dimension** is one entry of ``DIMS``: its name and, per value, an *effect* -- a function that
+edits a ``Recipe`` (what a row does, read by both the sharded run and the unsharded reference).
+Effects are built from four helpers and combined with ``both``:
+
+- ``engine(**kw)``     keyword arguments of ``YaFSDP(...)`` (the reference ignores them);
+- ``sets(**kw)``       fields of the ``Recipe`` the runs read: ``accum``, ``clip``, ``optimizer``,
+                       ``resume``, ``world``, ``mesh``, ``compute_dtype``, ``tie``, ``set_to_none``, ``tol``;
+- ``edit(fn)``         ``fn(model, seed) -> model`` applied to the freshly built model, on both sides,
+                       in the order of ``DIMS`` (a PEFT wrap before the checkpointing switch);
+- ``store(fn)`` / ``step(fn)``  the reference's rounding: ``fn(model, compute_dtype)`` once after
+                       building it (the values the engine *stores*: NF4, frozen values in
+                       ``param_dtype``), ``fn(master, low, compute_dtype)`` before each forward on the
+                       compute copy ``low`` (the values the engine *gathers*: fp8).
+
+Something the run does that no field says yet (a GradScaler, a second backward, a hook) gets a new
+``Recipe`` field, set by ``sets(...)``, and the few lines that read it in ``train_sharded`` /
+``train_reference``. Pairs a feature cannot meet go into ``allowed`` (the generator never builds
+them); pairs the engine refuses by design go into ``REFUSED`` (rows that check the error message);
+known engine bugs into ``KNOWN`` in tests/test_grid.py (strict expected failures); a combination of
+three or more values that must stay covered (a bug's reproduction) into ``SEEDS``.
+
+Example, fp16 + GradScaler once the engine takes it: a ``Recipe`` field ``scaler``, a third value of
+``"param_dtype"``: ``"fp16": both(engine(param_dtype=torch.float16), sets(compute_dtype=torch.float16,
+scaler=True))``, and in ``train_sharded`` / ``train_reference`` the scaler's ``scale(loss).backward()``,
+``unscale_`` before clipping and ``step(opt)`` / ``update()`` where ``scaler`` is set.
+
+The rows are an all-pairs covering array (``all_pairs``: greedy, deterministic). Rows of one world
+size run in one spawned process group (``run_world``), several rows per spawn.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import yafsdp
+from models import batch, loss_of, tiny_llama
+
+STEPS = 3
+RESUME_AT = 2  # resume rows: save after this many optimizer steps, reload with other settings, go on
+LR = 1e-2
+# [Note: the grid's AdamW eps]
+# AdamW's early steps turn a gradient element g into about lr * g / (|g| + eps). Where micro-batches or
+# ranks cancel to |g| ~ 1e-8, the one-ulp difference between the engine's order of fp32 sums (gloo's
+# all-reduce across 3 HSDP replicas) and the reference's becomes a difference of ~lr in that weight,
+# far above the tolerances. eps = 1e-6 keeps that amplification out, while every gradient element
+# that matters (|g| >> 1e-6 here) is compared as tightly as before.
+EPS = 1e-6
+MAX_NORM = 0.1  # small enough that clipping changes every step's update
+
+
+# ----------------------------------------------------------------------------- the generator
+def _pair(a, b):
+    return (a, b) if a[0] < b[0] else (b, a)
+
+
+def pairs_of(row: dict) -> set:
+    """Every (dimension, value) pair a row holds."""
+    items = sorted(row.items())
+    return {(items[i], items[j]) for i in range(len(items)) for j in range(i + 1, len(items))}
+
+
+def all_value_pairs(dims: dict[str, tuple], allowed: Callable[[dict], bool]) -> set:
+    """Every pair of values of two dimensions that ``allowed`` (a predicate over a partial row) admits."""
+    names = sorted(dims)
+    return {((a, va), (b, vb)) for i, a in enumerate(names) for b in names[i + 1:]
+            for va in dims[a] for vb in dims[b] if allowed({a: va, b: vb})}
+
+
+def all_pairs(dims: dict[str, tuple], allowed: Callable[[dict], bool] = lambda r: True,
+              seeds: list[dict] = ()) -> list[dict]:
+    """A small set of full rows covering every allowed pair of values (greedy, AETG-style).
+
+    Deterministic: a new row starts from the first uncovered pair (in ``repr`` order) and fills the
+    other dimensions, most values first, each with the value that covers the most uncovered pairs
+    with the row so far -- on a tie the value used least so far, then the first -- among those
+    ``allowed`` admits; a start that reaches a dimension with no admissible value is skipped for the
+    next. ``allowed`` must be decidable on partial rows (a constraint on the dimensions present).
+    ``seeds``: partial rows that must appear (a triple that matters), completed the same way first."""
+    order = sorted(dims, key=lambda n: -len(dims[n]))  # stable: table order among equals
+    uncovered = all_value_pairs(dims, allowed)
+    used: dict = {}
+    rows = []
+    seeds = [tuple(sorted(seed.items())) for seed in seeds]
+    while uncovered or seeds:
+        for start in seeds[:1] or sorted(uncovered, key=repr):
+            row = dict(start)
+            for name in order:
+                if name in row:
+                    continue
+                choice = None
+                for v in dims[name]:
+                    if not allowed({**row, name: v}):
+                        continue
+                    key = (sum(_pair((n, row[n]), (name, v)) in uncovered for n in row), -used.get((name, v), 0))
+                    if choice is None or key > choice[0]:
+                        choice = (key, v)
+                if choice is None:
+                    break  # a dead end from this start: try the next one
+                row[name] = choice[1]
+            else:
+                break
+        else:
+            raise ValueError(f"all_pairs: no allowed row covers any of {sorted(uncovered, key=repr)[:3]} ...")
+        seeds = seeds[1:]
+        rows.append({n: row[n] for n in dims})
+        uncovered -= pairs_of(row)
+        for item in row.items():
+            used[item] = used.get(item, 0) + 1
+    return rows
+
+
+# ----------------------------------------------------------------------------- what a row does
+@dataclasses.dataclass
+class Recipe:
+    world: int = 2
+    mesh: str = "flat"  # "hsdp": a (world, 1) mesh -- replicas of a one-rank shard group
+    engine: dict = dataclasses.field(default_factory=dict)
+    edits: list = dataclasses.field(default_factory=list)  # fn(model, seed) -> model
+    store: list = dataclasses.field(default_factory=list)  # reference: fn(model, compute_dtype)
+    step: list = dataclasses.field(default_factory=list)  # reference: fn(master, low, compute_dtype)
+    compute_dtype: torch.dtype = torch.float32
+    accum: int = 1
+    clip: bool = False
+    optimizer: str = "adamw"
+    resume: str = "none"  # see RESUME
+    tie: bool = False  # tied input and output embeddings
+    set_to_none: bool = True  # optimizer.zero_grad(set_to_none=...)
+    tol: float = 1.0  # multiplier of the fp32 tolerances (fp8: a master difference can flip a code)
+
+
+def engine(**kw):
+    return lambda r: r.engine.update(kw)
+
+
+def sets(**kw):
+    return lambda r: [setattr(r, k, v) for k, v in kw.items()]
+
+
+def edit(fn):
+    return lambda r: r.edits.append(fn)
+
+
+def store(fn):
+    return lambda r: r.store.append(fn)
+
+
+def step(fn):
+    return lambda r: r.step.append(fn)
+
+
+def both(*effects):
+    def apply(r):
+        for e in effects:
+            e(r)
+    return apply
+
+
+def nothing(r):
+    pass
+
+
+# --- the model edits and the reference's rounding
+FROZEN = ("embed_tokens", "q_proj", "model.norm")  # "frozen part": an embedding, a linear per layer, a norm
+
+
+def freeze_part(model, seed):
+    for name, p in model.named_parameters():
+        if any(f in name for f in FROZEN):
+            p.requires_grad_(False)
+    return model
+
+
+def lora(model, seed):
+    import peft
+
+    # q_proj and o_proj: their adapters are whole 128-blocks, so fp8 gathers cover them too
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"],
+                                                       lora_dropout=0.0))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # B starts at zero in PEFT; make the adapters matter from the first step
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model
+
+
+def checkpointing(model, seed):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.gradient_checkpointing_enable()  # HF: use_reentrant=False
+    return model
+
+
+def frozen_in_dtype(model, dtype):
+    """The engine stores frozen values in param_dtype."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.copy_(p.to(dtype))
+
+
+def nf4_round_trip(model, dtype):
+    """Frozen nn.Linear weights of whole 64-blocks: NF4 quantize-dequantize of their param_dtype values."""
+    from yafsdp import nf4
+
+    with torch.no_grad():
+        for mod in model.modules():
+            w = getattr(mod, "weight", None)
+            if isinstance(mod, nn.Linear) and not w.requires_grad and w.numel() % nf4.BLOCK == 0:
+                packed, scales = nf4.quantize(w.detach().reshape(-1).to(dtype))
+                values = nf4.dequantize_record(torch.cat([packed, scales.view(torch.uint8)]), w.numel(), dtype)
+                w.copy_(values.view_as(w))
+
+
+def fp8_layers(model) -> list[str]:
+    """Names of the decoder layers a compact gather covers: all their trainable >= 2-D parameters are
+    nn.Linear weights of whole 128-blocks (the output head is left out by default)."""
+    from yafsdp import fp8
+
+    weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    out = []
+    for name, mod in model.named_modules():
+        if type(mod).__name__ != "LlamaDecoderLayer":
+            continue
+        ps = [p for p in mod.parameters() if p.requires_grad and p.dim() >= 2]
+        if ps and all(id(p) in weights and p.numel() % fp8.BLOCK == 0 for p in ps):
+            out.append(name)
+    return out
+
+
+def fp8_gather(master, low, dtype):
+    from yafsdp import fp8
+
+    layers = set(fp8_layers(master))
+    with torch.no_grad():
+        for (name, mod), low_mod in zip(master.named_modules(), low.modules()):
+            if name in layers:
+                for p, q in zip(mod.parameters(), low_mod.parameters()):
+                    if p.requires_grad and p.dim() >= 2:
+                        q.copy_(fp8.fake_quantize(p, dtype))
+
+
+# ----------------------------------------------------------------------------- the dimensions
+DIMS: dict[str, dict[Any, Callable]] = {
+    "zero": {3: engine(zero_stage=3), 2: engine(zero_stage=2)},
+    "trainable": {"full": nothing, "frozen": edit(freeze_part), "lora": edit(lora),
+                  "qlora": both(edit(lora), engine(quantize_frozen="nf4"), store(nf4_round_trip))},
+    "offload": {"none": nothing, "optimizer": engine(offload="optimizer"), "all": engine(offload="all")},
+    "mesh": {"flat": nothing, "hsdp": sets(mesh="hsdp")},
+    "gather": {"none": nothing, "fp8": both(engine(gather_dtype="fp8"), step(fp8_gather), sets(tol=2.0))},
+    "param_dtype": {"fp32": nothing,
+                    "bf16": both(engine(param_dtype=torch.bfloat16), sets(compute_dtype=torch.bfloat16))},
+    "accum": {1: nothing, 2: sets(accum=2)},
+    "clip": {"off": nothing, "on": sets(clip=True)},
+    "ac": {"off": nothing, "on": edit(checkpointing)},
+    "world": {2: sets(world=2), 3: sets(world=3)},
+    "resume": {"none": nothing, "zero": sets(resume="zero"), "world": sets(resume="world"),
+               "weights": sets(resume="weights")},
+    "optimizer": {"adamw": nothing, "fused": sets(optimizer="fused")},
+    "tie": {"untied": nothing, "tied": sets(tie=True)},
+    "zero_grad": {"none": nothing, "zeros": sets(set_to_none=False)},
+}
+# RESUME: after RESUME_AT steps the run goes on in a fresh engine built from another seed (whatever the
+# load misses shows), with one setting changed. "zero": a checkpoint (model + optimizer) loaded with
+# the other zero stage; "world": a checkpoint loaded on world - 1 ranks (flat rows) or on the flat
+# world (HSDP rows); "weights": full_state_dict() loaded with load_full_state_dict() into the other
+# zero stage, with a new optimizer (the reference restarts its optimizer there too).
+VALUES = {name: tuple(values) for name, values in DIMS.items()}
+
+
+def allowed(row: dict) -> bool:
+    """Combinations no row may hold (none today: QLoRA brings its own frozen linears, HSDP at
+    world 2 and 3 is a (world, 1) mesh). A predicate over the dimensions present in ``row``."""
+    return True
+
+
+# Refused by the engine, by design (yafsdp/api.py): (dim, values, dim, values, words) -- a row holding
+# both gets YaFSDP(...) refused with a ValueError naming both options (``words(row)``). Lifting a
+# refusal: delete its entry here; the generator then covers those pairs with parity rows.
+REFUSED = [
+    ("offload", ("optimizer", "all"), "mesh", ("hsdp",), lambda r: (f"offload={r['offload']!r}", "HSDP")),
+    ("offload", ("optimizer", "all"), "gather", ("fp8",),
+     lambda r: (f"offload={r['offload']!r}", f"gather_dtype={r['gather']!r}")),
+]
+
+
+def refusal_of(row: dict):
+    """The REFUSED entries a (partial) row triggers."""
+    return [e for e in REFUSED if row.get(e[0]) in e[1] and row.get(e[2]) in e[3]]
+
+
+def parity_allowed(row: dict) -> bool:
+    return allowed(row) and not refusal_of(row)
+
+
+def refused_pairs() -> set:
+    return {_pair((a, va), (b, vb)) for a, vas, b, vbs, _ in REFUSED for va in vas for vb in vbs
+            if allowed({a: va, b: vb})}
+
+
+def refusal_rows() -> list[dict]:
+    """One row per refused pair: the pair, every other dimension at its first value that triggers no
+    other refusal (so the message has one cause)."""
+    rows = []
+    for (a, va), (b, vb) in sorted(refused_pairs(), key=repr):
+        row = {a: va, b: vb}
+        for name, values in VALUES.items():
+            if name not in row:
+                row[name] = next(v for v in values if allowed({**row, name: v}) and
+                                 len(refusal_of({**row, name: v})) == 1)
+        rows.append({n: row[n] for n in VALUES})
+    return rows
+
+
+# Combinations of more than two values every grid must hold (each completed into a row): the
+# reproductions of bugs found where three features meet, so they stay covered when the table changes.
+SEEDS = [
+    dict(trainable="qlora", mesh="hsdp", resume="weights"),  # issue 21.1
+]
+
+
+def parity_rows() -> list[dict]:
+    return all_pairs(VALUES, parity_allowed, SEEDS)
+
+
+def recipe(row: dict) -> Recipe:
+    r = Recipe()
+    for name, value in row.items():
+        DIMS[name][value](r)
+    return r
+
+
+def row_name(row: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in row.items())
+
+
+def build(r: Recipe, seed: int = 0):
+    model = tiny_llama(layers=2, seed=seed, tie=r.tie)
+    for fn in r.edits:
+        model = fn(model, seed)
+    model.train()
+    return model
+
+
+# ----------------------------------------------------------------------------- the sharded run
+def _optimizer(r: Recipe, params):
+    params = [p for p in params if p.requires_grad]
+    if r.optimizer == "fused":
+        return yafsdp.FusedAdamW(params, lr=LR, eps=EPS, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=0.1, foreach=False)
+
+
+class Ctx:
+    """What a spawn shares between rows: the HSDP mesh and the subgroup of world - 1 ranks."""
+
+    def __init__(self, world, root):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.root = root
+        self.mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+        self.smaller = dist.new_group(list(range(world - 1)))  # every rank creates it
+
+
+def _wrap(r: Recipe, ctx: Ctx, seed: int, mesh: str, zero=None, group=None):
+    kw = dict(r.engine)
+    if zero is not None:
+        kw["zero_stage"] = zero
+    if mesh == "hsdp":
+        kw["mesh"] = ctx.mesh
+    if group is not None:
+        kw["process_group"] = group
+    return yafsdp.YaFSDP(build(r, seed), **kw)
+
+
+def _replicas_agree(model) -> bool:
+    mine = model._rt.master.clone()
+    every = [torch.empty_like(mine) for _ in range(model.replicas)]
+    dist.all_gather(every, mine, group=model.replicate_group)
+    return all(torch.equal(v, mine) for v in every)
+
+
+def _resume(r: Recipe, ctx: Ctx, model, opt, rank: int, world: int, index: int):
+    """The run goes on in a fresh engine (another seed: whatever the load misses shows); see RESUME.
+    Returns the model (None on a rank left out), its optimizer and its process group."""
+    from yafsdp import checkpoint as ckpt
+
+    other_zero = 5 - r.engine.get("zero_stage", 3)
+    if r.resume == "weights":
+        sd = model.full_state_dict()
+        model = _wrap(r, ctx, 1, r.mesh, zero=other_zero)
+        model.load_full_state_dict(sd if rank == 0 else None)
+        return model, _optimizer(r, model.parameters()), None
+    path = ckpt.save_checkpoint(os.path.join(ctx.root, f"row{index}"), RESUME_AT, model, opt)
+    group = None
+    if r.resume == "zero":
+        model = _wrap(r, ctx, 1, r.mesh, zero=other_zero)
+    elif r.mesh == "hsdp":  # HSDP -> a flat world of the same size
+        model = _wrap(r, ctx, 1, "flat")
+    else:  # flat world -> world - 1
+        group = ctx.smaller
+        if rank >= world - 1:
+            return None, None, group
+        model = _wrap(r, ctx, 1, "flat", group=group)
+    opt = _optimizer(r, model.parameters())
+    ckpt.load_checkpoint(path, model, opt)
+    return model, opt, group
+
+
+def train_sharded(rank: int, world: int, row: dict, ctx: Ctx, index: int) -> dict | None:
+    """One row on every rank; rank 0 returns what the parent compares (None on the others)."""
+    r = recipe(row)
+    model = _wrap(r, ctx, 0, r.mesh)
+    opt = _optimizer(r, model.parameters())
+    out = dict(losses=[], norms=[], worlds=[], info={})
+    out["info"]["fp8_units"] = sorted(u.name for u in model.flat_units
+                                      if any(g.kind.gather_format == "fp8" for g in u.groups))
+    out["info"]["nf4"] = sum(1 for i in model.shard_info() if i.kind == "nf4")
+    group, ranks = None, world
+    for s in range(STEPS):
+        if r.resume != "none" and s == RESUME_AT:
+            if model.replicas > 1:
+                out["info"]["replicas_agree_before_resume"] = _replicas_agree(model)
+            model, opt, group = _resume(r, ctx, model, opt, rank, world, index)
+            if model is None:  # not in the smaller world
+                return None
+            ranks = dist.get_world_size(group) if group is not None else world
+        total = 0.0
+        for micro in range(r.accum):
+            loss = loss_of(model, "llama", batch("llama", s, micro, rank))
+            (loss / r.accum).backward()
+            total += loss.item() / r.accum
+        t = torch.tensor(total)
+        dist.all_reduce(t, group=group)
+        out["losses"].append(t.item() / ranks)
+        out["worlds"].append(ranks)
+        if r.clip:
+            out["norms"].append(model.clip_grad_norm_(MAX_NORM).item())
+        opt.step()
+        opt.zero_grad(set_to_none=r.set_to_none)
+    if model.replicas > 1:
+        out["info"]["replicas_agree"] = _replicas_agree(model)
+    sd = model.full_state_dict()
+    return out | dict(sd=sd) if rank == 0 else None
+
+
+def try_refusal(row: dict, ctx: Ctx) -> str:
+    r = recipe(row)
+    try:
+        _wrap(r, ctx, 0, r.mesh)
+    except ValueError as e:
+        return str(e)
+    return "<no error>"
+
+
+def run_world(rank: int, world: int, rows: list[tuple[int, dict, str]], root: str) -> dict:
+    """Every row of this world, in one process group: index -> (status, result, seconds)."""
+    ctx = Ctx(world, root)
+    out = {}
+    for index, row, kind in rows:
+        t0 = time.perf_counter()
+        try:
+            res = try_refusal(row, ctx) if kind == "refused" else train_sharded(rank, world, row, ctx, index)
+            out[index] = ("ok", res, time.perf_counter() - t0)
+        except Exception as e:  # reported by the parent under the row's name
+            out[index] = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}",
+                          time.perf_counter() - t0)
+        dist.barrier()
+    return out
+
+
+# ----------------------------------------------------------------------------- the reference
+def train_reference(row: dict, compute: torch.dtype | None = None, worlds: list[int] | None = None,
+                    per_rank: bool = False):
+    """One process, the unsharded model, torch AdamW, the same rounding as the row's engine: stored
+    values (frozen in param_dtype, NF4) once, gathered values (fp8) before each forward, the
+    forward/backward in ``compute`` (default: the row's param_dtype). ``per_rank=False``: one
+    backward over the global batch. ``per_rank=True`` (what rows are judged against): data parallelism done in
+    one process, rounded as the engine rounds it -- a backward per rank's batch in ``compute``, the
+    gradient of each use of a weight (a tied weight has two) taken to fp32, summed over the ranks
+    and folded into the fp32 gradient (``grad (+)= sum * (1 / world)``) in backward order.
+    Returns losses, norms, the state dict, the trainable keys and the initial state dict."""
+    r = recipe(row)
+    dt = compute or r.compute_dtype
+    model = build(r)
+    frozen_in_dtype(model, r.compute_dtype)
+    for fn in r.store:
+        fn(model, r.compute_dtype)
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}  # tied: both
+    opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=0.1, foreach=False)
+    losses, norms = [], []
+    for s in range(STEPS):
+        world = worlds[s] if worlds else r.world
+        if r.resume == "weights" and s == RESUME_AT:  # weights only: the optimizer starts afresh
+            opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=0.1, foreach=False)
+        low, uses = _compute_copy(model, dt) if (dt != torch.float32 or r.step or per_rank) else (model, None)
+        for fn in r.step:
+            fn(model, low, dt)
+        total = 0.0
+        for micro in range(r.accum):
+            parts = [batch("llama", s, micro, k) for k in range(world)]
+            if per_rank:
+                summed = {id(q): torch.zeros_like(p) for p in params for q in uses[id(p)]}
+                for inputs in parts:
+                    loss = loss_of(low, "llama", inputs)
+                    (loss / r.accum).backward()
+                    total += loss.item() / r.accum / world
+                    for p in params:
+                        for q in uses[id(p)]:
+                            summed[id(q)] += q.grad.float()
+                            q.grad = None
+                for p in params:
+                    for q in reversed(uses[id(p)]):  # the last use's gradient is reduced first
+                        acc = summed[id(q)]
+                        p.grad = acc * (1.0 / world) if p.grad is None else p.grad.add_(acc, alpha=1.0 / world)
+            else:
+                inputs = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+                loss = loss_of(low, "llama", inputs)
+                (loss / r.accum).backward()
+                total += loss.item() / r.accum
+        if low is not model and not per_rank:
+            for p in params:
+                p.grad = sum(q.grad.float() for q in uses[id(p)])
+        losses.append(total)
+        if r.clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(params, MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, norms, sd, trainable, init
+
+
+def _compute_copy(model, dtype):
+    """The model with its parameters in ``dtype`` (buffers such as RoPE's inv_freq stay as they are,
+    as the engine leaves them), each use of a tied weight its own tensor (the engine reduces each
+    use's gradient on its own). Returns it and, per parameter of ``model``, its uses in ``low`` in
+    module order."""
+    low = copy.deepcopy(model)
+    uses: dict[int, list] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owner, _, attr = name.rpartition(".")
+        mod = low.get_submodule(owner)
+        q = getattr(mod, attr)
+        if id(p) in uses:  # a tied use: untie it
+            q = nn.Parameter(q.detach().clone(), requires_grad=q.requires_grad)
+            setattr(mod, attr, q)
+        q.data = q.data.to(dtype)
+        uses.setdefault(id(p), []).append(q)
+    return low, uses
+
+
+def rel_l2(a: dict, b: dict, keys) -> float:
+    num = sum(float((a[k].float() - b[k].float()).pow(2).sum()) for k in keys)
+    den = sum(float(b[k].float().pow(2).sum()) for k in keys)
+    return (num / den) ** 0.5
+
+
+def rel_seq(a, b) -> float:
+    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=0.0)
