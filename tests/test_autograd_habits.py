@@ -65,8 +65,10 @@ def _error(fn) -> str | None:
 # forwards between a forward and its backward
 
 
-def _between(how: str, zero: int, ckpt: bool, group=None, **options) -> float:
-    base = tiny_llama(checkpointing=ckpt)
+def _between(how: str, zero: int, ckpt: bool, group=None, reentrant=False, **options) -> float:
+    base = tiny_llama(checkpointing=ckpt and not reentrant)
+    if reentrant:  # HF checkpoints the layer's forward, inside the unit's hooks
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     ref = copy.deepcopy(base)
     model = yafsdp.YaFSDP(base, zero_stage=zero, **options)
     x, other = batch("llama", 0, 0, 0), batch("llama", 1, 0, 0)
@@ -103,6 +105,7 @@ def _forwards_between(rank, world):
             out[f"no_grad_z{zero}_ckpt{int(ckpt)}"] = _between("no_grad", zero, ckpt)
     out["eval_generate_z3_ckpt1"] = _between("eval_generate", 3, True)
     out["grad_forward_z3_ckpt1"] = _between("grad_forward", 3, True)
+    out["hf_reentrant_z3_ckpt1"] = _between("no_grad", 3, True, reentrant=True)
     out["offload_z3_ckpt1"] = _between("no_grad", 3, True, offload="optimizer")
     out["hsdp_2x1_z3_ckpt1"] = _hsdp_between(rank, world)
     return out
@@ -212,6 +215,26 @@ def _retained(zero):
     return grad_error(model, ref)
 
 
+def _partial(zero):
+    """Backward calls over parts of one forward: a loss on a middle block's output, the input
+    gradient of that output, then the whole loss."""
+    base = Stack()
+    ref = copy.deepcopy(base)
+    model = _wrap(base, zero)
+    x = batch("stack", 0, 0, 0)["x"]
+    got = []
+    for m, blocks in ((model, base.blocks), (ref, ref.blocks)):
+        mids = []
+        hook = blocks[1].register_forward_hook(lambda mod, args, out: mids.append(out))
+        out = m(x)
+        hook.remove()
+        mids[0].pow(2).mean().backward(retain_graph=True)
+        gm, = torch.autograd.grad(out.pow(2).mean(), mids[0], retain_graph=True)
+        out.pow(2).mean().backward()
+        got.append(gm)
+    return max((got[0] - got[1]).abs().max().item(), grad_error(model, ref))
+
+
 def _penalty(model, x):
     """A gradient penalty (R1 / WGAN-GP): the loss plus the squared norm of its input gradient."""
     x = x.clone().requires_grad_()
@@ -239,6 +262,10 @@ def _refusals():
     for zero in (3, 2):
         m = _wrap(Stack(), zero)
         out[f"params_z{zero}"] = _error(lambda: torch.autograd.grad(m(x).sum(), list(m.parameters())))
+    for kind in ("register_hook", "register_post_accumulate_grad_hook"):
+        m = _wrap(Stack(), 3)
+        getattr(next(iter(m.parameters())), kind)(lambda *a: None)
+        out[kind] = _error(lambda: m(x).sum().backward())
     return out
 
 
@@ -248,6 +275,7 @@ def _boundary(rank, world):
         out[f"inplace_z{zero}"] = _inplace(zero)
         out[f"input_grad_z{zero}"] = _input_grad(zero)
         out[f"retained_z{zero}"] = _retained(zero)
+        out[f"partial_z{zero}"] = _partial(zero)
     out["ctrl_z3"] = _ctrl(3)
     out["double_backward_z2"] = _double_backward()
     out["refused"] = _refusals()
@@ -281,6 +309,7 @@ def test_autograd_grad_of_inputs(boundary, zero):
 def test_several_backwards_over_one_forward(boundary, zero):
     """Issue 28 item 7: at ZeRO-3 the second backward raised BufferInUse."""
     assert boundary[f"retained_z{zero}"] < 1e-5
+    assert boundary[f"partial_z{zero}"] < 1e-5
 
 
 def test_double_backward_zero2_and_refusals(boundary):
@@ -290,3 +319,5 @@ def test_double_backward_zero2_and_refusals(boundary):
     for zero in (3, 2):
         msg = refused[f"params_z{zero}"]
         assert msg is not None and "torch.autograd.grad" in msg and "flat shard of unit" in msg, msg
+    for kind in ("register_hook", "register_post_accumulate_grad_hook"):  # hooks on the shards
+        assert refused[kind] is not None and "hook is registered on the flat shard of unit" in refused[kind]

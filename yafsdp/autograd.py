@@ -7,7 +7,9 @@ of its outputs' gradients are in), whatever the unit's inputs and keyword argume
 reliable "unit backward done" point. There the grads are written into the grad buffer and the
 reduce-scatter is issued. Its input is the unit's flat shard, so that ``torch.autograd.grad`` with
 respect to a shard reaches it (and is refused there, see ``_captured``); it returns no gradient
-for it (the engine's reduce fills ``.grad``). ``_PreBackward`` sits on a unit's outputs and runs
+for it (the engine's reduce fills ``.grad``). Autograd then calls the shard's accumulation node
+with no gradient, and with it any hook a user put on the shard: such hooks cannot see the reduced
+gradient and are refused at the gate, naming the unit. ``_PreBackward`` sits on a unit's outputs and runs
 before any of the unit's backward: it re-gathers (ZeRO-3) and prefetches the unit that ran before
 it in forward. The first node of the engine that runs in a backward queues the end of that
 backward (``Runtime.end_task``).
@@ -132,6 +134,15 @@ class _Gate(torch.autograd.Function):
                 "inputs is not supported: the model's parameters are this rank's shards, whose gradients the engine "
                 "reduce-scatters into .grad. Call loss.backward() (or loss.backward(inputs=[...shards])) and read "
                 ".grad; torch.autograd.grad with respect to input or activation tensors is supported"
+            )
+        shard = unit.flat_param
+        if shard is not None and (shard._backward_hooks or getattr(shard, "_post_accumulate_grad_hooks", None)):
+            raise RuntimeError(
+                f"yafsdp: a hook is registered on the flat shard of unit {unit.name!r} (Tensor.register_hook or "
+                "register_post_accumulate_grad_hook on model.parameters()): the engine writes the shard's .grad by "
+                "its reduce-scatter, after autograd has passed the shard, so such a hook would see no gradient or a "
+                "partial one. Read or change .grad after backward() (clipping: model.clip_grad_norm_), and step "
+                "the optimizer after backward"
             )
         rt.enter_backward()
         if rt.schedule.recorder is not None and unit.bw_interval is not None:
@@ -306,9 +317,9 @@ def _pre_hook(rt: Runtime, unit: Unit, index: _MemberIndex, uses: list, small_sl
             unit.fw_interval = rt.schedule.recorder.compute_start("forward", unit.name)
         tensors = [unit.aliases[i] for i in index.pidx]
         new_inputs = None
-        if torch.is_grad_enabled():
-            use = BackwardUse()
-            uses.append(use)  # the post-hook of this call takes it
+        use = BackwardUse() if torch.is_grad_enabled() else None
+        uses.append(use)  # the post-hook of this call takes it (calls nest)
+        if use is not None:
             tensors = _gate(rt, unit, index.pidx, index.trainable, tensors, use)
             if rt.zero_stage == 3:  # See [Note: releasing by what autograd runs]
                 new_inputs = _attach_inputs_done(rt, unit, use, args, kwargs)
@@ -326,10 +337,9 @@ def _post_hook(rt: Runtime, unit: Unit, uses: list):
         if rt.schedule.recorder is not None and unit.fw_interval is not None:
             rt.schedule.recorder.compute_end(unit.fw_interval)
             unit.fw_interval = None
-        if torch.is_grad_enabled() and uses:
-            use = uses.pop()
-            if rt.zero_stage == 3:
-                output = _attach_pre_backward(rt, unit, use, rt.previous_in_forward(), output)
+        use = uses.pop() if uses else None
+        if use is not None and rt.zero_stage == 3 and torch.is_grad_enabled():
+            output = _attach_pre_backward(rt, unit, use, rt.previous_in_forward(), output)
         unit.buffer.release()
         return output
 
@@ -340,7 +350,7 @@ def install_hooks(rt: Runtime) -> None:
     """A forward pre-hook and post-hook on every member module of every unit."""
     for u in rt.units:
         for m in u.members:
-            uses: list[BackwardUse] = []  # one per grad-enabled call of the member running now (nested calls)
+            uses: list = []  # per call of the member running now (nested): its BackwardUse, None without grad
             index = _MemberIndex.of(m, u.params)
             m.module.register_forward_pre_hook(_pre_hook(rt, u, index, uses, _small_slots(rt, m.module)),
                                                with_kwargs=True)

@@ -138,6 +138,7 @@ class Runtime:
         # autograd.grad call that touched the engine and has not ended (see [Note: releasing by what
         # autograd runs] in autograd.py)
         self.tasks: dict[int, list] = {}
+        self.replica_begun = False  # HSDP: this backward reduced (ReplicaSync.begin_backward ran)
         # (weak reference, requires_grad, name) of every original parameter: changing requires_grad
         # after wrapping would have no effect, so it is refused (see check_frozen).
         self.originals: list[tuple[weakref.ref, bool, str]] = []
@@ -264,8 +265,9 @@ class Runtime:
         for gs in self.grad_buffers:
             gs.finish()
         self.finish_host_folds()
-        if self.replica_sync is not None:
+        if self.replica_sync is not None and self.replica_begun:
             self.replica_sync.finish_backward()
+        self.replica_begun = False
         for u in self.all:
             u.bw_holds = 0
         self.tasks.clear()
@@ -399,10 +401,7 @@ class Runtime:
             return
         self.tasks[task] = []
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self.end_task(task))
-        if self.phase is not Phase.BACKWARD:
-            self.phase = Phase.BACKWARD
-            if self.replica_sync is not None:
-                self.replica_sync.begin_backward()
+        self.phase = Phase.BACKWARD
 
     def _hold(self, unit: Unit, use: "BackwardUse") -> None:
         """``use`` holds the unit's weight buffer until it ends or its graph task does."""
@@ -519,6 +518,11 @@ class Runtime:
                     kernels.accumulate_(target, reduced, scale)
 
         sync = self.replica_sync
+        if sync is not None and not self.replica_begun:
+            # a backward call counts for the cross-replica prediction when it reduces (a call
+            # that runs no gate, e.g. torch.autograd.grad of an input, does not)
+            self.replica_begun = True
+            sync.begin_backward()
         if sync is None:
             fold = fold_local
         else:  # See [Note: the cross-replica all-reduce] in hsdp.py
@@ -567,8 +571,9 @@ class Runtime:
         for gs in self.grad_buffers:
             gs.finish()
         self.finish_host_folds()
-        if self.replica_sync is not None:
+        if self.replica_sync is not None and self.replica_begun:
             self.replica_sync.finish_backward()
+        self.replica_begun = False
         for s in self.weight_buffers:
             s.drop_deferred()
         self.phase = Phase.IDLE
