@@ -53,6 +53,14 @@ def grad_error(model, ref, group=None) -> float:
     return err
 
 
+def _outcome(fn, *args):
+    """fn(*args), or the error it raised as a string (each case fails on its own)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return f"{type(e).__name__}: {e}"
+
+
 def _error(fn) -> str | None:
     try:
         fn()
@@ -102,12 +110,12 @@ def _forwards_between(rank, world):
     out = {}
     for zero in (3, 2):
         for ckpt in (True, False):
-            out[f"no_grad_z{zero}_ckpt{int(ckpt)}"] = _between("no_grad", zero, ckpt)
-    out["eval_generate_z3_ckpt1"] = _between("eval_generate", 3, True)
-    out["grad_forward_z3_ckpt1"] = _between("grad_forward", 3, True)
-    out["hf_reentrant_z3_ckpt1"] = _between("no_grad", 3, True, reentrant=True)
-    out["offload_z3_ckpt1"] = _between("no_grad", 3, True, offload="optimizer")
-    out["hsdp_2x1_z3_ckpt1"] = _hsdp_between(rank, world)
+            out[f"no_grad_z{zero}_ckpt{int(ckpt)}"] = _outcome(_between, "no_grad", zero, ckpt)
+    out["eval_generate_z3_ckpt1"] = _outcome(_between, "eval_generate", 3, True)
+    out["grad_forward_z3_ckpt1"] = _outcome(_between, "grad_forward", 3, True)
+    out["hf_reentrant_z3_ckpt1"] = _outcome(lambda: _between("no_grad", 3, True, reentrant=True))
+    out["offload_z3_ckpt1"] = _outcome(lambda: _between("no_grad", 3, True, offload="optimizer"))
+    out["hsdp_2x1_z3_ckpt1"] = _outcome(_hsdp_between, rank, world)
     return out
 
 
@@ -115,8 +123,8 @@ def test_forwards_between_forward_and_backward():
     """Issue 22 item 1: before the fix the checkpointed cases raised CheckpointError (the recompute
     saw the un-gated weights the no-grad forward left on the modules)."""
     got = run_ranks(_forwards_between, 2)[0]
-    for name, err in got.items():
-        assert err < 1e-5, (name, err)
+    bad = {name: err for name, err in got.items() if isinstance(err, str) or not err < 1e-5}
+    assert not bad, bad
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,14 +280,19 @@ def _refusals():
 def _boundary(rank, world):
     out = {}
     for zero in (3, 2):
-        out[f"inplace_z{zero}"] = _inplace(zero)
-        out[f"input_grad_z{zero}"] = _input_grad(zero)
-        out[f"retained_z{zero}"] = _retained(zero)
-        out[f"partial_z{zero}"] = _partial(zero)
-    out["ctrl_z3"] = _ctrl(3)
-    out["double_backward_z2"] = _double_backward()
-    out["refused"] = _refusals()
+        out[f"inplace_z{zero}"] = _outcome(_inplace, zero)
+        out[f"input_grad_z{zero}"] = _outcome(_input_grad, zero)
+        out[f"retained_z{zero}"] = _outcome(_retained, zero)
+        out[f"partial_z{zero}"] = _outcome(_partial, zero)
+    out["ctrl_z3"] = _outcome(_ctrl, 3)
+    out["double_backward_z2"] = _outcome(_double_backward)
+    out["refused"] = _outcome(_refusals)
     return out
+
+
+def _close(value) -> bool:
+    assert not isinstance(value, str), value
+    return value < 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -291,14 +304,15 @@ def boundary():
 def test_inplace_ops_on_unit_outputs_and_inputs(boundary, zero):
     """Issue 22 item 2: at ZeRO-3 this raised 'Output 0 of _PreBackward is a view and is being
     modified inplace'."""
-    assert boundary[f"inplace_z{zero}"] < 1e-5
+    assert _close(boundary[f"inplace_z{zero}"])
     if zero == 3:
-        assert boundary["ctrl_z3"] < 1e-5  # HF CTRL: inputs_embeds *= sqrt(d)
+        assert _close(boundary["ctrl_z3"])  # HF CTRL: inputs_embeds *= sqrt(d)
 
 
 @pytest.mark.parametrize("zero", [3, 2])
 def test_autograd_grad_of_inputs(boundary, zero):
     """Issue 28 item 6: at ZeRO-3 with three or more units this raised BufferInUse."""
+    assert not isinstance(boundary[f"input_grad_z{zero}"], str), boundary[f"input_grad_z{zero}"]
     gx_err, untouched, after = boundary[f"input_grad_z{zero}"]
     assert gx_err < 1e-5
     assert untouched  # .grad is not written by autograd.grad nor backward(inputs=[x]), as in plain PyTorch
@@ -308,13 +322,14 @@ def test_autograd_grad_of_inputs(boundary, zero):
 @pytest.mark.parametrize("zero", [3, 2])
 def test_several_backwards_over_one_forward(boundary, zero):
     """Issue 28 item 7: at ZeRO-3 the second backward raised BufferInUse."""
-    assert boundary[f"retained_z{zero}"] < 1e-5
-    assert boundary[f"partial_z{zero}"] < 1e-5
+    assert _close(boundary[f"retained_z{zero}"])
+    assert _close(boundary[f"partial_z{zero}"])
 
 
 def test_double_backward_zero2_and_refusals(boundary):
-    assert boundary["double_backward_z2"] < 1e-5
+    assert _close(boundary["double_backward_z2"])
     refused = boundary["refused"]
+    assert not isinstance(refused, str), refused
     assert "create_graph=True" in refused["create_graph_z3"] and "zero_stage=2" in refused["create_graph_z3"]
     for zero in (3, 2):
         msg = refused[f"params_z{zero}"]
