@@ -138,10 +138,45 @@ class InplaceStack(Stack):
     def forward(self, x, target=None):
         h = self.inp(x)
         h *= 8  # as HF CTRL does with inputs_embeds
-        for b in self.blocks:
-            h = b(h, scale=0.5)
+        for i, b in enumerate(self.blocks):
+            # block 1 modifies what it receives in place (see _inplace); its caller then reads that tensor again
+            h = h + b(h, scale=0.5) if i == 1 else b(h, scale=0.5)
             h.mul_(0.9)
         return self.head(h).pow(2).mean()
+
+
+class _Pair(nn.Module):
+    """A unit whose two outputs share storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(17, 17)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h, h[:, :3]
+
+
+class PairModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.pair, self.head = nn.Linear(7, 17), _Pair(), nn.Linear(17, 5)
+
+    def forward(self, x):
+        h, first = self.pair(self.inp(x))
+        first.mul_(2)  # changes h too
+        return self.head(h).pow(2).mean()
+
+
+def _shared_output(zero):
+    base = PairModel()
+    ref = copy.deepcopy(base)
+    model = yafsdp.YaFSDP(base, units=[base.inp, base.pair, base.head], zero_stage=zero)
+    x = batch("stack", 0, 0, 0)["x"]
+    model(x).backward()
+    ref(x).backward()
+    return grad_error(model, ref)
 
 
 class _ScalesInput(nn.Module):
@@ -284,6 +319,8 @@ def _boundary(rank, world):
         out[f"input_grad_z{zero}"] = _outcome(_input_grad, zero)
         out[f"retained_z{zero}"] = _outcome(_retained, zero)
         out[f"partial_z{zero}"] = _outcome(_partial, zero)
+    out["shared_output_z2"] = _outcome(_shared_output, 2)
+    out["shared_output_z3"] = _outcome(_shared_output, 3)
     out["ctrl_z3"] = _outcome(_ctrl, 3)
     out["double_backward_z2"] = _outcome(_double_backward)
     out["refused"] = _outcome(_refusals)
@@ -307,6 +344,11 @@ def test_inplace_ops_on_unit_outputs_and_inputs(boundary, zero):
     assert _close(boundary[f"inplace_z{zero}"])
     if zero == 3:
         assert _close(boundary["ctrl_z3"])  # HF CTRL: inputs_embeds *= sqrt(d)
+        # outputs that share storage (h, h[:, :3]): in place on one is refused at ZeRO-3 (autograd's error),
+        # never silently wrong; ZeRO-2 inserts nothing and is exact
+        assert "is a view and is being modified inplace" in str(boundary["shared_output_z3"])
+    else:
+        assert _close(boundary["shared_output_z2"])
 
 
 @pytest.mark.parametrize("zero", [3, 2])

@@ -41,7 +41,16 @@ inputs) leaves ``.grad`` alone, as plain PyTorch does.
 views: autograd refuses an in-place op on a view made inside a custom Function, and a caller that
 writes ``h = block(h); h.mul_(0.9)`` (or HF's ``inputs_embeds *= scale``) must see what the unsharded
 module would have returned. The alias shares the tensor's storage and version counter, so an
-in-place op is checked against saved tensors exactly as it would be on the original tensor.
+in-place op is checked against saved tensors exactly as it would be on the original tensor. Two
+cases need more, because there another tensor object sees the same memory:
+- a unit that modifies an input in place: the caller still holds the original tensor, whose memory
+  changed but whose autograd history did not. After the unit's forward, an input whose version
+  moved is *rebased*: ``_Rebase`` (an in-place identity, ``mark_dirty``) gives the caller's tensor
+  the history of the modified alias, as the in-place op would have in plain PyTorch;
+- an output that shares storage with another output, with an input of the unit or with a weight
+  buffer (a view of an input, ``(h, h[:, -1])``, a slice of a weight): an in-place op on its alias
+  would change what the others see without autograd knowing. Such an output is passed on as a view,
+  on which autograd refuses in-place ops (loud, never silently wrong).
 
 [Note: recomputed weights]
 An activation-checkpoint recompute runs a unit's forward again inside backward, with whatever
@@ -159,6 +168,7 @@ class _InputsDone(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rt, unit, use, *tensors):
         (ctx.rt_ref, ctx.unit_ref), ctx.use = _refs(rt, unit), use
+        ctx.set_materialize_grads(False)  # an input the unit did not use passes no gradient on, not zeros
         return tuple(t.detach() for t in tensors)  # See [Note: boundary nodes and in-place ops]
 
     @staticmethod
@@ -170,35 +180,70 @@ class _InputsDone(torch.autograd.Function):
         return (None, None, None) + grads
 
 
+class _Rebase(torch.autograd.Function):
+    """In place on ``orig``: its history becomes that of ``alias`` (the input a unit modified in
+    place). See [Note: boundary nodes and in-place ops]."""
+
+    @staticmethod
+    def forward(ctx, orig, alias):
+        ctx.view = orig._base is not None
+        ctx.mark_dirty(orig)
+        return orig
+
+    @staticmethod
+    def backward(ctx, grad):
+        # a view's base keeps the gradient of its other elements only when this one is a tensor
+        return (torch.zeros_like(grad) if ctx.view else None), grad
+
+
 class _PreBackward(torch.autograd.Function):
     """Identity on a unit's outputs; its backward runs before the unit's backward."""
 
     @staticmethod
-    def forward(ctx, rt, unit, use, prev, *tensors):
+    def forward(ctx, rt, unit, use, prev, shared, *tensors):
         (ctx.rt_ref, ctx.unit_ref), ctx.use = _refs(rt, unit), use
         ctx.prev_ref = weakref.ref(prev) if prev is not None else None
-        return tuple(t.detach() for t in tensors)  # See [Note: boundary nodes and in-place ops]
+        ctx.set_materialize_grads(False)  # an output nobody used passes no gradient on, not zeros
+        # See [Note: boundary nodes and in-place ops]
+        return tuple(t.view_as(t) if sh else t.detach() for t, sh in zip(tensors, shared))
 
     @staticmethod
     def backward(ctx, *grads):
         rt, unit = _deref(ctx)
         if rt is None or unit is None:
-            return (None, None, None, None) + grads
+            return (None, None, None, None, None) + grads
         rt.enter_backward()
         prev = ctx.prev_ref() if ctx.prev_ref is not None else None
         rt.pre_backward(unit, ctx.use, prev, _ends(ctx.use))  # See [Note: releasing by what autograd runs]
         if rt.schedule.recorder is not None:  # after the wait: waiting for the gather is not compute
             unit.bw_interval = rt.schedule.recorder.compute_start("backward", unit.name)
-        return (None, None, None, None) + grads
+        return (None, None, None, None, None) + grads
 
 
-def _attach_pre_backward(rt: Runtime, unit: Unit, use: BackwardUse, prev: Unit | None, output):
+def _storage(t: torch.Tensor):
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no plain storage: treated as shared
+        return None
+
+
+def _shared(outputs: list, seen: set) -> tuple[bool, ...]:
+    """Per output: it shares storage with another output or with a tensor of ``seen`` (storage
+    keys of the unit's inputs and of the weight buffers). See [Note: boundary nodes and in-place ops]."""
+    keys = [_storage(t) for t in outputs]
+    return tuple(k is None or k in seen or keys.count(k) > 1 for k in keys)
+
+
+def _attach_pre_backward(rt: Runtime, unit: Unit, use: BackwardUse, prev: Unit | None, output, args, kwargs):
     """Route every grad-requiring tensor of ``output`` through one _PreBackward node."""
     leaves, spec = tree_flatten(output)
     idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not idx:
         return output
-    outs = _PreBackward.apply(rt, unit, use, prev, *[leaves[i] for i in idx])
+    tensors = [leaves[i] for i in idx]
+    seen = {_storage(s.data) for s in rt.weight_buffers}
+    seen.update(_storage(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+    outs = _PreBackward.apply(rt, unit, use, prev, _shared(tensors, seen), *tensors)
     for i, t in zip(idx, outs):
         leaves[i] = t
     return tree_unflatten(leaves, spec)
@@ -248,9 +293,10 @@ def gate_small_group(rt: Runtime, tensors: list) -> None:
             _hand(owner, attr, t)
 
 
-def _attach_inputs_done(rt: Runtime, unit: Unit, use: BackwardUse, args, kwargs):
+def _attach_inputs_done(rt: Runtime, unit: Unit, use: BackwardUse, args, kwargs, passed: list):
     """Route the grad-requiring tensors among ``(args, kwargs)`` through one _InputsDone node
-    (one of ``use``'s end nodes)."""
+    (one of ``use``'s end nodes); ``passed`` gets (input, alias, version) of each, for the rebase
+    of an input the unit modifies in place."""
     leaves, spec = tree_flatten((args, kwargs))
     idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not idx:
@@ -258,8 +304,19 @@ def _attach_inputs_done(rt: Runtime, unit: Unit, use: BackwardUse, args, kwargs)
     outs = _InputsDone.apply(rt, unit, use, *[leaves[i] for i in idx])
     use.ends.append(weakref.ref(outs[0].grad_fn))
     for i, t in zip(idx, outs):
+        passed.append((leaves[i], t, t._version))
         leaves[i] = t
     return tree_unflatten(leaves, spec)
+
+
+def _rebase_modified(passed: list) -> None:
+    """The caller's inputs a unit modified in place take the history of the modified aliases."""
+    for orig, alias, version in passed:
+        if alias._version != version:
+            # the rebase writes no memory: the version bump of mark_dirty is undone, so tensors the unit
+            # saved after its own in-place op still match, as they do in plain PyTorch
+            with torch.autograd._unsafe_preserve_version_counter(orig):
+                _Rebase.apply(orig, alias)
 
 
 def _refuse_reentrant(name: str):
@@ -318,11 +375,12 @@ def _pre_hook(rt: Runtime, unit: Unit, index: _MemberIndex, uses: list, small_sl
         tensors = [unit.aliases[i] for i in index.pidx]
         new_inputs = None
         use = BackwardUse() if torch.is_grad_enabled() else None
-        uses.append(use)  # the post-hook of this call takes it (calls nest)
+        passed: list = []
+        uses.append((use, passed))  # the post-hook of this call takes them (calls nest)
         if use is not None:
             tensors = _gate(rt, unit, index.pidx, index.trainable, tensors, use)
             if rt.zero_stage == 3:  # See [Note: releasing by what autograd runs]
-                new_inputs = _attach_inputs_done(rt, unit, use, args, kwargs)
+                new_inputs = _attach_inputs_done(rt, unit, use, args, kwargs, passed)
         for owner, attr, pos in index.slots:
             _hand(owner, attr, tensors[pos])
         return new_inputs
@@ -337,9 +395,10 @@ def _post_hook(rt: Runtime, unit: Unit, uses: list):
         if rt.schedule.recorder is not None and unit.fw_interval is not None:
             rt.schedule.recorder.compute_end(unit.fw_interval)
             unit.fw_interval = None
-        use = uses.pop() if uses else None
+        use, passed = uses.pop() if uses else (None, [])
         if use is not None and rt.zero_stage == 3 and torch.is_grad_enabled():
-            output = _attach_pre_backward(rt, unit, use, rt.previous_in_forward(), output)
+            _rebase_modified(passed)  # See [Note: boundary nodes and in-place ops]
+            output = _attach_pre_backward(rt, unit, use, rt.previous_in_forward(), output, args, kwargs)
         unit.buffer.release()
         return output
 
@@ -350,7 +409,9 @@ def install_hooks(rt: Runtime) -> None:
     """A forward pre-hook and post-hook on every member module of every unit."""
     for u in rt.units:
         for m in u.members:
-            uses: list = []  # per call of the member running now (nested): its BackwardUse, None without grad
+            # per call of the member running now (calls nest): its BackwardUse (None without grad) and
+            # its inputs passed through _InputsDone
+            uses: list = []
             index = _MemberIndex.of(m, u.params)
             m.module.register_forward_pre_hook(_pre_hook(rt, u, index, uses, _small_slots(rt, m.module)),
                                                with_kwargs=True)
