@@ -17,7 +17,8 @@ from yafsdp.trace import span
 
 # name -> options: kind llama|stack, zero, bf16, opt (fused_adamw | adamw | torch_fused), accum, ckpt,
 # tie, vocab (outsized embedding/head), eval (a no-grad forward after each step), sd (full/load state
-# dict between steps), units (explicit unit list), reduce_bf16.
+# dict between steps), units (explicit unit list), reduce_bf16, between (a no-grad forward between each
+# forward and its backward), retain (each loss backwarded twice, the first with retain_graph).
 CASES = {
     "z3_bf16_fusedadamw_tied_eval": dict(zero=3, bf16=True, opt="fused_adamw", tie=True, accum=2, eval=True),
     "z2_bf16_fusedadamw_eval": dict(zero=2, bf16=True, opt="fused_adamw", accum=2, eval=True),
@@ -49,6 +50,10 @@ CASES = {
     # expand runs before `ready`; ZeRO-2 with torch AdamW (the cast pass quantizes) and a reload
     "z3_bf16_fp8_fusedadamw": dict(zero=3, bf16=True, opt="fused_adamw", accum=2, eval=True, fp8=True),
     "z2_fp32_fp8_adamw_sd": dict(zero=2, opt="adamw", sd=True, fp8=True),
+    # a no-grad forward between a forward and its backward (with checkpointing: the recompute then
+    # re-gathers into buffers the no-grad forward used), and two backward calls over one forward
+    # (retain_graph: every unit re-gathered and released again in the second call)
+    "z3_bf16_ckpt_between_retain": dict(zero=3, bf16=True, opt="fused_adamw", ckpt=True, between=True, retain=True),
 }
 
 
@@ -98,6 +103,11 @@ def _run_case(rank, case, steps=3):
             for step in range(steps):
                 for micro in range(accum):
                     loss = loss_of(model, kind, batch(kind, step, micro, rank))
+                    if case.get("between"):
+                        with torch.no_grad():
+                            loss_of(model, kind, batch(kind, 200 + step, micro, rank))
+                    if case.get("retain"):
+                        (loss / accum).backward(retain_graph=True)
                     (loss / accum).backward()
                 model.clip_grad_norm_(1.0)
                 opt.step()

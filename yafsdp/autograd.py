@@ -1,28 +1,73 @@
 """The autograd nodes and module hooks that drive the runtime's step protocol.
 
 [Note: the backward gate]
-``_Gate`` is the autograd node that owns a unit's weights for one use. Its backward runs exactly
-once, after every gradient with respect to the unit's weights has been computed (autograd runs a
-node when all of its outputs' gradients are in), whatever the unit's inputs and keyword arguments
-are: it is the reliable "unit backward done" point. There the grads are written into the grad
-buffer and the reduce-scatter is issued. ``_PreBackward`` sits on a unit's outputs and runs
-before any of the unit's backward: it re-gathers (ZeRO-3) and prefetches the unit that ran
-before it in forward. The first of them to run in a backward queues the end-of-backward
-callback (``Runtime.finalize_backward``).
+``_Gate`` is the autograd node that owns a unit's weights for one use. Its backward runs after
+every gradient with respect to the unit's weights has been computed (autograd runs a node when all
+of its outputs' gradients are in), whatever the unit's inputs and keyword arguments are: it is the
+reliable "unit backward done" point. There the grads are written into the grad buffer and the
+reduce-scatter is issued. Its input is the unit's flat shard, so that ``torch.autograd.grad`` with
+respect to a shard reaches it (and is refused there, see ``_captured``); it returns no gradient
+for it (the engine's reduce fills ``.grad``). Autograd then calls the shard's accumulation node
+with no gradient, and with it any hook a user put on the shard: such hooks cannot see the reduced
+gradient and are refused at the gate, naming the unit. ``_PreBackward`` sits on a unit's outputs and runs
+before any of the unit's backward: it re-gathers (ZeRO-3) and prefetches the unit that ran before
+it in forward. The first node of the engine that runs in a backward queues the end of that
+backward (``Runtime.end_task``).
 
 [Note: releasing frozen weights]
 Only trainable weights go through the gate: a frozen weight gets no gradient (the modules see a
 plain view of the buffer, and autograd computes no weight gradient for it). Its backward use is
 then not ordered before the gate: the node that computes an input's gradient from a frozen weight
-(``grad_x = grad_y @ W``) may run after the gate. So for a unit with frozen weights each forward
-use also puts ``_InputsDone`` on the unit's grad-requiring inputs; it runs after every gradient
-with respect to them is computed, i.e. after every node that reads the weights on the way. ZeRO-3
-releases the weights when both the gate and that node have run (``BackwardUse.pending``); with
-no grad-requiring input nothing upstream needs the weights, and with no trainable weight there is
-no gate. A unit without frozen weights keeps the gate as its only point, as before. (In ordinary
-models autograd's ready queue, which runs newer nodes first, already runs a gate after the unit's
-other nodes, since the gate is created before them; the node on the inputs makes the release point
-independent of that order, and it is what releases a unit that is all frozen, which has no gate.)
+(``grad_x = grad_y @ W``) may run after the gate. So at ZeRO-3 each forward use also puts
+``_InputsDone`` on the unit's grad-requiring inputs; it runs after every gradient with respect to
+them is computed, i.e. after every node that reads the weights on the way.
+
+[Note: releasing by what autograd runs]
+A forward use does not have exactly one backward: ``torch.autograd.grad(loss, x)`` runs only the
+nodes on the way to ``x`` (no gate), ``retain_graph`` lets a second backward run the same nodes
+again, and a forward may have no backward at all. So nothing is counted per forward. When a
+use's ``_PreBackward`` runs in a backward call (an autograd *graph task*), it asks the autograd
+engine which of the use's end nodes — its gate and its ``_InputsDone`` — that call will run
+(``torch._C._will_engine_execute_node``) and holds the weights until the last of those has run;
+a hold whose end nodes the call does not run (nothing of the unit leads where the call goes) is
+dropped when the call ends (``Runtime.end_task``, queued on the graph task by the first node of the
+engine that runs in it). The next backward call over a retained graph begins the use again. The
+gate reduces whatever gradients autograd hands it in each call: several backward calls accumulate
+in ``.grad`` as DDP's do, and a call that does not run the gate (``autograd.grad`` with respect to
+inputs) leaves ``.grad`` alone, as plain PyTorch does.
+
+[Note: boundary nodes and in-place ops]
+``_PreBackward`` and ``_InputsDone`` return *detached aliases* of the tensors they pass on, not
+views: autograd refuses an in-place op on a view made inside a custom Function, and a caller that
+writes ``h = block(h); h.mul_(0.9)`` (or HF's ``inputs_embeds *= scale``) must see what the unsharded
+module would have returned. The alias shares the tensor's storage and version counter, so an
+in-place op is checked against saved tensors exactly as it would be on the original tensor. Two
+cases need more, because there another tensor object sees the same memory:
+- a unit that modifies an input in place: the caller still holds the original tensor, whose memory
+  changed but whose autograd history did not. After the unit's forward, an input whose version
+  moved is *rebased*: ``_Rebase`` (an in-place identity, ``mark_dirty``) gives the caller's tensor
+  the history of the modified alias, as the in-place op would have in plain PyTorch;
+- an output that shares storage with another output, with an input of the unit or with a weight
+  buffer (a view of an input, ``(h, h[:, -1])``, a slice of a weight): an in-place op on its alias
+  would change what the others see without autograd knowing. Such an output is passed on as a view,
+  on which autograd refuses in-place ops (loud, never silently wrong).
+
+[Note: recomputed weights]
+An activation-checkpoint recompute runs a unit's forward again inside backward, with whatever
+weights the modules hold then. Its graph is thrown away (non-reentrant checkpointing only keeps
+the tensors it saves), so what matters is that they hold the buffer's values with the
+``requires_grad`` of the original forward: otherwise autograd saves other tensors and
+``torch.utils.checkpoint`` raises (a trainable weight that needs no grad saves fewer). Two rules
+keep that true whatever forwards ran in between (a validation loss, a frozen reference's logits,
+``generate()``):
+- a no-grad forward leaves a module's weight alone when it already is a view of the same place in
+  the buffer (a gated weight of an earlier forward: the same values; under no_grad its
+  ``requires_grad`` records nothing), so it does not replace gated weights by un-gated ones;
+- a recompute that runs the unit's hooks (``checkpoint(block, h)`` around the module call; HF's
+  layers checkpoint ``forward`` and leave the hooks outside) hands the unit's modules fresh leaves
+  over the buffer, trainable ones requiring grad, and the same for the small group's weights inside
+  them. A reentrant checkpoint backpropagates through the recompute; a gradient reaching such a
+  leaf means exactly that, and is refused by a hook on it.
 """
 from __future__ import annotations
 
@@ -58,9 +103,25 @@ def _deref(ctx):
     return ctx.rt_ref(), ctx.unit_ref()
 
 
-def _queue_finalize(rt: Runtime) -> None:
-    if rt.enter_backward():
-        torch.autograd.Variable._execution_engine.queue_callback(rt.finalize_backward)
+def _ends(use: BackwardUse) -> int:
+    """How many of ``use``'s end nodes the running backward call will run."""
+    return sum(1 for ref in use.ends if (node := ref()) is not None and torch._C._will_engine_execute_node(node))
+
+
+def _captured(ctx) -> bool:
+    """The running call is ``torch.autograd.grad`` with the gate's input (a flat shard) among its
+    ``inputs``: the engine asks autograd about the shard's accumulation node, which autograd
+    refuses for exactly that case."""
+    acc = ctx.next_functions[0][0]
+    if acc is None:
+        return False
+    try:
+        torch._C._will_engine_execute_node(acc)
+    except RuntimeError as e:
+        if "autograd.grad" in str(e):
+            return True
+        raise
+    return False
 
 
 class _Gate(torch.autograd.Function):
@@ -77,7 +138,23 @@ class _Gate(torch.autograd.Function):
         rt, unit = _deref(ctx)  # See [Note: weak references from autograd nodes]
         if rt is None or unit is None:
             return (None, None, None, None, None) + (None,) * len(grads)
-        _queue_finalize(rt)
+        if _captured(ctx):
+            raise RuntimeError(
+                f"yafsdp: torch.autograd.grad(..., inputs=...) with the flat shard of unit {unit.name!r} among the "
+                "inputs is not supported: the model's parameters are this rank's shards, whose gradients the engine "
+                "reduce-scatters into .grad. Call loss.backward() (or loss.backward(inputs=[...shards])) and read "
+                ".grad; torch.autograd.grad with respect to input or activation tensors is supported"
+            )
+        shard = unit.flat_param
+        if shard is not None and (shard._backward_hooks or getattr(shard, "_post_accumulate_grad_hooks", None)):
+            raise RuntimeError(
+                f"yafsdp: a hook is registered on the flat shard of unit {unit.name!r} (Tensor.register_hook or "
+                "register_post_accumulate_grad_hook on model.parameters()): the engine writes the shard's .grad by "
+                "its reduce-scatter, after autograd has passed the shard, so such a hook would see no gradient or a "
+                "partial one. Read or change .grad after backward() (clipping: model.clip_grad_norm_), and step "
+                "the optimizer after backward"
+            )
+        rt.enter_backward()
         if rt.schedule.recorder is not None and unit.bw_interval is not None:
             rt.schedule.recorder.compute_end(unit.bw_interval)
             unit.bw_interval = None
@@ -92,45 +169,82 @@ class _InputsDone(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rt, unit, use, *tensors):
         (ctx.rt_ref, ctx.unit_ref), ctx.use = _refs(rt, unit), use
-        return tuple(t.view_as(t) for t in tensors)
+        ctx.set_materialize_grads(False)  # an input the unit did not use passes no gradient on, not zeros
+        return tuple(t.detach() for t in tensors)  # See [Note: boundary nodes and in-place ops]
 
     @staticmethod
     def backward(ctx, *grads):
         rt, unit = _deref(ctx)
         if rt is not None and unit is not None:
-            _queue_finalize(rt)
+            rt.enter_backward()
             rt.use_done(unit, ctx.use)
         return (None, None, None) + grads
+
+
+class _Rebase(torch.autograd.Function):
+    """In place on ``orig``: its history becomes that of ``alias`` (the input a unit modified in
+    place). See [Note: boundary nodes and in-place ops]."""
+
+    @staticmethod
+    def forward(ctx, orig, alias):
+        ctx.view = orig._base is not None
+        ctx.mark_dirty(orig)
+        return orig
+
+    @staticmethod
+    def backward(ctx, grad):
+        # a view's base keeps the gradient of its other elements only when this one is a tensor
+        return (torch.zeros_like(grad) if ctx.view else None), grad
 
 
 class _PreBackward(torch.autograd.Function):
     """Identity on a unit's outputs; its backward runs before the unit's backward."""
 
     @staticmethod
-    def forward(ctx, rt, unit, prev, *tensors):
-        (ctx.rt_ref, ctx.unit_ref) = _refs(rt, unit)
+    def forward(ctx, rt, unit, use, prev, shared, *tensors):
+        (ctx.rt_ref, ctx.unit_ref), ctx.use = _refs(rt, unit), use
         ctx.prev_ref = weakref.ref(prev) if prev is not None else None
-        return tuple(t.view_as(t) for t in tensors)
+        ctx.set_materialize_grads(False)  # an output nobody used passes no gradient on, not zeros
+        # See [Note: boundary nodes and in-place ops]
+        return tuple(t.view_as(t) if sh else t.detach() for t, sh in zip(tensors, shared))
 
     @staticmethod
     def backward(ctx, *grads):
         rt, unit = _deref(ctx)
         if rt is None or unit is None:
-            return (None, None, None) + grads
-        _queue_finalize(rt)
-        rt.pre_backward(unit, ctx.prev_ref() if ctx.prev_ref is not None else None)
+            return (None, None, None, None, None) + grads
+        rt.enter_backward()
+        prev = ctx.prev_ref() if ctx.prev_ref is not None else None
+        rt.pre_backward(unit, ctx.use, prev, _ends(ctx.use))  # See [Note: releasing by what autograd runs]
         if rt.schedule.recorder is not None:  # after the wait: waiting for the gather is not compute
             unit.bw_interval = rt.schedule.recorder.compute_start("backward", unit.name)
-        return (None, None, None) + grads
+        return (None, None, None, None, None) + grads
 
 
-def _attach_pre_backward(rt: Runtime, unit: Unit, prev: Unit | None, output):
+def _storage(t: torch.Tensor):
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no plain storage: treated as shared
+        return None
+
+
+def _shared(outputs: list, seen: set) -> tuple[bool, ...]:
+    """Per output: it shares storage with another output or with a tensor of ``seen`` (storage
+    keys of the unit's inputs and of the weight buffers). See [Note: boundary nodes and in-place ops]."""
+    keys = [_storage(t) for t in outputs]
+    return tuple(k is None or k in seen or keys.count(k) > 1 for k in keys)
+
+
+def _attach_pre_backward(rt: Runtime, unit: Unit, use: BackwardUse, prev: Unit | None, output, args, kwargs):
     """Route every grad-requiring tensor of ``output`` through one _PreBackward node."""
     leaves, spec = tree_flatten(output)
     idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not idx:
         return output
-    outs = _PreBackward.apply(rt, unit, prev, *[leaves[i] for i in idx])
+    tensors = [leaves[i] for i in idx]
+    seen = {_storage(s.data) for s in rt.weight_buffers}
+    seen.update(_storage(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+    outs = _PreBackward.apply(rt, unit, use, prev, _shared(tensors, seen), *tensors)
     for i, t in zip(idx, outs):
         leaves[i] = t
     return tree_unflatten(leaves, spec)
@@ -158,17 +272,18 @@ class _MemberIndex:
                    list(member.assignments), [p.frozen for p in params])
 
 
-def _gate(rt: Runtime, unit: Unit, pidx: list[int], trainable: list[int], tensors: list):
+def _gate(rt: Runtime, unit: Unit, pidx: list[int], trainable: list[int], tensors: list, use: BackwardUse):
     """The tensors handed to the modules for one grad-enabled use (the trainable ones through a
-    gate), and the use's BackwardUse (see [Note: releasing frozen weights])."""
-    use = BackwardUse(1 if trainable else 0)
+    gate, which becomes one of ``use``'s end nodes)."""
     if not trainable:
-        return tensors, use
-    gated = _Gate.apply(rt, unit, [pidx[k] for k in trainable], use, unit.anchor, *[tensors[k] for k in trainable])
+        return tensors
+    anchor = unit.flat_param if unit.flat_param is not None else unit.anchor  # See [Note: the backward gate]
+    gated = _Gate.apply(rt, unit, [pidx[k] for k in trainable], use, anchor, *[tensors[k] for k in trainable])
+    use.ends.append(weakref.ref(gated[0].grad_fn))
     tensors = list(tensors)
     for k, t in zip(trainable, gated):
         tensors[k] = t
-    return tensors, use
+    return tensors
 
 
 def gate_small_group(rt: Runtime, tensors: list) -> None:
@@ -176,10 +291,10 @@ def gate_small_group(rt: Runtime, tensors: list) -> None:
     small = rt.small
     if torch.is_grad_enabled():
         pidx = list(range(len(small.params)))
-        tensors, _ = _gate(rt, small, pidx, [i for i in pidx if not small.params[i].frozen], tensors)
+        tensors = _gate(rt, small, pidx, [i for i in pidx if not small.params[i].frozen], tensors, BackwardUse())
     for p, t in zip(small.params, tensors):
         for owner, attr in p.owners:
-            owner.__dict__[attr] = t
+            _hand(owner, attr, t)
 
 
 def rest_small_group(rt: Runtime) -> None:
@@ -190,51 +305,104 @@ def rest_small_group(rt: Runtime) -> None:
             owner.__dict__.pop(attr, None)
 
 
-def _attach_inputs_done(rt: Runtime, unit: Unit, use: BackwardUse, args, kwargs):
-    """Route the grad-requiring tensors among ``(args, kwargs)`` through one _InputsDone node."""
+def _attach_inputs_done(rt: Runtime, unit: Unit, use: BackwardUse, args, kwargs, passed: list):
+    """Route the grad-requiring tensors among ``(args, kwargs)`` through one _InputsDone node
+    (one of ``use``'s end nodes); ``passed`` gets (input, alias, version) of each, for the rebase
+    of an input the unit modifies in place."""
     leaves, spec = tree_flatten((args, kwargs))
     idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not idx:
         return None
-    use.pending += 1
     outs = _InputsDone.apply(rt, unit, use, *[leaves[i] for i in idx])
+    use.ends.append(weakref.ref(outs[0].grad_fn))
     for i, t in zip(idx, outs):
+        passed.append((leaves[i], t, t._version))
         leaves[i] = t
     return tree_unflatten(leaves, spec)
 
 
-def _pre_hook(rt: Runtime, unit: Unit, index: _MemberIndex):
+def _rebase_modified(passed: list) -> None:
+    """The caller's inputs a unit modified in place take the history of the modified aliases."""
+    for orig, alias, version in passed:
+        if alias._version != version:
+            # the rebase writes no memory: the version bump of mark_dirty is undone, so tensors the unit
+            # saved after its own in-place op still match, as they do in plain PyTorch
+            with torch.autograd._unsafe_preserve_version_counter(orig):
+                _Rebase.apply(orig, alias)
+
+
+def _refuse_reentrant(name: str):
+    def hook(grad):
+        raise RuntimeError(
+            f"yafsdp: unit {name!r} is recomputed in backward and backpropagated through the recompute: "
+            "reentrant activation checkpointing is not supported; use "
+            "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+        )
+
+    return hook
+
+
+def _recomputed(alias: torch.Tensor, trainable: bool, name: str) -> torch.Tensor:
+    """A weight for a recompute inside backward. See [Note: recomputed weights]."""
+    if not (trainable and torch.is_grad_enabled()):
+        return alias
+    t = alias.detach().requires_grad_()
+    t.register_hook(_refuse_reentrant(name))
+    return t
+
+
+def _same_place(held, t: torch.Tensor) -> bool:
+    return (isinstance(held, torch.Tensor) and held.requires_grad and held.data_ptr() == t.data_ptr()
+            and held.shape == t.shape and held.stride() == t.stride() and held.dtype == t.dtype)
+
+
+def _hand(owner: nn.Module, attr: str, t: torch.Tensor) -> None:
+    """``owner.attr = t`` for a forward; a no-grad forward keeps a gated weight of an earlier
+    forward that is a view of the same place (see [Note: recomputed weights])."""
+    if not torch.is_grad_enabled() and _same_place(owner.__dict__.get(attr), t):
+        return
+    owner.__dict__[attr] = t
+
+
+def _small_slots(rt: Runtime, module: nn.Module) -> list[tuple[nn.Module, str, int]]:
+    """(owner, attr, small-group index) of the small group's weights held by ``module``'s modules."""
+    if rt.small is None:
+        return []
+    inside = {id(m) for m in module.modules()}
+    return [(owner, attr, i) for i, p in enumerate(rt.small.params) for owner, attr in p.owners if id(owner) in inside]
+
+
+def _pre_hook(rt: Runtime, unit: Unit, index: _MemberIndex, uses: list, small_slots: list):
     def pre_hook(module, args, kwargs):
         if in_backward():  # activation-checkpoint recompute: weights must be there, nothing else
-            if index.trainable and torch.is_grad_enabled() and not unit.forward_grad:
-                raise RuntimeError(
-                    f"yafsdp: unit {unit.name!r} is recomputed in backward but its forward ran without "
-                    "autograd: reentrant activation checkpointing is not supported; use "
-                    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
-                )
             rt.unit_recompute(unit)
-            orig_params.recompute_views(unit, index.slots_by_param, index.frozen)
+            for owner, attr, pos in index.slots:  # See [Note: recomputed weights]
+                owner.__dict__[attr] = _recomputed(unit.aliases[index.pidx[pos]], pos in index.trainable, unit.name)
+            for owner, attr, i in small_slots:
+                owner.__dict__[attr] = _recomputed(rt.small.aliases[i], not rt.small.params[i].frozen, unit.name)
             return None
         rt.unit_forward(unit)
         if rt.root_depth == 0 and rt.small is not None:  # a unit run on its own: its norms and biases too
             gate_small_group(rt, rt.small.aliases)
-        unit.forward_grad = torch.is_grad_enabled()
         if rt.schedule.recorder is not None:  # after the wait: waiting for the gather is not compute
             unit.fw_interval = rt.schedule.recorder.compute_start("forward", unit.name)
         tensors = [unit.aliases[i] for i in index.pidx]
         new_inputs = None
-        if torch.is_grad_enabled():
-            tensors, use = _gate(rt, unit, index.pidx, index.trainable, tensors)
-            if unit.frozen is not None and rt.zero_stage == 3:  # See [Note: releasing frozen weights]
-                new_inputs = _attach_inputs_done(rt, unit, use, args, kwargs)
+        use = BackwardUse() if torch.is_grad_enabled() else None
+        passed: list = []
+        uses.append((use, passed))  # the post-hook of this call takes them (calls nest)
+        if use is not None:
+            tensors = _gate(rt, unit, index.pidx, index.trainable, tensors, use)
+            if rt.zero_stage == 3:  # See [Note: releasing by what autograd runs]
+                new_inputs = _attach_inputs_done(rt, unit, use, args, kwargs, passed)
         for owner, attr, pos in index.slots:
-            owner.__dict__[attr] = tensors[pos]
+            _hand(owner, attr, tensors[pos])
         return new_inputs
 
     return pre_hook
 
 
-def _post_hook(rt: Runtime, unit: Unit, index: "_MemberIndex"):
+def _post_hook(rt: Runtime, unit: Unit, index: "_MemberIndex", uses: list):
     def post_hook(module, args, kwargs, output):
         # The weights were valid only during this use: [Note: the module tree after wrapping]
         orig_params.rest(index.slots)
@@ -245,8 +413,10 @@ def _post_hook(rt: Runtime, unit: Unit, index: "_MemberIndex"):
         if rt.schedule.recorder is not None and unit.fw_interval is not None:
             rt.schedule.recorder.compute_end(unit.fw_interval)
             unit.fw_interval = None
-        if rt.zero_stage == 3 and torch.is_grad_enabled():
-            output = _attach_pre_backward(rt, unit, rt.previous_in_forward(), output)
+        use, passed = uses.pop() if uses else (None, [])
+        if use is not None and rt.zero_stage == 3 and torch.is_grad_enabled():
+            _rebase_modified(passed)  # See [Note: boundary nodes and in-place ops]
+            output = _attach_pre_backward(rt, unit, use, rt.previous_in_forward(), output, args, kwargs)
         unit.buffer.release()
         return output
 
@@ -257,6 +427,10 @@ def install_hooks(rt: Runtime) -> None:
     """A forward pre-hook and post-hook on every member module of every unit."""
     for u in rt.units:
         for m in u.members:
+            # per call of the member running now (calls nest): its BackwardUse (None without grad) and
+            # its inputs passed through _InputsDone
+            uses: list = []
             index = _MemberIndex.of(m, u.params)
-            m.module.register_forward_pre_hook(_pre_hook(rt, u, index), with_kwargs=True)
-            m.module.register_forward_hook(_post_hook(rt, u, index), with_kwargs=True)
+            m.module.register_forward_pre_hook(_pre_hook(rt, u, index, uses, _small_slots(rt, m.module)),
+                                               with_kwargs=True)
+            m.module.register_forward_hook(_post_hook(rt, u, index, uses), with_kwargs=True)

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ShardedParameter", "install", "run_grad_hooks", "recompute_views", "rest", "check_can_rest"]
+__all__ = ["ShardedParameter", "install", "run_grad_hooks", "rest", "check_can_rest"]
 
 # Metadata that reads no values: answered by the tensor itself (methods and property getters).
 _METADATA = frozenset({
@@ -240,13 +240,6 @@ def run_grad_hooks(unit, pidx, grads):
             out = list(grads)
         out[k] = g
     return grads if out is None else out
-
-
-def recompute_views(unit, slots, frozen) -> None:
-    """An activation-checkpoint recompute of a member inside backward: its slots get leaf views of the
-    buffer, with the parameters' requires_grad (the saved tensors must be those of the forward)."""
-    for owner, attr, idx in slots:
-        owner.__dict__[attr] = unit.aliases[idx].detach().requires_grad_(not frozen[idx])
 
 
 def rest(slots) -> None:

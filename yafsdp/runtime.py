@@ -46,7 +46,7 @@ from .trace import span
 from .unit import FlatGroup, Phase, StoredShard, Unit, frozen_kind, nf4_kind, trainable_kind
 from .units import UnitSpec, weight_free_backward
 
-__all__ = ["Runtime", "BackwardUse", "in_backward"]
+__all__ = ["Runtime", "BackwardUse", "in_backward", "current_task"]
 
 _RUNTIMES: "weakref.WeakSet[Runtime]" = weakref.WeakSet()  # live runtimes (for the optimizer hooks)
 
@@ -57,14 +57,26 @@ def in_backward() -> bool:
 
 
 class BackwardUse:
-    """One grad-enabled forward use of a unit, as its backward sees it: how many backward nodes
-    must still run before ZeRO-3 may release the unit's weights (see [Note: releasing frozen
-    weights] in autograd.py)."""
+    """One grad-enabled forward use of a unit, as the backward calls that reach it see it. See
+    [Note: releasing by what autograd runs] in autograd.py.
 
-    __slots__ = ("pending",)
+    ``ends`` are weak references to the use's end nodes (its gate, and the node on its inputs);
+    ``task`` is the autograd graph task whose backward last began the use, ``pending`` how many of
+    its end nodes that task still runs, ``held`` whether the use holds the unit's weight buffer.
+    The use refers to no unit or runtime (see [Note: weak references from autograd nodes])."""
 
-    def __init__(self, pending: int):
-        self.pending = pending
+    __slots__ = ("ends", "pending", "task", "held")
+
+    def __init__(self):
+        self.ends: list = []
+        self.pending = 0
+        self.task: int | None = None
+        self.held = False
+
+
+def current_task() -> int:
+    """The id of the autograd graph task running on this thread (-1 outside backward)."""
+    return torch._C._current_graph_task_id()
 
 
 class Runtime:
@@ -126,6 +138,11 @@ class Runtime:
         # the next step entry records the schedule's copies-ready point. See ensure_step_ready.
         self.copies_changed = True
         self.root_depth = 0  # nesting of root forwards (the wrapped module's own forward)
+        # autograd graph task id -> the (unit, BackwardUse) holds taken in it, for each backward or
+        # autograd.grad call that touched the engine and has not ended (see [Note: releasing by what
+        # autograd runs] in autograd.py)
+        self.tasks: dict[int, list] = {}
+        self.replica_begun = False  # HSDP: this backward reduced (ReplicaSync.begin_backward ran)
         # (weak reference, requires_grad, name) of every original parameter: changing requires_grad
         # after wrapping would have no effect, so it is refused (see check_frozen).
         self.originals: list[tuple[weakref.ref, bool, str]] = []
@@ -259,10 +276,12 @@ class Runtime:
         for gs in self.grad_buffers:
             gs.finish()
         self.finish_host_folds()
-        if self.replica_sync is not None:
+        if self.replica_sync is not None and self.replica_begun:
             self.replica_sync.finish_backward()
+        self.replica_begun = False
         for u in self.all:
-            u.bw_held = False
+            u.bw_holds = 0
+        self.tasks.clear()
         for s in self.weight_buffers:
             s.abandon()
         self.phase = Phase.IDLE
@@ -374,24 +393,40 @@ class Runtime:
         unit.forward_versions = unit.shard_versions()
 
     def unit_recompute(self, unit: Unit) -> None:
-        """An activation-checkpoint recompute inside backward: the weights must be there."""
-        if not unit.bw_held:
-            unit.buffer.acquire(unit)
-            unit.bw_held = True
+        """An activation-checkpoint recompute inside backward: the weights must be there. A unit no
+        use holds in this backward (ZeRO-2, or a recompute outside the unit's backward) is held
+        until the backward ends."""
+        if not unit.bw_holds:
+            self._hold(unit, BackwardUse())
         unit.buffer.wait()
 
     def previous_in_forward(self) -> Unit | None:
         return self.trace[-2] if len(self.trace) >= 2 else None
 
     # ------------------------------------------------------------------ backward
-    def enter_backward(self) -> bool:
-        """A backward touched the engine; True the first time (the caller queues finalize)."""
-        if self.phase is Phase.BACKWARD:
-            return False
+    def enter_backward(self) -> None:
+        """A backward (or autograd.grad) call touched the engine: the first time for its graph
+        task, :meth:`end_task` is queued to run when that call ends."""
+        task = current_task()
+        if task in self.tasks:
+            return
+        self.tasks[task] = []
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.end_task(task))
         self.phase = Phase.BACKWARD
-        if self.replica_sync is not None:
-            self.replica_sync.begin_backward()
-        return True
+
+    def _hold(self, unit: Unit, use: "BackwardUse") -> None:
+        """``use`` holds the unit's weight buffer until it ends or its graph task does."""
+        self.enter_backward()
+        unit.buffer.acquire(unit)
+        unit.bw_holds += 1
+        use.held = True
+        self.tasks[current_task()].append((unit, use))
+
+    def _drop(self, unit: Unit, use: "BackwardUse") -> None:
+        if use.held:
+            use.held = False
+            unit.bw_holds -= 1
+            unit.buffer.release()
 
     def _check_unchanged(self, unit: Unit) -> None:
         """A shard changed between the unit's forward and its backward: the gradients would be
@@ -404,27 +439,39 @@ class Runtime:
                 "opt.step(), and run a new forward after changing the parameters"
             )
 
-    def pre_backward(self, unit: Unit, prev: Unit | None) -> None:
-        """Before a unit's backward (ZeRO-3): re-gather it, prefetch the unit before it."""
+    def pre_backward(self, unit: Unit, use: "BackwardUse", prev: Unit | None, ends: int) -> None:
+        """Before a use's backward in this graph task (ZeRO-3): re-gather the unit, prefetch the unit
+        before it. ``ends``: how many of the use's end nodes this task will run."""
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"yafsdp: a backward with create_graph=True reached unit {unit.name!r} at zero_stage=3: the graph it "
+                "creates reads the unit's weights later, after ZeRO-3 has released them, so second-order gradients "
+                "(gradient penalties, double backward) would be computed from other weights. Use zero_stage=2, "
+                "or compute the penalty without create_graph"
+            )
         self._check_unchanged(unit)
+        task = current_task()
+        if use.task == task:
+            return
+        use.task, use.pending = task, ends
         needs_weights = not unit.weight_free_bw  # See [Note: weight-free backward]
-        if needs_weights and not unit.bw_held:
-            unit.buffer.acquire(unit)
-            unit.bw_held = True
+        if needs_weights:
+            self._hold(unit, use)
         if prev is not None and not prev.weight_free_bw:
             prev.buffer.prefetch(prev)  # after the acquire, before the wait: the next gather goes out first
         if needs_weights:
             unit.buffer.wait()
 
     def use_done(self, unit: Unit, use: "BackwardUse") -> None:
-        """One of the backward nodes a forward use of ``unit`` waits for has run; after the last,
-        ZeRO-3 releases the weights. See [Note: releasing frozen weights] in autograd.py."""
+        """One of a use's end nodes ran; after the last one this graph task runs, ZeRO-3 releases
+        the weights. See [Note: releasing by what autograd runs] in autograd.py."""
+        if use.task != current_task():  # its backward did not begin in this task: it holds nothing
+            return
         use.pending -= 1
-        if use.pending == 0 and self.zero_stage == 3 and unit.bw_held:
+        if use.pending <= 0:
             # Release first, so a gather deferred on this buffer is issued ahead of this unit's
             # reduce and does not queue behind it.
-            unit.bw_held = False
-            unit.buffer.release()
+            self._drop(unit, use)
 
     def post_backward(self, unit: Unit, pidx, grads, use: "BackwardUse") -> None:
         """The gate of a unit's use: its weight grads are in; grads into the grad buffer, reduce issued."""
@@ -483,6 +530,11 @@ class Runtime:
                     kernels.accumulate_(target, reduced, scale)
 
         sync = self.replica_sync
+        if sync is not None and not self.replica_begun:
+            # a backward call counts for the cross-replica prediction when it reduces (a call
+            # that runs no gate, e.g. torch.autograd.grad of an input, does not)
+            self.replica_begun = True
+            sync.begin_backward()
         if sync is None:
             fold = fold_local
         else:  # See [Note: the cross-replica all-reduce] in hsdp.py
@@ -518,22 +570,26 @@ class Runtime:
             self.host_folds = []
             self.schedule.finish_host_folds()
 
+    def end_task(self, task: int) -> None:
+        """The end of a backward or autograd.grad call (its graph task): the holds it took are
+        dropped; when no other call is running, the end of backward (:meth:`finalize_backward`)."""
+        for unit, use in self.tasks.pop(task, ()):
+            self._drop(unit, use)
+        if not self.tasks:
+            self.finalize_backward()
+
     def finalize_backward(self) -> None:
         """End of backward: every reduce folded, every hold dropped."""
         for gs in self.grad_buffers:
             gs.finish()
         self.finish_host_folds()
-        if self.replica_sync is not None:
+        if self.replica_sync is not None and self.replica_begun:
             self.replica_sync.finish_backward()
-        for u in self.units:
-            if u.bw_held:
-                u.bw_held = False
-                u.buffer.release()
+        self.replica_begun = False
         for s in self.weight_buffers:
             s.drop_deferred()
         self.phase = Phase.IDLE
         fire_shard_hooks(self)  # See [Note: hooks on the shards] in shard_hooks.py
-
 
     def sync_replicas(self) -> bool:
         """HSDP: the grad shards all-reduced across replicas, if a backward left local

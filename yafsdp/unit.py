@@ -125,14 +125,15 @@ class Unit:
         self.grad_buffer = None  # the GradBuffer its gradients go to
         self.aliases: list[torch.Tensor] = []  # per parameter, over buffer.data: see [Note: buffer aliases]
         self.anchor: torch.Tensor | None = None  # 0-element leaf, input of the gate: makes its backward run
-        self.bw_held = False  # a backward use (pre-backward or a checkpoint recompute) holds the buffer
+        # holds on its weight buffer taken by backward calls now running (a use's pre-backward, a
+        # checkpoint recompute): see [Note: releasing by what autograd runs] in autograd.py
+        self.bw_holds = 0
         self.outsized = False  # uses the outsized buffer (see the plan)
         self.weight_free_bw = False  # ZeRO-3 backward needs no re-gather: see [Note: weight-free backward]
         # per trainable parameter, 1 if a backward since the shard's .grad was None reached it
         # (see [Note: parameters no rank used] in unused.py)
         self.used: list[int] = []
         self.forward_versions: tuple | None = None  # its shards' versions at its last forward use
-        self.forward_grad = False  # its last forward use ran with autograd on (a recompute needs that)
         self.landing_at = 0  # offload="all": byte offset of its NF4 record in its weight buffer's landing
         self.fw_interval = None  # the recorder's open forward interval (yafsdp.trace), if recording
         self.bw_interval = None  # the recorder's open backward interval
