@@ -156,16 +156,22 @@ class YaFSDP(nn.Module):
         self._anchored = anchored_modules(module)
         for m in self._anchored:
             m.register_parameter(ANCHOR, anchor)
-        # prepend: the step entry runs before a unit's own pre-hook when the root is itself a unit (units=[module])
-        module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True, prepend=True)
-        module.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True)
+        # The step entry on the root and on every model inside it that code may run on its own (HF
+        # models: a PEFT model's generate() runs the inner LlamaForCausalLM's forward, never the root's);
+        # entries nest (root_depth). prepend: the entry runs before a unit's own pre-hook when the
+        # module is itself a unit (units=[module]).
+        entries = [module] + [m for m in self._anchored if m is not module]
+        for m in entries:
+            m.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True, prepend=True)
+            m.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True)
         module.register_state_dict_pre_hook(_refuse_module_state_dict)
 
     # ------------------------------------------------------------------ forward
     # [Note: the root entry]
     # A step begins when the wrapped module's own forward begins, whoever calls it: ``model(...)``,
     # ``model.module(...)``, a reference to the module kept from before wrapping, or HF
-    # ``generate()`` (reached through ``model.generate``). A forward pre-hook on the module runs
+    # ``generate()`` (reached through ``model.generate``), or when the forward of an HF model inside
+    # it begins (a PEFT model's ``generate()`` runs its base model's forward only). A forward pre-hook on the module runs
     # the cast pass, gathers the small group and hands it out; a forward hook that runs even when
     # the forward raises ends it (an exception drops every hold on the buffers).
     def forward(self, *args, **kwargs):

@@ -8,8 +8,10 @@ reliable "unit backward done" point. There the grads are written into the grad b
 reduce-scatter is issued. Its input is the unit's flat shard, so that ``torch.autograd.grad`` with
 respect to a shard reaches it (and is refused there, see ``_captured``); it returns no gradient
 for it (the engine's reduce fills ``.grad``). Autograd then calls the shard's accumulation node
-with no gradient, and with it any hook a user put on the shard: such hooks cannot see the reduced
-gradient and are refused at the gate, naming the unit. ``_PreBackward`` sits on a unit's outputs and runs
+with no gradient, and with it any hook a user put on the shard; so a shard with a hook is not the
+gate's input (the unit's empty anchor is): the engine calls such hooks itself with the final
+gradient ([Note: hooks on the shards] in shard_hooks.py), and ``torch.autograd.grad`` with respect
+to that shard gets torch's own "not used in the graph" error. ``_PreBackward`` sits on a unit's outputs and runs
 before any of the unit's backward: it re-gathers (ZeRO-3) and prefetches the unit that ran before
 it in forward. The first node of the engine that runs in a backward queues the end of that
 backward (``Runtime.end_task``).
@@ -145,15 +147,6 @@ class _Gate(torch.autograd.Function):
                 "reduce-scatters into .grad. Call loss.backward() (or loss.backward(inputs=[...shards])) and read "
                 ".grad; torch.autograd.grad with respect to input or activation tensors is supported"
             )
-        shard = unit.flat_param
-        if shard is not None and (shard._backward_hooks or getattr(shard, "_post_accumulate_grad_hooks", None)):
-            raise RuntimeError(
-                f"yafsdp: a hook is registered on the flat shard of unit {unit.name!r} (Tensor.register_hook or "
-                "register_post_accumulate_grad_hook on model.parameters()): the engine writes the shard's .grad by "
-                "its reduce-scatter, after autograd has passed the shard, so such a hook would see no gradient or a "
-                "partial one. Read or change .grad after backward() (clipping: model.clip_grad_norm_), and step "
-                "the optimizer after backward"
-            )
         rt.enter_backward()
         if rt.schedule.recorder is not None and unit.bw_interval is not None:
             rt.schedule.recorder.compute_end(unit.bw_interval)
@@ -277,7 +270,11 @@ def _gate(rt: Runtime, unit: Unit, pidx: list[int], trainable: list[int], tensor
     gate, which becomes one of ``use``'s end nodes)."""
     if not trainable:
         return tensors
-    anchor = unit.flat_param if unit.flat_param is not None else unit.anchor  # See [Note: the backward gate]
+    # See [Note: the backward gate]: the shard is the gate's input unless a hook is on it (autograd would
+    # call that hook with no gradient; the engine calls it with the final one: [Note: hooks on the shards])
+    shard = unit.flat_param
+    hooked = shard is not None and bool(shard._backward_hooks or getattr(shard, "_post_accumulate_grad_hooks", None))
+    anchor = shard if shard is not None and not hooked else unit.anchor
     gated = _Gate.apply(rt, unit, [pidx[k] for k in trainable], use, anchor, *[tensors[k] for k in trainable])
     use.ends.append(weakref.ref(gated[0].grad_fn))
     tensors = list(tensors)
@@ -291,7 +288,9 @@ def gate_small_group(rt: Runtime, tensors: list) -> None:
     small = rt.small
     if torch.is_grad_enabled():
         pidx = list(range(len(small.params)))
-        tensors = _gate(rt, small, pidx, [i for i in pidx if not small.params[i].frozen], tensors, BackwardUse())
+        trainable = [i for i in pidx if not small.params[i].frozen]
+        tensors = _gate(rt, small, pidx, trainable, tensors, BackwardUse())
+        small.last_gated.update({i: tensors[i] for i in trainable})  # as a unit's use: see _pre_hook
     for p, t in zip(small.params, tensors):
         for owner, attr in p.owners:
             _hand(owner, attr, t)
@@ -393,6 +392,9 @@ def _pre_hook(rt: Runtime, unit: Unit, index: _MemberIndex, uses: list, small_sl
         uses.append((use, passed))  # the post-hook of this call takes them (calls nest)
         if use is not None:
             tensors = _gate(rt, unit, index.pidx, index.trainable, tensors, use)
+            # what a recompute inside backward that reads the weights past the hooks gets (HF's reentrant
+            # checkpointing): see _resolve_in_backward in orig_params.py
+            unit.last_gated.update({index.pidx[k]: tensors[k] for k in index.trainable})
             if rt.zero_stage == 3:  # See [Note: releasing by what autograd runs]
                 new_inputs = _attach_inputs_done(rt, unit, use, args, kwargs, passed)
         for owner, attr, pos in index.slots:

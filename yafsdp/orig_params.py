@@ -23,8 +23,11 @@ re-initialises parameters finds them. Everything else is decided at the call:
   resharded parameters have no storage and raise alike). One read is answered: inside a backward
   (an activation-checkpoint recompute of a submodule, whose own forward hook the engine does not
   see), while the unit's buffer holds the unit at its current version, the read is served from the
-  buffer as a leaf with the parameter's ``requires_grad`` (the recompute only rebuilds saved
-  tensors; the gradients flow through the original forward's graph).
+  buffer as a leaf with the parameter's ``requires_grad`` (a non-reentrant recompute only rebuilds
+  saved tensors; the gradients flow through the original forward's graph) -- or, for a trainable
+  weight, as the gated weight of the unit's latest grad-enabled use (``Unit.last_gated``), so that a
+  reentrant recompute (HF's ``use_reentrant=True``), which backpropagates through the recompute
+  itself, delivers the weight gradients to that use's gate.
 - **``requires_grad`` changes** (``p.requires_grad_(False)``, ``submodule.requires_grad_(False)``)
   raise at the call: the split into trainable and frozen flat groups is made at wrap time. Setting
   the value it already has passes.
@@ -54,7 +57,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["ShardedParameter", "install", "run_grad_hooks", "rest", "check_can_rest"]
+__all__ = ["ShardedParameter", "install", "run_grad_hooks", "rest"]
 
 # Metadata that reads no values: answered by the tensor itself (methods and property getters).
 _METADATA = frozenset({
@@ -195,6 +198,9 @@ def _resolve_in_backward(args, kwargs):
             if unit is None or rt is None or not unit.buffer.holds(unit):
                 ok = False
                 return a
+            gated = unit.last_gated.get(a._yafsdp_index) if a.requires_grad else None
+            if gated is not None:  # a reentrant recompute backpropagates through what it reads: via the gate
+                return gated
             t = unit.aliases[a._yafsdp_index].detach()
             return t.requires_grad_(a.requires_grad)
         if isinstance(a, (list, tuple)):

@@ -221,14 +221,19 @@ def original_structure(rt: Runtime, anchored=()):
             for p in u.params:
                 ph = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=not p.frozen)
                 for owner, attr in p.owners:
-                    if owner._parameters.get(attr) is not None:
-                        continue  # still registered there: nothing to stand in for
-                    moved.append((owner, attr, owner.__dict__.pop(attr, None)))
+                    registered = owner._parameters.get(attr)
+                    if registered is not None and not isinstance(registered, orig_params.ShardedParameter):
+                        continue  # a real parameter still registered there: nothing to stand in for
+                    # a ShardedParameter holds no values and refuses reads ([Note: the module tree after
+                    # wrapping] in orig_params.py): the placeholder stands in for it too
+                    moved.append((owner, attr, owner.__dict__.pop(attr, None), registered))
                     owner._parameters[attr] = ph
         yield
     finally:
-        for owner, attr, held in reversed(moved):
+        for owner, attr, held, registered in reversed(moved):
             owner._parameters.pop(attr, None)
+            if registered is not None:
+                owner._parameters[attr] = registered
             if held is not None:
                 owner.__dict__[attr] = held
         for m, a in anchors:

@@ -137,6 +137,9 @@ class Unit:
         self.landing_at = 0  # offload="all": byte offset of its NF4 record in its weight buffer's landing
         self.fw_interval = None  # the recorder's open forward interval (yafsdp.trace), if recording
         self.bw_interval = None  # the recorder's open backward interval
+        # param index -> the gated weight of this unit's latest grad-enabled use (a view of its buffer whose
+        # grad_fn is that use's gate): a reentrant recompute's weight reads go through the gate
+        self.last_gated: dict[int, torch.Tensor] = {}
 
     @property
     def trainable(self) -> FlatGroup | None:
