@@ -1,0 +1,278 @@
+"""Asynchronous saves killed at each phase (issue 30), and a synchronous save into the root of a
+background save in flight.
+
+A kill is a real SIGKILL of the whole process, sent from the thread that reaches the phase (the
+writer thread for the background phases): nothing after it runs, no handler or ``finally``. After
+each kill the newest complete checkpoint is the previous one -- or the new one once its rename
+happened -- and a resume from it is exact (the same weights, and the same next step, as the
+uninterrupted run); the next save removes what the killed one left.
+
+Cost: one driver process (``python tests/test_async_kill.py``, a world of one) imports torch
+once and forks one child per phase, each killed; the driver then checks every root and runs the
+in-flight case itself."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# phase -> the step the newest complete checkpoint must hold after a kill there
+PHASES = {
+    "staging": 2,  # the host copy taken, the writer not started
+    "dcp_data": 2,  # in the middle of DCP's data file (one item written)
+    "dcp_metadata": 2,  # data written, DCP's .metadata not
+    "checksums": 2,  # DCP done, the CRC-32s under way
+    "manifest": 2,  # checkpoint.json half written (.part)
+    "rename": 2,  # complete in .tmp.step_4, not yet renamed
+    "rotation": 4,  # renamed; step 2 (keep=1) renamed to .trash, not yet deleted
+}
+
+
+def _kill():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _install_kill(phase: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.filesystem as fs
+
+    import yafsdp.checkpoint as C
+    from yafsdp.checkpoint import contents, files
+
+    def on_writer() -> bool:
+        return threading.current_thread().name.startswith("yafsdp-ckpt")
+
+    if phase == "staging":
+        real = contents.stage
+
+        def stage(*a, **k):
+            real(*a, **k)
+            _kill()
+        contents.stage = stage
+    elif phase == "dcp_data":
+        real_item, calls = fs._write_item, []
+
+        def write_item(*a, **k):
+            if on_writer() and calls:
+                _kill()
+            calls.append(1)
+            return real_item(*a, **k)
+        fs._write_item = write_item
+    elif phase == "dcp_metadata":
+        real_finish = dcp.FileSystemWriter.finish
+
+        def finish(self, *a, **k):
+            if on_writer():
+                _kill()
+            return real_finish(self, *a, **k)
+        dcp.FileSystemWriter.finish = finish
+    elif phase == "checksums":
+        real_crc = C.crc32
+
+        def crc32(path, *a):
+            if on_writer():
+                _kill()
+            return real_crc(path, *a)
+        C.crc32 = crc32
+    elif phase == "manifest":
+        real_json = C.write_json_atomic
+
+        def write_json_atomic(path, obj):
+            if on_writer():
+                with open(path + ".part", "w") as f:
+                    f.write(json.dumps(obj)[:100])
+                    f.flush()
+                _kill()
+            return real_json(path, obj)
+        C.write_json_atomic = write_json_atomic
+    elif phase == "rename":
+        real_pub = C.publish_checkpoint
+
+        def publish(*a):
+            if on_writer():
+                _kill()
+            return real_pub(*a)
+        C.publish_checkpoint = publish
+    elif phase == "rotation":
+        def remove(path, root):
+            if on_writer():
+                os.rename(path, os.path.join(root, files.TRASH_PREFIX + os.path.basename(path) + ".1"))
+                _kill()
+            raise AssertionError("unreachable")
+        files.remove_checkpoint = remove
+    else:
+        raise ValueError(phase)
+
+
+def _setup():
+    import torch
+
+    import yafsdp
+    from models import tiny_llama
+
+    model = yafsdp.YaFSDP(tiny_llama(layers=2))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(model, opt, start, steps):
+    from models import batch, loss_of
+
+    for step in range(start, start + steps):
+        loss_of(model, "llama", batch("llama", step, 0, 0)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _init():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _child(phase: str, root: str) -> None:
+    from yafsdp import checkpoint as C
+
+    _init()
+    model, opt = _setup()
+    _train(model, opt, 0, 2)
+    C.save_checkpoint(root, 2, model, opt, state={"step": 2})
+    _train(model, opt, 2, 2)
+    _install_kill(phase)
+    saver = C.AsyncSaver(model, opt)
+    saver.save(root, 4, state={"step": 4}, keep=1)
+    _train(model, opt, 4, 1)  # the loop goes on while the writer works
+    saver.wait()
+    os._exit(3)  # not killed: the test fails on this exit code
+
+
+def _same(a, b) -> bool:
+    return a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def _driver(base: str) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed  # noqa: F401 - imported before the forks, as everything below
+    from yafsdp import checkpoint as C
+
+    import transformers.models.llama.modeling_llama  # noqa: F401 - imported once, before the forks
+
+    import yafsdp  # noqa: F401
+    out: dict = {"exit": {}}
+    for phase in PHASES:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _child(phase, os.path.join(base, phase))
+            finally:
+                os._exit(4)
+        _, status = os.waitpid(pid, 0)
+        out["exit"][phase] = os.WTERMSIG(status) if os.WIFSIGNALED(status) else -os.WEXITSTATUS(status)
+
+    _init()
+    model, opt = _setup()  # the uninterrupted run
+    ref = {}
+    for s in range(6):
+        ref[s] = model.full_state_dict()
+        _train(model, opt, s, 1)
+    for phase, want in PHASES.items():
+        root = os.path.join(base, phase)
+        r = out[phase] = {"left": sorted(os.listdir(root))}
+        latest = C.latest_checkpoint(root)
+        r["latest"] = os.path.basename(latest) if latest else None
+        m, o = _setup()
+        loaded = C.load_checkpoint(latest, m, o)
+        r["state"] = loaded.state
+        r["weights_exact"] = _same(m.full_state_dict(), ref[want])
+        _train(m, o, want, 1)
+        r["resume_exact"] = _same(m.full_state_dict(), ref[want + 1])
+        C.save_checkpoint(root, 9, m, o)  # the next save tidies up
+        r["after_next_save"] = sorted(os.listdir(root))
+
+    # A synchronous save into the root of a background save in flight: it waits for it.
+    root = os.path.join(base, "in_flight")
+    real_crc, entered, events = C.crc32, threading.Event(), []
+
+    def slow_crc32(path, *a):
+        if threading.current_thread().name.startswith("yafsdp-ckpt") and not entered.is_set():
+            entered.set()
+            time.sleep(1.0)  # the write stays in flight for a second
+            events.append("writer checksummed")
+        return real_crc(path, *a)
+
+    C.crc32 = slow_crc32
+    saver = C.AsyncSaver(model, opt)
+    saver.save(root, 5, state={"step": 5})
+    assert entered.wait(60)
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always", C.CheckpointWarning)
+        C.save_checkpoint(root, 6, model, opt, state={"step": 6})
+    events.append("sync saved")
+    try:
+        out["in_flight_wait"] = saver.wait()
+    except C.CheckpointError as e:
+        out["in_flight_wait"] = f"error: {e}"
+    C.crc32 = real_crc
+    out["in_flight_events"] = events
+    out["in_flight_notes"] = [str(w.message) for w in notes if issubclass(w.category, C.CheckpointWarning)]
+    out["in_flight_list"] = [s for s, _ in C.list_checkpoints(root)]
+    out["in_flight_left"] = sorted(os.listdir(root))
+    return out
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    base = tmp_path_factory.mktemp("async_kill")
+    res = base / "res.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, __file__, str(base), str(res)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-5000:]
+    return base, json.loads(res.read_text())
+
+
+def test_async_save_killed_at_each_phase(driver):
+    """A SIGKILL at each phase of an asynchronous save leaves the previous checkpoint (or the new
+    one once renamed), from which a resume is exact; the next save removes the leftovers."""
+    _, r = driver
+    assert r["exit"] == {phase: signal.SIGKILL for phase in PHASES}, r["exit"]  # every child was killed there
+    for phase, want in PHASES.items():
+        x = r[phase]
+        assert x["latest"] == f"step_{want:08d}" and x["state"] == {"step": want}, (phase, x)
+        assert x["weights_exact"] and x["resume_exact"], (phase, x)
+        assert x["after_next_save"] == [f"step_{want:08d}", "step_00000009"], (phase, x)
+    # what each kill left (the next save removed it)
+    assert r["staging"]["left"] == ["step_00000002"]
+    for phase in ("dcp_data", "dcp_metadata", "checksums", "manifest", "rename"):
+        assert r[phase]["left"] == [".tmp.step_00000004", "step_00000002"], (phase, r[phase])
+    assert r["rotation"]["left"] == [".trash.step_00000002.1", "step_00000004"]
+
+
+def test_sync_save_waits_for_a_background_save_into_the_same_root(driver):
+    """save_checkpoint into the root of an AsyncSaver's write in flight waits for it, with a
+    CheckpointWarning; before, it removed the in-flight .tmp.step_5 (a killed save, to it) and the
+    background save failed."""
+    base, r = driver
+    assert r["in_flight_wait"] == str(base / "in_flight" / "step_00000005"), r["in_flight_wait"]
+    assert r["in_flight_events"] == ["writer checksummed", "sync saved"]
+    assert r["in_flight_list"] == [5, 6] and r["in_flight_left"] == ["step_00000005", "step_00000006"]
+    (note,) = r["in_flight_notes"]
+    assert "save_checkpoint of step 6 into" in note and "waited" in note and "background save of step 5" in note
+
+
+if __name__ == "__main__":
+    base, dest = sys.argv[1], sys.argv[2]
+    result = _driver(base)
+    with open(dest, "w") as f:
+        json.dump(result, f)
+    os._exit(0)
