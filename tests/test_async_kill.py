@@ -270,6 +270,56 @@ def test_sync_save_waits_for_a_background_save_into_the_same_root(driver):
     assert "save_checkpoint of step 6 into" in note and "waited" in note and "background save of step 5" in note
 
 
+# The job, SIGTERM'd while its background save is in flight: the writer is held in its checksums
+# (a wrapper patches yafsdp.checkpoint.crc32 in the job's process and marks the moment with a file).
+_SLOW_WRITER = """
+import os, runpy, sys, threading, time
+job = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(job))
+import yafsdp.checkpoint as C
+real, mark = C.crc32, os.environ["ASYNC_KILL_MARK"]
+def crc32(path, *a):
+    if threading.current_thread().name.startswith("yafsdp-ckpt") and not os.path.exists(mark):
+        open(mark, "w").close()
+        time.sleep(2.0)
+    return real(path, *a)
+C.crc32 = crc32
+runpy.run_path(job, run_name="__main__")
+"""
+
+
+def test_job_sigterm_waits_for_the_background_save(tmp_path):
+    """SIGTERM while --async-save's write of step 3 is in flight: the job says it waits, reports
+    step 3 saved, saves the step it stopped at, exits 0; both checkpoints complete, nothing left over."""
+    from job_utils import FAST, JOB, env, events
+
+    out, mark = str(tmp_path / "run"), str(tmp_path / "writer_in_checksums")
+    e = dict(env(), ASYNC_KILL_MARK=mark)
+    a = subprocess.Popen([sys.executable, "-c", _SLOW_WRITER, JOB, *FAST, "--steps", "100000", "--save-every", "3",
+                          "--async-save", "--out", out], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not os.path.exists(mark):
+        assert a.poll() is None and time.monotonic() - t0 < 180, a.communicate()
+        time.sleep(0.02)
+    a.send_signal(signal.SIGTERM)
+    o, err = a.communicate(timeout=180)
+    assert a.returncode == 0, (o[-3000:], err[-3000:])
+    ev = events(out)
+    stop = [x for x in ev if x["event"] == "signal"][0]["step"]
+    assert stop > 3
+    waiting = o.index("waiting  for the background save of step 3 to finish")
+    saved3 = o.index("step_00000003 (", waiting)
+    assert "in the background)" in o[saved3:saved3 + 100]
+    assert o.index(f"saved    {out}/checkpoints/step_{stop:08d}", saved3) < o.index(f"stopped  by SIGTERM at step {stop}")
+    assert [(x["step"], x.get("background")) for x in ev if x["event"] == "save"] == [(3, True), (stop, None)]
+    ck = os.path.join(out, "checkpoints")
+    assert sorted(os.listdir(ck)) == ["step_00000003", f"step_{stop:08d}"]
+    from yafsdp import checkpoint as C
+
+    assert [s for s, _ in C.list_checkpoints(ck)] == [3, stop]
+
+
 if __name__ == "__main__":
     base, dest = sys.argv[1], sys.argv[2]
     result = _driver(base)

@@ -73,6 +73,9 @@ def drain(job, bar, quiet: bool = False) -> None:
     saver = getattr(job, "saver", None)
     if saver is None:
         return
+    if saver.in_flight:  # a signal, an exception or the end of the run waits for it: say so
+        _write(job, bar, f"waiting  for the background save of step {job.saver_step} to finish before "
+                         f"{'the error is raised' if quiet else 'going on'}")
     try:
         saver.wait()
         poll(job, bar)
