@@ -5,13 +5,16 @@ A kill is a real SIGKILL of the whole process, sent from the thread that reaches
 writer thread for the background phases): nothing after it runs, no handler or ``finally``. After
 each kill the newest complete checkpoint is the previous one -- or the new one once its rename
 happened -- and a resume from it is exact (the same weights, and the same next step, as the
-uninterrupted run); the next save removes what the killed one left.
+uninterrupted run); the next save removes what the killed one left. An I/O error at each background phase is raised
+by ``wait()`` with the message of a synchronous save failing there. The job, SIGTERM'd while its
+background write is in flight, says it waits, waits, and exits as documented.
 
 Cost: one driver process (``python tests/test_async_kill.py``, a world of one) imports torch
 once and forks one child per phase, each killed; the driver then checks every root and runs the
-in-flight case itself."""
+in-flight and failure cases itself (~3 s idle); the job test is one plain-python launch."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -37,80 +40,94 @@ PHASES = {
 }
 
 
-def _kill():
+def _kill(_phase=None):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _install_kill(phase: str) -> None:
+_kill.kills = True
+
+
+def _fail(phase):
+    raise OSError(errno.EIO, "injected I/O error", phase)
+
+
+def _on_writer() -> bool:
+    return threading.current_thread().name.startswith("yafsdp-ckpt")
+
+
+def _on_main() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _install(phase: str, act, when=_on_writer):
+    """At ``phase`` of a save, in a thread where ``when()``: ``act(phase)`` (a SIGKILL, or a raised
+    OSError). Returns the function that takes the injection out."""
     import torch.distributed.checkpoint as dcp
     import torch.distributed.checkpoint.filesystem as fs
 
     import yafsdp.checkpoint as C
     from yafsdp.checkpoint import contents, files
 
-    def on_writer() -> bool:
-        return threading.current_thread().name.startswith("yafsdp-ckpt")
-
+    kill = getattr(act, "kills", False)
     if phase == "staging":
-        real = contents.stage
+        owner, name = contents, "stage"
 
-        def stage(*a, **k):
+        def hook(*a, **k):
             real(*a, **k)
-            _kill()
-        contents.stage = stage
+            act(phase)
     elif phase == "dcp_data":
-        real_item, calls = fs._write_item, []
+        owner, name, calls = fs, "_write_item", []
 
-        def write_item(*a, **k):
-            if on_writer() and calls:
-                _kill()
+        def hook(*a, **k):
+            if when() and calls:  # one item written: the data file is partial
+                act(phase)
             calls.append(1)
-            return real_item(*a, **k)
-        fs._write_item = write_item
+            return real(*a, **k)
     elif phase == "dcp_metadata":
-        real_finish = dcp.FileSystemWriter.finish
+        owner, name = dcp.FileSystemWriter, "finish"
 
-        def finish(self, *a, **k):
-            if on_writer():
-                _kill()
-            return real_finish(self, *a, **k)
-        dcp.FileSystemWriter.finish = finish
+        def hook(self, *a, **k):
+            if when():
+                act(phase)
+            return real(self, *a, **k)
     elif phase == "checksums":
-        real_crc = C.crc32
+        owner, name = C, "crc32"
 
-        def crc32(path, *a):
-            if on_writer():
-                _kill()
-            return real_crc(path, *a)
-        C.crc32 = crc32
+        def hook(path, *a):
+            if when():
+                act(phase)
+            return real(path, *a)
     elif phase == "manifest":
-        real_json = C.write_json_atomic
+        owner, name = C, "write_json_atomic"
 
-        def write_json_atomic(path, obj):
-            if on_writer():
-                with open(path + ".part", "w") as f:
-                    f.write(json.dumps(obj)[:100])
-                    f.flush()
-                _kill()
-            return real_json(path, obj)
-        C.write_json_atomic = write_json_atomic
+        def hook(path, obj):
+            if when():
+                if kill:
+                    with open(path + ".part", "w") as f:
+                        f.write(json.dumps(obj)[:100])
+                act(phase)
+            return real(path, obj)
     elif phase == "rename":
-        real_pub = C.publish_checkpoint
+        owner, name = C, "publish_checkpoint"
 
-        def publish(*a):
-            if on_writer():
-                _kill()
-            return real_pub(*a)
-        C.publish_checkpoint = publish
+        def hook(*a):
+            if when():
+                act(phase)
+            return real(*a)
     elif phase == "rotation":
-        def remove(path, root):
-            if on_writer():
-                os.rename(path, os.path.join(root, files.TRASH_PREFIX + os.path.basename(path) + ".1"))
-                _kill()
-            raise AssertionError("unreachable")
-        files.remove_checkpoint = remove
+        owner, name = files, "remove_checkpoint"
+
+        def hook(path, root):
+            if when() and os.path.basename(path).startswith(files.PREFIX):  # rotation, not a replacement
+                if kill:
+                    os.rename(path, os.path.join(root, files.TRASH_PREFIX + os.path.basename(path) + ".1"))
+                act(phase)
+            return real(path, root)
     else:
         raise ValueError(phase)
+    real = getattr(owner, name)
+    setattr(owner, name, hook)
+    return lambda: setattr(owner, name, real)
 
 
 def _setup():
@@ -146,7 +163,7 @@ def _child(phase: str, root: str) -> None:
     _train(model, opt, 0, 2)
     C.save_checkpoint(root, 2, model, opt, state={"step": 2})
     _train(model, opt, 2, 2)
-    _install_kill(phase)
+    _install(phase, _kill)
     saver = C.AsyncSaver(model, opt)
     saver.save(root, 4, state={"step": 4}, keep=1)
     _train(model, opt, 4, 1)  # the loop goes on while the writer works
@@ -227,6 +244,28 @@ def _driver(base: str) -> dict:
     out["in_flight_notes"] = [str(w.message) for w in notes if issubclass(w.category, C.CheckpointWarning)]
     out["in_flight_list"] = [s for s, _ in C.list_checkpoints(root)]
     out["in_flight_left"] = sorted(os.listdir(root))
+
+    # A failed write at each background phase: the synchronous save's message, the previous checkpoint kept.
+    out["fail"] = {}
+    for phase in [p for p in PHASES if p != "staging"]:
+        root = os.path.join(base, "fail_" + phase)
+        C.save_checkpoint(root, 2, model, opt)
+        msgs = []
+        for when in (_on_main, _on_writer):
+            undo = _install(phase, _fail, when)
+            try:
+                if when is _on_main:
+                    C.save_checkpoint(root, 7, model, opt, keep=1)
+                else:
+                    saver.save(root, 7, keep=1)
+                    saver.wait()
+                msgs.append(None)
+            except C.CheckpointError as e:
+                msgs.append(str(e))
+            finally:
+                undo()
+        out["fail"][phase] = dict(sync=msgs[0], background=msgs[1], left=sorted(os.listdir(root)))
+    saver.close()
     return out
 
 
@@ -268,6 +307,18 @@ def test_sync_save_waits_for_a_background_save_into_the_same_root(driver):
     assert r["in_flight_list"] == [5, 6] and r["in_flight_left"] == ["step_00000005", "step_00000006"]
     (note,) = r["in_flight_notes"]
     assert "save_checkpoint of step 6 into" in note and "waited" in note and "background save of step 5" in note
+
+
+def test_a_failed_background_write_reports_the_synchronous_message(driver):
+    """An I/O error at each phase of the background write is raised by wait() with the message of a
+    synchronous save failing at the same point, and leaves the previous checkpoint (a rotation's
+    failure: the new one is in place, the old one too)."""
+    _, r = driver
+    for phase, x in r["fail"].items():
+        assert x["sync"] and f"[Errno 5] injected I/O error: '{phase}'" in x["sync"], (phase, x)
+        assert x["background"] == f"the background save of step 7 failed: {x['sync']}", (phase, x)
+        kept = ["step_00000002", "step_00000007"] if phase == "rotation" else ["step_00000002"]
+        assert x["left"] == kept, (phase, x)
 
 
 # The job, SIGTERM'd while its background save is in flight: the writer is held in its checksums
