@@ -245,6 +245,35 @@ def _driver(base: str) -> dict:
     out["in_flight_list"] = [s for s, _ in C.list_checkpoints(root)]
     out["in_flight_left"] = sorted(os.listdir(root))
 
+    # Another saver's save into that root waits too; the write in flight fails, and its failure is
+    # raised by its own saver afterwards.
+    root = os.path.join(base, "in_flight2")
+    entered.clear()
+
+    def failing_crc32(path, *a):
+        if threading.current_thread().name.startswith("yafsdp-ckpt") and not entered.is_set():
+            entered.set()
+            time.sleep(1.0)
+            raise OSError(errno.EIO, "injected I/O error", path)
+        return real_crc(path, *a)
+
+    C.crc32 = failing_crc32
+    other = C.AsyncSaver(model, opt)
+    saver.save(root, 5)
+    assert entered.wait(60)
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always", C.CheckpointWarning)
+        other.save(root, 6)
+    out["other_path"] = other.close()
+    try:
+        saver.wait()
+        out["other_first"] = None
+    except C.CheckpointError as e:
+        out["other_first"] = str(e)
+    C.crc32 = real_crc
+    out["other_notes"] = [str(w.message) for w in notes if issubclass(w.category, C.CheckpointWarning)]
+    out["other_left"] = sorted(os.listdir(root))
+
     # A failed write at each background phase: the synchronous save's message, the previous checkpoint kept.
     out["fail"] = {}
     for phase in [p for p in PHASES if p != "staging"]:
@@ -307,6 +336,12 @@ def test_sync_save_waits_for_a_background_save_into_the_same_root(driver):
     assert r["in_flight_list"] == [5, 6] and r["in_flight_left"] == ["step_00000005", "step_00000006"]
     (note,) = r["in_flight_notes"]
     assert "save_checkpoint of step 6 into" in note and "waited" in note and "background save of step 5" in note
+    # another AsyncSaver into the same root: it waits; the failure stays with the first saver
+    (note,) = r["other_notes"]
+    assert "AsyncSaver.save of step 6 into" in note and "background save of step 5" in note
+    assert r["other_path"] == str(base / "in_flight2" / "step_00000006") and r["other_left"] == ["step_00000006"]
+    assert r["other_first"].startswith("the background save of step 5 failed: saving checkpoint into "), r["other_first"]
+    assert "[Errno 5] injected I/O error" in r["other_first"]
 
 
 def test_a_failed_background_write_reports_the_synchronous_message(driver):
