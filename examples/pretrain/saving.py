@@ -5,7 +5,8 @@ yafsdp/checkpoint/background.py). ``saved`` is printed when the checkpoint is co
 polls after each step), not when staging ends; a save that waits for the previous one says so;
 a background failure stops the run at the next save or at the end with the same message as a
 synchronous one, the last complete checkpoint named. The run's last save is synchronous (after
-the one in flight), and an exception or a signal waits for the write in flight.
+the one in flight), and an exception or a signal waits for the write in flight, saying so
+(``waiting  for the background save of step N ...``).
 """
 from __future__ import annotations
 
@@ -73,6 +74,9 @@ def drain(job, bar, quiet: bool = False) -> None:
     saver = getattr(job, "saver", None)
     if saver is None:
         return
+    if saver.in_flight:  # a signal, an exception or the end of the run waits for it: say so
+        _write(job, bar, f"waiting  for the background save of step {job.saver_step} to finish before "
+                         f"{'the error is raised' if quiet else 'going on'}")
     try:
         saver.wait()
         poll(job, bar)

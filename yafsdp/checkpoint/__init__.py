@@ -92,6 +92,7 @@ from .files import (
     publish_checkpoint,
     read_manifest,
     remove_checkpoint,
+    remove_trash,
     rotate_checkpoints,
     unfinished_saves,
     write_json_atomic,
@@ -123,7 +124,10 @@ def save_checkpoint(
     checkpoints of steps up to ``step`` beyond the newest ``keep`` (the new one is never deleted;
     those of later steps are left alone).
 
-    HSDP: see [Note: checkpoints of HSDP]."""
+    HSDP: see [Note: checkpoints of HSDP]. A background save (``AsyncSaver``) in flight into
+    ``root`` is waited for first, with a CheckpointWarning (see [Note: one save at a time per root]
+    in background.py)."""
+    _wait_for_root(root, "save_checkpoint", step)
     replicate = getattr(model, "replicate_group", None)
     if replicate is None:
         rank, _ = _group_info(model.process_group)
@@ -171,6 +175,7 @@ def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, wo
             os.makedirs(root, exist_ok=True)
             for stale in unfinished_saves(root):  # killed saves: never complete, safe to drop
                 remove_checkpoint(stale, root)
+            remove_trash(root)  # a removal killed mid-way (a rotation's): a whole checkpoint's bytes
             for other in foreign_dirs(root):  # not ours: reported, never deleted
                 if other == final:
                     problem = (f"cannot save step {step}: {final!r} already exists without a {MANIFEST} (not "
@@ -431,7 +436,7 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True, st
     )
 
 
-from .background import AsyncSaver, Staged  # noqa: E402 - it calls _save
+from .background import AsyncSaver, Staged, wait_for_root as _wait_for_root  # noqa: E402 - it calls _save
 
 __all__ = [
     "AsyncSaver", "Staged", "CheckpointError", "CheckpointWarning", "foreign_dirs", "unfinished_saves", "FlatShard", "Loaded", "MANIFEST", "checkpoint_dir", "check_compatible",

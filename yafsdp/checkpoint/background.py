@@ -26,21 +26,56 @@ A failure of the background phase is kept and raised by the next ``save``, by ``
 The thread is not a daemon: an interpreter that exits (the end of a script, an exception) waits
 for the write to end. The staging buffers are kept for the next save (no reallocation); their
 size is ``staging_bytes`` -- host memory on top of the engine's plan, the size of this rank's part
-of the checkpoint. Call ``wait()`` before a synchronous ``save_checkpoint`` into the same root: a
-save removes the ``.tmp.*`` directories it finds, which would include the one being written.
+of the checkpoint.
+
+[Note: one save at a time per root]
+A save removes the ``.tmp.*`` directories it finds under its root (killed saves), which would
+include one being written in the background. So every write in flight is registered by its root
+(``_IN_FLIGHT``, per process; every rank has its own writer); ``save_checkpoint`` and another
+saver's ``save`` into that root first wait for it (``wait_for_root``) and report the wait with a
+CheckpointWarning naming the step, the root and the seconds. They only join the writer thread:
+its outcome (a failure included) stays with its saver, raised by that saver's next ``save``,
+``wait`` or ``close``.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from . import contents
-from .files import CheckpointError, checkpoint_dir
+from .files import CheckpointError, CheckpointWarning, checkpoint_dir
 
-__all__ = ["AsyncSaver", "Staged"]
+__all__ = ["AsyncSaver", "Staged", "wait_for_root"]
+
+_IN_FLIGHT: dict = {}  # realpath(root) -> (thread, step) of the write in flight there (this process)
+_LOCK = threading.Lock()
+
+
+def _key(root: str) -> str:
+    return os.path.realpath(root)
+
+
+def wait_for_root(root: str, who: str, step: int) -> float:
+    """Wait for a background save in flight into ``root`` (see [Note: one save at a time per
+    root]); returns the seconds waited (0 when none was in flight). The wait is reported with a
+    CheckpointWarning."""
+    with _LOCK:
+        thread, other = _IN_FLIGHT.get(_key(root), (None, None))
+    if thread is None or thread is threading.current_thread() or not thread.is_alive():
+        return 0.0
+    t = time.perf_counter()
+    thread.join()
+    waited = time.perf_counter() - t
+    warnings.warn(f"{who} of step {step} into {root!r} waited {waited:.1f} s for the background save of step {other} "
+                  "into the same folder to finish (a save removes the unfinished saves it finds there, which would "
+                  "have included that one); its outcome is reported by its AsyncSaver's next save(), wait() or "
+                  "close()", CheckpointWarning, stacklevel=3)
+    return waited
 
 
 @dataclass
@@ -87,6 +122,7 @@ class AsyncSaver:
 
         t0 = time.perf_counter()
         self.wait()
+        wait_for_root(root, "AsyncSaver.save", step)  # another saver's write into this root
         waited = time.perf_counter() - t0
         self.model.check_idle("AsyncSaver.save")
         t1 = time.perf_counter()
@@ -104,9 +140,15 @@ class AsyncSaver:
                 self._outcome = (path, None, time.perf_counter() - t)
             except BaseException as e:  # noqa: BLE001 - kept for the caller's thread
                 self._outcome = (None, e, time.perf_counter() - t)
+            finally:
+                with _LOCK:
+                    if _IN_FLIGHT.get(_key(root), (None,))[0] is threading.current_thread():
+                        del _IN_FLIGHT[_key(root)]
 
         self._step, self._outcome, self._reported = step, None, False
         self._thread = threading.Thread(target=write, name=f"yafsdp-ckpt-step{step}", daemon=False)
+        with _LOCK:
+            _IN_FLIGHT[_key(root)] = (self._thread, step)
         self._thread.start()
         return Staged(step, checkpoint_dir(root, step), waited, staged, nbytes)
 

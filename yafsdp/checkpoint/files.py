@@ -13,7 +13,7 @@ import zlib
 __all__ = ["CheckpointError", "CheckpointWarning", "describe_os_error", "unfinished_saves", "foreign_dirs", "FORMAT", "MANIFEST", "PREFIX", "TMP_PREFIX", "TRASH_PREFIX", "checkpoint_dir",
            "list_checkpoints", "incomplete_checkpoints", "latest_checkpoint", "read_manifest", "crc32",
            "fsync_dir", "write_json_atomic", "remove_checkpoint", "publish_checkpoint", "rotate_checkpoints",
-           "OLD_PREFIX"]
+           "OLD_PREFIX", "remove_trash"]
 
 FORMAT = "yafsdp-checkpoint/1"
 MANIFEST = "checkpoint.json"  # completion marker and manifest
@@ -160,7 +160,12 @@ def remove_checkpoint(path: str, root: str) -> None:
     trash = os.path.join(root, f"{TRASH_PREFIX}{os.path.basename(path)}.{os.getpid()}")
     os.rename(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
-    for name in os.listdir(root):  # leftovers of an earlier interrupted removal
+    remove_trash(root)
+
+
+def remove_trash(root: str) -> None:
+    """Delete the leftovers of removals a kill interrupted (``.trash.*``: never read)."""
+    for name in os.listdir(root):
         if name.startswith(TRASH_PREFIX):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
