@@ -4,9 +4,10 @@ is after wrapping, what may be done with it, and the parameter hooks registered 
 [Note: the module tree after wrapping]
 After ``YaFSDP(module)`` every original parameter is still reachable by its name: each owner's
 ``_parameters[attr]`` holds a :class:`ShardedParameter`, one per original parameter (tied names
-share one), with the original's shape, device, ``requires_grad`` and its dtype, but no storage:
+share one), with the original's shape, device and ``requires_grad``, the dtype its unit's forward
+sees (``param_dtype``, as the gathered weight), but no storage:
 each rank keeps only its slice of the unit's flat shard, so there is no value to read. Its
-metadata (shape, dtype, device, ``requires_grad``, ``numel()``, ``repr``) answers as before, and
+metadata (shape, dtype, device, ``requires_grad``, ``numel()``, ``repr``) answers, and
 ``submodule.parameters()`` / ``named_parameters()`` list it, so code that counts, names, freezes or
 re-initialises parameters finds them. Everything else is decided at the call:
 
@@ -216,7 +217,11 @@ def install(rt, unit, index: int, original: nn.Parameter | None) -> ShardedParam
     """Replace parameter ``unit.params[index]`` in every owner by one ShardedParameter (keeping the
     owners' parameter order); the original's hooks are its hooks."""
     info = unit.params[index]
-    sp = ShardedParameter(info.fqn, info, index, unit, rt, rt.device, info.dtype)
+    # its dtype is the one its unit's forward sees (the gathered weight's: param_dtype), so that code reading a
+    # weight's dtype outside the unit's hooks -- PEFT casts its input to lora_A.weight.dtype, an HF recompute
+    # inside backward runs past the decoder layer's hooks, HF's model.dtype reads the first parameter --
+    # agrees with the values it then gets
+    sp = ShardedParameter(info.fqn, info, index, unit, rt, rt.device, unit.aliases[index].dtype)
     if original is not None:
         # One hook dict for both: hooks registered on the original (before wrapping, or after it on a
         # reference kept from before) are called as those registered on the ShardedParameter, and the
