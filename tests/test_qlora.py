@@ -99,7 +99,9 @@ def test_qlora_parity_state_dict_checkpoint_adapter(world, tmp_path):
         assert r["reloaded_same"]
         assert r["resharded_sd"].keys() == r["sd"].keys()
         assert all(torch.equal(r["resharded_sd"][k], r["sd"][k]) for k in r["sd"])
-        assert "written for a different model" in r["mismatch_error"] and ".nf4" in r["mismatch_error"]
+        # the engine's settings are in the manifest: the refusal names the setting, both values and the way out
+        msg = r["mismatch_error"]
+        assert "quantize_frozen" in msg and "'nf4'" in msg and "Build the model with quantize_frozen='nf4'" in msg, msg
         _check_bf16_and_bytes(r)
         _check_meta_init(r["init"])
 
