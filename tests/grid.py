@@ -10,22 +10,26 @@ Effects are built from four helpers and combined with ``both``:
                        ``resume``, ``world``, ``mesh``, ``compute_dtype``, ``tie``, ``set_to_none``, ``tol``;
 - ``edit(fn)``         ``fn(model, seed) -> model`` applied to the freshly built model, on both sides,
                        in the order of ``DIMS`` (a PEFT wrap before the checkpointing switch);
+- ``after(fn)``        ``fn(model)`` on the wrapped model right after wrapping (the engine writes it
+                       through into the shards), on the reference's model before training;
 - ``store(fn)`` / ``step(fn)``  the reference's rounding: ``fn(model, compute_dtype)`` once after
                        building it (the values the engine *stores*: NF4, frozen values in
                        ``param_dtype``), ``fn(master, low, compute_dtype)`` before each forward on the
                        compute copy ``low`` (the values the engine *gathers*: fp8).
 
-Something the run does that no field says yet (a GradScaler, a second backward, a hook) gets a new
-``Recipe`` field, set by ``sets(...)``, and the few lines that read it in ``train_sharded`` /
-``train_reference``. Pairs a feature cannot meet go into ``allowed`` (the generator never builds
-them); pairs the engine refuses by design go into ``REFUSED`` (rows that check the error message);
-known engine bugs into ``KNOWN`` in tests/test_grid.py (strict expected failures); a combination of
+Something the run does that no field says yet gets a new ``Recipe`` field, set by ``sets(...)``, and
+the few lines that read it in the code both runs share (``forward_backward``: the no-grad forward
+between, the several backwards, ``torch.autograd.grad``; ``optimizer_step``: GradScaler, the two
+clipping calls) or in ``train_sharded`` / ``train_reference`` (the parameter hook). Pairs a feature
+cannot meet go into ``allowed`` (the generator never builds them); pairs the engine refuses by design
+go into ``REFUSED`` (rows that check the error message); known engine bugs into ``KNOWN`` in
+tests/test_grid.py (the parity rows avoid them; each has its own strict-xfail row); a combination of
 three or more values that must stay covered (a bug's reproduction) into ``SEEDS``.
 
-Example, fp16 + GradScaler once the engine takes it: a ``Recipe`` field ``scaler``, a third value of
-``"param_dtype"``: ``"fp16": both(engine(param_dtype=torch.float16), sets(compute_dtype=torch.float16,
-scaler=True))``, and in ``train_sharded`` / ``train_reference`` the scaler's ``scale(loss).backward()``,
-``unscale_`` before clipping and ``step(opt)`` / ``update()`` where ``scaler`` is set.
+Example, the fp16 value of ``"param_dtype"``: ``both(engine(param_dtype=torch.float16),
+sets(compute_dtype=torch.float16, scaler=True))``; ``scaler`` makes ``forward_backward`` call
+``scaler.scale(loss).backward()`` and ``optimizer_step`` call ``unscale_`` before clipping, then
+``step(opt)`` / ``update()``, on both sides alike; the test compares the scale history exactly.
 
 The rows are an all-pairs covering array (``all_pairs``: greedy, deterministic). Rows of one world
 size run in one spawned process group (``run_world``), several rows per spawn.
@@ -629,8 +633,8 @@ def train_reference(row: dict, compute: torch.dtype | None = None, worlds: list[
     backward over the global batch. ``per_rank=True`` (what rows are judged against): data parallelism done in
     one process, rounded as the engine rounds it -- a backward per rank's batch in ``compute``, the
     gradient of each use of a weight (a tied weight has two) taken to fp32, summed over the ranks
-    and folded into the fp32 gradient (``grad (+)= sum * (1 / world)``) in backward order.
-    Returns losses, norms, the state dict, the trainable keys and the initial state dict."""
+    and folded into the fp32 gradient (``grad (+)= sum * (1 / world)``) per backward call, in backward order.
+    Returns losses, norms, the state dict, the trainable keys, the initial state dict and dict(scales, aux)."""
     r = recipe(row)
     dt = compute or r.compute_dtype
     model = build(r)

@@ -8,9 +8,14 @@ the unsharded reference with the same rounding (tests/grid.py; docs/design.md "T
   bf16 rows alike are held to tests/test_parity.py's fp32 tolerances (losses and clipped norms 1e-5,
   weights 1e-4 relative; fp8 gathers twice that, as tests/test_fp8.py); stored values (frozen in
   param_dtype, NF4) bit for bit. A bf16 row must also be far (> 1e-3) from the fp32-compute run.
+  fp16 rows (torch's GradScaler, unchanged) likewise, and their scale history (the steps skipped) is
+  equal to the reference's, with at least one skipped step. backward="grad": the norms of
+  ``torch.autograd.grad`` equal the reference's and no ``.grad`` changes (bit for bit).
 - Refused rows (``grid.REFUSED``): ``YaFSDP(...)`` raises a ValueError naming both options.
-- Known engine bugs (``KNOWN`` below): strict expected failures, naming the issue item; when the
-  fix lands the row passes, the xfail turns into a failure, and the entry is deleted.
+- Known engine bugs (``KNOWN`` below): the parity rows avoid their combinations (every pair is
+  covered by a row expected to pass); each has one strict expected-failure row, its reproduction,
+  naming the issue item; when the fix lands that row passes, the xfail turns into a failure, and the
+  entry is deleted.
 
 Adding a dimension: one entry in ``grid.DIMS`` (see the module docstring of tests/grid.py).
 Every world size is spawned once and runs all its rows.
