@@ -10,22 +10,26 @@ Effects are built from four helpers and combined with ``both``:
                        ``resume``, ``world``, ``mesh``, ``compute_dtype``, ``tie``, ``set_to_none``, ``tol``;
 - ``edit(fn)``         ``fn(model, seed) -> model`` applied to the freshly built model, on both sides,
                        in the order of ``DIMS`` (a PEFT wrap before the checkpointing switch);
+- ``after(fn)``        ``fn(model)`` on the wrapped model right after wrapping (the engine writes it
+                       through into the shards), on the reference's model before training;
 - ``store(fn)`` / ``step(fn)``  the reference's rounding: ``fn(model, compute_dtype)`` once after
                        building it (the values the engine *stores*: NF4, frozen values in
                        ``param_dtype``), ``fn(master, low, compute_dtype)`` before each forward on the
                        compute copy ``low`` (the values the engine *gathers*: fp8).
 
-Something the run does that no field says yet (a GradScaler, a second backward, a hook) gets a new
-``Recipe`` field, set by ``sets(...)``, and the few lines that read it in ``train_sharded`` /
-``train_reference``. Pairs a feature cannot meet go into ``allowed`` (the generator never builds
-them); pairs the engine refuses by design go into ``REFUSED`` (rows that check the error message);
-known engine bugs into ``KNOWN`` in tests/test_grid.py (strict expected failures); a combination of
+Something the run does that no field says yet gets a new ``Recipe`` field, set by ``sets(...)``, and
+the few lines that read it in the code both runs share (``forward_backward``: the no-grad forward
+between, the several backwards, ``torch.autograd.grad``; ``optimizer_step``: GradScaler, the two
+clipping calls) or in ``train_sharded`` / ``train_reference`` (the parameter hook). Pairs a feature
+cannot meet go into ``allowed`` (the generator never builds them); pairs the engine refuses by design
+go into ``REFUSED`` (rows that check the error message); known engine bugs into ``KNOWN`` in
+tests/test_grid.py (the parity rows avoid them; each has its own strict-xfail row); a combination of
 three or more values that must stay covered (a bug's reproduction) into ``SEEDS``.
 
-Example, fp16 + GradScaler once the engine takes it: a ``Recipe`` field ``scaler``, a third value of
-``"param_dtype"``: ``"fp16": both(engine(param_dtype=torch.float16), sets(compute_dtype=torch.float16,
-scaler=True))``, and in ``train_sharded`` / ``train_reference`` the scaler's ``scale(loss).backward()``,
-``unscale_`` before clipping and ``step(opt)`` / ``update()`` where ``scaler`` is set.
+Example, the fp16 value of ``"param_dtype"``: ``both(engine(param_dtype=torch.float16),
+sets(compute_dtype=torch.float16, scaler=True))``; ``scaler`` makes ``forward_backward`` call
+``scaler.scale(loss).backward()`` and ``optimizer_step`` call ``unscale_`` before clipping, then
+``step(opt)`` / ``update()``, on both sides alike; the test compares the scale history exactly.
 
 The rows are an all-pairs covering array (``all_pairs``: greedy, deterministic). Rows of one world
 size run in one spawned process group (``run_world``), several rows per spawn.
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import time
 import traceback
@@ -56,7 +61,11 @@ LR = 1e-2
 # far above the tolerances. eps = 1e-6 keeps that amplification out, while every gradient element
 # that matters (|g| >> 1e-6 here) is compared as tightly as before.
 EPS = 1e-6
-MAX_NORM = 0.1  # small enough that clipping changes every step's update
+MAX_NORM = 0.05  # small enough that clipping changes every step's update
+HOOK_SCALE = 0.5  # the "param" hook (_hook): even rows of its parameter's gradient times this, odd rows zeroed
+HOOKED = "layers.1.self_attn.o_proj"  # its parameter: the first trainable one under this module
+SCALE = 2.0 ** 19  # fp16 rows' initial loss scale: tiny Llama's largest gradients (~0.3) overflow there
+SPLIT = 0.25  # backward="two": the first loss's share
 
 
 # ----------------------------------------------------------------------------- the generator
@@ -131,12 +140,17 @@ class Recipe:
     step: list = dataclasses.field(default_factory=list)  # reference: fn(master, low, compute_dtype)
     compute_dtype: torch.dtype = torch.float32
     accum: int = 1
-    clip: bool = False
+    clip: str = "off"  # "engine": model.clip_grad_norm_; "torch": torch.nn.utils.clip_grad_norm_(model.parameters())
     optimizer: str = "adamw"
     resume: str = "none"  # see RESUME
     tie: bool = False  # tied input and output embeddings
     set_to_none: bool = True  # optimizer.zero_grad(set_to_none=...)
     tol: float = 1.0  # multiplier of the fp32 tolerances (fp8: a master difference can flip a code)
+    after: list = dataclasses.field(default_factory=list)  # fn(model): on the wrapped model / the reference's
+    scaler: bool = False  # torch.amp.GradScaler("cpu") around backward and step, unchanged
+    between: bool = False  # a no-grad forward of another batch between each forward and its backward
+    backward: str = "one"  # "two": two losses, two backward calls; "grad": autograd.grad first, see BACKWARD
+    grad_hook: bool = False  # a register_hook on one original trainable parameter: see _hook
 
 
 def engine(**kw):
@@ -157,6 +171,10 @@ def store(fn):
 
 def step(fn):
     return lambda r: r.step.append(fn)
+
+
+def after(fn):
+    return lambda r: r.after.append(fn)
 
 
 def both(*effects):
@@ -199,6 +217,28 @@ def checkpointing(model, seed):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.gradient_checkpointing_enable()  # HF: use_reentrant=False
     return model
+
+
+def reentrant_checkpointing(model, seed):
+    """HF's reentrant checkpointing, with HF's documented companion for frozen input embeddings
+    (without it a reentrant layer whose input needs no gradient gives its weights none)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    base.enable_input_require_grads()
+    return model
+
+
+def reinit(model):
+    """Re-initialisation through ``model.apply`` (on the wrapper: after wrapping, written through into
+    the shards; the reference: before training): every trainable nn.Linear weight from one generator,
+    in module order."""
+    g = torch.Generator().manual_seed(7)
+
+    def init(m):
+        if isinstance(m, nn.Linear) and m.weight.requires_grad:
+            with torch.no_grad():
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.05)
+    model.apply(init)
 
 
 def frozen_in_dtype(model, dtype):
@@ -259,17 +299,28 @@ DIMS: dict[str, dict[Any, Callable]] = {
     "mesh": {"flat": nothing, "hsdp": sets(mesh="hsdp")},
     "gather": {"none": nothing, "fp8": both(engine(gather_dtype="fp8"), step(fp8_gather), sets(tol=2.0))},
     "param_dtype": {"fp32": nothing,
-                    "bf16": both(engine(param_dtype=torch.bfloat16), sets(compute_dtype=torch.bfloat16))},
+                    "bf16": both(engine(param_dtype=torch.bfloat16), sets(compute_dtype=torch.bfloat16)),
+                    "fp16": both(engine(param_dtype=torch.float16), sets(compute_dtype=torch.float16, scaler=True))},
     "accum": {1: nothing, 2: sets(accum=2)},
-    "clip": {"off": nothing, "on": sets(clip=True)},
-    "ac": {"off": nothing, "on": edit(checkpointing)},
+    "clip": {"off": nothing, "on": sets(clip="engine"), "torch": sets(clip="torch")},
+    "ac": {"off": nothing, "on": edit(checkpointing), "reentrant": edit(reentrant_checkpointing)},
     "world": {2: sets(world=2), 3: sets(world=3)},
     "resume": {"none": nothing, "zero": sets(resume="zero"), "world": sets(resume="world"),
                "weights": sets(resume="weights")},
     "optimizer": {"adamw": nothing, "fused": sets(optimizer="fused")},
     "tie": {"untied": nothing, "tied": sets(tie=True)},
     "zero_grad": {"none": nothing, "zeros": sets(set_to_none=False)},
+    "between": {"none": nothing, "no_grad": sets(between=True)},
+    "backward": {"one": nothing, "two": sets(backward="two"), "grad": sets(backward="grad")},
+    "after_wrap": {"none": nothing, "reinit": after(reinit)},
+    "hook": {"none": nothing, "param": sets(grad_hook=True)},
 }
+# fp16 rows: torch.amp.GradScaler("cpu", init_scale=SCALE, backoff_factor=0.25, growth_interval=1) on both sides (unscale_
+# before clipping, step, update); the scale after every update is compared exactly (the same steps skipped).
+# BACKWARD: "two": the loss split into SPLIT * loss and (1 - SPLIT) * loss over one forward,
+# ``backward(retain_graph=True)`` then ``backward()``; "grad": ``torch.autograd.grad(loss,
+# first_layer_output, retain_graph=True)`` (the embeddings' output needs no gradient where they are frozen) (its norm compared with the reference's, no .grad may change)
+# then ``loss.backward()``. ``between``: ``with torch.no_grad()`` a forward of another batch.
 # RESUME: after RESUME_AT steps the run goes on in a fresh engine built from another seed (whatever the
 # load misses shows), with one setting changed. "zero": a checkpoint (model + optimizer) loaded with
 # the other zero stage; "world": a checkpoint loaded on world - 1 ranks (flat rows) or on the flat
@@ -279,9 +330,10 @@ VALUES = {name: tuple(values) for name, values in DIMS.items()}
 
 
 def allowed(row: dict) -> bool:
-    """Combinations no row may hold (none today: QLoRA brings its own frozen linears, HSDP at
-    world 2 and 3 is a (world, 1) mesh). A predicate over the dimensions present in ``row``."""
-    return True
+    """Combinations no row may hold (QLoRA brings its own frozen linears, HSDP at world 2 and 3 is a
+    (world, 1) mesh): reentrant checkpointing with ``torch.autograd.grad`` is refused by torch itself,
+    unsharded too ("incompatible with .grad()"). A predicate over the dimensions present in ``row``."""
+    return not (row.get("ac") == "reentrant" and row.get("backward") == "grad")
 
 
 # Refused by the engine, by design (yafsdp/api.py): (dim, values, dim, values, words) -- a row holding
@@ -329,8 +381,15 @@ SEEDS = [
 ]
 
 
-def parity_rows() -> list[dict]:
-    return all_pairs(VALUES, parity_allowed, SEEDS)
+def parity_rows(avoid: Callable[[dict], bool] = lambda r: False) -> list[dict]:
+    """The covering rows; ``avoid`` (a predicate over partial rows: the known engine bugs) keeps its
+    combinations out, so that no pair is covered by an expected failure only."""
+    return all_pairs(VALUES, lambda r: parity_allowed(r) and not avoid(r), SEEDS)
+
+
+def completed(seed: dict) -> dict:
+    """A partial row completed as the generator completes a seed."""
+    return all_pairs(VALUES, parity_allowed, [seed])[0]
 
 
 def recipe(row: dict) -> Recipe:
@@ -350,6 +409,83 @@ def build(r: Recipe, seed: int = 0):
         model = fn(model, seed)
     model.train()
     return model
+
+
+# ----------------------------------------------------------------------------- both runs
+def _unwrapped(model):
+    return model.module if isinstance(model, yafsdp.YaFSDP) else model
+
+
+def hook_param(model):
+    """The "param" hook on the original parameter named by HOOKED (``model.module.<path>`` on the
+    wrapper); returns its name."""
+    root = _unwrapped(model)
+    name = next(n for n, p in root.named_parameters() if HOOKED in n and p.requires_grad)
+    mod_name, _, attr = name.rpartition(".")
+    getattr(root.get_submodule(mod_name), attr).register_hook(_hook)
+    return name
+
+
+def _hook(g):
+    """A rescale alone would hardly show: AdamW's update is invariant to it (only clipping sees it);
+    zeroed rows stop moving but for weight decay."""
+    mask = torch.zeros(g.shape[0], *([1] * (g.dim() - 1)), dtype=g.dtype)
+    mask[0::2] = HOOK_SCALE
+    return g * mask
+
+
+def new_scaler(r: Recipe):
+    return torch.amp.GradScaler("cpu", init_scale=SCALE, backoff_factor=0.25, growth_interval=1) if r.scaler else None
+
+
+def forward_backward(r: Recipe, model, inputs, other, scaler, harvest=lambda: None):
+    """One micro-batch, the same on both sides: the forward, the row's habits between it and the
+    backward (see BACKWARD), the backward call(s) -- ``harvest()`` after each (the reference takes each
+    backward's gradients as the engine reduces them). Returns the loss, the norm of the gradient
+    w.r.t. the first decoder layer's output (backward="grad", else None) and whether .grad stayed untouched by it."""
+    box = {}
+    first = _unwrapped(model).get_decoder().layers[0]
+    handle = first.register_forward_hook(lambda m, i, o: box.update(h=o[0] if isinstance(o, tuple) else o))
+    loss = loss_of(model, "llama", inputs)
+    handle.remove()
+    if r.between:
+        with torch.no_grad():
+            loss_of(model, "llama", other)
+    scaled = (lambda t: scaler.scale(t)) if scaler is not None else (lambda t: t)
+    aux, untouched = None, True
+    if r.backward == "grad":
+        before = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        g, = torch.autograd.grad(loss, box["h"], retain_graph=True)
+        aux = float(g.float().norm())
+        untouched = all((a is None and p.grad is None) or (a is not None and p.grad is not None and _same_bits(a, p.grad))
+                        for a, p in zip(before, model.parameters()))
+    if r.backward == "two":
+        scaled(loss * (SPLIT / r.accum)).backward(retain_graph=True)
+        harvest()
+        scaled(loss * ((1 - SPLIT) / r.accum)).backward()
+    else:
+        scaled(loss / r.accum).backward()
+    harvest()
+    return loss.item(), aux, untouched
+
+
+def _same_bits(a, b) -> bool:
+    """Equal bit for bit (an fp16 overflow leaves inf and nan in .grad, and nan != nan)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8).reshape(-1),
+                                                                     b.contiguous().view(torch.uint8).reshape(-1))
+
+
+def optimizer_step(r: Recipe, opt, scaler, clip, norms: list, scales: list):
+    if scaler is not None and r.clip != "off":
+        scaler.unscale_(opt)
+    if r.clip != "off":
+        norms.append(float(clip()))
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+    else:
+        opt.step()
 
 
 # ----------------------------------------------------------------------------- the sharded run
@@ -420,8 +556,13 @@ def train_sharded(rank: int, world: int, row: dict, ctx: Ctx, index: int) -> dic
     """One row on every rank; rank 0 returns what the parent compares (None on the others)."""
     r = recipe(row)
     model = _wrap(r, ctx, 0, r.mesh)
+    for fn in r.after:
+        fn(model)
+    if r.grad_hook:
+        hook_param(model)
     opt = _optimizer(r, model.parameters())
-    out = dict(losses=[], norms=[], worlds=[], info={})
+    scaler = new_scaler(r)
+    out = dict(losses=[], norms=[], worlds=[], scales=[], aux=[], info=dict(untouched=True))
     out["info"]["fp8_units"] = sorted(u.name for u in model.flat_units
                                       if any(g.kind.gather_format == "fp8" for g in u.groups))
     out["info"]["nf4"] = sum(1 for i in model.shard_info() if i.kind == "nf4")
@@ -433,19 +574,24 @@ def train_sharded(rank: int, world: int, row: dict, ctx: Ctx, index: int) -> dic
             model, opt, group = _resume(r, ctx, model, opt, rank, world, index)
             if model is None:  # not in the smaller world
                 return None
+            if r.grad_hook:
+                hook_param(model)
             ranks = dist.get_world_size(group) if group is not None else world
         total = 0.0
         for micro in range(r.accum):
-            loss = loss_of(model, "llama", batch("llama", s, micro, rank))
-            (loss / r.accum).backward()
-            total += loss.item() / r.accum
+            loss, aux, untouched = forward_backward(r, model, batch("llama", s, micro, rank),
+                                                    batch("llama", s + STEPS, micro, rank), scaler)
+            total += loss / r.accum
+            if aux is not None:
+                out["aux"].append(aux)
+            out["info"]["untouched"] &= untouched
         t = torch.tensor(total)
         dist.all_reduce(t, group=group)
         out["losses"].append(t.item() / ranks)
         out["worlds"].append(ranks)
-        if r.clip:
-            out["norms"].append(model.clip_grad_norm_(MAX_NORM).item())
-        opt.step()
+        clip = (lambda: model.clip_grad_norm_(MAX_NORM)) if r.clip == "engine" else \
+            (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+        optimizer_step(r, opt, scaler, clip, out["norms"], out["scales"])
         opt.zero_grad(set_to_none=r.set_to_none)
     if model.replicas > 1:
         out["info"]["replicas_agree"] = _replicas_agree(model)
@@ -487,11 +633,13 @@ def train_reference(row: dict, compute: torch.dtype | None = None, worlds: list[
     backward over the global batch. ``per_rank=True`` (what rows are judged against): data parallelism done in
     one process, rounded as the engine rounds it -- a backward per rank's batch in ``compute``, the
     gradient of each use of a weight (a tied weight has two) taken to fp32, summed over the ranks
-    and folded into the fp32 gradient (``grad (+)= sum * (1 / world)``) in backward order.
-    Returns losses, norms, the state dict, the trainable keys and the initial state dict."""
+    and folded into the fp32 gradient (``grad (+)= sum * (1 / world)``) per backward call, in backward order.
+    Returns losses, norms, the state dict, the trainable keys, the initial state dict and dict(scales, aux)."""
     r = recipe(row)
     dt = compute or r.compute_dtype
     model = build(r)
+    for fn in r.after:
+        fn(model)
     frozen_in_dtype(model, r.compute_dtype)
     for fn in r.store:
         fn(model, r.compute_dtype)
@@ -499,46 +647,57 @@ def train_reference(row: dict, compute: torch.dtype | None = None, worlds: list[
     params = [p for p in model.parameters() if p.requires_grad]
     trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}  # tied: both
     opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=0.1, foreach=False)
-    losses, norms = [], []
+    scaler = new_scaler(r)
+    losses, norms, scales, aux = [], [], [], []
     for s in range(STEPS):
         world = worlds[s] if worlds else r.world
         if r.resume == "weights" and s == RESUME_AT:  # weights only: the optimizer starts afresh
             opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=0.1, foreach=False)
         low, uses = _compute_copy(model, dt) if (dt != torch.float32 or r.step or per_rank) else (model, None)
+        if r.grad_hook and (low is not model or s == 0):  # a fresh compute copy each step (ids are reused)
+            hook_param(low)
         for fn in r.step:
             fn(model, low, dt)
         total = 0.0
         for micro in range(r.accum):
             parts = [batch("llama", s, micro, k) for k in range(world)]
+            others = [batch("llama", s + STEPS, micro, k) for k in range(world)]
             if per_rank:
-                summed = {id(q): torch.zeros_like(p) for p in params for q in uses[id(p)]}
-                for inputs in parts:
-                    loss = loss_of(low, "llama", inputs)
-                    (loss / r.accum).backward()
-                    total += loss.item() / r.accum / world
+                summed: list[dict] = []  # per backward call: each use's gradient summed over the ranks
+
+                def harvest():
+                    if len(summed) <= calls[0]:
+                        summed.append({id(q): torch.zeros_like(p) for p in params for q in uses[id(p)]})
                     for p in params:
                         for q in uses[id(p)]:
-                            summed[id(q)] += q.grad.float()
-                            q.grad = None
-                for p in params:
-                    for q in reversed(uses[id(p)]):  # the last use's gradient is reduced first
-                        acc = summed[id(q)]
-                        p.grad = acc * (1.0 / world) if p.grad is None else p.grad.add_(acc, alpha=1.0 / world)
+                            if q.grad is not None:
+                                summed[calls[0]][id(q)] += q.grad.float()
+                                q.grad = None
+                    calls[0] += 1
+                for k, (inputs, other) in enumerate(zip(parts, others)):
+                    calls = [0]
+                    loss, g, _ = forward_backward(r, low, inputs, other, scaler, harvest)
+                    total += loss / r.accum / world
+                    if k == 0 and g is not None:
+                        aux.append(g)
+                for each in summed:  # folded per backward call, as the engine reduces each
+                    for p in params:
+                        for q in reversed(uses[id(p)]):  # the last use's gradient is reduced first
+                            acc = each[id(q)]
+                            p.grad = acc * (1.0 / world) if p.grad is None else p.grad.add_(acc, alpha=1.0 / world)
             else:
                 inputs = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-                loss = loss_of(low, "llama", inputs)
-                (loss / r.accum).backward()
-                total += loss.item() / r.accum
+                other = {k: torch.cat([p[k] for p in others]) for k in others[0]}
+                loss, _, _ = forward_backward(r, low, inputs, other, scaler)
+                total += loss / r.accum
         if low is not model and not per_rank:
             for p in params:
                 p.grad = sum(q.grad.float() for q in uses[id(p)])
         losses.append(total)
-        if r.clip:
-            norms.append(torch.nn.utils.clip_grad_norm_(params, MAX_NORM).item())
-        opt.step()
+        optimizer_step(r, opt, scaler, lambda: torch.nn.utils.clip_grad_norm_(params, MAX_NORM), norms, scales)
         opt.zero_grad()
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return losses, norms, sd, trainable, init
+    return losses, norms, sd, trainable, init, dict(scales=scales, aux=aux)
 
 
 def _compute_copy(model, dtype):
@@ -567,4 +726,11 @@ def rel_l2(a: dict, b: dict, keys) -> float:
 
 
 def rel_seq(a, b) -> float:
-    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=0.0)
+    """The largest relative difference; a non-finite value (an fp16 overflow's norm) must be met by
+    a non-finite one."""
+    def d(x, y):
+        if not (math.isfinite(x) and math.isfinite(y)):
+            return 0.0 if not (math.isfinite(x) or math.isfinite(y)) else math.inf
+        return abs(x - y) / max(abs(y), 1e-12)
+    assert len(a) == len(b), (a, b)
+    return max((d(x, y) for x, y in zip(a, b)), default=0.0)
