@@ -1,5 +1,5 @@
-"""Asynchronous saves killed at each phase (issue 30), and a synchronous save into the root of a
-background save in flight.
+"""Asynchronous and synchronous saves killed at each phase (issue 30), and a synchronous save into
+the root of a background save in flight.
 
 A kill is a real SIGKILL of the whole process, sent from the thread that reaches the phase (the
 writer thread for the background phases): nothing after it runs, no handler or ``finally``. After
@@ -155,7 +155,11 @@ def _init():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def _child(phase: str, root: str) -> None:
+# the phases of a synchronous save (no staging copy); everything runs on the main thread
+SYNC_PHASES = {p: want for p, want in PHASES.items() if p != "staging"}
+
+
+def _child(phase: str, root: str, sync: bool = False) -> None:
     from yafsdp import checkpoint as C
 
     _init()
@@ -163,6 +167,10 @@ def _child(phase: str, root: str) -> None:
     _train(model, opt, 0, 2)
     C.save_checkpoint(root, 2, model, opt, state={"step": 2})
     _train(model, opt, 2, 2)
+    if sync:
+        _install(phase, _kill, when=_on_main)
+        C.save_checkpoint(root, 4, model, opt, state={"step": 4}, keep=1)
+        os._exit(3)  # not killed: the test fails on this exit code
     _install(phase, _kill)
     saver = C.AsyncSaver(model, opt)
     saver.save(root, 4, state={"step": 4}, keep=1)
@@ -186,15 +194,16 @@ def _driver(base: str) -> dict:
 
     import yafsdp  # noqa: F401
     out: dict = {"exit": {}}
-    for phase in PHASES:
+    cases = [(phase, phase, False) for phase in PHASES] + [("sync_" + p, p, True) for p in SYNC_PHASES]
+    for key, phase, sync in cases:
         pid = os.fork()
         if pid == 0:
             try:
-                _child(phase, os.path.join(base, phase))
+                _child(phase, os.path.join(base, key), sync)
             finally:
                 os._exit(4)
         _, status = os.waitpid(pid, 0)
-        out["exit"][phase] = os.WTERMSIG(status) if os.WIFSIGNALED(status) else -os.WEXITSTATUS(status)
+        out["exit"][key] = os.WTERMSIG(status) if os.WIFSIGNALED(status) else -os.WEXITSTATUS(status)
 
     _init()
     model, opt = _setup()  # the uninterrupted run
@@ -202,9 +211,9 @@ def _driver(base: str) -> dict:
     for s in range(6):
         ref[s] = model.full_state_dict()
         _train(model, opt, s, 1)
-    for phase, want in PHASES.items():
-        root = os.path.join(base, phase)
-        r = out[phase] = {"left": sorted(os.listdir(root))}
+    for key, want in [*PHASES.items(), *(("sync_" + p, w) for p, w in SYNC_PHASES.items())]:
+        root = os.path.join(base, key)
+        r = out[key] = {"left": sorted(os.listdir(root))}
         latest = C.latest_checkpoint(root)
         r["latest"] = os.path.basename(latest) if latest else None
         m, o = _setup()
@@ -313,7 +322,7 @@ def test_async_save_killed_at_each_phase(driver):
     """A SIGKILL at each phase of an asynchronous save leaves the previous checkpoint (or the new
     one once renamed), from which a resume is exact; the next save removes the leftovers."""
     _, r = driver
-    assert r["exit"] == {phase: signal.SIGKILL for phase in PHASES}, r["exit"]  # every child was killed there
+    assert {p: r["exit"][p] for p in PHASES} == {p: signal.SIGKILL for p in PHASES}, r["exit"]  # each killed there
     for phase, want in PHASES.items():
         x = r[phase]
         assert x["latest"] == f"step_{want:08d}" and x["state"] == {"step": want}, (phase, x)
@@ -324,6 +333,22 @@ def test_async_save_killed_at_each_phase(driver):
     for phase in ("dcp_data", "dcp_metadata", "checksums", "manifest", "rename"):
         assert r[phase]["left"] == [".tmp.step_00000004", "step_00000002"], (phase, r[phase])
     assert r["rotation"]["left"] == [".trash.step_00000002.1", "step_00000004"]
+
+
+def test_sync_save_killed_at_each_phase(driver):
+    """The same SIGKILLs at each phase of a synchronous save (issue 30's fault injection for both
+    kinds of save): the previous checkpoint, or the new one once renamed, resumes exactly."""
+    _, r = driver
+    assert {k: v for k, v in r["exit"].items() if k.startswith("sync_")} == \
+        {"sync_" + p: signal.SIGKILL for p in SYNC_PHASES}, r["exit"]
+    for phase, want in SYNC_PHASES.items():
+        x = r["sync_" + phase]
+        assert x["latest"] == f"step_{want:08d}" and x["state"] == {"step": want}, (phase, x)
+        assert x["weights_exact"] and x["resume_exact"], (phase, x)
+        assert x["after_next_save"] == [f"step_{want:08d}", "step_00000009"], (phase, x)
+    for phase in ("dcp_data", "dcp_metadata", "checksums", "manifest", "rename"):
+        assert r["sync_" + phase]["left"] == [".tmp.step_00000004", "step_00000002"], (phase, r["sync_" + phase])
+    assert r["sync_rotation"]["left"] == [".trash.step_00000002.1", "step_00000004"]
 
 
 def test_sync_save_waits_for_a_background_save_into_the_same_root(driver):
