@@ -60,3 +60,19 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 3
                 raise AssertionError(f"rank {r} failed:\n{value}")
             results.append(value)
         return results
+
+
+def hsdp_groups(replicas: int, shard: int):
+    """(shard_group, replicate_group) of this rank for an HSDP engine over ``replicas x shard`` ranks:
+    global rank = replica * shard + shard index. Every rank creates every group, in the same order."""
+    rank = dist.get_rank()
+    mine = {}
+    for r in range(replicas):
+        g = dist.new_group(list(range(r * shard, (r + 1) * shard)))
+        if rank // shard == r:
+            mine["shard"] = g
+    for s in range(shard):
+        g = dist.new_group(list(range(s, replicas * shard, shard)))
+        if rank % shard == s:
+            mine["replicate"] = g
+    return (mine["shard"], mine["replicate"])

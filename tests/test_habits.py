@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import yafsdp
-from dist_utils import run_ranks
+from dist_utils import hsdp_groups, run_ranks
 from models import Stack, batch, loss_of, tiny_llama
 
 FP16_STEPS = 5
@@ -36,19 +36,6 @@ GLOBAL = 6  # samples per step, split evenly over 1, 2 or 3 ranks
 
 
 # ------------------------------------------------------------------------------------------- helpers
-def _hsdp_groups(replicas: int, shard: int):
-    """(shard_group, replicate_group) for this rank: global rank = replica * shard + shard index."""
-    rank = dist.get_rank()
-    mine = {}
-    for r in range(replicas):
-        g = dist.new_group(list(range(r * shard, (r + 1) * shard)))
-        if rank // shard == r:
-            mine["shard"] = g
-    for s in range(shard):
-        g = dist.new_group(list(range(s, replicas * shard, shard)))
-        if rank % shard == s:
-            mine["replicate"] = g
-    return (mine["shard"], mine["replicate"])
 
 
 def _global_batch(step: int, micro: int = 0):
@@ -133,7 +120,7 @@ def _fp16_cases(rank: int, world: int) -> dict:
     for name, c in cases.items():
         kw = dict(param_dtype=torch.float16, offload=c.get("offload"))
         if c.get("hsdp"):
-            kw["process_group"] = _hsdp_groups(2, 1)
+            kw["process_group"] = hsdp_groups(2, 1)
         model = yafsdp.YaFSDP(tiny_llama(), **kw)
         out[name] = _fp16_run(model, rank, world, c["accum"])
         out[name]["accum"] = c["accum"]
@@ -192,7 +179,7 @@ def clip_reference():
 def _clip_cases(rank: int, world: int) -> dict:
     out = {}
     for name, kw in (("flat", {}), ("offload", dict(offload="optimizer")),
-                     ("hsdp", dict(process_group=_hsdp_groups(2, 1)))):
+                     ("hsdp", dict(process_group=hsdp_groups(2, 1)))):
         model = yafsdp.YaFSDP(Stack(), **kw)
         norms = _clip_run(model, rank, world)
         out[name] = (norms, model.full_state_dict())
@@ -281,7 +268,7 @@ def _optim_state_cases(rank: int, world: int, root: str) -> dict:
         out["full_shape"] = {k: tuple(v.shape) for k, v in full["state"]["blocks.0.fc1.weight"].items()}
     dist.barrier()
     out["resumed"] = _resume_at(rank, world, root)
-    out["resumed_hsdp"] = _resume_at(rank, world, root, _hsdp_groups(2, 1))  # 2 replicas of 1 shard
+    out["resumed_hsdp"] = _resume_at(rank, world, root, hsdp_groups(2, 1))  # 2 replicas of 1 shard
     return out
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import yafsdp
-from dist_utils import run_ranks
+from dist_utils import hsdp_groups, run_ranks
 from models import batch, loss_of, tiny_llama
 from parity import LR, MAX_NORM, _cast_model, rel_l2, rel_seq
 
@@ -56,17 +56,7 @@ def _groups(shape, form):
         from torch.distributed.device_mesh import init_device_mesh
 
         return dict(mesh=init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")))
-    rank = dist.get_rank()
-    mine = {}
-    for r in range(replicas):  # every rank creates every group, in the same order
-        g = dist.new_group(list(range(r * shard, (r + 1) * shard)))
-        if rank // shard == r:
-            mine["shard"] = g
-    for s in range(shard):
-        g = dist.new_group(list(range(s, replicas * shard, shard)))
-        if rank % shard == s:
-            mine["replicate"] = g
-    return dict(process_group=(mine["shard"], mine["replicate"]))
+    return dict(process_group=hsdp_groups(replicas, shard))
 
 
 def _train(model, case, rank, world):
