@@ -176,6 +176,10 @@ def _world2(rank, world, base):
             b.add_(1)
     out["async_path"] = saver.wait()
     out["async_staged"] = (staged.path, staged.staging_bytes)
+    out["async_plan"] = (model.memory_plan(async_save=True).checkpoint_staging,
+                         yafsdp.plan.memory_plan(BNStack(), world_size=world, rank=rank,
+                                                 async_save=True).checkpoint_staging,
+                         len(opt.param_groups[0]["params"]))
     check, copt = _bn()
     ckpt.load_checkpoint(out["async_path"], check, copt)
     out["async_loaded"] = check.full_state_dict()
@@ -195,6 +199,25 @@ def _world2(rank, world, base):
             out["async_fail"] = str(e)
     out["async_after_fail"] = (ckpt.latest_checkpoint(root), ckpt.incomplete_checkpoints(root))
     saver.close()
+
+    # --- the staging copy of a QLoRA model (bf16 frozen shards, NF4 records, LoRA masters) vs the plan
+    import peft
+    qmodel = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                               lora_dropout=0.0))
+    plain_plan = yafsdp.plan.memory_plan(qmodel, world_size=world, rank=rank, param_dtype=torch.bfloat16,
+                                         quantize_frozen="nf4", async_save=True)
+    qmodel = yafsdp.YaFSDP(qmodel, param_dtype=torch.bfloat16, quantize_frozen="nf4")
+    qopt = torch.optim.AdamW(qmodel.parameters(), lr=1e-3)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(rank))
+    qmodel(input_ids=ids, labels=ids).loss.backward()
+    qopt.step()
+    qsaver = ckpt.AsyncSaver(qmodel, qopt)
+    qstaged = qsaver.save(os.path.join(base, "qlora"), 1)
+    qsaver.close()
+    out["qlora_staging"] = (qstaged.staging_bytes, qmodel.memory_plan(async_save=True).checkpoint_staging,
+                            plain_plan.checkpoint_staging, len(qopt.param_groups[0]["params"]),
+                            sum(1 for i in qmodel.shard_info() if i.values_dtype is not None),
+                            "async-save staging copy" in qmodel.memory_plan(async_save=True).format())
 
     # --- a full disk at several points of a synchronous save
     fails = {}
@@ -420,6 +443,22 @@ def test_settings_recorded_and_checked(runs):
         msg = r0[key]
         assert "quantize_frozen='nf4'" in msg and "quantize_frozen=None" in msg and "Build the model with" in msg
     assert ".nf4'" in r0["nf4_into_plain"]
+
+
+def test_async_staging_copy_is_planned(runs):
+    """The plan's async-save row (yafsdp/plan/staging.py) is the staging copy AsyncSaver takes,
+    to the byte, but for torch AdamW's 0-d step counters (4 bytes per flat parameter), which it
+    leaves out: BatchNorm buffers on rank 0 only, the fp32 masters and AdamW state of a plain
+    model; bf16 frozen slices, NF4 codes and scales, LoRA masters of a QLoRA model. The plan of the
+    wrapped model and of the unwrapped one agree."""
+    for rank in (0, 1):
+        r = runs[0][rank]
+        staged = r["async_staged"][1]
+        wrapped, plain, n_params = r["async_plan"]
+        assert wrapped == plain and staged == wrapped + 4 * n_params, (rank, staged, wrapped, plain, n_params)
+        q_staged, q_wrapped, q_plain, q_params, n_nf4, shown = r["qlora_staging"]
+        assert n_nf4 > 0 and shown
+        assert q_wrapped == q_plain and q_staged == q_wrapped + 4 * q_params, (rank, q_staged, q_wrapped, q_plain)
 
 
 def test_async_save(runs):

@@ -168,6 +168,11 @@ def test_plan_cli_json():
     plan = main(["--preset", "llama3-1b", "--world-size", "8"])
     assert plan.units[0].outsized and plan.zero_formula()["ratio"] > 1
     assert "outsized units" in plan.format() and "ZeRO paper" in plan.format()
+    # --async-save: the staging copy (12 bytes per trainable element / N with AdamW), on the host, in the total
+    staged = main(["--preset", "llama3-1b", "--world-size", "8", "--async-save"])
+    assert plan.checkpoint_staging == 0 and 0.99 < staged.checkpoint_staging / (12 * staged.num_params / 8) < 1.01
+    assert staged.total == plan.total + staged.checkpoint_staging
+    assert staged.host_total == staged.checkpoint_staging and "async-save staging copy" in staged.format()
 
 
 def _llama_step(preset: str, device: torch.device, batch: int, seq: int, *, rank: int = 0, bf16: bool = False,

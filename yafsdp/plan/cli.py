@@ -54,6 +54,9 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
     ap.add_argument("--gather-dtype", default="param", choices=["param", "fp8"],
                     help="fp8: the decoder layers' trainable weights gathered as fp8 records (gather_dtype='fp8'): "
                     "their compute copy is 1.03 bytes per element, plus a staging area per weight buffer")
+    ap.add_argument("--async-save", action="store_true",
+                    help="add the host memory of an asynchronous save's staging copy (the jobs' --async-save, "
+                    "yafsdp.checkpoint.AsyncSaver): this rank's part of a checkpoint, kept between saves")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return ap
 
@@ -86,7 +89,7 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
         batch=a.batch, seq=a.seq, checkpointing=a.checkpointing, attention=a.attention,
         quantize_frozen="nf4" if a.frozen_base == "nf4" else None,
         offload=None if a.offload == "none" else a.offload,
-        gather_dtype="fp8" if a.gather_dtype == "fp8" else None,
+        gather_dtype="fp8" if a.gather_dtype == "fp8" else None, async_save=a.async_save,
     )
     if a.json:
         print(json.dumps(dict(preset=a.preset, **plan.to_dict()), indent=1, default=str))

@@ -8,6 +8,7 @@ from torch import nn
 
 from ..units import discover, weight_free_backward
 from .activations import ActivationEstimate, activation_estimate
+from .staging import persistent_buffer_bytes, staging_bytes
 from .sizing import (
     GiB, OPTIMIZER_BYTES, BufferSpec, as_dtype, dtype_name, itemsize, plan_buffers, unit_align, unit_shape,
 )
@@ -48,6 +49,9 @@ class MemoryPlan:
     frozen: int = 0  # frozen groups' shards, in param_dtype (no master, grad or optimizer state)
     nf4: int = 0  # NF4 groups' shards: packed 4-bit codes + block scales (quantize_frozen="nf4")
     quantize_frozen: str | None = None
+    # async_save=True: host bytes of an asynchronous save's staging copy (yafsdp/plan/staging.py);
+    # host memory on top of the engine's allocations, so not in engine_bytes()
+    checkpoint_staging: int = 0
     # offload="optimizer": master, grad shard and optimizer state on the host, plus the host side of
     # the compute copy (compute_host; 0 in fp32, where it is the master) and the reduced grads'
     # landing (grad_landing). See [Note: host and device tensors] in yafsdp/alloc.py.
@@ -93,7 +97,7 @@ class MemoryPlan:
     def total(self) -> int:
         """Every byte, host and device (see ``device_total`` / ``host_total`` for the split)."""
         act = self.activations.total if self.activations is not None else 0
-        return self.engine_total + self.optimizer_state + act
+        return self.engine_total + self.optimizer_state + act + self.checkpoint_staging
 
     def placement(self) -> dict[str, str]:
         """Where each role of :meth:`engine_bytes` lives ("host" / "device"), as ``YaFSDP.placement()``;
@@ -121,8 +125,10 @@ class MemoryPlan:
 
     @property
     def host_total(self) -> int:
-        """Per rank on the host (offload): master, grad, staging, landing and the optimizer state."""
-        return self.host_bytes + (self.optimizer_state if self.offload is not None else 0)
+        """Per rank on the host: with offload the master, grad, compute staging, landing and the
+        optimizer state (pinned); with ``async_save`` the checkpoint's staging copy (pageable)."""
+        return (self.host_bytes + (self.optimizer_state if self.offload is not None else 0)
+                + self.checkpoint_staging)
 
     def engine_bytes(self) -> dict[str, int]:
         """The same keys and values as ``YaFSDP.allocated_bytes()`` returns once wrapped."""
@@ -168,13 +174,17 @@ class MemoryPlan:
             ck = ", checkpointed" if a.checkpointing else ""
             rows.append((f"activations (b={a.batch}, s={a.seq}{ck}, saved)", a.saved))
             rows.append(("backward transient (estimate)", a.transient))
+        if self.checkpoint_staging:
+            rows.append((self._staging_row, self.checkpoint_staging))
         rows.append(("total", self.total))
         return rows
 
+    _staging_row = "async-save staging copy (host, kept between saves)"
+
     def _host_rows(self) -> list[str]:
         if not self.offload:
-            return []
-        return ["master shard (fp32)", "grad shard (fp32)", f"optimizer state ({self.optimizer})",
+            return [self._staging_row] if self.checkpoint_staging else []
+        return [self._staging_row, "master shard (fp32)", "grad shard (fp32)", f"optimizer state ({self.optimizer})",
                 f"compute copy host staging ({self.param_dtype})", f"reduced-grad landing ({self.reduce_dtype})",
                 *([f"frozen shard ({self.param_dtype})", self._nf4_row] if self.offload == "all" else [])]
 
@@ -208,15 +218,18 @@ class MemoryPlan:
             lines.append(f"  not re-gathered for backward (weight-free backward): {', '.join(free)}")
         w = max(len(r) for r, _ in self.rows())
         host_rows = set(self._host_rows())
-        lines.append(f"  {'role':<{w}}  {'bytes':>16}  {'GiB':>9}" + ("  where" if self.offload else ""))
+        lines.append(f"  {'role':<{w}}  {'bytes':>16}  {'GiB':>9}"
+                     + ("  where" if self.offload or self.checkpoint_staging else ""))
         for role, b in self.rows():
             if role == "total":
                 lines.append("  " + "-" * (w + 29))
-            where = ("  host" if role in host_rows else "  device" if role != "total" else "") if self.offload else ""
+            where = (("  host" if role in host_rows else "  device" if role != "total" else "")
+                     if self.offload or self.checkpoint_staging else "")
             lines.append(f"  {role:<{w}}  {b:>16,}  {b / GiB:>9.3f}{where}")
-        if self.offload:
+        if self.offload or self.checkpoint_staging:
             lines.append(f"  {'per GPU (device)':<{w}}  {self.device_total:>16,}  {self.device_total / GiB:>9.3f}")
-            lines.append(f"  {'per rank on the host (pinned)':<{w}}  {self.host_total:>16,}  "
+            host = "per rank on the host" + (" (pinned: offload)" if self.offload else "")
+            lines.append(f"  {host:<{w}}  {self.host_total:>16,}  "
                          f"{self.host_total / GiB:>9.3f}")
         z = self.zero_formula()
         stage = "16 Psi/N" if self.zero_stage == 3 else "2 Psi + 14 Psi/N"
@@ -269,10 +282,12 @@ def memory_plan(
     offload: str | None = None,
     gather_dtype: str | None = None,
     gather_exclude=None,
+    async_save: bool = False,
 ) -> MemoryPlan:
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
     or a plain module (any device, meta included; nothing is allocated) with the engine options
-    given here. ``batch`` and ``seq`` add the activation estimate (HF causal LMs, or any model
+    given here. ``async_save=True`` adds the host memory of an asynchronous save's staging copy
+    (``yafsdp.checkpoint.AsyncSaver``, the jobs' ``--async-save``). ``batch`` and ``seq`` add the activation estimate (HF causal LMs, or any model
     with ``inputs_fn(batch, seq, device) -> kwargs``). ``optimizer``: a name in
     ``OPTIMIZER_BYTES`` or bytes of state per shard element."""
     from ..api import YaFSDP
@@ -355,6 +370,10 @@ def memory_plan(
         compute_host=cbytes * shard if offload is not None and compute_dtype != torch.float32 else 0,
         grad_landing=itemsize(reduce_dtype) * shard if offload is not None else 0,
     )
+    if async_save:
+        plan.checkpoint_staging = staging_bytes(
+            all_layouts, rank=rank, compute_dtype=compute_dtype, optimizer_bytes=opt_bytes,
+            buffer_bytes=persistent_buffer_bytes(module))
     if batch is not None and seq is not None:
         largest_unit_grads = max((lay.trainable.numel for lay in layouts if lay.trainable is not None),
                                  default=0) * cbytes
