@@ -112,6 +112,8 @@ class Job(Setup):
                 self.record_step(bar, lr, outcome, dt)
                 if outcome.skipped:
                     self.on_skipped(bar, lr, outcome)  # --max-skipped-steps in a row: raises Diverged
+                else:
+                    self.skipped_in_row = 0
                 if outcome.stop:
                     self.stopped_by = stop.name or "a signal on another rank"
                     break
