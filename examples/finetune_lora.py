@@ -21,7 +21,7 @@ On one GPU node (bf16 compute, fp32 adapters and optimizer state):
 QLoRA, the base's linear weights stored in 4-bit NF4 (YaFSDP(..., quantize_frozen="nf4")): add --qlora.
 The adapters' fp32 master, grad shard and AdamW state in host memory, the optimizer step on the CPU
 (YaFSDP(..., offload="optimizer")): add --offload (frees 16 bytes per trainable parameter / N per GPU);
---offload all puts the frozen base's shards in host memory too (Llama-2-70B QLoRA on 2 GPUs: README).
+--offload all puts the frozen base's shards in host memory too (Llama-2-70B QLoRA on 2 GPUs: docs/offload.md).
 
 Continue a run (newest complete checkpoint in --out): add --resume. Also runs as plain ``python``.
 --data takes what the pretraining job takes (plain text: the loss on every token) or an instruction

@@ -1,5 +1,5 @@
 """The smallest complete yafsdp training script: a Hugging Face Llama, gradient accumulation,
-gradient clipping and the full state dict at the end (the README's "Use" block is its core).
+gradient clipping and the full state dict at the end (the README's minimal example is its core).
 
     torchrun --nproc-per-node 2 examples/minimal.py              # CPU: gloo; GPUs: NCCL, bf16
     torchrun --nproc-per-node 2 examples/minimal.py model.pt     # also save the state dict (rank 0)
@@ -53,7 +53,7 @@ if rank == 0 and len(sys.argv) > 1:
     torch.save(sd, sys.argv[1])
     print(f"saved {len(sd)} tensors to {sys.argv[1]}")
 dist.barrier()                                 # no rank leaves while another still receives
-# End as README "Exiting a script" says: drop the engine, then destroy the group and collect, so the gloo
+# End as docs/api.md "Ending a script" says: drop the engine, then destroy the group and collect, so the gloo
 # backend's threads are joined while Python still runs (never during interpreter finalization).
 del model, opt, sd, loss, norm
 dist.destroy_process_group()

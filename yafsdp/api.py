@@ -35,7 +35,30 @@ __all__ = ["YaFSDP"]
 
 
 class YaFSDP(nn.Module):
-    """Shard ``module`` over ``process_group`` unit by unit (see README for the contract)."""
+    """Shard ``module`` over ``process_group`` unit by unit; train it as the unsharded model under DDP.
+
+    The contract of the wrapped model (in full, with the tests that hold it: docs/api.md):
+
+    - ``model(...)`` is the module's forward; attributes the wrapper lacks come from the module.
+    - ``model.parameters()``: one fp32 1-D flat master shard per unit (and the small group of 1-D
+      parameters); any ``torch.optim`` optimizer steps them, ``yafsdp.FusedAdamW`` in one pass.
+    - Gradients are DDP's: averaged over ranks, summed over backward calls; a parameter no rank
+      used is left untouched by the step. ``clip_grad_norm_`` (ours or torch's) is global; fp16
+      works with torch's ``GradScaler``; ``no_sync()`` is a no-op.
+    - ``full_state_dict()`` / ``load_full_state_dict()``: the original keys, collective;
+      ``yafsdp.checkpoint`` for sharded checkpoints.
+    - The module tree keeps its names (``ShardedParameter``); ``model.apply(fn)``,
+      ``summon_full_params``, ``full_parameter``/``full_grad``/``named_grad_norms``, parameter
+      hooks, ``generate()`` and activation checkpointing work.
+    - Refused, naming what and saying what to do instead (docs/errors.md): ``.to(dtype)`` /
+      ``.half()`` / ``.cuda()``, ``state_dict()``, ``deepcopy``, ``save_pretrained()``, freezing
+      or writing a parameter after wrapping, an optimizer step between forward and backward.
+
+    Arguments (docs/api.md "Arguments"): ``units``, ``process_group`` / ``mesh`` (HSDP with a
+    pair or a 2-D mesh), ``param_dtype``, ``reduce_dtype``, ``zero_stage`` (2 or 3), ``device``,
+    ``quantize_frozen="nf4"``, ``offload="optimizer"|"all"``, ``gather_dtype="fp8"``,
+    ``gather_exclude``; ``align_bytes`` and ``outsized_ratio`` tune the layout.
+    """
 
     def __init__(
         self,

@@ -49,7 +49,7 @@ worker's late release needs no GIL. Point-to-point messages (the gloo all-gather
 reduce-scatter above) need none of this: their works are destroyed by whoever drops the handle.
 The object collectives of dist.py are built on these functions for the same reason. (The jobs
 also destroy the process group before exit: see [Note: teardown before exit] in
-examples/pretrain/job.py.) Measured on the 2-core CI-like machine with a plain script (a tiny Llama,
+examples/pretrain/ops.py.) Measured on the 2-core CI-like machine with a plain script (a tiny Llama,
 two steps with clipping, world 2, no teardown): 3 aborted runs in 31 before, 0 in 40 after.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Which parameters form which unit: automatic discovery and the wrap-time checks.
 
-Rules (see README "Units"):
+Rules (see docs/api.md, "Arguments": units):
 - ``units=None``: every block of each of the model's repeated block lists (each run of two or more
   same-class, parameter-holding children of a ``ModuleList``/``Sequential``; HF decoders:
   ``model.model.layers``; T5: ``encoder.block`` and ``decoder.block``) is a unit. Every other module that directly holds a >=2-D parameter becomes a unit of its own (the

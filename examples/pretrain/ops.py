@@ -1,4 +1,5 @@
-"""Operations: the distributed environment, agreement on errors, and stop signals."""
+"""Operations: the distributed environment (start, the HSDP mesh, teardown before exit), agreement on
+errors, and stop signals."""
 from __future__ import annotations
 
 import fcntl
@@ -218,3 +219,35 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def hsdp_mesh(replicas: int, world: int, device: torch.device) -> dict:
+    """YaFSDP's mesh argument for ``--hsdp R``: a (R, world / R) mesh named ('replicate', 'shard')
+    (torchrun numbers the ranks node by node, so with R = nodes each replica is one node); none for R = 1."""
+    if replicas == 1:
+        return {}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return dict(mesh=init_device_mesh(device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")))
+
+
+def shutdown_distributed() -> None:
+    """Destroy the process group *and* its backend before the interpreter exits.
+
+    [Note: teardown before exit] A gloo worker thread that drops the last C++ reference of a
+    tensor while the interpreter finalizes aborts the process ("terminate called without an
+    active exception", SIGABRT, after all the work was done; see [Note: gloo work and interpreter
+    exit] in yafsdp/collectives.py for the mechanism and the engine's exit hook). The job goes
+    further and ends the gloo backend itself before exit: ``destroy_process_group()`` only
+    unregisters the group, and the backend (its worker threads) lives while Python objects hold it
+    -- the model, the optimizer and the job, which sit in reference cycles. The caller has dropped
+    its references and every rank met in a barrier after its last collective; the collection here
+    frees the group while Python still runs, and the backend's destructor joins its threads. This
+    holds on the error path too (the engine's autograd nodes hold it weakly: [Note: weak
+    references from autograd nodes]); tests/test_job_failures.py checks that no thread but the
+    main one is left after ``main()`` returns, on a normal and on an error exit."""
+    import gc
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()

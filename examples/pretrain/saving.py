@@ -1,4 +1,6 @@
-"""--async-save: the job's checkpoints written in the background (yafsdp.checkpoint.AsyncSaver).
+"""The job's checkpoints: what a checkpoint of the job holds (``checkpoint``: the training state, the
+settings a resume checks, the RNG states), the guard that no checkpoint holds a NaN (``check_finite``),
+and --async-save, the checkpoints written in the background (yafsdp.checkpoint.AsyncSaver).
 
 The training loop is blocked for the staging copy only (see [Note: asynchronous saves] in
 yafsdp/checkpoint/background.py). ``saved`` is printed when the checkpoint is complete (the loop
@@ -10,8 +12,17 @@ the one in flight), and an exception or a signal waits for the write in flight, 
 """
 from __future__ import annotations
 
+import random
 import time
+import warnings
 
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pretrain import data as D
+from pretrain.args import describe_model_args
+from pretrain.ops import Diverged, JobError
 from yafsdp import checkpoint as C
 
 
@@ -21,8 +32,6 @@ def _write(job, bar, msg: str) -> None:
 
 
 def _failed(job, e: C.CheckpointError, step: int):
-    from pretrain.ops import JobError
-
     last = getattr(job, "last_checkpoint", None) or job.plan["resume_path"]
     return JobError(f"step {step} was not saved: {e}; last complete checkpoint: {last or 'none'}")
 
@@ -86,3 +95,83 @@ def drain(job, bar, quiet: bool = False) -> None:
             _write(job, bar, f"error    {err}")
         else:
             raise err from None
+
+
+def checkpoint(job, bar) -> None:
+    """Collective: the checkpoint of this step (synchronous, or ``--async-save``'s background write
+    for the periodic ones; ``bar`` None: the run's last save)."""
+    a = job.args
+    t0 = time.perf_counter()
+    state = dict(step=job.step, cursor=job.cursor, tokens=job.tokens_seen,
+                 elapsed=job.elapsed_before + time.perf_counter() - job.t_session,
+                 global_batch=a.batch_size * job.world * a.grad_accum, seq_len=a.seq_len, seed=a.seed)
+    meta = dict(model_shape=job.shape, settings=job.settings, preset_args=describe_model_args(a),
+                optimizer=job.opt_name,
+                tokenizer="bytes" if isinstance(job.tokenizer, D.ByteTokenizer) else job.tokenizer.name)
+    check_finite(job)
+    if a.async_save and bar is not None:  # periodic saves; the run's last one is synchronous
+        return save(job, bar, state, meta, get_rng_state(job.device))
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always", C.CheckpointWarning)
+        try:
+            path = C.save_checkpoint(job.plan["ck_root"], job.step, job.model, job.opt, state=state,
+                                     rank_state=get_rng_state(job.device), meta=meta, keep=a.keep)
+        except C.CheckpointError as e:
+            last = getattr(job, "last_checkpoint", None) or job.plan["resume_path"]
+            raise JobError(f"step {job.step} was not saved: {e}; last complete checkpoint: "
+                           f"{last or 'none'}") from None
+    for w in notes:
+        if issubclass(w.category, C.CheckpointWarning) and str(w.message) not in job.reported:
+            job.reported.add(str(w.message))
+            msg = f"note     {w.message}"
+            if job.main:
+                bar.write(msg) if bar is not None else print(msg, flush=True)
+    dt = time.perf_counter() - t0
+    if job.main:
+        job.events.write(dict(event="save", step=job.step, path=path, seconds=round(dt, 3)))
+        msg = f"saved    {path} ({dt:.1f} s)"
+        if bar is not None:
+            bar.write(msg)
+        else:
+            print(msg, flush=True)
+    job.last_checkpoint = path
+
+
+@torch.no_grad()
+def check_finite(job) -> None:
+    """Collective: refuse to save NaN/inf weights or optimizer state (one all-reduce per save).
+    Skipped steps (see [Note: non-finite steps]) keep them finite; this is the last guard, so
+    that no checkpoint -- and no rotation by --keep -- ever replaces finite ones with garbage."""
+    bad = torch.zeros((), device=job.device)
+    for i in job.model.shard_info():
+        bad += torch.logical_not(torch.isfinite(i.param)).sum()
+        for v in job.opt.state.get(i.param, {}).values():
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                bad += torch.logical_not(torch.isfinite(v)).sum()
+    dist.all_reduce(bad)
+    if bad.item() > 0:
+        last = getattr(job, "last_checkpoint", None) or job.plan["resume_path"] or "none"
+        raise Diverged(f"training diverged: {int(bad.item())} weights or optimizer-state values are NaN/inf at "
+                       f"step {job.step}; not saved, the last complete checkpoint ({last}) is kept. Resume "
+                       "from it with a lower --lr or a longer --warmup")
+
+
+def get_rng_state(device) -> dict:
+    st = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate())
+    if device.type == "cuda":
+        st["cuda"] = torch.cuda.get_rng_state(device)
+    return st
+
+
+def set_rng_state(st, seed: int, rank: int, step: int, device) -> None:
+    if st is None:  # a fresh run, or a rank that did not exist in the saved world
+        s = seed * 100003 + rank * 1009 + step
+        torch.manual_seed(s)
+        np.random.seed(s % 2**32)
+        random.seed(s)
+        return
+    torch.set_rng_state(st["torch"])
+    np.random.set_state(st["numpy"])
+    random.setstate(st["python"])
+    if device.type == "cuda" and "cuda" in st:
+        torch.cuda.set_rng_state(st["cuda"], device)

@@ -1,0 +1,209 @@
+"""The job's flags: the argparse definition (``build_parser``: one ``add_argument`` per flag, in
+groups a derived job extends), their validation and preset-dependent defaults (``check_args``), and
+what is derived from them alone: the learning-rate schedule, the header's flags line, the model
+arguments a checkpoint records."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from pretrain import rundir as R
+from pretrain.presets import DEFAULT_PRESET, presets
+
+
+class _Help(argparse.HelpFormatter):
+    """Shows a flag's default where it has one (preset-dependent defaults say [preset])."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """One line per error, printed by rank 0 only (under torchrun every rank parses the same
+    command line), exit status 2."""
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(2)
+
+
+def build_parser(prog: str = "pretrain_llama.py",
+                 description: str = "Pretrain a Llama with yafsdp (launch with torchrun; see the file's docstring).",
+                 ) -> argparse.ArgumentParser:
+    """The job's flags; a job built on this one (examples/finetune_lora.py) adds its own groups."""
+    table = presets()
+    p = _Parser(
+        prog=prog,
+        description=description,
+        formatter_class=_Help,
+        allow_abbrev=False,  # --step must not silently mean --steps
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(table),
+                   help="model shape + training defaults (see docs/pretrain.md)")
+    g.add_argument("--init-from-hf", metavar="DIR", default=None,
+                   help="start from a local HF checkpoint (config.json + safetensors) instead of random weights")
+    g.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=None, help="text file, .jsonl, pre-tokenized .bin, or a directory; "
+                   "default: the embedded corpus")
+    g.add_argument("--tokenizer", default=None, metavar="DIR", help="local HF tokenizer folder; default: bytes")
+    g.add_argument("--text-key", default="text", help="JSONL field holding the text")
+    g.add_argument("--data-dtype", default="uint16", help="dtype of the ids in a .bin file")
+    g.add_argument("--val-fraction", type=float, default=0.05, help="tail of the data held out for validation")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=None, help="train until this optimizer step [preset]")
+    g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence [preset]")
+    g.add_argument("--batch-size", type=int, default=None, help="sequences per rank per micro-batch [preset]")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate [preset]")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate / peak")
+    g.add_argument("--warmup", type=int, default=None, help="linear warmup steps [preset]")
+    g.add_argument("--decay-steps", type=int, default=None,
+                   help="cosine decay horizon; fixed, so a run stopped early resumes exactly [preset steps]")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay of >= 2-D weights")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0: no clipping)")
+    g.add_argument("--max-skipped-steps", type=int, default=5,
+                   help="a step whose loss or grad norm is NaN/inf is skipped (no optimizer step); stop (exit 3) "
+                   "after this many in a row")
+    g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 compute (fp32 master weights); default: on for CUDA, off on CPU")
+    g.add_argument("--zero-stage", type=int, default=3, choices=[2, 3],
+                   help="3: gather weights again for backward; 2: keep them from forward")
+    g.add_argument("--gather-dtype", default="bf16", choices=["bf16", "fp8"],
+                   help="fp8: gather the decoder layers' linear weights as float8 e4m3 + a float32 scale per 128 "
+                        "(~1.03 instead of 2 bytes per parameter; YaFSDP gather_dtype='fp8'); the fp32 master, "
+                        "gradients and optimizer are unchanged. bf16: gather in the compute dtype")
+    g.add_argument("--hsdp", type=int, default=1, metavar="R",
+                   help="HSDP: R replicas (e.g. R = nodes), each sharding the model over world / R ranks; gathers "
+                   "and reduce-scatters stay inside a replica, gradients are all-reduced across replicas once per "
+                   "step (1: shard over every rank)")
+    g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each unit's modules on their own (YaFSDP.compile_units); the first steps "
+                   "include the compilation")
+    g.add_argument("--seed", type=int, default=0, help="init, data order and sampling")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default="runs/default", help="checkpoints, metrics, plots")
+    g.add_argument("--save-every", type=int, default=100, help="checkpoint every K steps (0: only at the end)")
+    g.add_argument("--keep", type=int, default=3, help="complete checkpoints kept")
+    g.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=False,
+                   help="write the periodic checkpoints in the background: training is blocked only for a host "
+                   "copy of this rank's part of the checkpoint (see docs/checkpoints.md)")
+    g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="auto|PATH",
+                   help="continue from the newest complete checkpoint in --out (--resume), that one if any "
+                   "(--resume auto), or a given checkpoint directory")
+    g.add_argument("--rewind", action="store_true",
+                   help="with --resume PATH of a checkpoint older than the run's newest: go back to it, setting the "
+                   "continuation after it (checkpoints, metrics) aside in --out/abandoned/ (moved, never deleted)")
+    g.add_argument("--allow-change", default=None, metavar="NAMES",
+                   help="resume although these settings differ from the checkpoint's (comma-separated: seq_len, "
+                   "seed, global_batch, data, model; see docs/pretrain.md); recorded in events.jsonl")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an --out that holds a run (deletes it, and says what it deleted)")
+    g.add_argument("--export-hf", default=None, metavar="DIR", help="write a HF checkpoint at the end")
+    g.add_argument("--export-only", action="store_true",
+                   help="no training: load the newest checkpoint in --out (or --resume PATH) and write --export-hf")
+    g.add_argument("--export-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the exported weights")
+    g.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also log the metrics to this TensorBoard directory (needs the tensorboard package)")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s of one device for MFU (default: known GPUs' dense bf16 peak; CPU: n/a)")
+    g.add_argument("--eval-every", type=int, default=0, help="validation loss every K steps (0: at the end)")
+    g.add_argument("--eval-batches", type=int, default=4, help="micro-batches per rank per validation")
+    g.add_argument("--sample-tokens", type=int, default=None,
+                   help="tokens sampled at the end (0: none; default: 120 below 1 B parameters, else 0)")
+    g.add_argument("--prompt", default="We the People", help="prompt of the closing sample")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (metrics and summary only)")
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the preset-dependent defaults and refuse bad values (``p.error``: one line, exit 2)."""
+    pr = presets()[args.preset]
+    for name, value in (("steps", pr.steps), ("seq_len", pr.seq_len), ("batch_size", pr.batch_size),
+                        ("lr", pr.lr), ("warmup", pr.warmup)):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.decay_steps is None:
+        args.decay_steps = pr.steps
+    for name in ("steps", "warmup", "save_every", "eval_every"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("seq_len", "batch_size", "grad_accum", "decay_steps", "keep", "eval_batches", "max_skipped_steps",
+                 "hsdp"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.val_fraction < 0.5:
+        p.error(f"--val-fraction must be in [0, 0.5), got {args.val_fraction}")
+    if args.lr <= 0:
+        p.error(f"--lr must be > 0, got {args.lr}")
+    if args.export_only and not args.export_hf:
+        p.error("--export-only needs --export-hf DIR: the directory to write the Hugging Face export to")
+    if args.export_only and args.overwrite:
+        p.error("--export-only reads the run in --out; it cannot be combined with --overwrite")
+    if args.rewind and args.resume in (None, "latest", "auto"):
+        p.error("--rewind needs --resume PATH: the checkpoint to go back to")
+    if args.rewind and args.export_only:
+        p.error("--export-only reads the run as it is; it cannot be combined with --rewind")
+    allowed = R.parse_allow_change(args.allow_change)
+    if isinstance(allowed, str):
+        p.error(allowed)
+    args.allowed_changes = allowed
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+    if args.async_save and args.hsdp > 1:
+        p.error("--async-save is not supported with --hsdp yet (HSDP checkpoints are saved synchronously); drop one")
+    args.preset_info = pr
+    return args
+
+
+
+
+def lr_at(args, step: int) -> float:
+    """Learning rate of optimizer step ``step`` (1-based): linear warmup, cosine to min, then flat."""
+    peak, low = args.lr, args.lr * args.min_lr_ratio
+    if args.warmup and step <= args.warmup:
+        return peak * step / args.warmup
+    if step >= args.decay_steps:
+        return low
+    t = (step - args.warmup) / max(1, args.decay_steps - args.warmup)
+    return low + 0.5 * (peak - low) * (1 + math.cos(math.pi * t))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    return check_args(p, p.parse_args(argv))
+
+
+def non_default_flags(args, parse_args) -> str:
+    """The flags that differ from their defaults (the preset's, for preset-dependent ones), as a
+    command line: the header shows every setting a reader cannot assume. ``parse_args`` is the
+    job's own (its defaults are the reference)."""
+    ref = parse_args(["--preset", args.preset])
+    skip = {"preset_info", "allowed_changes", "out", "preset", "no_progress"}
+    diff = []
+    for k, v in vars(args).items():
+        if k in skip or getattr(ref, k, None) == v:
+            continue
+        flag = "--" + k.replace("_", "-")
+        if v is True or (k == "resume" and v == "latest"):
+            diff.append(flag)
+        else:
+            diff.append(f"--no-{k.replace('_', '-')}" if v is False else f"{flag} {v}")
+    return " ".join(diff) if diff else f"all defaults of preset {args.preset}"
+
+
+def describe_model_args(args) -> str:
+    parts = [f"--init-from-hf {args.init_from_hf}" if args.init_from_hf else f"--preset {args.preset}"]
+    if args.tokenizer:
+        parts.append(f"--tokenizer {args.tokenizer}")
+    return " ".join(parts)

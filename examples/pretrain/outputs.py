@@ -1,0 +1,242 @@
+"""What the job writes and prints: the run's files in ``--out`` (``metrics.jsonl``, ``events.jsonl``,
+``run.json``, ``loss.png``, TensorBoard), the header, one metrics row per step, the closing summary
+and the Hugging Face export. Functions of the job (``job``: a ``pretrain.job.Job``), called by its
+stages."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+
+import torch
+
+import yafsdp
+from pretrain import data as D
+from pretrain import progress as P
+from pretrain import rundir as R
+from pretrain.args import non_default_flags
+from pretrain.ops import agree
+from yafsdp import checkpoint as C
+
+
+def open_output(job):
+    """From here on files are written (rank 0)."""
+    a = job.args
+    out = a.out
+    job.t_session = time.perf_counter()
+    job.metrics_path = os.path.join(out, "metrics.jsonl")
+    job.png_path = os.path.join(out, "loss.png")
+    job.tb = P.TensorBoard(a.tensorboard, job.main and not a.export_only)
+    err = None
+    if job.main and a.export_only:  # the run's files stay as they are; only an "export" event is added
+        job.metrics = None
+        job.events = P.Events(os.path.join(out, "events.jsonl"))
+    elif job.main:
+        try:
+            _open_run_files(job)
+        except OSError as e:
+            err = f"cannot write the run's files in --out {out!r}: {C.describe_os_error(e)}"
+    agree(err)
+
+
+def _open_run_files(job):
+    a, out = job.args, job.args.out
+    os.makedirs(out, exist_ok=True)
+    if job.plan["wipe"]:
+        print(f"overwrite discarded the run in {out}: {job.plan['discarded']}", flush=True)
+        for name in ("metrics.jsonl", "events.jsonl", "loss.png", "run.json"):
+            if os.path.exists(os.path.join(out, name)):
+                os.remove(os.path.join(out, name))
+        # The run's checkpoints and killed saves; a step_* directory without a manifest is not
+        # the run's (see yafsdp.checkpoint.foreign_dirs) and stays.
+        for _, path in C.list_checkpoints(job.plan["ck_root"]):
+            shutil.rmtree(path)
+        for path in C.unfinished_saves(job.plan["ck_root"]):
+            shutil.rmtree(path, ignore_errors=True)
+    if job.plan["resume_path"]:
+        P.truncate_metrics(job.metrics_path, job.step)
+    job.metrics = P.JsonLines(job.metrics_path)
+    job.events = P.Events(os.path.join(out, "events.jsonl"))
+    with open(os.path.join(out, "run.json"), "w") as f:
+        args = {k: v for k, v in vars(a).items() if k not in ("preset_info", "allowed_changes")}
+        json.dump(dict(argv=sys.argv, args=args,
+                       world=job.world, device=str(job.device), torch=torch.__version__,
+                       yafsdp=yafsdp.__version__, optimizer=job.opt_name, model_shape=job.shape,
+                       params=job.n_params), f, indent=1, default=str)
+
+
+def header(job):
+    a, m = job.args, job.model
+    gb = a.batch_size * job.world * a.grad_accum
+    job.tokens_per_step = gb * a.seq_len
+    dtype = "bf16" if job.param_dtype == torch.bfloat16 else "fp32"
+    units = len(m.flat_units)
+    ac = " | activation checkpointing" if a.activation_checkpointing else ""
+    if a.gather_dtype == "fp8":
+        n8 = sum(1 for u in m.flat_units for g in u.groups if g.kind.gather_format == "fp8")
+        ac += f" | fp8 weight gathers ({n8} units)"
+    if a.hsdp > 1:
+        ac += f" | HSDP {a.hsdp} replicas x {job.world // a.hsdp} shard ranks"
+    job.say(f"yafsdp {yafsdp.__version__} | {job.name} | {job.world} rank(s) on {job.env.nodes} node(s) | "
+             f"{job.device.type} ({job.env.backend}) | {dtype} compute, fp32 master | ZeRO-{a.zero_stage}{ac}")
+    job.say(f"flags    {non_default_flags(a, job.parse_args)}")
+    preset = f"--init-from-hf {a.init_from_hf}" if a.init_from_hf else f"preset {a.preset}"
+    c = job.shape
+    job.say(f"model    {preset}: LlamaForCausalLM {P.fmt_count(job.n_params)} params ({c['num_hidden_layers']} "
+             f"layers x {c['hidden_size']}, vocab {c['vocab_size']}); {units} flat units, {job.built}")
+    job.say(f"init     {job.init_desc}")
+    job.say(f"data     {job.describe_data()}")
+    total = max(0, a.steps - job.step)
+    if a.export_only:
+        steps = f"export only (--export-only): no training, the weights of step {job.step}"
+    elif total == 0:
+        steps = f"nothing to train: the checkpoint is at step {job.step}, --steps is {a.steps}"
+    else:
+        steps = (f"steps {job.step} -> {a.steps} ({P.fmt_count(total * job.tokens_per_step)} tokens, "
+                 f"{total * gb / job.batches.windows:.1f} epochs)")
+    job.say(f"batch    {a.batch_size} seq x {job.world} ranks x {a.grad_accum} accum = {gb} seq = "
+             f"{job.tokens_per_step:,} tokens/step; {steps}")
+    job.say(f"optim    {job.opt_name}: lr {a.lr:g} (warmup {a.warmup}, cosine to {a.lr * a.min_lr_ratio:g} at "
+             f"step {a.decay_steps}), weight decay {a.weight_decay:g}, clip {a.grad_clip:g}")
+    mem = sum(m.allocated_bytes().values())
+    job.say(f"memory   engine allocations per rank: {mem / 2**20:.1f} MiB "
+             f"(model {4 * job.n_params / 2**20:.1f} MiB in fp32, unsharded)")
+    c = job.shape
+    emb = c["vocab_size"] * c["hidden_size"]
+    job.flops_per_token = P.flops_per_token(job.n_params, emb, c["num_hidden_layers"], c["hidden_size"], a.seq_len)
+    job.peak, peak_from = P.peak_tflops(job.device, job.param_dtype == torch.bfloat16, a.peak_tflops)
+    mfu = f"MFU against {peak_from}" if job.peak else f"MFU n/a ({peak_from})"
+    job.say(f"perf     {job.flops_per_token / 1e6:.2f} MFLOP/token (6 N + 12 L H S); {mfu}")
+    every = f"every {a.save_every} steps and at the end" if a.save_every else "at the end"
+    tb = f", TensorBoard {a.tensorboard}" if job.tb.writer is not None else ""
+    job.say(f"out      {a.out}: metrics.jsonl, loss.png, checkpoints/ ({every}, keep {a.keep}){tb}")
+    if job.tb.problem:
+        job.say(f"note     {job.tb.problem}")
+    if job.main and job.lock.note:
+        job.say(f"note     {job.lock.note}")
+    for note in job.plan.get("notes", []):
+        job.say(f"note     {note}")
+    if getattr(job, "rewound", None):
+        r = job.rewound
+        job.say(f"rewind   back to step {r['step']}: the continuation after it ({job.plan['rewind']['what']}) "
+                 f"is set aside in {r['set_aside']} (moved, nothing deleted; recorded in events.jsonl)")
+    if job.changes:
+        job.say(f"note     settings changed from the checkpoint's: {R.describe_changes(job.changes)}; "
+                 "recorded in events.jsonl")
+    for path in job.plan["foreign"]:
+        job.say(f"note     skipped {path}: no {C.MANIFEST}, not a complete checkpoint (not used by --resume, "
+                 "left in place)")
+    if job.resumed_from and job.resumed_from[2] not in (None, gb) and not a.export_only:
+        job.say(f"note     the checkpoint's global batch was {job.resumed_from[2]} sequences, this run's is {gb}: "
+                 "the data order continues, the step contents differ")
+    if a.steps > a.decay_steps:
+        job.say(f"note     --steps {a.steps} > --decay-steps {a.decay_steps}: the learning rate stays at "
+                 f"{a.lr * a.min_lr_ratio:g} after step {a.decay_steps}")
+
+
+
+
+def metrics_row(job, lr: float, outcome, dt: float) -> tuple[dict, tuple]:
+    """The metrics.jsonl row of the step just taken (``outcome``: its ``StepOutcome``, ``dt`` its
+    seconds), and the progress bar's (memory GB, tokens/s per device, MFU) unrounded."""
+    mem = P.peak_memory_gb(job.device)
+    tok_s_dev = job.tokens_per_step / dt / job.world
+    mfu = job.flops_per_token * tok_s_dev / (job.peak * 1e12) if job.peak else None
+    row = dict(step=job.step, loss=outcome.loss, lr=lr, grad_norm=outcome.grad_norm,
+               tokens=job.tokens_seen, tokens_per_s=round(job.tokens_per_step / dt, 1),
+               tokens_per_s_per_device=round(tok_s_dev, 1), mfu=round(mfu, 5) if mfu is not None else None,
+               step_time_s=round(dt, 4), mem_gb=round(mem, 4),
+               epoch=round(job.batches.epoch_of(job.cursor), 4))
+    if outcome.skipped:
+        row["skipped"] = True
+    return row, (mem, tok_s_dev, mfu)
+
+
+def export(job):
+    from yafsdp.hf import export_hf
+
+    a = job.args
+    dtype = torch.bfloat16 if a.export_dtype == "bfloat16" else torch.float32
+    t0 = time.perf_counter()
+    probe = torch.arange(min(32, a.seq_len), device=job.device).view(1, -1) % job.shape["vocab_size"]
+    with torch.no_grad():
+        ours = job.model(input_ids=probe, use_cache=False).logits.float().cpu()
+    tok = job.tokenizer if isinstance(job.tokenizer, (D.ByteTokenizer, D.HFTokenizer)) else None
+    # The exported config names the tokenizer's special tokens (generate() and pipelines read
+    # them). Set here, not at build time: a pad_token_id in the training config would make HF
+    # build the embedding with padding_idx, which changes nothing numerically for this data
+    # but is not what the checkpoint was trained with.
+    cfg = job.model.module.config
+    for key in ("pad", "bos", "eos"):
+        tid = getattr(job.tokenizer, f"{key}_id", None)
+        if tid is not None:
+            setattr(cfg, f"{key}_token_id", int(tid))
+    export_hf(job.model, a.export_hf, dtype=dtype, tokenizer=tok)
+    check = None
+    if job.main and job.n_params <= 200_000_000:  # reload on rank 0 and compare the logits
+        from transformers import LlamaForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf, info = LlamaForCausalLM.from_pretrained(a.export_hf, output_loading_info=True, dtype=torch.float32)
+        with torch.no_grad():
+            theirs = hf(input_ids=probe.cpu()).logits.float()
+        check = dict(missing=len(info["missing_keys"]), unexpected=len(info["unexpected_keys"]),
+                     max_abs_diff=float((theirs - ours).abs().max()))
+    if job.main:
+        job.events.write(dict(event="export", path=a.export_hf, dtype=a.export_dtype, check=check,
+                               seconds=round(time.perf_counter() - t0, 3)))
+    return a.export_hf, check
+
+
+def summary(job, sample, exported):
+    a = job.args
+    st = job.step_times
+    if st:
+        med = sorted(st)[len(st) // 2]
+        tps = job.tokens_per_step / med
+        mfu = job.flops_per_token * tps / job.world / (job.peak * 1e12) if job.peak else None
+        job.say(f"done     {job.trained_steps} steps in {P.fmt_time(job.train_time)} (median {med * 1e3:.0f} ms/step, "
+                 f"{tps:,.0f} tokens/s = {tps / job.world:,.0f} per device, MFU {P.fmt_mfu(mfu)}, peak memory "
+                 f"{P.peak_memory_gb(job.device):.2f} GB on rank 0); step {job.step}/{a.steps}")
+        val = f"; val {job.val_loss:.4f}" if job.val_loss is not None else ""
+        start = job.step - job.trained_steps
+        job.say(f"loss     {P.loss_windows(job.losses_before, job.session_losses, start, job.step)}{val} "
+                 f"(nats/token; uniform guess {math.log(job.shape['vocab_size']):.2f})")
+    elif a.export_only:
+        job.say(f"done     export only: the weights of step {job.step} ({job.plan['resume_path']})")
+    else:
+        job.say(f"done     nothing to train: already at step {job.step} (--steps {a.steps})")
+    if job.stopped_by:
+        job.say(f"stopped  by {job.stopped_by} at step {job.step}; checkpoint {job.last_checkpoint}; "
+                 "continue with --resume")
+    if sample is not None:
+        job.say("sample   " + repr(sample[:300]))
+    if exported:
+        path, check = exported
+        extra = ""
+        if check:
+            extra = (f"; reloaded with from_pretrained: {check['missing']} missing, {check['unexpected']} unexpected "
+                     f"keys, max |logit diff| {check['max_abs_diff']:.2e}")
+        job.say(f"export   {path}: config.json + model.safetensors ({a.export_dtype}){extra}")
+    if not a.export_only:
+        job.say(f"files    {job.metrics_path}, {job.png_path}, "
+                 f"{getattr(job, 'last_checkpoint', '(no checkpoint)')}")
+
+
+def close(job, sample, exported) -> None:
+    """Rank 0, at the end of a run that trained: the plot, the summary, the closing event; the files closed."""
+    a = job.args
+    P.plot_loss(job.metrics_path, job.png_path,
+                title=f"{a.preset if not a.init_from_hf else 'from HF'}: {P.fmt_count(job.n_params)} params, "
+                      f"{job.world} ranks", final_val=(job.step, job.val_loss),
+                events_path=os.path.join(a.out, "events.jsonl"))
+    job.summary(sample, exported)
+    job.events.write(dict(event="stopped" if job.stopped_by else "end", step=job.step,
+                          loss=job.last_loss, val_loss=job.val_loss))
+    job.metrics.close()
+    job.events.close()
+    job.tb.close()

@@ -1,0 +1,251 @@
+"""The job's stages before training (``Setup``, the base of ``pretrain.job.Job``): check the world and
+the run directory, read the data, build and wrap the model and its optimizer, load its weights from a
+checkpoint, a Hugging Face checkpoint or the seeded init. Nothing is written to ``--out`` here (but
+the lock, and a --rewind's setting aside)."""
+from __future__ import annotations
+
+import traceback
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import yafsdp
+from pretrain import data as D
+from pretrain import rundir as R
+from pretrain.ops import JobError, agree, hsdp_mesh
+from pretrain.presets import model_config_dict
+from pretrain.saving import set_rng_state
+from yafsdp import checkpoint as C
+
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+# ----------------------------------------------------------------------------------- checks
+def model_config(args, tokenizer) -> tuple[dict, object]:
+    """(shape dict for checks and checkpoints, the HF config)."""
+    from transformers import LlamaConfig
+
+    from yafsdp.hf import HFCheckpointError, read_hf_config
+
+    if args.init_from_hf:
+        try:
+            cfg = read_hf_config(args.init_from_hf)
+        except HFCheckpointError as e:
+            raise JobError(f"--init-from-hf: {e}") from None
+        if cfg.model_type != "llama":
+            raise JobError(f"--init-from-hf {args.init_from_hf!r} is a {cfg.model_type!r} model; this job trains Llama")
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise JobError(f"the tokenizer has {tokenizer.vocab_size} ids but {args.init_from_hf!r} only "
+                           f"{cfg.vocab_size} embeddings; pass its tokenizer with --tokenizer")
+        cfg._attn_implementation = args.attn
+    else:
+        kw = model_config_dict(args.preset_info, tokenizer.vocab_size, args.seq_len)
+        kw.setdefault("bos_token_id", getattr(tokenizer, "bos_id", None))
+        kw.setdefault("eos_token_id", getattr(tokenizer, "eos_id", None))
+        cfg = LlamaConfig(**kw, attn_implementation=args.attn)
+    d = cfg.to_dict()
+    shape = {k: d.get(k) for k in SHAPE_KEYS}
+    if shape.get("head_dim") is None:
+        shape["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+    return shape, cfg
+
+class Setup:
+    """The stages before training: ``prepare`` (nothing built yet), ``build``, ``initialise``. A job
+    built on this one overrides the hooks that differ (``load_data``, ``make_model``,
+    ``wrap_options``, ``init_weights``, ...; see examples/finetune_lora.py)."""
+
+    def prepare(self):
+        a = self.args
+        if self.world % a.hsdp:  # the same verdict on every rank: they all stop together
+            raise JobError(f"--hsdp {a.hsdp} does not divide the world size {self.world}: HSDP needs {a.hsdp} "
+                           f"replicas of equal size; launch a multiple of {a.hsdp} ranks (e.g. --hsdp = the number "
+                           "of nodes) or pick --hsdp among the divisors of the world size")
+        self.take_lock()  # before --out is read, also a new one: see [Note: one line per run directory]
+        self.plan = R.plan_run(self)
+        err = None
+        try:
+            self.tokenizer = D.make_tokenizer(a.tokenizer)
+            self.shape, self.config = model_config(a, self.tokenizer)
+            self.load_data()
+            self.settings = R.run_settings(a, self.world, self.batches, self.config, self.model_settings())
+            self.manifest = None
+            self.changes = {}
+            if self.plan["resume_path"]:
+                self.manifest = C.read_manifest(self.plan["resume_path"])
+                self.check_resumable(self.manifest.get("meta", {}))
+        except (JobError, D.DataError, C.CheckpointError) as e:
+            err = str(e)
+        except Exception as e:  # noqa: BLE001 - unexpected: still stop every rank together
+            traceback.print_exc()
+            err = f"rank {self.rank}: {type(e).__name__}: {e}"
+        agree(err)
+        if self.plan["resume_path"]:  # every file's size and checksum, before building anything
+            try:
+                C.verify_checkpoint(self.plan["resume_path"])
+            except C.CheckpointError as e:
+                raise JobError(f"{e}; nothing was changed. Delete that checkpoint to fall back to an older one, "
+                               f"or pass --resume PATH --rewind") from None
+        if self.plan["rewind"]:
+            self.rewind()
+
+    def check_resumable(self, meta: dict, saved_settings: dict | None = None) -> None:
+        """The checkpoint fits this run: the model's shapes (else refused), and the settings that
+        decide the data stream or the model unless --allow-change accepts them (``self.changes``;
+        see [Note: settings a resume keeps]). Not checked when nothing will be trained."""
+        saved = meta.get("model_shape")
+        if saved is not None and saved != self.shape:
+            diff = ", ".join(f"{k} {saved.get(k)} (checkpoint) vs {self.shape.get(k)} (this run)"
+                             for k in SHAPE_KEYS if saved.get(k) != self.shape.get(k))
+            raise JobError(
+                f"checkpoint {self.plan['resume_path']!r} was written for a different model: {diff}; "
+                f"resume with the --preset/--tokenizer/--init-from-hf of the run that wrote it "
+                f"(it was: {meta.get('preset_args', '?')})"
+            )
+        saved_settings = saved_settings if saved_settings is not None else meta.get("settings")
+        step = self.manifest.get("step", 0) if self.manifest else 0
+        if saved_settings and not self.args.export_only and step < self.args.steps:
+            self.changes = R.check_settings(saved_settings, self.settings, self.args.allowed_changes,
+                                            self.plan["resume_path"])
+
+    def model_settings(self) -> dict:
+        """What a derived job adds to the ``model`` setting a resume keeps (see [Note: settings a
+        resume keeps]); here nothing beyond the architecture."""
+        return {}
+
+    def rewind(self) -> None:
+        """Collective: rank 0 sets the continuation after the resumed checkpoint aside (see
+        [Note: one line per run directory]); every rank then goes on or stops together."""
+        err = None
+        if self.main:
+            try:
+                self.rewound = R.set_aside(self.args.out, self.plan["rewind"])
+            except OSError as e:
+                err = f"--rewind: setting the continuation aside failed: {C.describe_os_error(e)}; nothing was deleted"
+        agree(err)
+
+    def load_data(self):
+        """``self.corpus``, the training windows ``self.batches`` and the held-out ``self.val``
+        (None if the data is too short to hold any out)."""
+        a = self.args
+        corpus = D.load_corpus(a.data, self.tokenizer, text_key=a.text_key, bin_dtype=a.data_dtype)
+        train, val = D.split(corpus.tokens, a.val_fraction, a.seq_len)
+        if val is not None and len(val) > 4_000_000:  # a large corpus: a fixed-size validation tail
+            train, val = corpus.tokens[:-4_000_000], corpus.tokens[-4_000_000:]
+        self.corpus = corpus
+        self.batches = D.Batches(train, a.seq_len, a.seed, source=f"--data {a.data!r}" if a.data else "the corpus")
+        self.val = D.Batches(val, a.seq_len, a.seed + 1) if val is not None else None
+        head = np.asarray(corpus.tokens[: 1 << 20])
+        if head.size and int(head.max()) >= self.shape["vocab_size"]:
+            raise JobError(f"--data holds token id {int(head.max())}, but the model has "
+                           f"{self.shape['vocab_size']} embeddings (wrong --tokenizer or --data-dtype?)")
+
+    def describe_data(self) -> str:
+        """The header's data line."""
+        ntr = len(self.batches.tokens)
+        nval = len(self.val.tokens) if self.val else 0
+        tok = "bytes" if isinstance(self.tokenizer, D.ByteTokenizer) else self.tokenizer.name
+        return (f"{self.corpus.source}: {len(self.corpus.tokens):,} tokens ({tok}); {ntr:,} train / "
+                f"{nval:,} val; {self.batches.windows:,} windows of {self.args.seq_len}")
+
+    def loss(self, x: torch.Tensor) -> torch.Tensor:
+        """The training (and validation) loss of one micro-batch ``x`` as the data gives it."""
+        return causal_lm_loss(self.model, x)
+
+    def make_model(self):
+        """The unwrapped model; here on the meta device (each rank then allocates only its shards)."""
+        from transformers import LlamaForCausalLM
+
+        from yafsdp.init import meta_parameters
+
+        with meta_parameters():
+            return LlamaForCausalLM(self.config)
+
+    def wrap_options(self) -> dict:
+        """Extra ``yafsdp.YaFSDP`` options of a derived job (the LoRA job's ``--qlora``: quantize_frozen)."""
+        return {}
+
+    def build(self):
+        """The model from ``make_model``, wrapped, and its optimizer."""
+        a = self.args
+        model = self.make_model()
+        if a.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        self.n_params = sum(p.numel() for p in model.parameters())
+        bf16 = a.bf16 if a.bf16 is not None else self.device.type == "cuda"
+        self.param_dtype = torch.bfloat16 if bf16 else None
+        options = dict(self.wrap_options())
+        if a.gather_dtype != "bf16":  # See [Note: compact trainable gathers] in yafsdp/fp8.py
+            options["gather_dtype"] = a.gather_dtype
+        self.model = yafsdp.YaFSDP(model, param_dtype=self.param_dtype, zero_stage=a.zero_stage, device=self.device,
+                                   **options, **hsdp_mesh(a.hsdp, self.world, self.device))
+        if a.compile:
+            self.model.compile_units()
+        self.opt, self.opt_name = make_optimizer(self.model, a, self.device)
+
+    def initialise(self):
+        """Weights and state: from a checkpoint, a HF checkpoint, or the seeded init."""
+        a, m = self.args, self.model
+        self.step, self.cursor, self.tokens_seen, self.elapsed_before = 0, 0, 0, 0.0
+        self.resumed_from = None
+        if self.plan["resume_path"]:
+            try:
+                loaded = C.load_checkpoint(self.plan["resume_path"], m, self.opt, verify=False)
+            except C.CheckpointError as e:
+                raise JobError(str(e)) from None
+            st = loaded.state
+            if "settings" not in loaded.meta:  # written before settings were recorded: what its state holds
+                self.check_resumable({}, {k: st[k] for k in ("seq_len", "seed") if k in st})
+            self.step, self.cursor = int(st["step"]), int(st["cursor"])
+            self.tokens_seen, self.elapsed_before = int(st.get("tokens", 0)), float(st.get("elapsed", 0.0))
+            self.resumed_from = (loaded.path, loaded.saved_world_size, st.get("global_batch"))
+            set_rng_state(loaded.rank_state, a.seed, self.rank, self.step, self.device)
+            self.init_desc = (f"resumed from {loaded.path} (step {self.step}, written by {loaded.saved_world_size} "
+                              f"rank(s), loaded by {self.world})")
+        else:
+            self.init_weights()
+
+    def init_weights(self):
+        """A fresh run's weights: from --init-from-hf, or the seeded init."""
+        a, m = self.args, self.model
+        if a.init_from_hf:
+            from yafsdp.hf import HFCheckpointError, load_hf_weights
+
+            try:
+                load_hf_weights(m, a.init_from_hf)
+            except HFCheckpointError as e:
+                raise JobError(f"--init-from-hf: {e}") from None
+            set_rng_state(None, a.seed, self.rank, 0, self.device)
+            self.init_desc = f"weights from {a.init_from_hf} (rank 0 read them; each rank kept its shards)"
+        else:
+            from yafsdp.init import init_shards_, normal_init
+
+            init_shards_(m, normal_init(getattr(self.config, "initializer_range", 0.02)), seed=a.seed)
+            set_rng_state(None, a.seed, self.rank, 0, self.device)
+            self.init_desc = f"seeded init (seed {a.seed}; the same for any world size)"
+
+
+def causal_lm_loss(model, x: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy over all ``seq_len`` positions of windows ``x`` (B, seq_len + 1)."""
+    logits = model(input_ids=x[:, :-1], use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+
+
+def make_optimizer(model, args, device):
+    """yafsdp.FusedAdamW when this install has it, else torch's AdamW (fused where supported)."""
+    groups = model.param_groups(weight_decay=args.weight_decay, small_weight_decay=0.0)
+    kw = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    fused_cls = getattr(yafsdp, "FusedAdamW", None)
+    if fused_cls is None:
+        try:
+            from yafsdp.optim import FusedAdamW as fused_cls  # noqa: N813
+        except Exception:  # noqa: BLE001 - not built / not there: fall back below
+            fused_cls = None
+    if fused_cls is not None:
+        return fused_cls(groups, **kw), "yafsdp.FusedAdamW"
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kw), "torch.optim.AdamW(fused)"
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(groups, foreach=True, **kw), "torch.optim.AdamW(foreach)"
