@@ -119,18 +119,26 @@ def _check_config(lora_config) -> None:
 
 def meta_peft_model(config, lora_config, *, seed: int | None = None, model_class=None, **from_config) -> MetaPeftModel:
     """A PeftModel over a base built on meta from ``config`` (``model_class``, default
-    ``AutoModelForCausalLM``, ``.from_config(config, **from_config)``), its adapters initialised
-    by PEFT on the CPU (``torch.manual_seed(seed)`` first when ``seed`` is given). Not collective.
+    ``AutoModelForCausalLM``, ``.from_config(config, **from_config)``; or ``config`` is that base
+    already, built under ``yafsdp.init.meta_parameters``), its adapters initialised by PEFT on the
+    CPU (``torch.manual_seed(seed)`` first when ``seed`` is given). Not collective.
     See [Note: adapters over a meta base]."""
     import peft
 
     from .init import meta_parameters
 
     _check_config(lora_config)
-    if model_class is None:
-        from transformers import AutoModelForCausalLM as model_class
-    with meta_parameters():
-        base = model_class.from_config(config, **from_config)
+    if isinstance(config, nn.Module):
+        base = config
+        real = [n for n, p in base.named_parameters() if not p.is_meta]
+        if real:
+            raise ValueError(f"yafsdp.peft_load.meta_peft_model: the base has parameters off the meta device "
+                             f"({real[:3]}); build it under yafsdp.init.meta_parameters()")
+    else:
+        if model_class is None:
+            from transformers import AutoModelForCausalLM as model_class
+        with meta_parameters():
+            base = model_class.from_config(config, **from_config)
     if seed is not None:
         torch.manual_seed(seed)
     with adapters_stay_on_cpu():
