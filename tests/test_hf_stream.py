@@ -128,7 +128,8 @@ def _stream_ranks(rank, world, ckpts, bad):
             results["old"] = hf_stream.HELD.peak
         finally:
             st.load_file = load_file
-        out["bound"][kinds] = dict(results, bound=bound, now=hf_stream.HELD.current)
+        out["bound"][kinds] = dict(results, bound=bound, now=hf_stream.HELD.current,
+                                   plan=model.memory_plan().load_host)
     return out
 
 
@@ -197,12 +198,15 @@ def test_streaming_load_refusals_on_every_rank(streamed):
 
 
 def test_streaming_load_holds_one_slice_at_a_time(streamed):
-    """The loader's held bytes stay within own shards + 1.2 x the largest unit + 4 KiB; the old path
-    (rank 0 reads every file whole) is over that bound on rank 0, so the count can tell."""
+    """The loader's held bytes stay within own shards + 1.2 x the largest unit + 4 KiB, and within the
+    plan's "host at load" row; the old path (rank 0 reads every file whole) is over that bound on
+    rank 0, so the count can tell."""
     for rank, res in enumerate(streamed):
         for kinds, r in res["bound"].items():
             assert 0 < r["sharded_bf16"] <= r["bound"] and 0 < r["single_fp32"] <= r["bound"], (rank, kinds, r)
             assert r["now"] == 0, r  # everything the loader took is freed
+            # what `python -m yafsdp plan` says the load adds ("host at load") covers what was held
+            assert max(r["sharded_bf16"], r["single_fp32"]) <= r["plan"] < r["bound"], (rank, kinds, r)
             if rank == 0:
                 assert r["old"] > r["bound"], (kinds, r)
 

@@ -222,8 +222,10 @@ def load_streaming(model, sources: list, *, error: type[Exception] = ValueError,
     """Collective. Fill every stored shard and checkpointed buffer of wrapped ``model`` from
     ``sources`` (a list of sources, or of (source, rename) pairs), each rank reading only its own
     slices. Checked on every rank first; nothing is modified on error. See [Note: streaming loads]."""
+    from .dist import check_collective
     from .state_dict import write_shard
 
+    check_collective(f"{what}()", model.process_group)
     model.check_idle(what)
     rt = model._rt
     pairs = [s if isinstance(s, tuple) else (s, None) for s in sources]
@@ -257,3 +259,14 @@ def load_streaming(model, sources: list, *, error: type[Exception] = ValueError,
         del flat
     rt.invalidate_buffers()
     model.mark_loaded()
+
+
+def load_host_bytes(layouts, compute_itemsize: int) -> int:
+    """Host bytes the streaming loader holds at its peak on one rank, beyond the engine's own
+    allocations (``python -m yafsdp plan``'s "host at load" row): one flat group's slice in fp32,
+    its ``param_dtype`` copy when it is NF4-quantized, and one read (at most ``READ_BYTES``, or one
+    row of a tensor when a row is longer, and never more than the slice). ``layouts``: the units'
+    ``plan.sizing.UnitShape``. On a GPU the fp32 slice is also copied to the device once at a time."""
+    big = max((max(lay.trainable_shard, lay.frozen_shard, lay.nf4_shard) for lay in layouts), default=0)
+    nf4 = max((lay.nf4_shard for lay in layouts), default=0)
+    return 4 * big + compute_itemsize * nf4 + min(READ_BYTES, 4 * big)

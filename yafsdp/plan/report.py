@@ -58,6 +58,8 @@ class MemoryPlan:
     gather_dtype: str | None = None
     activations: ActivationEstimate | None = None
     notes: list[str] = field(default_factory=list)
+    # host bytes the streaming HF loader adds at its peak (yafsdp.hf_stream.load_host_bytes)
+    load_host: int = 0
 
     # Bytes by role -----------------------------------------------------------------------
     def _slot_bytes(self, role: str, kind: str | None = None) -> int:
@@ -218,6 +220,8 @@ class MemoryPlan:
             lines.append(f"  {'per GPU (device)':<{w}}  {self.device_total:>16,}  {self.device_total / GiB:>9.3f}")
             lines.append(f"  {'per rank on the host (pinned)':<{w}}  {self.host_total:>16,}  "
                          f"{self.host_total / GiB:>9.3f}")
+        lines.append(f"  {'host at load (hf streaming)':<{w}}  {self.load_host:>16,}  "
+                     f"{self.load_host / GiB:>9.3f}")
         z = self.zero_formula()
         stage = "16 Psi/N" if self.zero_stage == 3 else "2 Psi + 14 Psi/N"
         lines.append(
@@ -355,6 +359,9 @@ def memory_plan(
         compute_host=cbytes * shard if offload is not None and compute_dtype != torch.float32 else 0,
         grad_landing=itemsize(reduce_dtype) * shard if offload is not None else 0,
     )
+    from ..hf_stream import load_host_bytes
+
+    plan.load_host = load_host_bytes(all_layouts, cbytes)
     if batch is not None and seq is not None:
         largest_unit_grads = max((lay.trainable.numel for lay in layouts if lay.trainable is not None),
                                  default=0) * cbytes
