@@ -72,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "the optimizer step on the CPU (YaFSDP offload='optimizer'); --offload all: the frozen base's "
                    "shards (bf16 and NF4) too, copied to the device per layer ahead of its gather. Results are bit "
                    "for bit those without it")
+    g.add_argument("--materialize-base", action="store_true",
+                   help="read the whole base on every rank (from_pretrained) before wrapping, instead of building it "
+                   "on meta and streaming each rank's slices in after wrapping (the default; see docs/io-load.md)")
     g.add_argument("--merge-export", default=None, metavar="DIR",
                    help="also write the base with the adapters merged as a plain HF checkpoint")
     g = p.add_argument_group("base (without --init-from-hf)")
@@ -108,7 +111,7 @@ class FinetuneJob(J.Job):
     """The pretraining job with a PEFT LoRA model, instruction data and adapter outputs."""
 
     name = "finetune_lora"
-    built = "read on every rank, adapters added by peft.get_peft_model"
+    built = "base built on meta (--materialize-base: read on every rank), adapters added by peft.get_peft_model"
 
     @staticmethod
     def parse_args(argv=None) -> argparse.Namespace:
@@ -190,8 +193,10 @@ class FinetuneJob(J.Job):
         return response_loss(self.model, x) if self.instructions else super().loss(x)
 
     def make_model(self):
-        """The base read on every rank (LlamaForCausalLM.from_pretrained), with PEFT LoRA adapters.
-        The adapters' A is seeded (--seed; the same on every rank), B starts at zero (PEFT)."""
+        """The base with PEFT LoRA adapters. By default the base is built on the meta device and its
+        weights stream in after wrapping, each rank reading only its slices (yafsdp.peft_load);
+        --materialize-base: read whole on every rank (LlamaForCausalLM.from_pretrained). Either way the
+        adapters' A is seeded (--seed; the same on every rank) and B starts at zero, as PEFT does."""
         try:
             import peft
         except ImportError:
@@ -199,19 +204,38 @@ class FinetuneJob(J.Job):
         from transformers import LlamaForCausalLM
         from transformers.utils import logging as hf_logging
 
+        from yafsdp.init import meta_parameters
+
         a = self.args
         hf_logging.disable_progress_bar()
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        base = LlamaForCausalLM.from_pretrained(a.init_from_hf, dtype=torch.float32, attn_implementation=a.attn)
+        self.adapters = None
+        if a.materialize_base:
+            base = LlamaForCausalLM.from_pretrained(a.init_from_hf, dtype=torch.float32, attn_implementation=a.attn)
+        else:
+            from yafsdp.hf import HFCheckpointError, read_hf_config
+
+            try:
+                cfg = read_hf_config(a.init_from_hf)
+            except HFCheckpointError as e:
+                raise JobError(f"--init-from-hf: {e}") from None
+            with meta_parameters():
+                base = LlamaForCausalLM._from_config(cfg, dtype=torch.float32, attn_implementation=a.attn)
         names = sorted({n.rsplit(".", 1)[-1] for n, mod in base.named_modules() if isinstance(mod, torch.nn.Linear)})
         missing = [t for t in a.targets if t not in names]
         if missing:
             raise JobError(f"--lora-targets {a.lora_targets!r}: {', '.join(repr(t) for t in missing)} matches no "
                            f"linear module of the model; its linear modules are {', '.join(names)}")
-        torch.manual_seed(a.seed)
         cfg = peft.LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout,
                               target_modules=a.targets, task_type="CAUSAL_LM")
-        model = peft.get_peft_model(base, cfg)
+        if a.materialize_base:
+            torch.manual_seed(a.seed)
+            model = peft.get_peft_model(base, cfg)
+        else:  # See [Note: adapters over a meta base] in yafsdp/peft_load.py
+            from yafsdp.peft_load import meta_peft_model
+
+            built = meta_peft_model(base, cfg, seed=a.seed)
+            model, self.adapters = built.model, built.adapters
         self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return model
 
@@ -228,11 +252,21 @@ class FinetuneJob(J.Job):
         return out
 
     def init_weights(self):
-        J.set_rng_state(None, self.args.seed, self.rank, 0, self.device)
         a = self.args
+        if self.adapters is not None:  # the base on meta: stream it in, with the adapters PEFT initialised
+            from yafsdp.hf import HFCheckpointError
+            from yafsdp.peft_load import load_peft_base
+
+            try:
+                load_peft_base(self.model, a.init_from_hf, self.adapters)
+            except HFCheckpointError as e:
+                raise JobError(f"--init-from-hf: {e}") from None
+        self.adapters = None
+        J.set_rng_state(None, self.args.seed, self.rank, 0, self.device)
         made = self.base_made or a.init_from_hf
         frozen = "frozen, its linear weights stored in NF4 (--qlora)" if a.qlora else "frozen"
-        self.init_desc = (f"base {made} (every rank read it; {frozen}); LoRA r {a.lora_r}, alpha "
+        read = "every rank read it whole (--materialize-base)" if a.materialize_base else "each rank read its slices"
+        self.init_desc = (f"base {made} ({read}; {frozen}); LoRA r {a.lora_r}, alpha "
                           f"{a.lora_alpha:g} on {','.join(a.targets)}: {P.fmt_count(self.n_trainable)} trainable params "
                           f"(A seeded by --seed {a.seed}, B zero)"
                           + ("; their fp32 master, grads and AdamW state in host memory, stepped on the CPU "

@@ -46,6 +46,7 @@ def test_default_lowers_the_heldout_response_loss(run):
     assert after < before - 0.5, (before, after)
     assert "loss on response tokens only" in run["stdout"]
     assert "pretraining one (pretrain_llama.py" in run["stdout"]  # the base came from the pretraining job
+    assert "each rank read its slices" in run["stdout"]  # built on meta, streamed in (yafsdp.peft_load)
     ev = [json.loads(line) for line in open(os.path.join(run["out"], "events.jsonl"))]
     assert [e["loss"] for e in ev if e["event"] == "heldout_before"] == [pytest.approx(before, abs=1e-4)]
     assert len(losses(run["out"])) == 30

@@ -3,12 +3,12 @@
     cfg = read_hf_config(path)                       # every rank (a small JSON file)
     with meta_parameters(): model = LlamaForCausalLM(cfg)
     model = yafsdp.YaFSDP(model)                     # needs_load: shards allocated, zero
-    load_hf_weights(model, path)                     # collective: rank 0 reads, each rank keeps its shards
+    load_hf_weights(model, path)                     # collective: each rank reads only its slices
     ...
     export_hf(model, out_dir)                        # collective: rank 0 writes config.json + model.safetensors
 
-Only rank 0 reads or writes weight files, one whole state dict in host memory; no rank holds the
-whole model on its device (the engine moves one flat unit at a time).
+Loading streams: each rank reads the byte ranges of its own shards ([Note: streaming loads] in
+hf_stream.py). Exporting: rank 0 writes the weight file from one whole state dict in host memory.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import shutil
 
 import torch
 
-from .dist import raise_together
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -74,20 +73,22 @@ def read_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
 
 
 def load_hf_weights(model, path: str) -> None:
-    """Collective. Rank 0 reads ``path``'s weights and the engine scatters them unit by unit.
+    """Collective. Every rank reads only the byte ranges of ``path``'s safetensors weights (one
+    file, or the shards of its index) that fall into its own shards, converting the stored dtype
+    on the fly: no rank holds more than its shards plus one flat group's slice in fp32 and one
+    bounded read ([Note: streaming loads] in hf_stream.py). Every rank must see ``path``.
     Missing, unexpected or misshapen keys raise on every rank before anything is modified."""
-    sd = None
-    problem = None
-    if model.rank == 0:
-        try:
-            sd = read_hf_state_dict(path)
-        except HFCheckpointError as e:
-            problem = str(e)
-    raise_together(problem, model.process_group, HFCheckpointError)
+    from .hf_stream import SafetensorsSource, _agree, load_streaming
+
     try:
-        model.load_full_state_dict(sd if model.rank == 0 else None)
-    except ValueError as e:
-        raise HFCheckpointError(f"{path!r} does not fit the model: {e}") from None
+        source = SafetensorsSource(path)
+        problem = None
+    except HFCheckpointError as e:
+        source, problem = None, str(e)
+    problem = _agree(problem, model)
+    if problem:
+        raise HFCheckpointError(problem)
+    load_streaming(model, [source], error=HFCheckpointError, what="load_hf_weights")
 
 
 def export_hf(model, out_dir: str, *, dtype: torch.dtype = torch.float32, tokenizer=None) -> str | None:

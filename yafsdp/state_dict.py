@@ -24,7 +24,7 @@ from .runtime import Runtime
 from .unit import FlatGroup
 from .units import UnitSpec, WrapError
 
-__all__ = ["StateDictKeys", "gather_full", "load_full", "materialize", "scatter_group", "original_structure"]
+__all__ = ["StateDictKeys", "gather_full", "load_full", "materialize", "scatter_group", "write_shard", "original_structure"]
 
 
 class StateDictKeys:
@@ -92,10 +92,17 @@ def scatter_group(rt: Runtime, g: FlatGroup, full: torch.Tensor | None, group, r
     out = torch.empty(g.layout.shard_numel, dtype=torch.float32, device=rt.device)
     chunks = list(full.chunk(world)) if rank == 0 else None
     collectives.scatter(out, chunks, source_rank(group), group)
+    write_shard(rt, g, out)
+
+
+def write_shard(rt: Runtime, g: FlatGroup, values: torch.Tensor) -> None:
+    """This rank's slice of flat group ``g`` (fp32, shard_numel, padding zero) into its stored shard:
+    the fp32 master, a frozen shard (rounded), or an NF4 record (rounded, then quantized here).
+    The scatter above and the streaming loads ([Note: streaming loads] in hf_stream.py) both end here."""
     if g.kind.compact is not None:  # each rank quantizes its own slice: [Note: NF4 frozen groups]
-        nf4.quantize_into(g.shard.detach(), out.to(g.kind.gather_dtype))  # bumps the record's version
+        nf4.quantize_into(g.shard.detach(), values.to(g.kind.gather_dtype))  # bumps the record's version
     else:
-        g.shard.detach().copy_(out)  # bumps the shard's version: its compute copy is now stale
+        g.shard.detach().copy_(values)  # bumps the shard's version: its compute copy is now stale
 
 
 def _broadcast_buffer(b: torch.Tensor, group) -> None:

@@ -218,7 +218,7 @@ class Setup:
             except HFCheckpointError as e:
                 raise JobError(f"--init-from-hf: {e}") from None
             set_rng_state(None, a.seed, self.rank, 0, self.device)
-            self.init_desc = f"weights from {a.init_from_hf} (rank 0 read them; each rank kept its shards)"
+            self.init_desc = f"weights from {a.init_from_hf} (each rank read only its shards' slices)"
         else:
             from yafsdp.init import init_shards_, normal_init
 

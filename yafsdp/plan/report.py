@@ -62,6 +62,8 @@ class MemoryPlan:
     gather_dtype: str | None = None
     activations: ActivationEstimate | None = None
     notes: list[str] = field(default_factory=list)
+    # host bytes the streaming HF loader adds at its peak (yafsdp.hf_stream.load_host_bytes)
+    load_host: int = 0
 
     # Bytes by role -----------------------------------------------------------------------
     def _slot_bytes(self, role: str, kind: str | None = None) -> int:
@@ -231,6 +233,8 @@ class MemoryPlan:
             host = "per rank on the host" + (" (pinned: offload)" if self.offload else "")
             lines.append(f"  {host:<{w}}  {self.host_total:>16,}  "
                          f"{self.host_total / GiB:>9.3f}")
+        lines.append(f"  {'host at load (hf streaming)':<{w}}  {self.load_host:>16,}  "
+                     f"{self.load_host / GiB:>9.3f}")
         z = self.zero_formula()
         stage = "16 Psi/N" if self.zero_stage == 3 else "2 Psi + 14 Psi/N"
         lines.append(
@@ -374,6 +378,9 @@ def memory_plan(
         plan.checkpoint_staging = staging_bytes(
             all_layouts, rank=rank, compute_dtype=compute_dtype, optimizer_bytes=opt_bytes,
             buffer_bytes=persistent_buffer_bytes(module))
+    from ..hf_stream import load_host_bytes
+
+    plan.load_host = load_host_bytes(all_layouts, cbytes)
     if batch is not None and seq is not None:
         largest_unit_grads = max((lay.trainable.numel for lay in layouts if lay.trainable is not None),
                                  default=0) * cbytes
