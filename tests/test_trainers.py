@@ -213,3 +213,119 @@ def test_trainer_fused_bf16_and_refusals(trainer_run):
     assert "not a yafsdp.YaFSDP model" in ref["plain_model"]
     assert "wrapped twice" in ref["ddp_around"]
     assert "compile_units" in ref["compile"]
+
+
+# ------------------------------------------------------------------------------------ TRL SFTTrainer
+def _sft_cases(rank, world, tmp):
+    import peft
+    import transformers
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    import yafsdp
+    from models import tiny_llama
+    from pretrain import data as D
+    from yafsdp import nf4
+    from yafsdp.trainer import YaFSDPSFTTrainer
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    transformers.logging.set_verbosity_error()
+    if rank == 0:
+        D.ByteTokenizer().save_pretrained(f"{tmp}/tok")
+    torch.distributed.barrier()
+    tok = AutoTokenizer.from_pretrained(f"{tmp}/tok")
+    pairs = D.read_instructions(D.EMBEDDED_INSTRUCTIONS)[:24]
+    ds = Dataset.from_list([{"prompt": D.PROMPT_TEMPLATE.format(prompt=p), "completion": r} for p, r in pairs])
+
+    def lora(qlora=False):
+        base = tiny_llama(layers=2, vocab=D.ByteTokenizer.vocab_size)
+        if qlora:  # the base as the engine stores it: its NF4 round trip (fp32 compute on the CPU)
+            with torch.no_grad():
+                for mod in base.modules():
+                    if isinstance(mod, torch.nn.Linear) and mod.weight.numel() % nf4.BLOCK == 0:
+                        w = mod.weight
+                        packed, scales = nf4.quantize(w.detach().reshape(-1))
+                        w.copy_(nf4.dequantize_record(torch.cat([packed, scales.view(torch.uint8)]), w.numel(),
+                                                      w.dtype).view_as(w))
+        torch.manual_seed(5)
+        cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        return peft.get_peft_model(base, cfg)
+
+    def args(out, **kw):
+        base = dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+                    learning_rate=LR, weight_decay=0.5, max_grad_norm=CLIP, warmup_steps=1, logging_steps=1,
+                    save_strategy="no", report_to=[], seed=7, train_sampling_strategy="sequential", disable_tqdm=True,
+                    use_cpu=True, max_length=96, dataloader_num_workers=0, bf16=False)
+        base.update(kw)
+        return SFTConfig(**base)
+
+    out = {}
+    ref = lora()
+    t = SFTTrainer(model=ref, args=args(f"{tmp}/ddp"), train_dataset=ds, processing_class=tok)
+    t.train()
+    out["ddp_logs"] = _logs(t)
+    out["ddp_adapter"] = {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(ref).items()}
+
+    model = yafsdp.YaFSDP(lora())
+    t = YaFSDPSFTTrainer(model=model, args=args(f"{tmp}/ya", save_strategy="steps", save_steps=2), train_dataset=ds,
+                         processing_class=tok)
+    t.train()
+    out["ya_logs"] = _logs(t)
+    t.save_model(f"{tmp}/ya/adapter")
+
+    model_r = yafsdp.YaFSDP(lora())
+    t = YaFSDPSFTTrainer(model=model_r, args=args(f"{tmp}/ya", save_strategy="steps", save_steps=2), train_dataset=ds,
+                         processing_class=tok)
+    t.train(resume_from_checkpoint=f"{tmp}/ya/checkpoint-2")
+    out["resumed_logs"] = _logs(t)
+
+    # QLoRA: the base's linear weights in NF4, against DDP on the NF4 round trip of the base
+    ref_q = lora(qlora=True)
+    t = SFTTrainer(model=ref_q, args=args(f"{tmp}/ddp_q", max_steps=2), train_dataset=ds, processing_class=tok)
+    t.train()
+    out["ddp_q_logs"] = _logs(t)
+    model_q = yafsdp.YaFSDP(lora(), quantize_frozen="nf4")
+    t = YaFSDPSFTTrainer(model=model_q, args=args(f"{tmp}/ya_q", max_steps=2), train_dataset=ds, processing_class=tok)
+    t.train()
+    out["ya_q_logs"] = _logs(t)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    tmp = str(tmp_path_factory.mktemp("sft"))
+    return run_ranks(_sft_cases, 2, tmp)[0], tmp
+
+
+def test_sft_lora_matches_ddp_resumes_and_saves_the_adapter(sft_run):
+    import peft
+    from transformers import LlamaForCausalLM
+
+    r, tmp = sft_run
+    ddp, ya = r["ddp_logs"], r["ya_logs"]
+    assert [s for s, *_ in ya] == [1, 2, 3, 4]
+    for col in (1, 2, 3):
+        assert _close([x[col] for x in ya], [x[col] for x in ddp]), (col, ya, ddp)
+    assert all(x[2] > CLIP for x in ddp)
+    assert r["resumed_logs"] == ya
+    adapter = os.path.join(tmp, "ya", "adapter")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))
+    from models import tiny_llama
+
+    loaded = peft.PeftModel.from_pretrained(tiny_llama(layers=2, vocab=259), adapter)
+    got = peft.get_peft_model_state_dict(loaded)
+    assert sorted(got) == sorted(r["ddp_adapter"])
+    for k, v in r["ddp_adapter"].items():
+        assert torch.allclose(got[k], v, rtol=1e-4, atol=1e-6), k
+
+
+def test_sft_qlora_matches_ddp_on_the_nf4_base(sft_run):
+    r, _ = sft_run
+    ddp, ya = r["ddp_q_logs"], r["ya_q_logs"]
+    assert len(ya) == 2
+    for col in (1, 2):
+        assert _close([x[col] for x in ya], [x[col] for x in ddp]), (col, ya, ddp)
+

@@ -136,6 +136,9 @@ class YaFSDPTrainerMixin:
                 "GradScaler fp16 gradients underflow. Pass fp16=True (a torch GradScaler) or use bfloat16")
         # See [Note: a sharding engine inside Trainer]: accelerate's prepare() returns it unchanged.
         model._is_accelerate_prepared = True
+        if "forward" in model.__dict__:  # TRL patched the wrapper: see [Note: TRL's fused LM head]
+            del model.__dict__["forward"]
+            install_fused_head(unwrap_peft_model_of(model))
         # Trainer's introspection, as it would answer for the unwrapped model.
         from transformers.trainer_utils import unwrap_peft_model
         from transformers.utils import can_return_loss, find_labels
@@ -258,6 +261,64 @@ def export(model: YaFSDP, output_dir: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def unwrap_peft_model_of(model: YaFSDP):
+    """The causal LM inside the wrapper (under the PEFT model, if any)."""
+    from transformers.trainer_utils import unwrap_peft_model
+
+    return unwrap_peft_model(model.module)
+
+
+# [Note: TRL's fused LM head]
+# TRL's SFTTrainer replaces the model's forward by one that, called with ``fused_lm_head=True``,
+# runs the backbone and then multiplies the hidden states by ``lm_head.weight`` itself, in chunks,
+# without calling the head module. Under yafsdp that read happens outside the head's unit forward,
+# where the weight is not gathered (refused, naming it). TRL patches the object it is given, here the
+# wrapper; the trainer removes that patch and gives the causal LM inside the same interface with
+# the head *called*: the unit is gathered, its gradient reduced as any other. It computes the full
+# logits of the batch (what Trainer's own loss does), then the per-token fields SFTTrainer reads:
+# log_probs, entropy, is_top1 and label_mask (zero where the label is -100), with TRL's
+# temperature 1, logit scale and softcapping.
+def install_fused_head(lm) -> None:
+    """Give causal LM ``lm`` TRL's ``fused_lm_head=True`` interface, the head called as a module."""
+    import types
+
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    original = lm.forward
+    cfg = lm.config.get_text_config()
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    scale = next((v for v in (getattr(cfg, k, None) for k in ("logit_scale", "output_multiplier",
+                                                              "lm_head_multiplier")) if v is not None), None)
+    if scale is None and getattr(cfg, "logits_scaling", None) is not None:
+        scale = cfg.logits_scaling if cfg.model_type == "hyperclovax" else 1 / cfg.logits_scaling
+    scale = 1.0 if scale is None else scale
+
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+        if not fused_lm_head:
+            extra = dict(labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+            return original(*args, **kwargs, **{k: v for k, v in extra.items() if v is not None})
+        kwargs["use_cache"] = False
+        hidden = self.base_model(*args, **kwargs).last_hidden_state
+        if shift_labels is None:
+            hidden, labels = hidden[:, :-1], labels[:, 1:]
+        else:
+            labels = shift_labels
+        logits = self.get_output_embeddings()(hidden).float() * scale
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        mask = labels != -100
+        logp = torch.log_softmax(logits, dim=-1)
+        target = labels.clamp(min=0).unsqueeze(-1)
+        log_probs = logp.gather(-1, target).squeeze(-1).masked_fill(~mask, 0)
+        entropy = -(logp.exp() * logp).sum(-1).masked_fill(~mask, 0)
+        is_top1 = (logits.argmax(-1) == labels) & mask
+        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy,
+                                   is_top1=is_top1, label_mask=mask)
+
+    lm.forward = types.MethodType(forward, lm)
+
+
 def check_model(model) -> None:
     """Refuse a model these trainers cannot train: not a ``yafsdp.YaFSDP``, or wrapped again."""
     if isinstance(model, YaFSDP):
@@ -296,3 +357,4 @@ def __getattr__(name):  # the classes are built on first use: transformers / trl
 
         return with_yafsdp(SFTTrainer)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
