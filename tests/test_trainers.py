@@ -329,3 +329,30 @@ def test_sft_qlora_matches_ddp_on_the_nf4_base(sft_run):
     for col in (1, 2):
         assert _close([x[col] for x in ya], [x[col] for x in ddp]), (col, ya, ddp)
 
+
+
+def test_example_trainer_sft(tmp_path):
+    """examples/trainer_sft.py under torchrun (world 2): the held-out loss falls and the adapter loads in PEFT."""
+    import re
+    import subprocess
+    import sys
+
+    import peft
+
+    from dist_utils import free_port
+    from job_utils import ROOT, env
+
+    pytest.importorskip("trl")
+    out = str(tmp_path / "sft")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           os.path.join(ROOT, "examples", "trainer_sft.py"), "--out", out, "--max-steps", "6", "--save-steps", "3"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    m = re.search(r"held-out loss ([\d.]+) \(before\) -> ([\d.]+) \(step 6\)", p.stdout)
+    assert m and float(m.group(2)) < float(m.group(1)), p.stdout[-3000:]
+    assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")) == ["checkpoint-3", "checkpoint-6"]
+    from yafsdp.presets import build_llama
+
+    loaded = peft.PeftModel.from_pretrained(build_llama("tiny", vocab_size=259), os.path.join(out, "adapter"))
+    b = [v for k, v in loaded.named_parameters() if "lora_B" in k]
+    assert len(b) == 14 and all(v.abs().max() > 0 for v in b)  # trained adapters on 7 linear kinds x 2 layers
