@@ -131,6 +131,13 @@ def _trainer_cases(rank, world, tmp):
     t.train()
     out["fused_logs"] = _logs(t)
 
+    # 5b. gradient_checkpointing=True (Trainer enables it on the wrapped module): the same 2 steps
+    model_c = yafsdp.YaFSDP(tiny_llama(layers=2))
+    t = YaFSDPTrainer(model=model_c, args=_args(f"{tmp}/ckpt", max_steps=2, gradient_checkpointing=True),
+                      train_dataset=train)
+    t.train()
+    out["gc_logs"] = _logs(t)
+
     # 6. bf16: param_dtype bf16 and bf16=True train; mismatches are refused by name
     model_b = yafsdp.YaFSDP(tiny_llama(layers=2), param_dtype=torch.bfloat16)
     t = YaFSDPTrainer(model=model_b, args=_args(f"{tmp}/bf16", bf16=True, max_steps=2), train_dataset=train)
@@ -144,6 +151,10 @@ def _trainer_cases(rank, world, tmp):
         "ddp_around": lambda: YaFSDPTrainer(
             model=torch.nn.parallel.DistributedDataParallel(yafsdp.YaFSDP(tiny_llama(layers=1))),
             args=_args(f"{tmp}/x"), train_dataset=train),
+        "fp16_cpu": lambda: YaFSDPTrainer(model=yafsdp.YaFSDP(tiny_llama(layers=1), param_dtype=torch.float16),
+                                          args=_args(f"{tmp}/x", fp16=True), train_dataset=train),
+        "fp16_no_scaler": lambda: YaFSDPTrainer(model=yafsdp.YaFSDP(tiny_llama(layers=1), param_dtype=torch.float16),
+                                                args=_args(f"{tmp}/x"), train_dataset=train),
         "compile": lambda: YaFSDPTrainer(model=yafsdp.YaFSDP(tiny_llama(layers=1)),
                                          args=_args(f"{tmp}/x", torch_compile=True), train_dataset=train),
     }.items():
@@ -152,6 +163,26 @@ def _trainer_cases(rank, world, tmp):
             refusals[name] = None
         except (TrainerSetupError, ValueError, RuntimeError) as e:
             refusals[name] = f"{type(e).__name__}: {e}"
+    # a flat shard mixing decayed and non-decayed parameters: refused with weight decay, fine without
+    from yafsdp.trainer import decay_parameter_names
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+            self.gamma = torch.nn.Parameter(torch.ones(8))  # 1-D, not a norm or bias: Trainer decays it
+
+        def forward(self, x):
+            return self.fc(x) * self.gamma
+
+    mixed = yafsdp.YaFSDP(Scaled())
+    names = Trainer.get_decay_parameter_names(None, mixed.module)
+    try:
+        decay_parameter_names(mixed, names, WD)
+        refusals["mixed"] = None
+    except TrainerSetupError as e:
+        refusals["mixed"] = str(e)
+    refusals["mixed_wd0"] = decay_parameter_names(mixed, names, 0.0)
     out["refusals"] = refusals
     return out
 
@@ -202,10 +233,12 @@ def test_trainer_checkpoints_resume_and_save_model(trainer_run):
     assert os.path.isfile(os.path.join(tmp, "ya", "final", "training_args.bin"))
 
 
-def test_trainer_fused_bf16_and_refusals(trainer_run):
+def test_trainer_fused_checkpointing_bf16_and_refusals(trainer_run):
     r, _ = trainer_run
     for col in (1, 2):
         assert _close([x[col] for x in r["fused_logs"]], [x[col] for x in r["ddp_logs"][:2]]), r["fused_logs"]
+    for col in (1, 2):
+        assert _close([x[col] for x in r["gc_logs"]], [x[col] for x in r["ddp_logs"][:2]]), r["gc_logs"]
     bf = [x[1] for x in r["bf16_logs"]]
     assert len(bf) == 2 and _close(bf, [x[1] for x in r["ddp_logs"][:2]], rel=3e-2), bf
     ref = r["refusals"]
@@ -213,6 +246,10 @@ def test_trainer_fused_bf16_and_refusals(trainer_run):
     assert "not a yafsdp.YaFSDP model" in ref["plain_model"]
     assert "wrapped twice" in ref["ddp_around"]
     assert "compile_units" in ref["compile"]
+    assert "accelerate made no GradScaler" in ref["fp16_cpu"], ref["fp16_cpu"]
+    assert "fp16=False" in ref["fp16_no_scaler"], ref["fp16_no_scaler"]
+    assert "flat shard 'flat.small_group'" in ref["mixed"] and "gamma" in ref["mixed"], ref["mixed"]
+    assert ref["mixed_wd0"] == ["flat.small_group"] or "flat.small_group" in ref["mixed_wd0"]
 
 
 # ------------------------------------------------------------------------------------ TRL SFTTrainer

@@ -63,10 +63,10 @@ class TrainerSetupError(ValueError):
 # mixes the classes (a 1-D parameter Trainer decays, say a learned scale named ``gamma``, sits in
 # the small group with the norms), no grouping of shards can express it: refused, naming the
 # parameters, rather than decaying the norms or not decaying the scale.
-def decay_parameter_names(model: YaFSDP, inner_decay_names) -> list[str]:
+def decay_parameter_names(model: YaFSDP, inner_decay_names, weight_decay: float) -> list[str]:
     """The wrapper's flat shard names (``flat.<unit>``) whose original parameters are all in
     ``inner_decay_names`` (Trainer's rule applied to ``model.module``). Raises TrainerSetupError for a
-    shard that mixes decayed and non-decayed parameters."""
+    shard that mixes decayed and non-decayed parameters when ``weight_decay`` is not 0."""
     decay = set(inner_decay_names)
     out = []
     for info in model.shard_info():
@@ -74,7 +74,7 @@ def decay_parameter_names(model: YaFSDP, inner_decay_names) -> list[str]:
             continue
         yes = [n for n in info.param_names if n in decay]
         no = [n for n in info.param_names if n not in decay]
-        if yes and no:
+        if yes and no and weight_decay != 0:
             raise TrainerSetupError(
                 f"yafsdp.trainer: flat shard {info.name!r} (unit {info.unit!r}) holds parameters Trainer decays "
                 f"({yes[:3]}) and parameters it does not ({no[:3]}); one shard is one optimizer entry, so one "
@@ -130,6 +130,11 @@ class YaFSDPTrainerMixin:
                 f"yafsdp.trainer: TrainingArguments {flag}=True but the model was wrapped with "
                 f"param_dtype={model.param_dtype}; under yafsdp the compute dtype is param_dtype (no autocast): wrap with "
                 f"yafsdp.YaFSDP(model, param_dtype=torch.{str(want).split('.')[-1]})")
+        if args.fp16 and getattr(self.accelerator, "scaler", None) is None:
+            raise TrainerSetupError(
+                f"yafsdp.trainer: fp16=True but accelerate made no GradScaler (it makes none on {args.device.type}); "
+                "fp16 gradients without loss scaling underflow. Use bf16 (param_dtype=torch.bfloat16, bf16=True) or "
+                "fp32 here")
         if model.param_dtype == torch.float16 and not args.fp16:
             raise TrainerSetupError(
                 "yafsdp.trainer: the model computes in float16 (param_dtype) but fp16=False: without Trainer's "
@@ -169,7 +174,8 @@ class YaFSDPTrainerMixin:
     # ------------------------------------------------------------------------------ optimizer
     def get_decay_parameter_names(self, model) -> list[str]:
         if isinstance(model, YaFSDP):  # See [Note: weight decay of flat shards]
-            return decay_parameter_names(model, super().get_decay_parameter_names(model.module))
+            return decay_parameter_names(model, super().get_decay_parameter_names(model.module),
+                                         self.args.weight_decay)
         return super().get_decay_parameter_names(model)
 
     def _yafsdp_optimizer(self):
@@ -235,7 +241,7 @@ class YaFSDPTrainerMixin:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         if dist.is_initialized():
-            dist.barrier(group=self.model.process_group)
+            dist.barrier()
 
 
 def export(model: YaFSDP, output_dir: str) -> None:
