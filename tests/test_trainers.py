@@ -317,6 +317,14 @@ def _sft_cases(rank, world, tmp):
     t.train(resume_from_checkpoint=f"{tmp}/ya/checkpoint-2")
     out["resumed_logs"] = _logs(t)
 
+    # reentrant activation checkpointing (SFTConfig turns checkpointing on by default; non-reentrant above)
+    model_g = yafsdp.YaFSDP(lora())
+    t = YaFSDPSFTTrainer(model=model_g, args=args(f"{tmp}/ya_re", max_steps=2,
+                                                  activation_checkpointing_kwargs={"use_reentrant": True}),
+                         train_dataset=ds, processing_class=tok)
+    t.train()
+    out["reentrant_logs"] = _logs(t)
+
     # QLoRA: the base's linear weights in NF4, against DDP on the NF4 round trip of the base
     ref_q = lora(qlora=True)
     t = SFTTrainer(model=ref_q, args=args(f"{tmp}/ddp_q", max_steps=2), train_dataset=ds, processing_class=tok)
@@ -348,6 +356,8 @@ def test_sft_lora_matches_ddp_resumes_and_saves_the_adapter(sft_run):
         assert _close([x[col] for x in ya], [x[col] for x in ddp]), (col, ya, ddp)
     assert all(x[2] > CLIP for x in ddp)
     assert r["resumed_logs"] == ya
+    for col in (1, 2):  # reentrant checkpointing: the LoRA gradients flow (the inputs are made to require grad)
+        assert _close([x[col] for x in r["reentrant_logs"]], [x[col] for x in ddp[:2]]), r["reentrant_logs"]
     adapter = os.path.join(tmp, "ya", "adapter")
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))
     from models import tiny_llama
