@@ -159,6 +159,11 @@ class YaFSDPTrainerMixin:
 
             params = inspect.signature(inner.forward).parameters.values()
             self.model_accepts_loss_kwargs = any(p.kind == p.VAR_KEYWORD for p in params)
+        if hasattr(self, "_loss_shifts_labels"):  # transformers >= 5.x: how num_items_in_batch counts labels
+            from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+            self._loss_shifts_labels = LOSS_MAPPING.get(getattr(inner, "loss_type", None)) is ForCausalLMLoss and not \
+                getattr(getattr(inner, "config", None), "is_encoder_decoder", False)
 
     def _set_signature_columns_if_needed(self) -> None:
         # The columns the model's forward takes (remove_unused_columns): the wrapper's forward is
