@@ -26,6 +26,7 @@ from pretrain import rundir as R
 from pretrain import saving as S
 from pretrain.rundir import describe_run, plan_output  # noqa: F401 - their home was here
 from pretrain.ops import Diverged, JobError, OutLock, StopSignal, agree, init_distributed
+from pretrain.ckpt_auto import job_checkpointing
 from pretrain.presets import DEFAULT_PRESET, model_config_dict, presets
 from yafsdp import checkpoint as C
 
@@ -107,6 +108,12 @@ def build_parser(prog: str = "pretrain_llama.py",
                    "and reduce-scatters stay inside a replica, gradients are all-reduced across replicas once per "
                    "step (1: shard over every rank)")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
+    g.add_argument("--checkpointing", default=None, choices=["none", "all", "auto"],
+                   help="activation checkpointing: all = --activation-checkpointing; auto: the fewest layers whose "
+                   "predicted peak fits --memory-budget (docs/checkpointing.md) [auto with a budget, else none]")
+    g.add_argument("--memory-budget", default=None, metavar="BYTES",
+                   help="bytes per device for --checkpointing auto, e.g. 60GiB (GPU default: free after the "
+                   "engine's allocations minus a margin; required on CPU)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each unit's modules on their own (YaFSDP.compile_units); the first steps "
                    "include the compilation")
@@ -393,6 +400,7 @@ class Job:
             options["gather_dtype"] = a.gather_dtype
         self.model = yafsdp.YaFSDP(model, param_dtype=self.param_dtype, zero_stage=a.zero_stage, device=self.device,
                                    **options, **hsdp_mesh(a.hsdp, self.world, self.device))
+        self.ckpt_choice = job_checkpointing(self)  # --checkpointing / --memory-budget (docs/checkpointing.md)
         if a.compile:
             self.model.compile_units()
         self.opt, self.opt_name = make_optimizer(self.model, a, self.device)
@@ -498,6 +506,8 @@ class Job:
         self.say(f"yafsdp {yafsdp.__version__} | {self.name} | {self.world} rank(s) on {self.env.nodes} node(s) | "
                  f"{self.device.type} ({self.env.backend}) | {dtype} compute, fp32 master | ZeRO-{a.zero_stage}{ac}")
         self.say(f"flags    {non_default_flags(a, self.parse_args)}")
+        if self.ckpt_choice is not None:
+            self.say(self.ckpt_choice.format())
         preset = f"--init-from-hf {a.init_from_hf}" if a.init_from_hf else f"preset {a.preset}"
         c = self.shape
         self.say(f"model    {preset}: LlamaForCausalLM {P.fmt_count(self.n_params)} params ({c['num_hidden_layers']} "
