@@ -497,7 +497,7 @@ class Job:
         self.tokens_per_step = gb * a.seq_len
         dtype = "bf16" if self.param_dtype == torch.bfloat16 else "fp32"
         units = len(m.flat_units)
-        ac = " | activation checkpointing" if a.activation_checkpointing else ""
+        ac = " | activation checkpointing" if a.activation_checkpointing or a.checkpointing == "all" else ""
         if a.gather_dtype == "fp8":
             n8 = sum(1 for u in m.flat_units for g in u.groups if g.kind.gather_format == "fp8")
             ac += f" | fp8 weight gathers ({n8} units)"
