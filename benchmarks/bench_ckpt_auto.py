@@ -39,7 +39,8 @@ MiB = 2**20
 
 
 def parse():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--preset", default="cpu-6x256")
     ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
@@ -187,7 +188,8 @@ def main():
         with open(a.md, "w") as f:
             f.write(text)
     if a.png:
-        plot(a.png, budgets, choices, predicted, measured, med, low, n, f"{a.preset} b={a.batch} s={a.seq} ({a.device})")
+        plot(a.png, budgets, choices, predicted, measured, med, low, n,
+             f"{a.preset} b={a.batch} s={a.seq} ({a.device})")
     dist.destroy_process_group()
 
 

@@ -185,7 +185,7 @@ def test_checkpointing_chosen_blocks_trains_like_none():
 
 def test_job_checkpointing_options():
     """--checkpointing / --memory-budget resolve as documented (the job's application: _job_cases)."""
-    from pretrain.ckpt_auto import checkpointing_mode, job_checkpointing
+    from pretrain.ckpt_auto import checkpointing_mode
     from pretrain.ops import JobError
 
     def args(**kw):

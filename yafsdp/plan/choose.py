@@ -188,7 +188,8 @@ def apply_checkpointing(model: nn.Module, blocks) -> list[str]:
     for b in blocks:
         if isinstance(b, int):
             if not 0 <= b < len(found):
-                raise ValueError(f"apply_checkpointing: block index {b} out of range; the model has {len(found)} blocks")
+                raise ValueError(f"apply_checkpointing: block index {b} out of range; the model has "
+                                 f"{len(found)} blocks")
             want.add(b)
         elif b in by_name:
             want.add(by_name[b])
