@@ -2,8 +2,9 @@
 # Everything a lent GPU is for, in one call of under 10 minutes: build the CUDA extension, run the
 # GPU tests (the stream protocol with widened windows, no host sync, parity), the kernel benchmark,
 # the world-1 step benchmark against FSDP2/FSDP1/DDP on a ~1B Llama, the fake-process-group memory
-# run of large worlds, and the overlap trace. Every table lands in benchmarks/results/ as
-# <what>_<gpu>_<date>.md (and, where $OUT is set, a copy under it), with the commands and versions.
+# run of large worlds, the overlap trace, and activation checkpointing chosen by the plan. Every
+# table lands in benchmarks/results/ as <what>_<gpu>_<date>.md (and, where $OUT is set, a copy
+# under it), with the commands and versions.
 #
 #   bash benchmarks/gpu_suite.sh             # on the GPU machine (torch with CUDA; no package registry needed)
 #   bash benchmarks/gpu_suite.sh --dry-run   # print every step and run none (CI runs this so it does not rot)
@@ -61,6 +62,11 @@ step fake-world-memory 120 $PY benchmarks/bench_step.py --fake-world 8,64,256 --
   --batch 1 --seq 4096 --md "$RES/bench_step_fakeworld_${GPU}_${DATE}.md"
 step overlap 120 $PY -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_overlap.py --device cuda \
   --preset llama3-1b --batch 2 --seq 2048 --png "$RES/overlap_${GPU}_${DATE}.png" --md "$RES/overlap_${GPU}_${DATE}.md"
+# Activation checkpointing chosen by the plan: predicted vs measured peak, and step time of the auto
+# choice against every block and no block checkpointed, at budgets between the two (world 1, bf16).
+step ckpt-auto 300 $PY benchmarks/bench_ckpt_auto.py --device cuda --preset llama3-1b --vocab 0 --batch 2 \
+  --seq 2048 --bf16 --points 5 --steps 3 --rounds 2 --md "$RES/ckpt_auto_${GPU}_${DATE}.md" \
+  --png "$RES/ckpt_auto_${GPU}_${DATE}.png"
 
 if [ "$DRY" = 0 ] && [ -n "${OUT:-}" ]; then
   cp "$LOG" "$RES"/*_"${GPU}"_"${DATE}".* "$OUT"/ 2>/dev/null || true

@@ -371,8 +371,10 @@ QLORA_OPTS = dict(param_dtype="bf16", quantize_frozen="nf4", offload="optimizer"
 def test_llama2_70b_qlora_offload_plan_on_2_gpus():
     """Issue 13's anchor: Llama-2-70B QLoRA (NF4 base, LoRA r=64 on all linear layers), seq 2048,
     activation checkpointing, 2 GPUs. offload="all" (adapters' fp32 state and the NF4/bf16 frozen
-    shards on the host) plans 9.48 GiB per GPU: under the 24 GiB goal. offload="optimizer" alone
-    plans 26.23 GiB, over it: the NF4 base is 17.0 GiB per GPU at N=2 and stays on the device."""
+    shards on the host) plans 8.84 GiB per GPU: under the 24 GiB goal. offload="optimizer" alone
+    plans 25.59 GiB, over it: the NF4 base is 17.0 GiB per GPU at N=2 and stays on the device.
+    (9.48 and 26.23 GiB before the activation peak of a checkpointed set was modelled per block:
+    [Note: the peak of a checkpointed set]; the recompute no longer overlaps the head's transient.)"""
     from yafsdp.plan.sizing import GiB
 
     model = _qlora_model("llama2-70b")
@@ -383,10 +385,10 @@ def test_llama2_70b_qlora_offload_plan_on_2_gpus():
     assert p.host_total == p.master + p.grad + p.optimizer_state + p.compute_host + p.grad_landing
     assert p.device_total == p.total - p.host_total
     assert 16.9 < p.nf4 / GiB < 17.1  # the 4-bit base: (0.5 + 2/64) bytes x 68.7 G linear weights / 2
-    assert 26.0 < p.device_total / GiB < 26.5, p.device_total / GiB  # 26.23 GiB: over the 24 GiB goal
+    assert 25.4 < p.device_total / GiB < 25.8, p.device_total / GiB  # 25.59 GiB: over the 24 GiB goal
     every = memory_plan(model, offload="all", **kw)
     assert every.placement()["nf4"] == every.placement()["frozen"] == "host"
-    assert every.device_total <= 24 * GiB and 9.3 < every.device_total / GiB < 9.7, every.device_total / GiB
+    assert every.device_total <= 24 * GiB and 8.6 < every.device_total / GiB < 9.1, every.device_total / GiB
     # the frozen shards leave the device; each weight buffer gains a landing for one unit's shards
     landing = sum(v for k, v in every.engine_bytes().items() if k.endswith("_landing") and k.startswith("weight"))
     assert 0 < landing < 0.6 * GiB

@@ -74,7 +74,7 @@ def header(job):
     job.tokens_per_step = gb * a.seq_len
     dtype = "bf16" if job.param_dtype == torch.bfloat16 else "fp32"
     units = len(m.flat_units)
-    ac = " | activation checkpointing" if a.activation_checkpointing else ""
+    ac = " | activation checkpointing" if a.activation_checkpointing or a.checkpointing == "all" else ""
     if a.gather_dtype == "fp8":
         n8 = sum(1 for u in m.flat_units for g in u.groups if g.kind.gather_format == "fp8")
         ac += f" | fp8 weight gathers ({n8} units)"
@@ -83,6 +83,8 @@ def header(job):
     job.say(f"yafsdp {yafsdp.__version__} | {job.name} | {job.world} rank(s) on {job.env.nodes} node(s) | "
              f"{job.device.type} ({job.env.backend}) | {dtype} compute, fp32 master | ZeRO-{a.zero_stage}{ac}")
     job.say(f"flags    {non_default_flags(a, job.parse_args)}")
+    if getattr(job, "ckpt_choice", None) is not None:
+        job.say(job.ckpt_choice.format())
     preset = f"--init-from-hf {a.init_from_hf}" if a.init_from_hf else f"preset {a.preset}"
     c = job.shape
     job.say(f"model    {preset}: LlamaForCausalLM {P.fmt_count(job.n_params)} params ({c['num_hidden_layers']} "

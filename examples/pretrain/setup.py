@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import yafsdp
 from pretrain import data as D
 from pretrain import rundir as R
+from pretrain.ckpt_auto import job_checkpointing
 from pretrain.ops import JobError, agree, hsdp_mesh
 from pretrain.presets import model_config_dict
 from pretrain.saving import set_rng_state
@@ -181,6 +182,7 @@ class Setup:
             options["gather_dtype"] = a.gather_dtype
         self.model = yafsdp.YaFSDP(model, param_dtype=self.param_dtype, zero_stage=a.zero_stage, device=self.device,
                                    **options, **hsdp_mesh(a.hsdp, self.world, self.device))
+        self.ckpt_choice = job_checkpointing(self)  # --checkpointing / --memory-budget (docs/checkpointing.md)
         if a.compile:
             self.model.compile_units()
         self.opt, self.opt_name = make_optimizer(self.model, a, self.device)

@@ -31,7 +31,8 @@ exact for the model's own code, with one substitution: on the meta device SDPA w
 by a stand-in that saves what a fused kernel saves (q, k, v, output, fp32 logsumexp).
 ``attention="math"`` keeps the quadratic path. With activation checkpointing (HF's per-layer
 checkpoint), a block keeps only its inputs, and one block's activations live again during its
-recompute. The backward adds a transient the trace cannot see. Its peak is the larger of: two
+recompute (a chosen subset: [Note: the peak of a checkpointed set] in activations.py; the choice
+of the subset for a memory budget: [Note: choosing the checkpointed blocks] in choose.py). The backward adds a transient the trace cannot see. Its peak is the larger of: two
 tensors the size of the largest saved one, live while that one is still held (for a causal LM the
 fp32 log-softmax of the logits: its incoming gradient and the logits' gradient), and the largest
 unit's weight gradients as autograd produces them before the engine copies them into the grad
@@ -39,10 +40,16 @@ buffer (by then the log-softmax output has been freed, which makes room for the 
 gradient). On CPU (fake process group, tests/test_plan.py) plan and measured peak agree within a
 few percent.
 """
-from .activations import activation_estimate
+from .activations import ActivationTrace, activation_estimate, activation_trace
+from .choose import (
+    CheckpointChoice, apply_checkpointing, checkpointed_blocks, choose_checkpointing, configure_checkpointing,
+    parse_bytes,
+)
 from .cli import main
 from .report import ActivationEstimate, MemoryPlan, UnitRow, memory_plan
 from .sizing import OPTIMIZER_BYTES, BufferPlan, BufferSpec, plan_buffers, repeated_blocks, unit_align
 
-__all__ = ["ActivationEstimate", "BufferPlan", "BufferSpec", "MemoryPlan", "OPTIMIZER_BYTES", "UnitRow",
-           "activation_estimate", "main", "memory_plan", "plan_buffers", "repeated_blocks", "unit_align"]
+__all__ = ["ActivationEstimate", "ActivationTrace", "BufferPlan", "BufferSpec", "CheckpointChoice", "MemoryPlan",
+           "OPTIMIZER_BYTES", "UnitRow", "activation_estimate", "activation_trace", "apply_checkpointing",
+           "checkpointed_blocks", "choose_checkpointing", "configure_checkpointing", "main", "memory_plan",
+           "parse_bytes", "plan_buffers", "repeated_blocks", "unit_align"]

@@ -2,7 +2,7 @@
 in ``yafsdp/plan/__init__.py``."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ class ActivationEstimate:
     transient: int  # bytes the backward adds on top (see [Note: activation estimate])
     per_block: int  # saved bytes of the largest block (without checkpointing)
     largest_saved: int  # the largest single saved tensor
+    checkpointed: tuple[int, ...] = ()  # indices of the checkpointed blocks
+    blocks: int = 0  # blocks in the model
+    unit_grad_bytes: int = 0  # the largest unit's weight gradients (a backward transient)
 
     @property
     def total(self) -> int:
@@ -72,17 +75,70 @@ def _hf_inputs(batch: int, seq: int, device) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def activation_estimate(
+@dataclass
+class ActivationTrace:
+    """What one traced forward saves for backward, by where it is saved: before the first block
+    (``before``), in each block (``per_block[i]``, without checkpointing), after the last block
+    (``after``: the head, the loss), and each block's input (``inputs[i]``: what a checkpointed
+    block keeps instead). See [Note: activation estimate] and [Note: the peak of a checkpointed set]."""
+
+    batch: int
+    seq: int
+    attention: str
+    dtype: str
+    before: int
+    after: int
+    per_block: list[int]
+    inputs: list[int]
+    largest_saved: int  # the largest single saved tensor
+    blocks: list[str]  # the blocks' module paths, in forward order
+    block_largest: list[int] = field(default_factory=list)  # the largest tensor each block saves
+
+    def block_saved(self, checkpointed) -> list[int]:
+        """Bytes each block holds from its forward to its backward, ``checkpointed`` a set of block indices."""
+        return [self.inputs[i] if i in checkpointed else self.per_block[i] for i in range(len(self.per_block))]
+
+    def saved(self, checkpointed=frozenset()) -> int:
+        """Bytes saved for backward at the end of forward."""
+        return self.before + sum(self.block_saved(checkpointed)) + self.after
+
+    def peak(self, checkpointed=frozenset(), unit_grad_bytes: int = 0) -> int:
+        """The predicted activation peak of a step; see [Note: the peak of a checkpointed set]."""
+        held = self.block_saved(checkpointed)
+        peak = self.saved(checkpointed) + max(2 * self.largest_saved, unit_grad_bytes)
+        below = self.before
+        for i, h in enumerate(held):
+            if i in checkpointed:  # block i's recompute: blocks < i still held, the rest freed
+                peak = max(peak, below + self.per_block[i] + self._block_transient(i, unit_grad_bytes))
+            below += h
+        return peak
+
+    def _block_transient(self, i: int, unit_grad_bytes: int) -> int:
+        return unit_grad_bytes + 2 * self.inputs[i] + self.block_largest[i]
+
+
+# [Note: the peak of a checkpointed set]
+# A checkpointed block keeps its input from its forward to its backward and saves everything else
+# again during its recompute, which runs right before its backward: by then every later block's
+# saved activations and the head's have been freed, and the earlier blocks' are still held. So the
+# step's activation peak is the larger of
+#   - the start of backward: everything saved at the end of forward (checkpointed blocks' inputs,
+#     the other blocks' full sets, the head's) + the backward transient of the head;
+#   - for each checkpointed block i: what blocks 0..i-1 hold + block i's full set + the gradients
+#     in flight there (the unit's weight gradients, the incoming and outgoing hidden-state grads,
+#     and the gradient of the block's largest saved tensor).
+# With equal blocks, which ones are checkpointed does not change the end-of-forward sum but does
+# change the second term: the earlier the block, the less is held below it. Checkpointing the
+# first k blocks is therefore the best set of size k (yafsdp/plan/choose.py picks k).
+def activation_trace(
     module: nn.Module,
     *,
     batch: int,
     seq: int,
-    checkpointing: bool = False,
     dtype: torch.dtype = torch.float32,
     attention: str = "fused",
     inputs_fn=None,
-    unit_grad_bytes: int = 0,
-) -> ActivationEstimate | None:
+) -> ActivationTrace | None:
     """Trace one forward of a meta copy of ``module``; see [Note: activation estimate]."""
     if attention not in ("fused", "math"):
         raise ValueError(f"attention={attention!r}: use 'fused' or 'math'")
@@ -95,12 +151,13 @@ def activation_estimate(
         inputs_fn = _hf_inputs
     model.train()
     blocks = find_blocks(model)
+    names = {id(m): n for n, m in model.named_modules()}
     block_ids = {id(b): i for i, b in enumerate(blocks)}
     skip = {p.untyped_storage()._cdata for p in model.parameters()}
     skip |= {b.untyped_storage()._cdata for b in model.buffers()}
-    saved: dict[int, tuple[int, str]] = {}  # storage -> (bytes, "block i" | "outside")
-    where = ["outside"]
-    block_inputs: list[int] = []
+    saved: dict[int, tuple[int, object]] = {}  # storage -> (bytes, "before" | block index | "after")
+    where: list[object] = ["before"]
+    block_inputs = [0] * len(blocks)
 
     def pack(t: torch.Tensor):
         key = t.untyped_storage()._cdata
@@ -109,12 +166,13 @@ def activation_estimate(
         return t
 
     def pre(mod, args, kwargs):
-        where[0] = f"block {block_ids[id(mod)]}"
+        i = block_ids[id(mod)]
+        where[0] = i
         h = args[0] if args else kwargs.get("hidden_states")
-        block_inputs.append(h.untyped_storage().nbytes() if isinstance(h, torch.Tensor) else 0)
+        block_inputs[i] = h.untyped_storage().nbytes() if isinstance(h, torch.Tensor) else 0
 
     def post(mod, args, kwargs, out):
-        where[0] = "outside"
+        where[0] = "after"
 
     handles = [b.register_forward_pre_hook(pre, with_kwargs=True) for b in blocks]
     handles += [b.register_forward_hook(post, with_kwargs=True) for b in blocks]
@@ -129,18 +187,64 @@ def activation_estimate(
     finally:
         for h in handles:
             h.remove()
-    per_block: dict[str, int] = {}
+    per_block = [0] * len(blocks)
+    block_largest = [0] * len(blocks)
+    before = after = 0
     for nbytes, w in saved.values():
-        per_block[w] = per_block.get(w, 0) + nbytes
-    outside = per_block.pop("outside", 0)
-    largest_block = max(per_block.values(), default=0)
-    if checkpointing and blocks:
-        # HF per-layer checkpoint: each block keeps its input; one block is recomputed at a time.
-        total = outside + sum(block_inputs) + largest_block
-    else:
-        total = outside + sum(per_block.values())
-    largest = max((b for b, _ in saved.values()), default=0)
-    return ActivationEstimate(
-        batch=batch, seq=seq, checkpointing=checkpointing, attention=attention, dtype=dtype_name(dtype),
-        saved=total, transient=max(2 * largest, unit_grad_bytes), per_block=largest_block, largest_saved=largest,
+        if w == "before":
+            before += nbytes
+        elif w == "after":
+            after += nbytes
+        else:
+            per_block[w] += nbytes
+            block_largest[w] = max(block_largest[w], nbytes)
+    return ActivationTrace(
+        batch=batch, seq=seq, attention=attention, dtype=dtype_name(dtype), before=before, after=after,
+        per_block=per_block, inputs=block_inputs, largest_saved=max((b for b, _ in saved.values()), default=0),
+        blocks=[names.get(id(b), str(i)) for i, b in enumerate(blocks)], block_largest=block_largest,
     )
+
+
+def checkpointed_set(checkpointing, n_blocks: int) -> frozenset[int]:
+    """``checkpointing`` (False / True: none / every block; or block indices) as a set of indices."""
+    if checkpointing is True:
+        return frozenset(range(n_blocks))
+    if checkpointing is False or checkpointing is None:
+        return frozenset()
+    out = frozenset(int(i) for i in checkpointing)
+    bad = sorted(i for i in out if not 0 <= i < n_blocks)
+    if bad:
+        raise ValueError(f"checkpointing: block indices {bad} out of range; the model has {n_blocks} blocks")
+    return out
+
+
+def activation_estimate(
+    module: nn.Module,
+    *,
+    batch: int,
+    seq: int,
+    checkpointing=False,
+    dtype: torch.dtype = torch.float32,
+    attention: str = "fused",
+    inputs_fn=None,
+    unit_grad_bytes: int = 0,
+) -> ActivationEstimate | None:
+    """Trace one forward of a meta copy of ``module``; see [Note: activation estimate].
+    ``checkpointing``: False, True (every block) or the indices of the checkpointed blocks."""
+    tr = activation_trace(module, batch=batch, seq=seq, dtype=dtype, attention=attention, inputs_fn=inputs_fn)
+    if tr is None:
+        return None
+    return estimate_from_trace(tr, checkpointing, unit_grad_bytes)
+
+
+def estimate_from_trace(tr: ActivationTrace, checkpointing, unit_grad_bytes: int) -> ActivationEstimate:
+    ck = checkpointed_set(checkpointing, len(tr.per_block))
+    saved = tr.saved(ck)
+    est = ActivationEstimate(
+        batch=tr.batch, seq=tr.seq, checkpointing=bool(ck), attention=tr.attention, dtype=tr.dtype,
+        saved=saved, transient=tr.peak(ck, unit_grad_bytes) - saved, per_block=max(tr.per_block, default=0),
+        largest_saved=tr.largest_saved, checkpointed=tuple(sorted(ck)), blocks=len(tr.per_block),
+        unit_grad_bytes=unit_grad_bytes,
+    )
+    est.trace = tr  # not a field (to_dict leaves it out): what choose_checkpointing evaluates other sets on
+    return est

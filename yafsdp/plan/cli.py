@@ -37,6 +37,9 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, default=None,
                     help="sequence length (with --batch; default: the preset's max_position_embeddings)")
     ap.add_argument("--checkpointing", action="store_true", help="per-layer activation checkpointing")
+    ap.add_argument("--budget", default=None, metavar="BYTES",
+                    help="memory per device (e.g. 60GiB): checkpoint the fewest blocks whose predicted peak fits "
+                    "it, and print which (with --batch; yafsdp.plan.choose_checkpointing)")
     ap.add_argument("--attention", default="fused", choices=["fused", "math"],
                     help="fused: what flash/memory-efficient SDPA saves; math: the (seq x seq) probabilities")
     ap.add_argument("--frozen-base", default="none", choices=["none", "bf16", "nf4"],
@@ -83,18 +86,35 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=a.lora_rank, lora_alpha=2 * a.lora_rank,
                                                            target_modules="all-linear", lora_dropout=0.0))
-    plan = memory_plan(
+    if a.budget is not None and (a.batch is None or a.checkpointing):
+        parser(prog).error("--budget chooses the checkpointed blocks for a step: give --batch (and --seq), "
+                           "and leave out --checkpointing")
+    plan = (_choose if a.budget is not None else memory_plan)(
         model, world_size=shard, rank=a.rank, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype,
         zero_stage=a.zero_stage, outsized_ratio=a.outsized_ratio, optimizer=a.optimizer,
         batch=a.batch, seq=a.seq, checkpointing=a.checkpointing, attention=a.attention,
         quantize_frozen="nf4" if a.frozen_base == "nf4" else None,
         offload=None if a.offload == "none" else a.offload,
         gather_dtype="fp8" if a.gather_dtype == "fp8" else None, async_save=a.async_save,
+        **({"budget": a.budget} if a.budget else {}),
     )
+    choice = getattr(plan, "choice", None)
     if a.json:
-        print(json.dumps(dict(preset=a.preset, **plan.to_dict()), indent=1, default=str))
+        extra = {"checkpointing_choice": choice.to_dict()} if choice is not None else {}
+        print(json.dumps(dict(preset=a.preset, **plan.to_dict(), **extra), indent=1, default=str))
     else:
         print(f"preset {a.preset}" + (f" | HSDP: {a.hsdp} replicas x {shard} shard ranks = {a.world_size} ranks"
                                       if a.hsdp > 1 else ""))
         print(plan.format())
+        if choice is not None:
+            print(choice.format())
     return plan
+
+
+def _choose(model, *, budget, checkpointing, **options) -> MemoryPlan:
+    """The plan with the blocks ``choose_checkpointing`` picks for ``budget``; the choice is its ``choice``."""
+    from .choose import choose_checkpointing
+
+    choice = choose_checkpointing(model, budget=budget, **options)
+    choice.plan.choice = choice
+    return choice.plan

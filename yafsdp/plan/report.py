@@ -173,7 +173,8 @@ class MemoryPlan:
         ]
         if self.activations is not None:
             a = self.activations
-            ck = ", checkpointed" if a.checkpointing else ""
+            ck = (", checkpointed" if len(a.checkpointed) == a.blocks else
+                  f", {len(a.checkpointed)}/{a.blocks} blocks checkpointed") if a.checkpointing else ""
             rows.append((f"activations (b={a.batch}, s={a.seq}{ck}, saved)", a.saved))
             rows.append(("backward transient (estimate)", a.transient))
         if self.checkpoint_staging:

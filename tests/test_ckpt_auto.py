@@ -1,0 +1,200 @@
+"""Activation checkpointing chosen by the plan (issue 26 item 1; docs/checkpointing.md): the chooser
+takes the fewest blocks that fit the budget (checked against a brute force over every subset), its
+predicted peak is the plan's for that set, checkpointing the chosen blocks trains exactly like
+checkpointing none (world 2, fp32, HF and plain blocks), and the CLI and the job print the choice."""
+from __future__ import annotations
+
+import itertools
+import types
+
+import pytest
+import torch
+
+import yafsdp
+from dist_utils import run_ranks
+from models import Stack, batch, loss_of, tiny_llama
+from yafsdp.plan import apply_checkpointing, checkpointed_blocks, choose_checkpointing, configure_checkpointing
+from yafsdp.plan import memory_plan, parse_bytes
+from yafsdp.presets import build_llama
+
+GiB = 1 << 30
+
+
+def _meta(layers: int = 5):
+    return build_llama("cpu-6x256", device="meta", num_hidden_layers=layers, vocab_size=512)
+
+
+def test_chooser_takes_the_fewest_blocks_brute_force():
+    """For budgets across the range from every block checkpointed to none, the choice has the
+    smallest size among all 2^n subsets whose predicted peak fits, fits itself, and its peak is
+    memory_plan's device total for that set."""
+    meta = _meta(5)
+    opts = dict(world_size=2, batch=2, seq=256)
+    ref = choose_checkpointing(meta, budget=1 << 50, **opts)  # fits with none: the endpoints
+    assert ref.indices == [] and ref.peak == ref.peak_none > ref.peak_all
+    trace, act = ref.plan.activations.trace, ref.plan.activations
+    n = len(trace.per_block)
+    assert n == 5 and ref.all_blocks == [f"model.layers.{i}" for i in range(n)]
+    peak = {s: ref.fixed + trace.peak(frozenset(s), act.unit_grad_bytes)
+            for k in range(n + 1) for s in itertools.combinations(range(n), k)}
+    budgets = [ref.peak_all + (ref.peak_none - ref.peak_all) * f // 6 for f in range(7)]
+    sizes = []
+    for budget in budgets:
+        choice = choose_checkpointing(meta, budget=budget, **opts)
+        best = min(len(s) for s, p in peak.items() if p <= budget)
+        assert len(choice.indices) == best, (budget, choice.indices, best)
+        assert choice.fits and choice.peak <= budget
+        assert choice.peak == peak[tuple(choice.indices)]
+        if budget == budgets[3]:  # the plan's own figure for that set (one more trace; the others use it too)
+            assert choice.peak == memory_plan(meta, checkpointing=choice.indices, **opts).device_total
+        assert choice.plan.device_total == choice.peak
+        sizes.append(best)
+    assert sizes[0] == n and sizes[-1] == 0 and len(set(sizes)) >= 4, sizes  # the range is really spanned
+    # Below "every block": does not fit, says so, and configure_checkpointing refuses.
+    short = choose_checkpointing(meta, budget=ref.peak_all - 1, **opts)
+    assert not short.fits and short.indices == list(range(n)) and "DOES NOT FIT" in short.format()
+    with pytest.raises(ValueError, match="DOES NOT FIT"):
+        configure_checkpointing(meta, "auto", budget=ref.peak_all - 1, **opts)
+    with pytest.raises(ValueError, match="budget= is required off the GPU"):
+        choose_checkpointing(meta, **opts)
+    assert parse_bytes("60GiB") == 60 * GiB and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes(7) == 7
+    with pytest.raises(ValueError, match="60 gigs"):
+        parse_bytes("60 gigs")
+
+
+def test_plan_cli_prints_the_choice_for_llama3_8b():
+    """The issue's command: plan only (meta device, nothing allocated)."""
+    from yafsdp.plan import main
+
+    argv = ["--preset", "llama3-8b", "--world-size", "8", "--batch", "1", "--seq", "8192", "--budget", "60GiB"]
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        plan = main(argv)
+    text = out.getvalue()
+    choice = plan.choice
+    k = len(choice.indices)
+    assert 0 < k < 32 and choice.fits and choice.peak <= 60 * GiB
+    assert choice.take(k - 1).peak > 60 * GiB  # one fewer would not fit
+    assert f"{k} of 32 blocks checkpointed" in text
+    assert f"checkpointed: model.layers.0-{k - 1}" in text
+    assert f"{k}/32 blocks checkpointed" in text  # the plan's activation row
+    assert plan.device_total == choice.peak
+
+
+def _forward_counts(module):
+    """Forward calls per block, counted at the block's first child (HF checkpoints the block's
+    ``forward``, inside its own hooks, so the recompute shows in its children's)."""
+    counts: dict[int, int] = {}
+    from yafsdp.plan.choose import _blocks
+
+    for i, (_, b) in enumerate(_blocks(module)):
+        next(b.children()).register_forward_pre_hook(lambda m, a, i=i: counts.__setitem__(i, counts.get(i, 0) + 1))
+    return counts
+
+
+def _parity(rank, world):
+    """The same two AdamW steps with the chosen blocks checkpointed and with none: losses and full
+    gradients equal; the chosen blocks ran forward twice per step (the recompute), the others once."""
+    out = {}
+    for kind in ("llama", "stack"):
+        runs = {}
+        for ck in (False, True):
+            base = tiny_llama(layers=4, seed=1) if kind == "llama" else Stack(n=4, seed=1)
+            names = [n for n, _ in base.named_parameters()]
+            model = yafsdp.YaFSDP(base)
+            chosen = []
+            if ck and kind == "llama":
+                lo = choose_checkpointing(model, budget=1 << 50, batch=2, seq=9)
+                budget = (lo.peak_none + lo.peak_all) // 2
+                choice = configure_checkpointing(model, "auto", budget=budget, batch=2, seq=9)
+                chosen = choice.indices
+                out["llama_choice"] = (chosen, choice.peak <= budget)
+            elif ck:
+                chosen = [0, 2]
+                apply_checkpointing(model, [f"blocks.{i}" for i in chosen])
+            out[f"{kind}_active_{int(ck)}"] = checkpointed_blocks(model)
+            counts = _forward_counts(model.module)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses, grads = [], {}
+            for step in range(2):
+                loss = loss_of(model, kind, batch(kind, step, 0, rank))
+                loss.backward()
+                losses.append(loss.item())
+                grads = {n: model.full_grad(n) for n in names}
+                opt.step()
+                opt.zero_grad()
+            runs[ck] = (losses, grads, dict(counts), chosen)
+        (l0, g0, c0, _), (l1, g1, c1, chosen) = runs[False], runs[True]
+        out[kind] = dict(
+            losses=(l0, l1),
+            grad_err=max(((g1[n] - g0[n]).abs().max() / g0[n].abs().max().clamp_min(1e-30)).item() for n in g0
+                         if g0[n] is not None),
+            counts=(c0, c1), chosen=chosen,
+        )
+    out["job"] = _job_cases(rank)
+    return out
+
+
+def _job_cases(rank):
+    """The job's --checkpointing auto on 2 ranks: a budget is required on the CPU; the ranks agree
+    on the budget (the smallest) and the count (the largest)."""
+    from pretrain.ckpt_auto import job_checkpointing
+    from pretrain.ops import JobError
+
+    res = {}
+    args = types.SimpleNamespace(activation_checkpointing=False, checkpointing="auto", memory_budget=None,
+                                 batch_size=2, seq_len=9)
+    job = types.SimpleNamespace(args=args, device=torch.device("cpu"), model=yafsdp.YaFSDP(tiny_llama(layers=4)))
+    try:
+        job_checkpointing(job)
+    except JobError as e:
+        res["no_budget"] = str(e)
+    lo = choose_checkpointing(job.model, budget=1 << 50, batch=2, seq=9)
+    # rank 0 could fit with none checkpointed, rank 1 needs every block: both take rank 1's budget
+    args.memory_budget = str(lo.peak_none if rank == 0 else lo.peak_all)
+    choice = job_checkpointing(job)
+    res["agreed"] = (choice.indices, choice.budget == lo.peak_all, checkpointed_blocks(job.model))
+    args.checkpointing = "none"
+    res["none"] = (job_checkpointing(job), checkpointed_blocks(job.model))
+    return res
+
+
+def test_checkpointing_chosen_blocks_trains_like_none():
+    got = run_ranks(_parity, 2)
+    for r in got:
+        job = r["job"]
+        assert "needs --memory-budget on the CPU" in job["no_budget"], job
+        assert job["agreed"] == ([0, 1, 2, 3], True, [f"model.layers.{i}" for i in range(4)]), job["agreed"]
+        assert job["none"] == (None, []), job["none"]
+        chosen, fits = r["llama_choice"]
+        assert 0 < len(chosen) < 4 and fits, r["llama_choice"]
+        assert r["llama_active_1"] == [f"model.layers.{i}" for i in chosen] and r["llama_active_0"] == []
+        assert r["stack_active_1"] == ["blocks.0", "blocks.2"] and r["stack_active_0"] == []
+        for kind in ("llama", "stack"):
+            d = r[kind]
+            l0, l1 = d["losses"]
+            assert l0 == pytest.approx(l1, rel=1e-6, abs=0), (kind, d["losses"])
+            assert d["grad_err"] < 1e-5, (kind, d["grad_err"])
+            c0, c1 = d["counts"]
+            assert c0 == {i: 2 for i in range(4)}, (kind, c0)  # two steps, one forward each
+            assert c1 == {i: 4 if i in d["chosen"] else 2 for i in range(4)}, (kind, c1, d["chosen"])
+
+
+def test_job_checkpointing_options():
+    """--checkpointing / --memory-budget resolve as documented (the job's application: _job_cases)."""
+    from pretrain.ckpt_auto import checkpointing_mode
+    from pretrain.ops import JobError
+
+    def args(**kw):
+        return types.SimpleNamespace(**{"activation_checkpointing": False, "checkpointing": None,
+                                        "memory_budget": None, **kw})
+
+    assert checkpointing_mode(args()) == "none"
+    assert checkpointing_mode(args(memory_budget="8GiB")) == "auto"
+    assert checkpointing_mode(args(memory_budget="8GiB", checkpointing="all")) == "all"
+    assert checkpointing_mode(args(activation_checkpointing=True)) == "all"
+    with pytest.raises(JobError, match="contradicts --checkpointing auto"):
+        checkpointing_mode(args(activation_checkpointing=True, checkpointing="auto"))
