@@ -141,6 +141,8 @@ class MemoryPlan:
             if s.kind == "grad":
                 out[s.name] = s.capacity * itemsize(s.dtype)
                 out[s.name + "_staging"] = s.shard_capacity * itemsize(s.dtype)
+                if s.accum_capacity:
+                    out[s.name + "_accum"] = 4 * s.accum_capacity
         return out
 
     def rows(self) -> list[tuple[str, int]]:
@@ -269,6 +271,7 @@ def memory_plan(
     offload: str | None = None,
     gather_dtype: str | None = None,
     gather_exclude=None,
+    reduce_accum_dtype=None,
 ) -> MemoryPlan:
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
     or a plain module (any device, meta included; nothing is allocated) with the engine options
@@ -316,9 +319,13 @@ def memory_plan(
         layouts = [unit_shape(s.params, world_size, rank, align, quantize, gather_dtype, exclude) for s in specs]
         small = (unit_shape(small_params, world_size, rank, align, quantize, gather_dtype, exclude)
                  if small_params else None)
+        from ..reduce_accum import check_reduce_accum
+
+        accum = check_reduce_accum(as_dtype(reduce_accum_dtype), reduce_dtype, offload)
         slots = plan_buffers(
             names, layouts, small, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
             zero_stage=zero_stage, outsized_ratio=outsized_ratio, offload_frozen=offload == "all",
+            accumulate_fp32=accum is not None,
         )
         module = model
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
