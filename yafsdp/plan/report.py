@@ -56,6 +56,8 @@ class MemoryPlan:
     grad_landing: int = 0
     fp8: int = 0  # FP8 records of the trainable groups gathered compact (gather_dtype="fp8")
     gather_dtype: str | None = None
+    # "fp32": the reduce_dtype pieces are summed in fp32 (reduce_accum_dtype; yafsdp/reduce_accum.py)
+    reduce_accum_dtype: str | None = None
     activations: ActivationEstimate | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -198,7 +200,8 @@ class MemoryPlan:
     def format(self) -> str:
         lines = [
             f"yafsdp memory plan: world_size={self.world_size} rank={self.rank} zero_stage={self.zero_stage} "
-            f"param_dtype={self.param_dtype} reduce_dtype={self.reduce_dtype}",
+            f"param_dtype={self.param_dtype} reduce_dtype={self.reduce_dtype}"
+            + (f" reduce_accum_dtype={self.reduce_accum_dtype}" if self.reduce_accum_dtype else ""),
             f"  parameters Psi={self.num_params:,}  local shard={self.shard_numel:,} elements  "
             f"largest regular unit L={self.largest_unit:,} elements  units={len(self.units)}",
         ]
@@ -289,6 +292,7 @@ def memory_plan(
         weight_free = [u.weight_free_bw for u in eng.units]
         world_size, rank = eng.world_size, eng.rank
         compute_dtype, reduce_dtype, zero_stage = eng.compute_dtype, eng.reduce_dtype, eng.zero_stage
+        accum = eng.reduce_accum_dtype
         param_dtype = eng.param_dtype
         quantize_frozen = eng.quantize_frozen
         offload = eng.offload
@@ -359,6 +363,7 @@ def memory_plan(
         compute_copy=0 if compute_dtype == torch.float32 and offload is None else cbytes * compute_shard,
         optimizer_state=opt_bytes * shard, frozen=cbytes * frozen_shard, nf4=nf4_bytes,
         quantize_frozen=quantize_frozen, offload=offload, fp8=fp8_bytes, gather_dtype=gather_dtype,
+        reduce_accum_dtype=dtype_name(accum) if accum is not None else None,
         compute_host=cbytes * shard if offload is not None and compute_dtype != torch.float32 else 0,
         grad_landing=itemsize(reduce_dtype) * shard if offload is not None else 0,
     )
