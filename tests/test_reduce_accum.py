@@ -14,7 +14,7 @@ from torch import nn
 
 import yafsdp
 from dist_utils import hsdp_groups, run_ranks
-from models import Stack, batch, loss_of
+from models import Stack, batch, loss_of, tiny_llama
 from parity import rel_l2, rel_seq
 from yafsdp.reduce_accum import check_reduce_accum, error_bound, fold_pieces_, fold_pieces_reference
 
@@ -163,7 +163,24 @@ def _train_sharded(rank, world):
         norms.append(model.clip_grad_norm_(1.0).item())
         opt.step()
         opt.zero_grad(set_to_none=step % 2 == 0)
-    return losses, norms, model.full_state_dict()
+    return losses, norms, model.full_state_dict(), _bf16_backward(rank)
+
+
+def _bf16_backward(rank):
+    """A bf16 backward (tied Llama, 2 micro-batches): its grads are exact in bf16, so at world 2 the
+    bf16 pieces summed in fp32 are the fp32 reduce's sums; both runs' weights, fp32 reduce first."""
+    out = []
+    for opts in (dict(), dict(reduce_dtype=BF16, reduce_accum_dtype=torch.float32)):
+        model = yafsdp.YaFSDP(tiny_llama(tie=True), param_dtype=BF16, **opts)
+        opt = _optimizer(model.parameters())
+        for step in range(2):
+            for micro in range(ACCUM):
+                (loss_of(model, "llama", batch("llama", step, micro, rank)) / ACCUM).backward()
+            model.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        out.append(model.full_state_dict())
+    return out
 
 
 def _train_reference(world):
@@ -200,9 +217,12 @@ def test_training_parity_with_bf16_rounded_contributions_summed_in_fp32():
     world = 2
     res = run_ranks(_train_sharded, world)
     ref_losses, ref_norms, ref_sd = _train_reference(world)
-    losses, norms, sd = res[0]  # the full state dict is rank 0's
+    losses, norms, sd, (bf16_fp32, bf16_accum) = res[0]  # the full state dicts are rank 0's
     assert set(sd) == set(ref_sd)
     assert rel_seq(losses, ref_losses) < 1e-5, (losses, ref_losses)
     assert rel_seq(norms, ref_norms) < 1e-5, (norms, ref_norms)
     assert rel_l2(sd, ref_sd) < 1e-4
     assert rel_l2(sd, dict(Stack().state_dict())) > 1e-3  # it trained
+    # bf16 grads: the fp32-accumulated bf16 reduce is the fp32 reduce, bit for bit, at half the bytes
+    assert set(bf16_fp32) == set(bf16_accum) and all(torch.equal(bf16_fp32[k], bf16_accum[k]) for k in bf16_fp32)
+    assert rel_l2(bf16_accum, dict(tiny_llama(tie=True).state_dict())) > 1e-3

@@ -17,8 +17,11 @@ roundings of the partial sums.
   reduce-scatter: ``(world - 1) / world`` of the grad buffer each way;
 - the fold (:func:`fold_pieces_`) sums the pieces in fp32, in rank order, scales the sum by
   ``1 / world`` (HSDP: ``1 / (world x replicas)``) and writes (first micro-batch) or adds it into
-  the fp32 grad shard. When it adds, the scaled sum is formed in the grad buffer's fp32
-  accumulator first, so that it is rounded exactly as a fresh fold is.
+  the fp32 grad shard. When it adds, the sum is formed in the grad buffer's fp32 accumulator and
+  added by the fp32 reduce's own fold kernel (``kernels.accumulate_``, one fused multiply-add), so
+  that given the same fp32 sum both folds give the same bits. (Where the contributions are exact in
+  ``reduce_dtype`` -- the grads of a ``param_dtype=torch.bfloat16`` backward -- and the world is 2,
+  the fp32 sums are the same too: such a run equals the fp32 reduce's bit for bit, tested.)
 
 Error. Let ``g_r`` be rank ``r``'s contribution to one element and ``u = 2^-8`` the unit roundoff
 of bf16 (``2^-11`` for fp16), ``e = 2^-24`` fp32's. The bf16 rounding gives
@@ -48,6 +51,8 @@ fp32 too (at fp32's bytes: that collective is 1/shard of the reduce's size).
 from __future__ import annotations
 
 import torch
+
+from . import kernels
 
 __all__ = ["check_reduce_accum", "fold_pieces_", "fold_pieces_reference", "error_bound", "unit_roundoff"]
 
@@ -95,18 +100,17 @@ def fold_pieces_reference(dst: torch.Tensor, pieces: torch.Tensor, scale: float,
     total = pieces[0].float()
     for row in pieces[1:]:
         total = total + row.float()
-    total = total * scale
-    dst.copy_(dst + total if accumulate else total)
-    return dst
+    if accumulate:
+        return kernels.accumulate_reference(dst, total, scale)
+    return kernels.cast_reference(dst, total, scale)
 
 
 def fold_pieces_(dst: torch.Tensor, pieces: torch.Tensor, scale: float, accumulate: bool,
                  accum: torch.Tensor) -> torch.Tensor:
     """``dst`` (1-D fp32, n) ``=`` (or ``+=`` with ``accumulate``) the fp32 sum of the rows of
     ``pieces`` (world x n, ``reduce_dtype``) in row order, times ``scale``; ``accum`` (1-D fp32, n):
-    room for the scaled sum when adding. Bit for bit :func:`fold_pieces_reference`, with no
-    temporary: one pass per row, in place (a fused kernel would read each piece once; see
-    docs/reduce.md)."""
+    room for the sum when adding. Bit for bit :func:`fold_pieces_reference`, with no temporary: one
+    pass per row, in place (a fused kernel would read each piece once; see docs/reduce.md)."""
     if pieces.dim() != 2 or pieces.shape[1] != dst.numel() or (accumulate and accum.numel() != dst.numel()):
         raise ValueError(f"yafsdp fold_pieces_: pieces {tuple(pieces.shape)}, dst {dst.numel()}, "
                          f"accum {accum.numel()}: expected world x n, n and n")
@@ -114,7 +118,6 @@ def fold_pieces_(dst: torch.Tensor, pieces: torch.Tensor, scale: float, accumula
     out.copy_(pieces[0])
     for row in pieces[1:]:
         out.add_(row)
-    out.mul_(scale)
     if accumulate:
-        dst.add_(accum)
-    return dst
+        return kernels.accumulate_(dst, accum, scale)  # dst += sum * scale, as the fp32 reduce's fold
+    return out.mul_(scale)  # one rounding of the product, as kernels.cast_
