@@ -147,8 +147,10 @@ def _run_case(rank, case, steps=3):
         assert any(op == writer and stream == "compute" for stream, op, _ in kernels)
     if case.get("reduce_accum"):  # the pieces exchanged and summed on the comm stream, the accumulator used
         reduce_ops = {op for stream, op, label in kernels if label.startswith("yafsdp.reduce") and stream == "comm"}
-        p2p = {"c10d.recv_", "c10d.send"} if torch.distributed.get_world_size() > 1 else set()
-        assert p2p | {"aten.add_", "aten.mul_"} <= reduce_ops, reduce_ops
+        # the exchange (world 1: the own row's copy), the fp32 sum of the rows, a fresh fold's scale, and
+        # the 2nd micro-batch's add through the accumulator
+        more = {"c10d.recv_", "c10d.send", "aten.add_"} if torch.distributed.get_world_size() > 1 else set()
+        assert more | {"aten.copy_", "aten.mul_", "yafsdp.accumulate_"} <= reduce_ops, reduce_ops
         assert "grad0_accum" in model.owned_tensors() and "_accum" in " ".join(
             n for entry in chk.log if entry[0] == "kernel" for n, *_ in entry[5]), "the accumulator was never written"
     assert any(op.startswith("c10d.") for _, op, _ in comm_side) and not stray, stray[:5]
