@@ -24,6 +24,9 @@ from yafsdp.presets import build_llama
 # "+fp8": YaFSDP(gather_dtype="fp8"), the decoder layers gathered as FP8 records (yafsdp/fp8.py)
 ENGINES = ("yafsdp-z3", "yafsdp-z2", "yafsdp-z3+FusedAdamW", "yafsdp-z3+fp8", "yafsdp-z3+FusedAdamW+fp8", "fsdp2",
            "fsdp1", "ddp")
+# Not in the default runs (ask for them with --engines): the reduce precisions of docs/reduce.md, bf16
+# reduce-scatters (summed in bf16) and bf16 pieces summed in fp32 (reduce_accum_dtype=torch.float32).
+REDUCE_ENGINES = ("yafsdp-z3+bf16reduce", "yafsdp-z3+bf16reduce+fp32acc")
 
 
 # ---------------------------------------------------------------------------- launching
@@ -163,8 +166,8 @@ def build_engine(name: str, preset: str, device: torch.device, mixed: bool, *, l
     model = make_model(preset, device, seed, layers, meta_init=meta_init)
     if name.startswith("yafsdp"):
         zero = 2 if name.startswith("yafsdp-z2") else 3
-        wrapped = yafsdp.YaFSDP(model, param_dtype=bf16, reduce_dtype=torch.float32, zero_stage=zero, device=device,
-                                gather_dtype="fp8" if name.endswith("+fp8") else None)
+        wrapped = yafsdp.YaFSDP(model, param_dtype=bf16, zero_stage=zero, device=device,
+                                gather_dtype="fp8" if name.endswith("+fp8") else None, **reduce_options(name))
         if meta_init:  # zero shards, like the other engines' meta-built models: timing and memory only
             wrapped.mark_loaded()
         if "+FusedAdamW" in name:
@@ -211,6 +214,13 @@ def build_engine(name: str, preset: str, device: torch.device, mixed: bool, *, l
                       gradient_as_bucket_view=True)
         return Engine(name, wrapped, _adamw(wrapped.parameters(), lr, device), autocast=bf16, device=device)
     raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}")
+
+
+def reduce_options(name: str) -> dict:
+    """The reduce precision of a yafsdp engine name: fp32, or one of REDUCE_ENGINES'."""
+    if "+bf16reduce" not in name:
+        return dict(reduce_dtype=torch.float32)
+    return dict(reduce_dtype=torch.bfloat16, reduce_accum_dtype=torch.float32 if name.endswith("+fp32acc") else None)
 
 
 def free_engine(e: Engine | None):

@@ -32,8 +32,8 @@ import time
 import torch
 import torch.distributed as dist
 from _common import (  # this script's directory is on sys.path: the benchmarks' shared plumbing
-    ENGINES, MiB, build_engine, free_engine, fused_adamw_available, init_distributed, init_fake, launch,
-    make_batch, md_table, median_min_max, resolve_run, versions, write_json,
+    ENGINES, REDUCE_ENGINES, MiB, build_engine, free_engine, fused_adamw_available, init_distributed, init_fake, launch,
+    make_batch, md_table, median_min_max, reduce_options, resolve_run, versions, write_json,
 )
 
 from yafsdp.measure import measure_memory, noise_report
@@ -55,7 +55,9 @@ def parse(argv=None):
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default 128 CPU, 2048 GPU)")
     ap.add_argument("--world", type=int, default=2, help="ranks to spawn when not under torchrun (CPU)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per spawned rank")
-    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ",".join(ENGINES))
+    ap.add_argument("--engines", default=",".join(ENGINES),
+                    help="comma-separated subset of " + ",".join(ENGINES + REDUCE_ENGINES) + " (default: all but the last "
+                    f"{len(REDUCE_ENGINES)}, the reduce precisions of docs/reduce.md)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8, help="measured steps per engine (per round in round mode)")
     ap.add_argument("--interleave", default=None, choices=["step", "round"],
@@ -70,8 +72,8 @@ def parse(argv=None):
     a.interleave = a.interleave or ("round" if gpu else "step")
     a.engines = [e for e in a.engines.split(",") if e]
     for e in a.engines:
-        if e not in ENGINES:
-            ap.error(f"unknown engine {e!r}; known: {', '.join(ENGINES)}")
+        if e not in ENGINES + REDUCE_ENGINES:
+            ap.error(f"unknown engine {e!r}; known: {', '.join(ENGINES + REDUCE_ENGINES)}")
     a.skipped = []
     for e in [e for e in a.engines if "+FusedAdamW" in e]:
         if not fused_adamw_available():
@@ -127,7 +129,7 @@ class Runner:
         over = {"num_hidden_layers": self.a.layers} if self.a.layers else {}
         p = memory_plan(
             build_llama(self.a.preset, device="meta", **over), world_size=dist.get_world_size(),
-            rank=dist.get_rank(), param_dtype=torch.bfloat16 if self.mixed else None, reduce_dtype=torch.float32,
+            rank=dist.get_rank(), param_dtype=torch.bfloat16 if self.mixed else None, **reduce_options(name),
             zero_stage=2 if name.startswith("yafsdp-z2") else 3, batch=self.a.batch, seq=self.a.seq,
             gather_dtype="fp8" if name.endswith("+fp8") else None,
         )
@@ -148,6 +150,7 @@ def run_real(a):
     times = {n: [] for n in a.engines}
     losses = {n: [] for n in a.engines}
     gathered = {}  # yafsdp engines: bytes each rank receives from all-gathers per step (the engine's count)
+    reduced = {}  # yafsdp engines: bytes each rank puts into its reduces per step (the engine's count)
     if a.interleave == "step":
         engines = {n: r.build(n) for n in a.engines}
         order = list(a.engines)
@@ -160,6 +163,7 @@ def run_real(a):
                     times[name].append(dt)
         gathered = {n: sum(e.model.schedule.gathered.values()) / (a.warmup + a.steps)
                     for n, e in engines.items() if n.startswith("yafsdp")}
+        reduced = {n: reduce_bytes(e.model) / (a.warmup + a.steps) for n, e in engines.items() if n.startswith("yafsdp")}
         for e in engines.values():
             free_engine(e)
     else:
@@ -174,6 +178,7 @@ def run_real(a):
                         times[name].append(dt)
                 if name.startswith("yafsdp"):
                     gathered[name] = sum(e.model.schedule.gathered.values()) / (a.warmup + a.steps)
+                    reduced[name] = reduce_bytes(e.model) / (a.warmup + a.steps)
                 free_engine(e)
     # A step's time is its slowest rank's.
     local = torch.tensor([times[n] for n in a.engines], dtype=torch.float64)
@@ -182,12 +187,18 @@ def run_real(a):
     mems = [None] * world
     dist.all_gather_object(mems, memory)
     if rank == 0:
-        report_real(a, dev, world, times, losses, mems, plans, gathered)
+        report_real(a, dev, world, times, losses, mems, plans, gathered, reduced)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def report_real(a, dev, world, times, losses, mems, plans, gathered=None):
+def reduce_bytes(model) -> int:
+    """Bytes this rank put into the reduces of the step protocol so far (each reduce's input: the
+    grad buffer in reduce_dtype; what goes over the wire is (world - 1) / world of it)."""
+    return sum(v for (kind, _), v in model.schedule.counted.items() if kind == "reduce")
+
+
+def report_real(a, dev, world, times, losses, mems, plans, gathered=None, reduced=None):
     tokens = a.batch * a.seq * world
     med = {n: median_min_max(ts)[0] for n, ts in times.items()}
     rows, out_rows = [], []
@@ -207,13 +218,14 @@ def report_real(a, dev, world, times, losses, mems, plans, gathered=None):
             first_loss=losses[n][0] if losses[n] else None, losses=losses[n], times_ms=[1e3 * t for t in times[n]],
             memory_per_rank=mem,
             gathered_mib=(gathered or {}).get(n, 0) / MiB if n in (gathered or {}) else None,
+            reduced_mib=(reduced or {}).get(n, 0) / MiB if n in (reduced or {}) else None,
         )
         out_rows.append(row)
         rows.append([n, row["median_ms"], row["min_ms"], row["max_ms"], row["tokens_per_s"], row["vs_fsdp2"],
                      row["vs_ddp"], row["peak_mib"], row["reserved_mib"], growth, row["plan_mib"],
-                     row["gathered_mib"]])
+                     row["gathered_mib"], row["reduced_mib"]])
     header = ["engine", "median ms", "min ms", "max ms", "tokens/s", "x FSDP2", "x DDP", "peak MiB/rank",
-              "reserved MiB", "growth B (step 2+)", "plan MiB", "gathered MiB/step"]
+              "reserved MiB", "growth B (step 2+)", "plan MiB", "gathered MiB/step", "reduced MiB/step"]
     table = md_table(header, rows)
     ref = out_rows[0]["first_loss"]
     loss_spread = max(abs(r["first_loss"] - ref) / abs(ref) for r in out_rows) if ref else None

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Everything a lent GPU is for, in one call of under 10 minutes: build the CUDA extension, run the
 # GPU tests (the stream protocol with widened windows, no host sync, parity), the kernel benchmark,
-# the world-1 step benchmark against FSDP2/FSDP1/DDP on a ~1B Llama, the fake-process-group memory
-# run of large worlds, the overlap trace, and activation checkpointing chosen by the plan. Every
-# table lands in benchmarks/results/ as <what>_<gpu>_<date>.md (and, where $OUT is set, a copy
-# under it), with the commands and versions.
+# the world-1 step benchmark against FSDP2/FSDP1/DDP on a ~1B Llama and of the reduce precisions, the
+# fake-process-group memory run of large worlds, the overlap trace, and activation checkpointing chosen by
+# the plan. Every table lands in benchmarks/results/ as <what>_<gpu>_<date>.md (and, where $OUT is set, a
+# copy under it), with the commands and versions.
 #
 #   bash benchmarks/gpu_suite.sh             # on the GPU machine (torch with CUDA; no package registry needed)
 #   bash benchmarks/gpu_suite.sh --dry-run   # print every step and run none (CI runs this so it does not rot)
@@ -58,6 +58,12 @@ step kernel-bench 60 $PY benchmarks/bench_optimizer.py --device cuda --numel 100
   --md "$RES/optimizer_${GPU}_${DATE}.md"
 step step-bench 180 $PY -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_step.py --device cuda \
   --preset llama3-1b --batch 2 --seq 2048 --steps 8 --rounds 2 --md "$RES/bench_step_${GPU}_${DATE}.md"
+# fp32, bf16 and bf16-summed-in-fp32 reduces (docs/reduce.md): step time, peak, and reduce bytes per step.
+# World 1: the NCCL all-to-all and the fp32 fold run, but nothing crosses a link; the bytes column is the
+# engine's count of each reduce's input, which is what a larger world sends ((world - 1) / world of it).
+step reduce-bench 120 $PY -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_step.py --device cuda \
+  --preset llama3-1b --batch 2 --seq 2048 --engines yafsdp-z3,yafsdp-z3+bf16reduce,yafsdp-z3+bf16reduce+fp32acc \
+  --steps 6 --rounds 1 --mem-steps 2 --md "$RES/bench_reduce_${GPU}_${DATE}.md"
 step fake-world-memory 120 $PY benchmarks/bench_step.py --fake-world 8,64,256 --device cuda --preset llama3-8b \
   --batch 1 --seq 4096 --md "$RES/bench_step_fakeworld_${GPU}_${DATE}.md"
 step overlap 120 $PY -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_overlap.py --device cuda \

@@ -15,7 +15,7 @@ def test_gpu_suite_dry_run_names_real_scripts_and_flags():
     steps = re.findall(r"^=== ([\w-]+): (.*)$", out.stdout, flags=re.M)
     names = [n for n, _ in steps]
     assert names == ["versions", "build", "kernels-check", "gpu-tests", "kernel-bench", "step-bench",
-                     "fake-world-memory", "overlap", "ckpt-auto"], names
+                     "reduce-bench", "fake-world-memory", "overlap", "ckpt-auto"], names
     helps: dict[str, str] = {}
     for name, cmd in steps:
         for script in re.findall(r"(benchmarks/\w+\.py)", cmd):

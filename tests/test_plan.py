@@ -22,6 +22,9 @@ CASES = [
     ("llama_outsized_bf16", dict(kind="llama", vocab=1031, layers=4), dict(param_dtype=torch.bfloat16)),
     ("llama_tied_z2", dict(kind="llama", tie=True), dict(zero_stage=2)),
     ("llama_bf16_reduce", dict(kind="llama", vocab=257), dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
+    # bf16 reduce summed in fp32: each grad buffer's all-to-all landing (world x shard) and fp32 accumulator
+    ("llama_bf16_reduce_accum", dict(kind="llama", vocab=1031), dict(reduce_dtype=torch.bfloat16,
+                                                                     reduce_accum_dtype=torch.float32)),
     ("stack_z3", dict(kind="stack"), dict()),
     # frozen bf16 and NF4 groups (q/k/mlp frozen, quantized where eligible; odd-sized head frozen bf16)
     ("llama_nf4_bf16", dict(kind="llama", freeze=True, vocab=257), dict(param_dtype=torch.bfloat16, quantize_frozen="nf4")),
@@ -61,6 +64,10 @@ def _check(name, rank, res):
         assert allocated["nf4"] > 0 and allocated["frozen"] > 0 and allocated["weight_small"] > 0
         assert any(k.endswith("_staging") and k.startswith("weight") for k in allocated), allocated
     assert own_plan == allocated, (name, rank)
+    if "accum" in name:  # the landing is as large as its grad buffer, the accumulator one fp32 shard
+        grads = [k for k in allocated if k.startswith("grad") and k[4:] in ("0", "1", "_outsized", "_small")]
+        assert len(grads) >= 3 and all(allocated[g + "_staging"] == allocated[g] for g in grads), allocated
+        assert all(0 < allocated[g + "_accum"] <= allocated[g] for g in grads), allocated
     assert psi == true_psi, name
     assert sum(allocated.values()) > 0
 
@@ -107,6 +114,14 @@ def test_plan_buffers_pure_rules():
                                                       "weight_outsized", "weight_small"]
     g = {s.name: s for s in p.grad}
     assert g["grad0"].dtype == torch.float32 and g["grad0"].shard_capacity == layouts[2].trainable_shard
+    # bf16 reduce summed in fp32: the staging is the all-to-all's landing (world x shard = the buffer), plus
+    # one fp32 shard of accumulator; 2 + 2 + 4/world bytes per element against fp32's 4 + 4/world
+    acc = plan_buffers(names, layouts, lay(7), compute_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                       zero_stage=3, outsized_ratio=1.5, accumulate_fp32=True)
+    a = {s.name: s for s in acc.grad}
+    assert a["grad0"].shard_capacity == a["grad0"].capacity == layouts[2].trainable.padded_numel
+    assert a["grad0"].accum_capacity == layouts[2].trainable_shard and a["grad0"].dtype == torch.bfloat16
+    assert a["grad0"].nbytes == 2 * 2 * a["grad0"].capacity + 4 * a["grad0"].accum_capacity
     z2 = plan_buffers(names, layouts, None, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                     zero_stage=2, outsized_ratio=1.5)
     assert [s.capacity for s in z2.weight] == [x.weight_numel for x in layouts]

@@ -54,6 +54,11 @@ CASES = {
     # re-gathers into buffers the no-grad forward used), and two backward calls over one forward
     # (retain_graph: every unit re-gathered and released again in the second call)
     "z3_bf16_ckpt_between_retain": dict(zero=3, bf16=True, opt="fused_adamw", ckpt=True, between=True, retain=True),
+    # bf16 reduce with fp32 accumulation (reduce_accum.py): the all-to-all into the grad buffers'
+    # landing and the fp32 sum of the pieces (through the accumulator on the 2nd micro-batch) on the
+    # comm stream, before `done`; an outsized head so three grad buffers take turns
+    "z3_bf16_reduce_accum_fp32": dict(zero=3, bf16=True, opt="fused_adamw", accum=2, vocab=1000, reduce_bf16=True,
+                                      reduce_accum=True, eval=True),
 }
 
 
@@ -88,6 +93,7 @@ def _run_case(rank, case, steps=3):
             module, units=units, zero_stage=case.get("zero", 3),
             param_dtype=torch.bfloat16 if case.get("bf16") else None,
             reduce_dtype=torch.bfloat16 if case.get("reduce_bf16") else torch.float32,
+            reduce_accum_dtype=torch.float32 if case.get("reduce_accum") else None,
             quantize_frozen="nf4" if case.get("nf4") else None, offload=case.get("offload"),
             gather_dtype="fp8" if case.get("fp8") else None,
         )
@@ -139,6 +145,14 @@ def _run_case(rank, case, steps=3):
         assert any(op == "yafsdp.fp8_expand_" and stream == "comm" for stream, op, _ in kernels)
         writer = "yafsdp.adamw_step_fp8_" if case.get("opt") == "fused_adamw" else "yafsdp.fp8_quantize_"
         assert any(op == writer and stream == "compute" for stream, op, _ in kernels)
+    if case.get("reduce_accum"):  # the pieces exchanged and summed on the comm stream, the accumulator used
+        reduce_ops = {op for stream, op, label in kernels if label.startswith("yafsdp.reduce") and stream == "comm"}
+        # the exchange (world 1: the own row's copy), the fp32 sum of the rows, a fresh fold's scale, and
+        # the 2nd micro-batch's add through the accumulator
+        more = {"c10d.recv_", "c10d.send", "aten.add_"} if torch.distributed.get_world_size() > 1 else set()
+        assert more | {"aten.copy_", "aten.mul_", "yafsdp.accumulate_"} <= reduce_ops, reduce_ops
+        assert "grad0_accum" in model.owned_tensors() and "_accum" in " ".join(
+            n for entry in chk.log if entry[0] == "kernel" for n, *_ in entry[5]), "the accumulator was never written"
     assert any(op.startswith("c10d.") for _, op, _ in comm_side) and not stray, stray[:5]
     return chk.report(), [str(r) for r in chk.races], chk.kernels, losses
 
@@ -223,11 +237,15 @@ FAULTS = {
     "fp8_copies_written_once": (dict(zero=3, bf16=True, opt="fused_adamw", fp8=True), "fp8",
                                 ("yafsdp.adamw_step_fp8_", "c10d._allgather_base_")),
     "fp8_expand_after_ready": (dict(zero=3, bf16=True, opt="adamw", fp8=True), "weight", ("yafsdp.fp8_expand_",)),
+    # fp32 accumulation: the next micro-batch's grad writes race the exchange of the pieces (the
+    # all-to-all's own slice is a copy at world 1) and the fp32 fold writes the grad shard unordered
+    "accum_wait_reduced": (dict(zero=3, bf16=True, opt="adamw", accum=2, reduce_bf16=True, reduce_accum=True),
+                           "grad", ("aten.copy_",)),
 }
 
 
 def _with_fault(rank, world, fault):
-    _drop_edge(fault.removeprefix("fp8_"))
+    _drop_edge(fault.removeprefix("fp8_").removeprefix("accum_"))
     case = FAULTS[fault][0]
     return _run_case(rank, case)[1]
 

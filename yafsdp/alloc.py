@@ -139,9 +139,11 @@ def allocate(self, outsized_ratio: float) -> None:
         self.small.shape if self.small is not None else None,
         compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
         zero_stage=self.zero_stage, outsized_ratio=outsized_ratio, offload_frozen=frozen_host,
+        accumulate_fp32=self.reduce_accum_dtype is not None,
     )
     self.grad_buffers: list[GradBuffer] = [
-        GradBuffer(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule) for s in plan.grad
+        GradBuffer(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule, s.accum_capacity)
+        for s in plan.grad
     ]
     self.weight_buffers: list[WeightBuffer] = [
         WeightBuffer(s.name, s.capacity, s.dtype, dev, self.schedule, s.staging_bytes, s.landing_bytes)

@@ -21,6 +21,7 @@ from .autograd import gate_small_group, install_hooks, rest_small_group
 from .comm import make_schedule
 from .dist import check_collective
 from .plan.sizing import unit_align
+from .reduce_accum import check_reduce_accum
 from .optim_hooks import install_optimizer_hooks
 from .orig_params import ShardedParameter
 from .runtime import Runtime, in_backward
@@ -69,6 +70,7 @@ class YaFSDP(nn.Module):
         mesh=None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype = torch.float32,
+        reduce_accum_dtype: torch.dtype | None = None,
         zero_stage: int = 3,
         device: torch.device | str | None = None,
         align_bytes: int = 16,
@@ -94,6 +96,8 @@ class YaFSDP(nn.Module):
                 continue
             if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
                 raise ValueError(f"yafsdp.YaFSDP: {what}={dt!r} is not a floating-point torch.dtype")
+        # See [Note: narrow reduce, fp32 accumulation] in reduce_accum.py
+        reduce_accum_dtype = check_reduce_accum(reduce_accum_dtype, reduce_dtype, offload)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "yafsdp.YaFSDP needs torch.distributed: call torch.distributed.init_process_group() first "
@@ -126,6 +130,7 @@ class YaFSDP(nn.Module):
         self.param_dtype = param_dtype
         self.compute_dtype = param_dtype or torch.float32
         self.reduce_dtype = reduce_dtype
+        self.reduce_accum_dtype = reduce_accum_dtype  # torch.float32: reduce_dtype pieces summed in fp32; else None
 
         specs, small = discover(module, units)
         # See [Note: compact trainable gathers] in fp8.py
@@ -139,7 +144,7 @@ class YaFSDP(nn.Module):
             compute_dtype=self.compute_dtype, reduce_dtype=reduce_dtype, zero_stage=zero_stage,
             align=unit_align(self.compute_dtype, reduce_dtype, align_bytes), outsized_ratio=outsized_ratio,
             quantize_frozen=quantize_frozen, replicate_group=replicate, offload=offload, gather_dtype=gather_dtype,
-            gather_exclude=gather_exclude,
+            gather_exclude=gather_exclude, reduce_accum_dtype=reduce_accum_dtype,
         )
         self.quantize_frozen = quantize_frozen
         self.offload = offload

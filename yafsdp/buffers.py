@@ -138,15 +138,22 @@ class WeightBuffer:
 
 
 class GradBuffer:
-    """One grad buffer (1-D, ``reduce_dtype``) plus the shard-sized reduce-scatter output."""
+    """One grad buffer (1-D, ``reduce_dtype``) plus the shard-sized reduce-scatter output (with
+    fp32 accumulation: the all-to-all's landing and an fp32 accumulator)."""
 
     def __init__(self, name: str, capacity: int, shard_capacity: int, dtype: torch.dtype, device: torch.device,
-                 schedule):
+                 schedule, accum_capacity: int = 0):
         self.name = name
         # Unit gradients, written by the unit's backward gate, read by the reduce-scatter.
         self.data = torch.zeros(capacity, dtype=dtype, device=device)
-        # Reduce-scatter output, accumulated (scaled by 1/world) into the fp32 grad shard.
+        # Reduce-scatter output, accumulated (scaled by 1/world) into the fp32 grad shard. With fp32
+        # accumulation (accum_capacity > 0): the all-to-all's landing, every rank's piece of this
+        # rank's shard (world x shard, rank order). See [Note: narrow reduce, fp32 accumulation].
         self.staging = torch.zeros(shard_capacity, dtype=dtype, device=device)
+        # 1-D fp32, one shard: the scaled fp32 sum of the pieces when it is added to a grad shard
+        # (fp32 accumulation only; else empty).
+        self.accum = torch.zeros(accum_capacity, dtype=torch.float32, device=device)
+        self.pieces = accum_capacity > 0
         self.schedule = schedule
         self.sync = schedule.grad_sync()  # the schedule's ordering state for this buffer
 
@@ -162,7 +169,13 @@ class GradBuffer:
     def reduce(self, unit: str, numel: int, shard_numel: int, fold: Callable[[torch.Tensor], None],
                host_fold: Callable[[], None] | None = None) -> None:
         """Reduce-scatter the first ``numel`` elements; ``fold(reduced shard)`` runs after it, and
-        ``host_fold()`` on the host once that has completed (offload; see ``Schedule.reduce``)."""
+        ``host_fold()`` on the host once that has completed (offload; see ``Schedule.reduce``).
+        With fp32 accumulation ``fold`` gets the pieces instead: (world, shard_numel), rank order."""
+        if self.pieces:
+            pieces = self.staging[:numel]
+            self.schedule.reduce(self.sync, pieces, self.data[:numel], unit,
+                                 lambda: fold(pieces.view(-1, shard_numel)), host_fold, pieces=True)
+            return
         staging = self.staging[:shard_numel]
         self.schedule.reduce(self.sync, staging, self.data[:numel], unit, lambda: fold(staging), host_fold)
 

@@ -20,6 +20,10 @@ slower for the sizes of a unit (two ranks, one thread each, 32 MB unit):
   contribution to its own slice into ``shard_out``; ``wait()`` then adds the local slice. No
   extra memory. For worlds above 2 receiving every peer's slice at once would need
   (world - 1) shards of room, so the list-form gloo reduce-scatter is used there.
+- All-to-all (the reduce with fp32 accumulation: [Note: narrow reduce, fp32 accumulation] in
+  reduce_accum.py): each rank sends every peer that peer's slice of its input and receives each
+  peer's slice of its own into that peer's row of the output (which has that room by design);
+  its own row is a local copy. Any world size.
 
 Messages carry a tag from a per-group counter; every rank issues the engine's collectives in the
 same order (as NCCL requires too), so the tags agree and concurrent collectives cannot be
@@ -230,6 +234,39 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool 
     if _is_gloo(group) and dist.get_world_size(group) > 1:
         return _gloo_all_gather(output, shard, group, async_op)
     return _all_gather(output, shard, group=group, async_op=async_op)
+
+
+def _gloo_all_to_all(output: torch.Tensor, full: torch.Tensor, group, async_op: bool):
+    world, rank, peers = _peers(group)
+    if output.numel() != full.numel() or full.numel() % world:
+        raise ValueError(
+            f"yafsdp all_to_all: output has {output.numel()} elements and input {full.numel()}; expected the same, "
+            f"a multiple of world ({world})"
+        )
+    rows, pieces = output.chunk(world), full.chunk(world)
+    tag = _next_tag(group)
+    works = []
+    for p, gp in peers:
+        works.append(dist.irecv(rows[p], gp, group=group, tag=tag))
+    for p, gp in peers:
+        works.append(dist.isend(pieces[p], gp, group=group, tag=tag))
+    rows[rank].copy_(pieces[rank])
+    work = P2PWork(works)
+    if not async_op:
+        work.wait()
+        return None
+    return work
+
+
+def all_to_all(output: torch.Tensor, full: torch.Tensor, group, async_op: bool = True):
+    """output (world, n) rows <- row ``r``: rank ``r``'s ``full.chunk(world)[this rank]``: every rank's
+    piece of this rank's shard, in rank order (``output`` and ``full`` have the same numel).
+
+    ``full`` is scratch: on gloo it must not be written until the handle's ``wait()`` returned."""
+    group = group if group is not None else dist.group.WORLD
+    if _is_gloo(group):  # world 1 included: no peers, the local copy
+        return _gloo_all_to_all(output, full, group, async_op)
+    return dist.all_to_all_single(output, full, group=group, async_op=async_op)
 
 
 def reduce_scatter(shard_out: torch.Tensor, full: torch.Tensor, group, async_op: bool = True):

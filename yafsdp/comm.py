@@ -24,6 +24,10 @@ Which stream every kernel of the CUDA schedule runs on, and why:
   compute kernels): every gather and every reduce-scatter of the step and the fold of a reduced
   shard into the fp32 grad shard (it reads the reduce's output, so it belongs right behind it;
   it is the only non-collective kernel there, and it runs after the reduce, never in front of one);
+  with ``reduce_accum_dtype`` the reduce is an all-to-all into the grad buffer's landing and the
+  fold the fp32 sum of its pieces, through the grad buffer's accumulator (both touched by the comm
+  stream only, in its order, like the reduce-scatter's staging: no new event; see [Note: narrow
+  reduce, fp32 accumulation] in reduce_accum.py);
   HSDP: the all-reduce of grad shards across replicas, both kinds (see [Note: the cross-replica
   all-reduce] in hsdp.py): overlapped, right behind a unit's fold in the same comm-stream block
   and before the grad buffer's ``done`` (with, on a mispredicted step only, the ``1/replicas``
@@ -107,7 +111,7 @@ from typing import Callable
 
 import torch
 
-from .collectives import all_gather, all_reduce, reduce_scatter
+from .collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from .dist import CollectiveError, check_collective, debug_sync
 from .trace import span
 
@@ -232,10 +236,14 @@ class Schedule:
         """The compute side's use of this weight buffer ended (the next gather may overwrite it)."""
 
     def reduce(self, sync: _GradSync, out: torch.Tensor, full: torch.Tensor, unit: str,
-               fold: Callable[[], None], host_fold: Callable[[], None] | None = None) -> None:
+               fold: Callable[[], None], host_fold: Callable[[], None] | None = None,
+               pieces: bool = False) -> None:
         """Issue the reduce-scatter of ``full`` (a grad buffer) into ``out``, then ``fold()``;
         ``host_fold()``, when given, runs on the host once ``fold``'s work has completed (offload:
-        after the grads landed on the host; by :meth:`finish_host_folds` at the latest)."""
+        after the grads landed on the host; by :meth:`finish_host_folds` at the latest).
+        ``pieces``: an all-to-all instead, ``out`` (as large as ``full``) receives every rank's piece
+        of this rank's shard and ``fold()`` sums them (see [Note: narrow reduce, fp32 accumulation]
+        in reduce_accum.py)."""
         raise NotImplementedError
 
     def finish_host_folds(self) -> None:
@@ -370,13 +378,14 @@ class StreamSchedule(Schedule):
     def released(self, sync):
         sync.released.record(self.streams.current_stream())
 
-    def reduce(self, sync, out, full, unit, fold, host_fold=None):
+    def reduce(self, sync, out, full, unit, fold, host_fold=None, pieces=False):
+        collective = all_to_all if pieces else reduce_scatter
         with span("reduce", unit):
             sync.grads_ready.record(self.streams.current_stream())
             with self.streams.use(self.comm):
                 self.comm.wait_event(sync.grads_ready)
                 with self._timed("reduce", unit):
-                    reduce_scatter(out, full, self.group, async_op=False)  # on the comm stream
+                    collective(out, full, self.group, async_op=False)  # on the comm stream
                     self._count("reduce", unit, full)
                     fold()
                 for grad, name in self._after_fold:  # HSDP: behind the fold, before `done`
@@ -464,13 +473,13 @@ class HandleSchedule(Schedule):
                 with span("expand", sync.unit):
                     expand()
 
-    def reduce(self, sync, out, full, unit, fold, host_fold=None):
+    def reduce(self, sync, out, full, unit, fold, host_fold=None, pieces=False):
         rec = self.recorder
         if host_fold is not None:  # the host is the compute side: both at the wait
             fold = _then(fold, host_fold)
         with span("reduce", unit):
             t = rec.now() if rec else None
-            work = reduce_scatter(out, full, self.group, async_op=True)
+            work = (all_to_all if pieces else reduce_scatter)(out, full, self.group, async_op=True)
             sync.pending = (work, fold, unit)
             self._count("reduce", unit, full)
             if rec:
@@ -551,9 +560,9 @@ class CheckedSchedule:
         check_collective(f"gather of unit {unit!r}", self.group)
         self.inner.gather(sync, out, shard, unit, expand, stage)
 
-    def reduce(self, sync, out, full, unit, fold, host_fold=None):
-        check_collective(f"reduce-scatter of unit {unit!r}", self.group)
-        self.inner.reduce(sync, out, full, unit, fold, host_fold)
+    def reduce(self, sync, out, full, unit, fold, host_fold=None, pieces=False):
+        check_collective(f"{'all-to-all' if pieces else 'reduce-scatter'} of unit {unit!r}", self.group)
+        self.inner.reduce(sync, out, full, unit, fold, host_fold, pieces)
 
     def replicate(self, grad, unit):
         check_collective(f"all-reduce across replicas of {unit!r}", self.inner.replicate_group)

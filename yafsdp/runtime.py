@@ -40,6 +40,7 @@ from .comm import Schedule
 from .hsdp import ReplicaSync
 from .orig_params import run_grad_hooks
 from .plan.sizing import unit_shape
+from .reduce_accum import fold_pieces_
 from .shard_grad import grad_view, plain
 from .shard_hooks import fire as fire_shard_hooks
 from .trace import span
@@ -85,7 +86,8 @@ class Runtime:
     def __init__(self, specs: list[UnitSpec], small: list, *, schedule: Schedule, group, world_size: int, rank: int,
                  device: torch.device, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, zero_stage: int,
                  align: int, outsized_ratio: float, quantize_frozen: str | None = None, replicate_group=None,
-                 offload: str | None = None, gather_dtype: str | None = None, gather_exclude: tuple[str, ...] = ()):
+                 offload: str | None = None, gather_dtype: str | None = None, gather_exclude: tuple[str, ...] = (),
+                 reduce_accum_dtype: torch.dtype | None = None):
         self.schedule = schedule
         # offload="optimizer": master and grad shards (and so the optimizer) on the host. See
         # [Note: host and device tensors] in alloc.py.
@@ -101,6 +103,9 @@ class Runtime:
         self.device = device
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
+        # torch.float32: reduces move reduce_dtype pieces and sum them in fp32; None: they sum in
+        # reduce_dtype. See [Note: narrow reduce, fp32 accumulation] in reduce_accum.py.
+        self.reduce_accum_dtype = reduce_accum_dtype
         self.zero_stage = zero_stage
         self.quantize_frozen = quantize_frozen  # "nf4" or None: see [Note: NF4 frozen groups] in nf4.py
         # "fp8" or None: trainable groups gathered compact, see [Note: compact trainable gathers] in fp8.py
@@ -208,6 +213,8 @@ class Runtime:
         for s in self.grad_buffers:
             out[s.name] = s.data
             out[s.name + "_staging"] = s.staging
+            if s.accum.numel():
+                out[s.name + "_accum"] = s.accum
         return out
 
     def stored_shards(self) -> Iterator[StoredShard]:
@@ -521,10 +528,14 @@ class Runtime:
         # the SUM all-reduce across replicas gives DDP's average).
         scale = 1.0 / (self.world_size * self.replicas)
 
+        accum = unit.grad_buffer.accum
+
         def fold_local(reduced: torch.Tensor) -> None:
             """grad shard (+)= reduced sum / world."""
             with torch.no_grad():
-                if fresh:
+                if reduced.dim() == 2:  # every rank's piece: [Note: narrow reduce, fp32 accumulation]
+                    fold_pieces_(target, reduced, scale, not fresh, accum[:target.numel()])
+                elif fresh:
                     kernels.cast_(target, reduced, scale)  # scaled in fp32, rounded once
                 else:
                     kernels.accumulate_(target, reduced, scale)

@@ -26,6 +26,9 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
                     help="compute dtype of the gathered weights (the master shards stay fp32)")
     ap.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                     help="dtype of the grad buffers and of the reduce-scatter")
+    ap.add_argument("--reduce-accum-dtype", default=None, choices=["fp32"],
+                    help="sum the reduce_dtype pieces in fp32 (an all-to-all landing and an fp32 accumulator per grad "
+                    "buffer; docs/reduce.md)")
     ap.add_argument("--zero-stage", type=int, default=3, choices=[2, 3],
                     help="3: two alternating weight buffers; 2: one gathered copy per unit")
     ap.add_argument("--outsized-ratio", type=float, default=1.5,
@@ -91,6 +94,7 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
                            "and leave out --checkpointing")
     plan = (_choose if a.budget is not None else memory_plan)(
         model, world_size=shard, rank=a.rank, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype,
+        reduce_accum_dtype=a.reduce_accum_dtype,
         zero_stage=a.zero_stage, outsized_ratio=a.outsized_ratio, optimizer=a.optimizer,
         batch=a.batch, seq=a.seq, checkpointing=a.checkpointing, attention=a.attention,
         quantize_frozen="nf4" if a.frozen_base == "nf4" else None,

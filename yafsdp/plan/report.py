@@ -60,6 +60,8 @@ class MemoryPlan:
     grad_landing: int = 0
     fp8: int = 0  # FP8 records of the trainable groups gathered compact (gather_dtype="fp8")
     gather_dtype: str | None = None
+    # "fp32": the reduce_dtype pieces are summed in fp32 (reduce_accum_dtype; yafsdp/reduce_accum.py)
+    reduce_accum_dtype: str | None = None
     activations: ActivationEstimate | None = None
     notes: list[str] = field(default_factory=list)
     # host bytes the streaming HF loader adds at its peak (yafsdp.hf_stream.load_host_bytes)
@@ -149,6 +151,8 @@ class MemoryPlan:
             if s.kind == "grad":
                 out[s.name] = s.capacity * itemsize(s.dtype)
                 out[s.name + "_staging"] = s.shard_capacity * itemsize(s.dtype)
+                if s.accum_capacity:
+                    out[s.name + "_accum"] = 4 * s.accum_capacity
         return out
 
     def rows(self) -> list[tuple[str, int]]:
@@ -209,7 +213,8 @@ class MemoryPlan:
     def format(self) -> str:
         lines = [
             f"yafsdp memory plan: world_size={self.world_size} rank={self.rank} zero_stage={self.zero_stage} "
-            f"param_dtype={self.param_dtype} reduce_dtype={self.reduce_dtype}",
+            f"param_dtype={self.param_dtype} reduce_dtype={self.reduce_dtype}"
+            + (f" reduce_accum_dtype={self.reduce_accum_dtype}" if self.reduce_accum_dtype else ""),
             f"  parameters Psi={self.num_params:,}  local shard={self.shard_numel:,} elements  "
             f"largest regular unit L={self.largest_unit:,} elements  units={len(self.units)}",
         ]
@@ -288,6 +293,7 @@ def memory_plan(
     gather_dtype: str | None = None,
     gather_exclude=None,
     async_save: bool = False,
+    reduce_accum_dtype=None,
 ) -> MemoryPlan:
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
     or a plain module (any device, meta included; nothing is allocated) with the engine options
@@ -306,6 +312,7 @@ def memory_plan(
         weight_free = [u.weight_free_bw for u in eng.units]
         world_size, rank = eng.world_size, eng.rank
         compute_dtype, reduce_dtype, zero_stage = eng.compute_dtype, eng.reduce_dtype, eng.zero_stage
+        accum = eng.reduce_accum_dtype
         param_dtype = eng.param_dtype
         quantize_frozen = eng.quantize_frozen
         offload = eng.offload
@@ -336,9 +343,13 @@ def memory_plan(
         layouts = [unit_shape(s.params, world_size, rank, align, quantize, gather_dtype, exclude) for s in specs]
         small = (unit_shape(small_params, world_size, rank, align, quantize, gather_dtype, exclude)
                  if small_params else None)
+        from ..reduce_accum import check_reduce_accum
+
+        accum = check_reduce_accum(as_dtype(reduce_accum_dtype), reduce_dtype, offload)
         slots = plan_buffers(
             names, layouts, small, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
             zero_stage=zero_stage, outsized_ratio=outsized_ratio, offload_frozen=offload == "all",
+            accumulate_fp32=accum is not None,
         )
         module = model
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
@@ -372,6 +383,7 @@ def memory_plan(
         compute_copy=0 if compute_dtype == torch.float32 and offload is None else cbytes * compute_shard,
         optimizer_state=opt_bytes * shard, frozen=cbytes * frozen_shard, nf4=nf4_bytes,
         quantize_frozen=quantize_frozen, offload=offload, fp8=fp8_bytes, gather_dtype=gather_dtype,
+        reduce_accum_dtype=dtype_name(accum) if accum is not None else None,
         compute_host=cbytes * shard if offload is not None and compute_dtype != torch.float32 else 0,
         grad_landing=itemsize(reduce_dtype) * shard if offload is not None else 0,
     )

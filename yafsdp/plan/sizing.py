@@ -39,10 +39,15 @@ class BufferSpec:
     # weight slots with offload="all": bytes of the device landing a unit's host frozen shard and NF4
     # record are copied into before their all-gathers (see [Note: the frozen landing]); else 0
     landing_bytes: int = 0
+    # grad slots with fp32 accumulation: fp32 elements of the accumulator (one shard); the staging
+    # (shard_capacity) is then the all-to-all's landing, world x shard. See [Note: narrow reduce,
+    # fp32 accumulation] in reduce_accum.py. Else 0.
+    accum_capacity: int = 0
 
     @property
     def nbytes(self) -> int:
-        return (self.capacity + self.shard_capacity) * itemsize(self.dtype) + self.staging_bytes + self.landing_bytes
+        return ((self.capacity + self.shard_capacity) * itemsize(self.dtype) + self.staging_bytes + self.landing_bytes
+                + 4 * self.accum_capacity)
 
 
 @dataclass
@@ -206,6 +211,7 @@ def plan_buffers(
     zero_stage: int,
     outsized_ratio: float,
     offload_frozen: bool = False,
+    accumulate_fp32: bool = False,
 ) -> BufferPlan:
     """The weight and grad buffers for units with ``layouts`` (and the small group): pure, no
     allocation. See [Note: one plan, one allocator]."""
@@ -230,10 +236,12 @@ def plan_buffers(
         return small if i == len(layouts) else layouts[i]
 
     def grad_slot(name: str, members: list[int], role: str) -> int:
-        grad.append(BufferSpec(
-            name, "grad", max(lay(i).trainable.padded_numel for i in members),
-            max(lay(i).trainable.shard_numel for i in members), reduce_dtype, role,
-        ))
+        capacity = max(lay(i).trainable.padded_numel for i in members)
+        shard = max(lay(i).trainable.shard_numel for i in members)
+        # fp32 accumulation (accumulate_fp32): the staging is the all-to-all's landing (every rank's
+        # piece of the shard: as large as the buffer), plus one fp32 shard to sum into.
+        grad.append(BufferSpec(name, "grad", capacity, capacity if accumulate_fp32 else shard, reduce_dtype, role,
+                               accum_capacity=shard if accumulate_fp32 else 0))
         return len(grad) - 1
 
     # Grad buffers serve the units with a trainable group; a unit that is all frozen has none.
