@@ -133,27 +133,47 @@ def stream_order(rt, keys) -> list[list[tuple[str, str, object]]]:
     return out
 
 
-def _gather_unit(rt, u, group, rank: int) -> tuple[list, dict]:
+def _gather_unit(rt, u, group, rank: int, spares: list) -> tuple[list, dict]:
     """Collective: every flat group of unit ``u`` gathered; rank 0 gets (the flat buffers, the
-    views of each parameter by ``id(ParamInfo)``), the others ([], {})."""
+    views of each parameter by ``id(ParamInfo)``), the others ([], {}).
+
+    An fp32 group is gathered into the unit's idle fp32 grad buffer when it fits (memory the
+    engine holds anyway), else into ``spares[i]`` (the i-th such group of the unit), a buffer kept
+    over the whole stream and grown to the largest group: not a new buffer per unit, because the
+    received chunk of a finished gloo all-gather stays referenced by the transport until the next
+    one (measured: the previous unit's buffer is freed only after the next unit's is allocated),
+    which with a fresh buffer per unit would hold two units at a time."""
     flats, values = [], {}
-    scratch_free = True
+    grad_buffer_free, slot = True, 0
     for g in u.groups:
         shard = rt.to_device(g.shard.detach())  # offload: the host master, moved for the collective
+        n = g.layout.padded_numel
         if g.kind.compact is not None:  # the records, expanded: the values the model computes with
             records = torch.empty(g.staging_bytes, dtype=torch.uint8, device=rt.device)
             collectives.all_gather(records, shard, group, async_op=False)
             full = nf4.dequantize_record(records, g.layout.shard_numel, g.kind.gather_dtype)
             del records
-        elif shard.dtype == torch.float32 and scratch_free:
-            full = rt.fp32_scratch(u, g)  # the idle grad buffer when there is one: no new memory
-            scratch_free = False  # a second fp32 group of the unit cannot share it: it is still read
-            collectives.all_gather(full, shard, group, async_op=False)
+            count = True
         else:
-            full = torch.empty(g.layout.padded_numel, dtype=shard.dtype, device=rt.device)
+            gs = u.grad_buffer
+            if (grad_buffer_free and shard.dtype == torch.float32 and gs is not None and gs.data.dtype == torch.float32
+                    and gs.capacity >= n and not gs.reduce_pending):
+                full, grad_buffer_free, count = gs.data[:n], False, True
+            else:
+                if slot == len(spares):
+                    spares.append(None)
+                have = spares[slot]
+                if have is None or have.dtype != shard.dtype or have.numel() < n:
+                    spares[slot] = have = None  # the old one goes before the larger one is made
+                    have = spares[slot] = torch.empty(n, dtype=shard.dtype, device=rt.device)
+                    if rank == 0 and have.device.type == "cpu":
+                        LEDGER.hold(have)
+                full, slot, count = have[:n], slot + 1, False
             collectives.all_gather(full, shard, group, async_op=False)
         if rank == 0:
-            flats.append(LEDGER.hold(full) if full.device.type == "cpu" else full)
+            # counted while in use: the NF4 output (new per unit) and a grad-buffer view (memory the
+            # engine holds anyway, but it is the unit the stream holds); a spare once, when made
+            flats.append(LEDGER.hold(full) if count and full.device.type == "cpu" else full)
             for p, v in zip(g.params, g.layout.views(full)):
                 values[id(p)] = v
     return flats, values
@@ -169,8 +189,9 @@ def iter_units(rt, keys, group, rank: int, what: str = "iter_full_state_dict()"
     export]."""
     check_collective(what, group)
     order = stream_order(rt, keys)
+    spares: list = []  # See _gather_unit
     for u, unit_entries in zip(rt.all, order):
-        flats, values = _gather_unit(rt, u, group, rank)
+        flats, values = _gather_unit(rt, u, group, rank, spares)
         out = {key: values[id(ref)] for key, _, ref in unit_entries} if rank == 0 else None
         del values
         yield out
@@ -305,6 +326,11 @@ def _numel(shape) -> int:
     return n
 
 
+def _write_unit(writer: ShardWriter, items: list) -> None:
+    for key, t, via in items:
+        writer.write(key, t, via)
+
+
 def stream_to_writer(units, transform, writer: ShardWriter | None, group, where: str) -> None:
     """Collective: drive generator ``units`` (from :func:`iter_units`) to the end on every rank;
     on the coordinator (``writer`` set) pass each unit's dict through ``transform`` (returns
@@ -314,8 +340,7 @@ def stream_to_writer(units, transform, writer: ShardWriter | None, group, where:
     for values in units:
         if writer is not None and problem is None:
             try:
-                for key, t, via in transform(values):
-                    writer.write(key, t, via)
+                _write_unit(writer, transform(values))  # a function: its loop variables die with it
             except (OSError, ExportError, RuntimeError) as e:
                 writer.abort()
                 problem = f"{where}: {type(e).__name__}: {e}"
