@@ -55,6 +55,12 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def shard_size(args) -> int | str:
+    """--max-shard-size as ``export_hf`` takes it: digits are bytes, anything else HF's size strings."""
+    v = str(args.max_shard_size)
+    return int(v) if v.isdigit() else v
+
+
 def build_parser(prog: str = "pretrain_llama.py",
                  description: str = "Pretrain a Llama with yafsdp (launch with torchrun; see the file's docstring).",
                  ) -> argparse.ArgumentParser:
@@ -135,6 +141,9 @@ def build_parser(prog: str = "pretrain_llama.py",
                    help="no training: load the newest checkpoint in --out (or --resume PATH) and write --export-hf")
     g.add_argument("--export-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the exported weights")
+    g.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest safetensors file of an export (bytes, or 5GB, 500MB, 2GiB as Hugging Face writes "
+                   "them); a larger model is written as model-0000i-of-0000n.safetensors + an index")
     g.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also log the metrics to this TensorBoard directory (needs the tensorboard package)")
     g.add_argument("--peak-tflops", type=float, default=None,
@@ -168,6 +177,12 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error(f"--val-fraction must be in [0, 0.5), got {args.val_fraction}")
     if args.lr <= 0:
         p.error(f"--lr must be > 0, got {args.lr}")
+    from yafsdp.export import ExportError, parse_size
+
+    try:
+        parse_size(shard_size(args))
+    except ExportError as e:
+        p.error(f"--max-shard-size: {e}")
     if args.export_only and not args.export_hf:
         p.error("--export-only needs --export-hf DIR: the directory to write the Hugging Face export to")
     if args.export_only and args.overwrite:
@@ -808,6 +823,7 @@ class Job:
         return self.export()
 
     def export(self):
+        """Collective: --export-hf, streamed unit by unit (yafsdp.hf.export_hf), sharded by --max-shard-size."""
         from yafsdp.hf import export_hf
 
         a = self.args
@@ -826,7 +842,7 @@ class Job:
             tid = getattr(self.tokenizer, f"{key}_id", None)
             if tid is not None:
                 setattr(cfg, f"{key}_token_id", int(tid))
-        export_hf(self.model, a.export_hf, dtype=dtype, tokenizer=tok)
+        export_hf(self.model, a.export_hf, dtype=dtype, tokenizer=tok, max_shard_size=shard_size(a))
         check = None
         if self.main and self.n_params <= 200_000_000:  # reload on rank 0 and compare the logits
             from transformers import LlamaForCausalLM
@@ -872,7 +888,9 @@ class Job:
             if check:
                 extra = (f"; reloaded with from_pretrained: {check['missing']} missing, {check['unexpected']} unexpected "
                          f"keys, max |logit diff| {check['max_abs_diff']:.2e}")
-            self.say(f"export   {path}: config.json + model.safetensors ({a.export_dtype}){extra}")
+            files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")) if self.main else []
+            weights = files[0] if len(files) == 1 else f"{len(files)} safetensors files + model.safetensors.index.json"
+            self.say(f"export   {path}: config.json + {weights} ({a.export_dtype}){extra}")
         if not a.export_only:
             self.say(f"files    {self.metrics_path}, {self.png_path}, "
                      f"{getattr(self, 'last_checkpoint', '(no checkpoint)')}")
