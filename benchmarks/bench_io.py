@@ -38,6 +38,7 @@ GiB = 1 << 30
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="llama3-1b")
+    ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: the preset's)")
     ap.add_argument("--small", action="store_true", help="a tiny Llama (checks the script, not the goals' scale)")
     ap.add_argument("--dir", default=None, help="where the checkpoint is made (default: a folder in /tmp, removed)")
     ap.add_argument("--ckpt-shard-size", default="1GB", help="file size of the made checkpoint (HF sharding)")
@@ -51,7 +52,7 @@ def parse(argv=None):
     a = ap.parse_args(argv)
     a.argv = " ".join(sys.argv)
     if a.small:
-        a.preset, a.ckpt_shard_size, a.max_shard_size = "tiny", "200KB", "200KB"
+        a.preset, a.ckpt_shard_size, a.max_shard_size = "tiny", "100KB", "100KB"
     return a
 
 
@@ -102,7 +103,7 @@ def make_checkpoint(a, path: str) -> dict:
 
     from transformers import LlamaForCausalLM
 
-    cfg = llama_config(a.preset)
+    cfg = llama_config(a.preset, **({"num_hidden_layers": a.layers} if a.layers else {}))
     with meta_parameters():
         meta = LlamaForCausalLM(cfg)
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
@@ -265,7 +266,8 @@ def main(argv=None):
     own_dir = a.dir is None
     root = a.dir or tempfile.mkdtemp(prefix="bench_io_", dir="/tmp")
     os.makedirs(root, exist_ok=True)
-    a.ckpt, a.out = os.path.join(root, f"ckpt_{a.preset}"), os.path.join(root, "out")
+    a.ckpt = os.path.join(root, f"ckpt_{a.preset}" + (f"_{a.layers}layers" if a.layers else ""))
+    a.out = os.path.join(root, "out")
     lines = []
 
     def say(s=""):
@@ -275,7 +277,7 @@ def main(argv=None):
     try:
         disk = shutil.disk_usage(root)
         ck = make_checkpoint(a, a.ckpt)
-        say(f"checkpoint: {a.preset}, {ck['params']:,} parameters, bf16, {ck['files']} files, "
+        say(f"checkpoint: {a.preset}" + (f" with {a.layers} layers" if a.layers else "") + f", {ck['params']:,} parameters, bf16, {ck['files']} files, "
             f"{ck['bytes'] / GiB:.2f} GiB in {a.ckpt} ({disk.free / GiB:.0f} GiB free there); "
             f"reading the files: {ck['read_s']:.2f} s = {ck['read_gbps']:.2f} GB/s (page cache warm)")
         results = {}
