@@ -8,9 +8,10 @@
     yafsdp.adapters.export_merged(model, "runs/merged")     # collective: W + scaling * B @ A
     # later: LlamaForCausalLM.from_pretrained("runs/merged")
 
-The adapter is taken from the full state dict (gathered one unit at a time, on rank 0) with PEFT's
-own ``get_peft_model_state_dict`` (run while the modules show their original parameters:
-``state_dict.original_structure``), so the file holds what PEFT's ``save_pretrained`` writes --
+The adapter is taken from the units streamed by (gathered one at a time, on rank 0, keeping only the
+adapter's keys: ``_adapter_tensors``) with PEFT's own ``get_peft_model_state_dict`` (run while the
+modules show their original parameters: ``state_dict.original_structure``), so the file holds what
+PEFT's ``save_pretrained`` writes --
 LoRA/DoRA matrices, ``modules_to_save`` copies, trainable-token deltas -- and is written as ``adapter_model.safetensors`` +
 ``adapter_config.json`` into a temporary folder renamed at the end (a failed save leaves no partial
 directory behind).
