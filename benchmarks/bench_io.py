@@ -277,7 +277,8 @@ def main(argv=None):
     try:
         disk = shutil.disk_usage(root)
         ck = make_checkpoint(a, a.ckpt)
-        say(f"checkpoint: {a.preset}" + (f" with {a.layers} layers" if a.layers else "") + f", {ck['params']:,} parameters, bf16, {ck['files']} files, "
+        say(f"checkpoint: {a.preset}" + (f" with {a.layers} layers" if a.layers else "")
+            + f", {ck['params']:,} parameters, bf16, {ck['files']} files, "
             f"{ck['bytes'] / GiB:.2f} GiB in {a.ckpt} ({disk.free / GiB:.0f} GiB free there); "
             f"reading the files: {ck['read_s']:.2f} s = {ck['read_gbps']:.2f} GB/s (page cache warm)")
         results = {}

@@ -104,7 +104,8 @@ def parse_size(size) -> int:
     if not m:
         raise ExportError(f"max_shard_size={size!r} is not a size: use an int or e.g. '5GB', '500MB', '2GiB'")
     number, unit = float(m.group(1)), m.group(2)
-    scale = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit.upper()]
+    scale = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit.upper()]
     value = int(number * scale)
     if unit.endswith("b") and unit.upper() != "B":
         value //= 8  # bits
@@ -334,8 +335,9 @@ def _write_unit(writer: ShardWriter, items: list) -> None:
 def stream_to_writer(units, transform, writer: ShardWriter | None, group, where: str) -> None:
     """Collective: drive generator ``units`` (from :func:`iter_units`) to the end on every rank;
     on the coordinator (``writer`` set) pass each unit's dict through ``transform`` (returns
-    ``[(key, tensor, via)]`` in plan order; ``via``: see :meth:`ShardWriter.write`) into ``writer``. A failure on the coordinator is raised on
-    every rank at the end of that unit (``ExportError``, naming ``where``)."""
+    ``[(key, tensor, via)]`` in plan order; ``via``: see :meth:`ShardWriter.write`) into
+    ``writer``. A failure on the coordinator is raised on every rank at the end of that unit
+    (``ExportError``, naming ``where``)."""
     problem = None
     for values in units:
         if writer is not None and problem is None:
