@@ -7,8 +7,9 @@
     ...
     export_hf(model, out_dir)                        # collective: streamed unit by unit, HF's sharded layout
 
-Only rank 0 reads or writes weight files, one whole state dict in host memory; no rank holds the
-whole model on its device (the engine moves one flat unit at a time).
+Only rank 0 reads weight files, one whole state dict in host memory. Exports stream: the
+coordinator writes each gathered unit as it arrives, holding one unit, never the model
+([Note: streaming export] in export.py). No rank holds the whole model on its device.
 """
 from __future__ import annotations
 
