@@ -333,7 +333,8 @@ class FinetuneJob(J.Job):
             os.replace(part, adapter)
         merged = None
         if a.merge_export:
-            merged = export_merged(self.model, a.merge_export)
+            dtype = torch.bfloat16 if a.export_dtype == "bfloat16" else torch.float32
+            merged = export_merged(self.model, a.merge_export, dtype=dtype, max_shard_size=J.shard_size(a))
         probe = self.val.examples[:1, 0] if (self.instructions and self.val is not None) else None
         if probe is None:
             probe = torch.arange(min(32, a.seq_len)).view(1, -1) % self.shape["vocab_size"]

@@ -199,3 +199,17 @@ def test_bench_finetune_cpu(tmp_path):
     assert r["gathered"]["ratio"] <= 0.30
     plan = r["plans"]["yafsdp-lora+offload"]
     assert plan["host_total"] > 0 and plan["placement"]["master"] == "host"
+
+
+def test_bench_io_small(tmp_path):
+    """bench_io.py at the tiny size, one row (load + streamed export + the old export): the table,
+    the goals with their verdicts, and nothing left in the folder but the made checkpoint."""
+    j = tmp_path / "io.json"
+    text = _run("bench_io.py", "--small", "--rows", "export,old_export", "--dir", str(tmp_path / "io"),
+                "--json", str(j))
+    assert "load_hf_weights" in text and "export_hf (streaming)" in text and "goals (issue 24):" in text
+    assert "export writer: growth" in text and "load throughput" in text
+    r = json.loads(j.read_text())
+    assert r["checkpoint"]["files"] >= 3 and len(r["results"]["export"]) == 2
+    assert all(m["seconds"] > 0 for m in r["results"]["load"])
+    assert sorted(os.listdir(tmp_path / "io")) == ["ckpt_tiny", "result_load.json"]

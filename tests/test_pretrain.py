@@ -295,15 +295,21 @@ def test_export_only_generate_and_special_tokens(runs, tmp_path):
     shutil.copytree(runs["out"]["ref"], run, ignore=shutil.ignore_patterns("hf"))
     before = tree_digest(run)
     hf = str(tmp_path / "hf")
-    p = run_job(["--export-only", "--out", run, "--export-hf", hf], nproc=0)
+    whole = os.path.join(runs["out"]["ref"], "hf", "model.safetensors")
+    # --max-shard-size: a third of the model, so the export is HF's sharded layout (3 files + index)
+    p = run_job(["--export-only", "--out", run, "--export-hf", hf, "--max-shard-size", str(os.path.getsize(whole) // 3)],
+                nproc=0)
     assert "export only (--export-only): no training, the weights of step 12" in p.stdout
     assert "done     export only" in p.stdout and "steps 12 ->" not in p.stdout
     after = tree_digest(run)
     assert {k: v for k, v in after.items() if k != "events.jsonl"} == {k: v for k, v in before.items()
                                                                        if k != "events.jsonl"}
     assert events(run)[-1]["event"] == "export" and events(run)[-1]["check"]["max_abs_diff"] == 0.0
-    a, b = load_file(os.path.join(hf, "model.safetensors")), load_file(os.path.join(runs["out"]["ref"], "hf",
-                                                                                    "model.safetensors"))
+    files = sorted(n for n in os.listdir(hf) if n.endswith(".safetensors"))
+    assert len(files) >= 3 and os.path.isfile(os.path.join(hf, "model.safetensors.index.json")), files
+    assert f"config.json + {len(files)} safetensors files + model.safetensors.index.json" in p.stdout
+    a = {k: v for f in files for k, v in load_file(os.path.join(hf, f)).items()}
+    b = load_file(whole)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     cfg = json.load(open(os.path.join(hf, "config.json")))
     assert (cfg["pad_token_id"], cfg["bos_token_id"], cfg["eos_token_id"]) == (258, 256, 257)  # <pad>, <bos>, <eos>

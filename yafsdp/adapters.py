@@ -8,9 +8,10 @@
     yafsdp.adapters.export_merged(model, "runs/merged")     # collective: W + scaling * B @ A
     # later: LlamaForCausalLM.from_pretrained("runs/merged")
 
-The adapter is taken from the full state dict (gathered one unit at a time, on rank 0) with PEFT's
-own ``get_peft_model_state_dict`` (run while the modules show their original parameters:
-``state_dict.original_structure``), so the file holds what PEFT's ``save_pretrained`` writes --
+The adapter is taken from the units streamed by (gathered one at a time, on rank 0, keeping only the
+adapter's keys: ``_adapter_tensors``) with PEFT's own ``get_peft_model_state_dict`` (run while the
+modules show their original parameters: ``state_dict.original_structure``), so the file holds what
+PEFT's ``save_pretrained`` writes --
 LoRA/DoRA matrices, ``modules_to_save`` copies, trainable-token deltas -- and is written as ``adapter_model.safetensors`` +
 ``adapter_config.json`` into a temporary folder renamed at the end (a failed save leaves no partial
 directory behind).
@@ -45,19 +46,11 @@ def save_adapter(model, out_dir: str, adapter_name: str = "default") -> str | No
         problem = (f"yafsdp.adapters.save_adapter: the wrapped module ({type(inner).__name__}) has no PEFT adapter "
                    f"{adapter_name!r}" + (f" (it has {have})" if have else "; wrap a model made by peft.get_peft_model"))
     raise_together(problem, model.process_group, AdapterError)
-    sd = model.full_state_dict()  # collective; rank 0: every key of the PEFT model
+    adapter = _adapter_tensors(model, inner, adapter_name)  # collective; rank 0: the adapter's tensors
     if not model.coordinator:
         return None
-    from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from .state_dict import original_structure
-
-    # PEFT decides which keys belong to the adapter partly from the modules themselves (a
-    # modules_to_save wrapper lists its copy's state_dict() keys; tuner layers their own
-    # parameters): it must see them as they were before wrapping, the values coming from ``sd``.
-    with original_structure(model._rt, model._anchored):
-        adapter = get_peft_model_state_dict(inner, state_dict=sd, adapter_name=adapter_name)
     if not adapter:
         raise AdapterError(f"yafsdp.adapters.save_adapter: adapter {adapter_name!r} holds no tensors")
     tmp = out_dir.rstrip("/") + ".tmp-adapter"
@@ -87,6 +80,67 @@ def save_adapter(model, out_dir: str, adapter_name: str = "default") -> str | No
     return out_dir
 
 
+def _adapter_tensors(model, inner, adapter_name: str) -> dict | None:
+    """Collective. Rank 0: PEFT's ``get_peft_model_state_dict`` of the wrapped model, None elsewhere.
+
+    PEFT chooses the adapter's keys from their names and the modules (a modules_to_save wrapper
+    lists its copy's keys; tuner layers their own parameters), so it is asked twice: first with a
+    meta-device stand-in for every key (which keys does it pick?), then, after the model was
+    streamed unit by unit keeping only those keys, with their values. Rank 0 so holds the
+    adapter and one gathered unit, never the base model. Should PEFT build a tensor of its own
+    from the stand-ins (nothing the tests know of), the whole state dict is gathered as before."""
+    from peft import get_peft_model_state_dict
+
+    from .export import iter_units
+    from .state_dict import original_structure
+
+    ref_of = {key: (ref.shape, ref.dtype) if kind == "param" else (ref[0]._buffers[ref[1]].shape,
+                                                                   ref[0]._buffers[ref[1]].dtype)
+              for key, kind, ref in model._keys.entries}
+    probe = {k: torch.empty(shape, dtype=dt, device="meta") for k, (shape, dt) in ref_of.items()}
+    which = {id(v): k for k, v in probe.items()}
+    # See the module docstring: PEFT must see the modules as they were before wrapping.
+    with original_structure(model._rt, model._anchored):
+        picked = get_peft_model_state_dict(inner, state_dict=probe, adapter_name=adapter_name)
+    wanted = {which[id(v)] for v in picked.values() if id(v) in which}
+    model.check_idle("save_adapter")
+    if any(id(v) not in which for v in picked.values()):
+        sd = model.full_state_dict()  # PEFT computed something from the values: give it all of them
+    elif model.replica != 0:
+        return None
+    else:
+        sd = {}
+        for unit in iter_units(model._rt, model._keys, model.process_group, model.rank, "save_adapter()"):
+            for k, v in (unit or {}).items():
+                if k in wanted:
+                    sd[k] = v.to("cpu", ref_of[k][1], copy=True)
+            del unit
+        sd = {k: sd.get(k, probe[k]) for k in probe}
+    if not model.coordinator:
+        return None
+    with original_structure(model._rt, model._anchored):
+        adapter = get_peft_model_state_dict(inner, state_dict=sd, adapter_name=adapter_name)
+    meta = [k for k, v in adapter.items() if v.is_meta]
+    if meta:  # pragma: no cover - PEFT read a key it had not picked
+        raise AdapterError(f"yafsdp.adapters.save_adapter: PEFT's adapter state reads keys it did not select "
+                           f"({meta[:5]}); please report this")
+    return adapter
+
+
+def _split_layer(model, lora: dict, adapter_name: str) -> str | None:
+    """Why the streamed merge cannot run: a LoRA layer whose W, A and B sit in different units."""
+    from .export import stream_order
+
+    unit_of = {key: i for i, unit in enumerate(stream_order(model._rt, model._keys)) for key, _, _ in unit}
+    for name in lora:
+        keys = [f"{name}.base_layer.weight", f"{name}.lora_A.{adapter_name}.weight",
+                f"{name}.lora_B.{adapter_name}.weight"]
+        if len({unit_of.get(k) for k in keys}) != 1:
+            return (f"yafsdp.adapters.export_merged: LoRA layer {name!r} has its weight and its A/B matrices in "
+                    f"different units ({[unit_of.get(k) for k in keys]}); wrap so that each layer is in one unit")
+    return None
+
+
 def _lora_modules(inner, adapter_name: str) -> tuple[dict, str | None]:
     """The LoRA Linear modules of ``adapter_name`` by name, or a reason the merge cannot be made."""
     try:
@@ -110,11 +164,14 @@ def _lora_modules(inner, adapter_name: str) -> tuple[dict, str | None]:
     return found, problem
 
 
-def export_merged(model, out_dir: str, adapter_name: str = "default", *, dtype: torch.dtype = torch.float32,
-                  tokenizer=None) -> str | None:
+def export_merged(model, out_dir: str, adapter_name: str = "default", *, dtype: torch.dtype | None = None,
+                  tokenizer=None, max_shard_size: int | str = "5GB") -> str | None:
     """Collective. The base model with LoRA adapter ``adapter_name`` merged into it (``W + scaling *
-    B @ A``, in fp32, then ``dtype``), written as a plain HF checkpoint of the base model's class on
-    rank 0 (``from_pretrained`` loads it; no PEFT needed). Returns ``out_dir`` on rank 0."""
+    B @ A``, in fp32, then ``dtype``; None: bf16 for a bf16 run, else fp32), written as a plain HF
+    checkpoint of the base model's class on rank 0 (``from_pretrained`` loads it; no PEFT needed),
+    sharded as ``yafsdp.hf.export_hf`` does. Streamed: each unit is merged as it is gathered (a
+    LoRA layer's W, A and B must be in one unit, as wrapping by decoder layer makes them).
+    Returns ``out_dir`` on rank 0."""
     inner = model.module
     config = getattr(inner, "peft_config", None)
     problem = None
@@ -127,28 +184,42 @@ def export_merged(model, out_dir: str, adapter_name: str = "default", *, dtype: 
             problem = f"yafsdp.adapters.export_merged: {why}"
         elif any(".modules_to_save." in k for k, _ in inner.named_modules()):
             problem = "yafsdp.adapters.export_merged: modules_to_save are not supported; save the adapter instead"
+        else:
+            problem = _split_layer(model, lora, adapter_name)
     raise_together(problem, model.process_group, AdapterError)
-    sd = model.full_state_dict()
-    if not model.coordinator:
-        return None
-    from .hf import write_hf
+    from .export import LEDGER
+    from .hf_export import export_dtype, export_folder, tied_keys
 
-    merged = {}
+    ref_dtype = {key: ref.dtype for key, kind, ref in model._keys.entries if kind == "param"}
+    pieces = {}
     for name, m in lora.items():
-        a = sd[f"{name}.lora_A.{adapter_name}.weight"].float()
-        b = sd[f"{name}.lora_B.{adapter_name}.weight"].float()
-        w = sd[f"{name}.base_layer.weight"]
-        delta = b @ a
-        if getattr(m, "fan_in_fan_out", False):
-            delta = delta.T
-        merged[f"{name}.base_layer.weight"] = (w.float() + delta * m.scaling[adapter_name]).to(w.dtype)
+        pieces[name] = (f"{name}.base_layer.weight", f"{name}.lora_A.{adapter_name}.weight",
+                        f"{name}.lora_B.{adapter_name}.weight", m)
+
+    def merge(values: dict) -> dict:  # one unit: W + scaling * B @ A for each LoRA layer whose W is here
+        values = dict(values)
+        for name, (wk, ak, bk, m) in pieces.items():
+            if wk not in values:
+                continue
+            a = values[ak].to(ref_dtype[ak]).float()
+            b = values[bk].to(ref_dtype[bk]).float()
+            delta = LEDGER.hold(b @ a)
+            if getattr(m, "fan_in_fan_out", False):
+                delta = delta.T
+            w = values[wk].to(ref_dtype[wk])
+            values[wk] = LEDGER.hold((w.float() + delta * m.scaling[adapter_name]).to(w.dtype))
+            del delta, w
+        return values
+
     base = inner.get_base_model()
     prefix = next((n + "." for n, mod in inner.named_modules() if mod is base), "")
-    out = {}
-    for k, v in sd.items():
+    tied = tied_keys(base)
+
+    def rename(k: str) -> str | None:
         if ".lora_" in k:
-            continue
-        v = merged.get(k, v)
-        k = k[len(prefix):] if k.startswith(prefix) else k
-        out[k.replace(".base_layer.", ".")] = v
-    return write_hf(out, base, out_dir, dtype=dtype, tokenizer=tokenizer)
+            return None
+        k = (k[len(prefix):] if k.startswith(prefix) else k).replace(".base_layer.", ".")
+        return None if k in tied else k
+
+    return export_folder(model, out_dir, base, rename=rename, dtype=export_dtype(model, dtype), tokenizer=tokenizer,
+                         max_shard_size=max_shard_size, where="yafsdp.adapters.export_merged", merge=merge)

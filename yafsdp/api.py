@@ -492,6 +492,22 @@ class YaFSDP(nn.Module):
             return {}
         return gather_full(self._rt, self._keys, self.process_group, self.rank)
 
+    def iter_full_state_dict(self):
+        """Collective generator: the full state dict one unit at a time. The coordinator gets a
+        ``{key: CPU tensor}`` per unit (original dtypes; the module buffers last), the other ranks
+        ``{}``; every rank must run it to the end. The coordinator holds one unit, not the model
+        (``full_state_dict()`` collects these; ``yafsdp.hf.export_hf`` writes them as they come).
+        See [Note: streaming export] in yafsdp/export.py."""
+        from .export import iter_units
+
+        self.check_idle("iter_full_state_dict")
+        if self.replica != 0:
+            return
+        dtype_of = {key: ref.dtype for key, kind, ref in self._keys.entries if kind == "param"}
+        for unit in iter_units(self._rt, self._keys, self.process_group, self.rank):
+            yield {k: v.to("cpu", dtype_of.get(k, v.dtype), copy=True) for k, v in unit.items()} if unit else {}
+            del unit
+
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor] | None):
         """Collective inverse of :meth:`full_state_dict`: rank 0's dict goes to every rank's shards.
         Other ranks may pass ``None`` or ``{}``. Checked on rank 0 first; nothing is modified on error."""

@@ -5,10 +5,11 @@
     model = yafsdp.YaFSDP(model)                     # needs_load: shards allocated, zero
     load_hf_weights(model, path)                     # collective: each rank reads only its slices
     ...
-    export_hf(model, out_dir)                        # collective: rank 0 writes config.json + model.safetensors
+    export_hf(model, out_dir)                        # collective: streamed unit by unit, HF's sharded layout
 
 Loading streams: each rank reads the byte ranges of its own shards ([Note: streaming loads] in
-hf_stream.py). Exporting: rank 0 writes the weight file from one whole state dict in host memory.
+hf_stream.py). Exports stream: the coordinator writes each gathered unit as it arrives, holding one
+unit, never the model ([Note: streaming export] in export.py). No rank holds the whole model.
 """
 from __future__ import annotations
 
@@ -91,19 +92,28 @@ def load_hf_weights(model, path: str) -> None:
     load_streaming(model, [source], error=HFCheckpointError, what="load_hf_weights")
 
 
-def export_hf(model, out_dir: str, *, dtype: torch.dtype = torch.float32, tokenizer=None) -> str | None:
-    """Collective. Write ``config.json`` + ``model.safetensors`` (+ the tokenizer, if given) of a
-    wrapped HF model into ``out_dir`` on rank 0, via a temporary folder renamed at the end.
-    Tied weights are written once, as ``save_pretrained`` does. Returns ``out_dir`` on rank 0."""
-    sd = model.full_state_dict()  # rank 0: the whole model on the CPU; others: {}
-    if not model.coordinator:
-        return None
-    return write_hf(sd, model.module, out_dir, dtype=dtype, tokenizer=tokenizer)
+def export_hf(model, out_dir: str, *, dtype: torch.dtype | None = None, tokenizer=None,
+              max_shard_size: int | str = "5GB") -> str | None:
+    """Collective. Write a wrapped HF model as a Hugging Face checkpoint into ``out_dir``:
+    ``config.json``, the weights in ``dtype`` (None: bf16 for a bf16 run, else fp32) as
+    ``model.safetensors`` or, past ``max_shard_size`` (bytes, or "5GB", "500MB", "2GiB" as HF
+    writes them), ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, and the
+    tokenizer if given. Streamed unit by unit: the coordinator holds one gathered unit, never the
+    whole model ([Note: streaming export] in yafsdp/export.py). Written into a temporary folder
+    renamed at the end. Tied weights are written once, as ``save_pretrained`` does. Returns
+    ``out_dir`` on the coordinator, None elsewhere."""
+    from .hf_export import export_dtype, export_folder, tied_keys
+
+    tied = tied_keys(model.module)
+    return export_folder(model, out_dir, model.module, rename=lambda k: None if k in tied else k,
+                         dtype=export_dtype(model, dtype), tokenizer=tokenizer, max_shard_size=max_shard_size,
+                         where="yafsdp.hf.export_hf")
 
 
 def write_hf(sd: dict, inner, out_dir: str, *, dtype: torch.dtype = torch.float32, tokenizer=None) -> str:
     """Write state dict ``sd`` of HF model ``inner`` (its config and class name are used) as an HF
-    checkpoint into ``out_dir``, via a temporary folder renamed at the end. Not collective."""
+    checkpoint into ``out_dir`` (one ``model.safetensors``), via a temporary folder renamed at the
+    end. Not collective; the whole dict is in memory (``export_hf`` streams instead)."""
     from safetensors.torch import save_file
 
     config = inner.config

@@ -146,35 +146,24 @@ def materialize(rt: Runtime, module: nn.Module, group, rank: int, world: int) ->
 
 @torch.no_grad()
 def gather_full(rt: Runtime, keys: StateDictKeys, group, rank: int) -> dict[str, torch.Tensor]:
-    """Collective. Rank 0: the original module's state_dict on CPU; other ranks: {}."""
-    from .collectives import all_gather
+    """Collective. Rank 0: the original module's state_dict on CPU (each parameter in its original
+    dtype; tied keys share one tensor); other ranks: {}. Gathered unit by unit through
+    ``export.iter_units`` (the streaming form: ``YaFSDP.iter_full_state_dict``)."""
+    from .export import iter_units
 
-    check_collective("full_state_dict()", group)
-    values: dict[int, torch.Tensor] = {}
-    for u, g, _, stored in rt.stored_shards():  # See [Note: stored shards] in unit.py
-        shard = rt.to_device(stored)  # offload: the host master, moved for the collective
-        if g.kind.compact is not None:  # the records, expanded: the values the model computes with
-            records = torch.empty(g.staging_bytes, dtype=torch.uint8, device=rt.device)
-            all_gather(records, shard, group, async_op=False)
-            full = nf4.dequantize_record(records, g.layout.shard_numel, g.kind.gather_dtype)
-            del records
-        else:
-            full = (rt.fp32_scratch(u, g) if shard.dtype == torch.float32
-                    else torch.empty(g.layout.padded_numel, dtype=shard.dtype, device=rt.device))
-            all_gather(full, shard, group, async_op=False)
-        if rank == 0:
-            for p, v in zip(g.params, g.layout.views(full)):
-                values[id(p)] = v.to("cpu", p.dtype, copy=True)
+    ref_of = {key: ref for key, kind, ref in keys.entries if kind == "param"}
+    values: dict = {}
+    for unit in iter_units(rt, keys, group, rank, "full_state_dict()"):
+        for key, v in (unit or {}).items():
+            ref = ref_of.get(key)
+            if ref is None:  # a module buffer
+                values[key] = v.to("cpu", copy=True)
+            elif id(ref) not in values:
+                values[id(ref)] = v.to("cpu", ref.dtype, copy=True)
+        del unit
     if rank != 0:
         return {}
-    out = {}
-    for key, kind, ref in keys.entries:
-        if kind == "param":
-            out[key] = values[id(ref)]
-        else:
-            m, bname = ref
-            out[key] = m._buffers[bname].detach().to("cpu", copy=True)
-    return out
+    return {key: values[id(ref) if kind == "param" else key] for key, kind, ref in keys.entries}
 
 
 @torch.no_grad()

@@ -33,6 +33,12 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def shard_size(args) -> int | str:
+    """--max-shard-size as ``export_hf`` takes it: digits are bytes, anything else HF's size strings."""
+    v = str(args.max_shard_size)
+    return int(v) if v.isdigit() else v
+
+
 def build_parser(prog: str = "pretrain_llama.py",
                  description: str = "Pretrain a Llama with yafsdp (launch with torchrun; see the file's docstring).",
                  ) -> argparse.ArgumentParser:
@@ -119,6 +125,9 @@ def build_parser(prog: str = "pretrain_llama.py",
                    help="no training: load the newest checkpoint in --out (or --resume PATH) and write --export-hf")
     g.add_argument("--export-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the exported weights")
+    g.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest safetensors file of an export (bytes, or 5GB, 500MB, 2GiB as Hugging Face writes "
+                   "them); a larger model is written as model-0000i-of-0000n.safetensors + an index")
     g.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also log the metrics to this TensorBoard directory (needs the tensorboard package)")
     g.add_argument("--peak-tflops", type=float, default=None,
@@ -168,6 +177,12 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     if args.async_save and args.hsdp > 1:
         p.error("--async-save is not supported with --hsdp yet (HSDP checkpoints are saved synchronously); drop one")
+    from yafsdp.export import ExportError, parse_size
+
+    try:
+        parse_size(shard_size(args))
+    except ExportError as e:
+        p.error(f"--max-shard-size: {e}")
     args.preset_info = pr
     return args
 

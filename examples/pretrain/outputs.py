@@ -14,6 +14,7 @@ import time
 import torch
 
 import yafsdp
+from pretrain.args import shard_size
 from pretrain import data as D
 from pretrain import progress as P
 from pretrain import rundir as R
@@ -176,7 +177,7 @@ def export(job):
         tid = getattr(job.tokenizer, f"{key}_id", None)
         if tid is not None:
             setattr(cfg, f"{key}_token_id", int(tid))
-    export_hf(job.model, a.export_hf, dtype=dtype, tokenizer=tok)
+    export_hf(job.model, a.export_hf, dtype=dtype, tokenizer=tok, max_shard_size=shard_size(a))
     check = None
     if job.main and job.n_params <= 200_000_000:  # reload on rank 0 and compare the logits
         from transformers import LlamaForCausalLM
@@ -223,7 +224,9 @@ def summary(job, sample, exported):
         if check:
             extra = (f"; reloaded with from_pretrained: {check['missing']} missing, {check['unexpected']} unexpected "
                      f"keys, max |logit diff| {check['max_abs_diff']:.2e}")
-        job.say(f"export   {path}: config.json + model.safetensors ({a.export_dtype}){extra}")
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")) if job.main else []
+        weights = files[0] if len(files) == 1 else f"{len(files)} safetensors files + model.safetensors.index.json"
+        job.say(f"export   {path}: config.json + {weights} ({a.export_dtype}){extra}")
     if not a.export_only:
         job.say(f"files    {job.metrics_path}, {job.png_path}, "
                  f"{getattr(job, 'last_checkpoint', '(no checkpoint)')}")

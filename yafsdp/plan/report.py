@@ -66,6 +66,7 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     # host bytes the streaming HF loader adds at its peak (yafsdp.hf_stream.load_host_bytes)
     load_host: int = 0
+    export_unit: int = 0  # bytes of the largest unit gathered whole (yafsdp.hf.export_hf streams units)
 
     # Bytes by role -----------------------------------------------------------------------
     def _slot_bytes(self, role: str, kind: str | None = None) -> int:
@@ -248,9 +249,22 @@ class MemoryPlan:
             f"{z['yafsdp'] / GiB:.3f} GiB vs {z['zero_paper'] / GiB:.3f} GiB (x{z['ratio']:.3f}; "
             "yafsdp keeps an fp32 grad shard where ZeRO counts a 16-bit one, +2 Psi/N)"
         )
+        if self.export_unit:
+            lines.append("  " + self.export_line())
         for n in self.notes:
             lines.append(f"  note: {n}")
         return "\n".join(lines)
+
+    def export_line(self, max_shard_size="5GB") -> str:
+        """What the writing rank holds during ``yafsdp.hf.export_hf`` / ``export_merged``; see
+        [Note: streaming export] in yafsdp/export.py."""
+        from ..export import CHUNK_BYTES, parse_size
+
+        shard, chunks = parse_size(max_shard_size), 2 * CHUNK_BYTES
+        return (f"export (writing rank): the largest unit gathered {self.export_unit / GiB:.3f} GiB (on the device; "
+                f"host memory in a CPU run) + conversion chunks {chunks / GiB:.3f} GiB host; no output shard is "
+                f"held (each tensor is written as it arrives): within the goal's one shard ({shard / 1e9:g} GB) + "
+                f"the largest unit + 1 GiB = {(shard + self.export_unit + GiB) / GiB:.3f} GiB")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -386,6 +400,9 @@ def memory_plan(
         reduce_accum_dtype=dtype_name(accum) if accum is not None else None,
         compute_host=cbytes * shard if offload is not None and compute_dtype != torch.float32 else 0,
         grad_landing=itemsize(reduce_dtype) * shard if offload is not None else 0,
+        export_unit=max((4 * (lay.trainable.padded_numel if lay.trainable is not None else 0)
+                         + cbytes * sum(g.padded_numel for g in (lay.frozen, lay.nf4) if g is not None)
+                         for lay in all_layouts), default=0),
     )
     if async_save:
         plan.checkpoint_staging = staging_bytes(
