@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from . import collectives, nf4, orig_params
+from . import collectives, orig_params
 from .dist import check_collective, raise_together, source_rank
 from .flat import ParamInfo
 from .runtime import Runtime
@@ -92,8 +92,8 @@ def scatter_group(rt: Runtime, g: FlatGroup, full: torch.Tensor | None, group, r
     out = torch.empty(g.layout.shard_numel, dtype=torch.float32, device=rt.device)
     chunks = list(full.chunk(world)) if rank == 0 else None
     collectives.scatter(out, chunks, source_rank(group), group)
-    if g.kind.compact is not None:  # each rank quantizes its own slice: [Note: NF4 frozen groups]
-        nf4.quantize_into(g.shard.detach(), out.to(g.kind.gather_dtype))  # bumps the record's version
+    if g.kind.format.stored:  # each rank encodes its own slice: [Note: NF4 frozen groups] in nf4.py
+        g.kind.format.encode_(g.shard.detach(), out.to(g.kind.gather_dtype))  # bumps the record's version
     else:
         g.shard.detach().copy_(out)  # bumps the shard's version: its compute copy is now stale
 
@@ -146,10 +146,10 @@ def gather_full(rt: Runtime, keys: StateDictKeys, group, rank: int) -> dict[str,
     values: dict[int, torch.Tensor] = {}
     for u, g, _, stored in rt.stored_shards():  # See [Note: stored shards] in unit.py
         shard = rt.to_device(stored)  # offload: the host master, moved for the collective
-        if g.kind.compact is not None:  # the records, expanded: the values the model computes with
+        if g.kind.format.stored:  # the records, expanded: the values the model computes with
             records = torch.empty(g.staging_bytes, dtype=torch.uint8, device=rt.device)
             all_gather(records, shard, group, async_op=False)
-            full = nf4.dequantize_record(records, g.layout.shard_numel, g.kind.gather_dtype)
+            full = g.kind.format.decode(records, g.layout.shard_numel, g.kind.gather_dtype)
             del records
         else:
             full = (rt.fp32_scratch(u, g) if shard.dtype == torch.float32
