@@ -10,6 +10,7 @@ import torch
 
 from .base import Format, itemsize
 from .fp8 import FP8_FORMAT
+from .int8 import INT8_FORMAT
 from .nf4 import NF4_FORMAT
 from .plain import PLAIN
 
@@ -91,7 +92,7 @@ def storage_format(value) -> Format:
     return fmt
 
 
-for _f in (NF4_FORMAT, FP8_FORMAT):
+for _f in (NF4_FORMAT, FP8_FORMAT, INT8_FORMAT):
     register(_f)
 
 
