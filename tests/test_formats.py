@@ -231,3 +231,30 @@ def test_plan_cli_int8(capsys):
     assert plain.engine_bytes()["int8"] == 0 and packed.engine_bytes()["int8"] == packed.records > 0
     assert packed.engine_bytes()["fp8"] == 0 and packed.fp8 == 0
     assert {u.name for u in packed.units if u.gather_format == "int8"} == {"model.layers.0", "model.layers.1"}
+
+
+def test_fused_adamw_writes_a_registered_int8_copy_out():
+    """FusedAdamW's copy-out contract with ``format="int8"``: after each step the copy is the int8
+    record of the updated parameter (compiled AdamW then the format's encode, and the twins);
+    a record of the wrong size, or an unknown format, is refused with what to do."""
+    from yafsdp import shards
+
+    fmt = formats.get("int8")
+    for fused in (None, False):
+        p = torch.nn.Parameter(_values(512, seed=3))
+        rec = torch.zeros(fmt.record_bytes(512), dtype=torch.uint8)
+        calls = []
+        shards.set_copy_out(p, rec, lambda: calls.append(1), format="int8")
+        opt = yafsdp.FusedAdamW([p], lr=1e-2, fused=fused)
+        for _ in range(2):
+            p.grad = torch.randn(512)
+            opt.step()
+            want = torch.zeros_like(rec)
+            fmt.encode_(want, p.detach())
+            assert torch.equal(rec, want) and len(calls) == _ + 1
+    shards.set_copy_out(p, rec[:-4], lambda: None, format="int8")
+    with pytest.raises(ValueError, match=r"int8 copy-out registered for p must be a contiguous uint8 record"):
+        opt.step()
+    shards.set_copy_out(p, rec, lambda: None, format="int4")
+    with pytest.raises(ValueError, match=r"format='int4'.*'fp8', 'int8'"):
+        opt.step()
