@@ -52,7 +52,9 @@ FORMATS = ("fp8",)
 
 def check_gather_dtype(value) -> str | None:
     """``gather_dtype``'s value: None (gather in ``param_dtype``) or "fp8"; the names of
-    ``param_dtype`` itself ("bf16", torch.bfloat16, ...) also mean None."""
+    ``param_dtype`` itself ("bf16", torch.bfloat16, ...) also mean None. Kept for existing callers:
+    the engine resolves ``gather_dtype`` with ``yafsdp.formats.gather_option``, which knows every
+    registered gather format ("int8" too)."""
     if value is None or value in (torch.bfloat16, torch.float16, torch.float32):
         return None
     if isinstance(value, str):

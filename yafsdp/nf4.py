@@ -49,7 +49,8 @@ _CODEBOOKS: dict[tuple, torch.Tensor] = {}
 
 
 def check_format(value) -> str | None:
-    """``quantize_frozen``'s value: None, or a supported format name; anything else is refused."""
+    """``quantize_frozen``'s value: None, or a supported format name; anything else is refused. Kept for
+    existing callers: the engine resolves it with ``yafsdp.formats.storage_option``."""
     if value is None:
         return None
     if not isinstance(value, str) or value.lower() not in FORMATS:

@@ -60,7 +60,8 @@ class Format:
     stored: bool = False  # the record is the shard of record (frozen storage), not derived from a master
     block: int = 1  # values per scale block (a rank's shard holds whole blocks)
     aliases: tuple[str, ...] = ()  # other spellings accepted for ``name`` by the options
-    summary: str = ""  # one line for error messages and the plan: what the record holds
+    summary: str = ""  # one line for error messages: what the record holds
+    label: str = ""  # a few words for the plan's table: what the record holds
 
     def __repr__(self) -> str:
         return f"<yafsdp format {self.name!r}>"

@@ -21,6 +21,7 @@ class FP8(Format):
     block = fp8.BLOCK
     aliases = ("e4m3", "float8_e4m3fn", torch.float8_e4m3fn)
     summary = "float8 e4m3 codes + a float32 scale per 128 values"
+    label = "e4m3 codes + fp32 scale per 128"
 
     def record_bytes(self, shard_numel: int, dtype: torch.dtype) -> int:
         return fp8.record_bytes(shard_numel)

@@ -76,6 +76,7 @@ class INT8(Format):
     block = BLOCK
     aliases = ("qint8", torch.int8)
     summary = "int8 codes + a float32 absmax/127 scale per 128 values"
+    label = "int8 codes + fp32 scale per 128"
 
     def record_bytes(self, shard_numel: int, dtype: torch.dtype = torch.float32) -> int:
         return shard_numel + (shard_numel // BLOCK) * 4

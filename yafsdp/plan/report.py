@@ -170,7 +170,7 @@ class MemoryPlan:
             (f"compute copy ({self.param_dtype})", self.compute_copy),
             (f"frozen shard ({self.param_dtype})", self.frozen),
             *([(self._nf4_row, self.nf4)] if self.quantize_frozen else []),
-            *([(f"compute copy, {self.gather_dtype.upper()} records ({formats.get(self.gather_dtype).summary})",
+            *([(f"compute copy, {self.gather_dtype.upper()} records ({formats.get(self.gather_dtype).label})",
                 self.records)] if self.gather_dtype else []),
             ("weight buffers" + (" (per unit, ZeRO-2)" if self.zero_stage == 2 else " (x2)")
              + (" + NF4 staging" if self.quantize_frozen else "")
