@@ -278,16 +278,24 @@ def fp8_layers(model) -> list[str]:
     return out
 
 
-def fp8_gather(master, low, dtype):
+def fp8_gather(master, low, dtype, fake=None):
     from yafsdp import fp8
 
+    fake = fake or fp8.fake_quantize
     layers = set(fp8_layers(master))
     with torch.no_grad():
         for (name, mod), low_mod in zip(master.named_modules(), low.modules()):
             if name in layers:
                 for p, q in zip(mod.parameters(), low_mod.parameters()):
                     if p.requires_grad and p.dim() >= 2:
-                        q.copy_(fp8.fake_quantize(p, dtype))
+                        q.copy_(fake(p, dtype))
+
+
+def int8_gather(master, low, dtype):
+    """The int8 gathers' values (yafsdp/formats/int8.py): the same layers and 128-blocks as fp8."""
+    from yafsdp.formats import int8
+
+    fp8_gather(master, low, dtype, fake=int8.fake_quantize)
 
 
 # ----------------------------------------------------------------------------- the dimensions
@@ -297,7 +305,8 @@ DIMS: dict[str, dict[Any, Callable]] = {
                   "qlora": both(edit(lora), engine(quantize_frozen="nf4"), store(nf4_round_trip))},
     "offload": {"none": nothing, "optimizer": engine(offload="optimizer"), "all": engine(offload="all")},
     "mesh": {"flat": nothing, "hsdp": sets(mesh="hsdp")},
-    "gather": {"none": nothing, "fp8": both(engine(gather_dtype="fp8"), step(fp8_gather), sets(tol=2.0))},
+    "gather": {"none": nothing, "fp8": both(engine(gather_dtype="fp8"), step(fp8_gather), sets(tol=2.0)),
+               "int8": both(engine(gather_dtype="int8"), step(int8_gather), sets(tol=2.0))},
     "param_dtype": {"fp32": nothing,
                     "bf16": both(engine(param_dtype=torch.bfloat16), sets(compute_dtype=torch.bfloat16)),
                     "fp16": both(engine(param_dtype=torch.float16), sets(compute_dtype=torch.float16, scaler=True))},
@@ -341,7 +350,7 @@ def allowed(row: dict) -> bool:
 # refusal: delete its entry here; the generator then covers those pairs with parity rows.
 REFUSED = [
     ("offload", ("optimizer", "all"), "mesh", ("hsdp",), lambda r: (f"offload={r['offload']!r}", "HSDP")),
-    ("offload", ("optimizer", "all"), "gather", ("fp8",),
+    ("offload", ("optimizer", "all"), "gather", ("fp8", "int8"),
      lambda r: (f"offload={r['offload']!r}", f"gather_dtype={r['gather']!r}")),
 ]
 
@@ -564,7 +573,7 @@ def train_sharded(rank: int, world: int, row: dict, ctx: Ctx, index: int) -> dic
     scaler = new_scaler(r)
     out = dict(losses=[], norms=[], worlds=[], scales=[], aux=[], info=dict(untouched=True))
     out["info"]["fp8_units"] = sorted(u.name for u in model.flat_units
-                                      if any(g.kind.gather_format == "fp8" for g in u.groups))
+                                      if any(g.kind.gather_format in ("fp8", "int8") for g in u.groups))
     out["info"]["nf4"] = sum(1 for i in model.shard_info() if i.kind == "nf4")
     group, ranks = None, world
     for s in range(STEPS):

@@ -139,7 +139,7 @@ def test_row_trains_like_the_reference(index, row, root):
     _frozen_equal(row, sd, fp_sd, trainable)
     # the options did what they say
     ref_model = grid.build(r)
-    want_fp8 = grid.fp8_layers(ref_model) if row["gather"] == "fp8" else []
+    want_fp8 = grid.fp8_layers(ref_model) if row["gather"] in ("fp8", "int8") else []
     assert len(res["info"]["fp8_units"]) == len(want_fp8), (name, res["info"]["fp8_units"], want_fp8)
     assert (res["info"]["nf4"] > 0) == (row["trainable"] == "qlora"), (name, res["info"])
     for k in ("replicas_agree", "replicas_agree_before_resume"):

@@ -30,6 +30,11 @@ CASES = [
     ("llama_nf4_bf16", dict(kind="llama", freeze=True, vocab=257), dict(param_dtype=torch.bfloat16, quantize_frozen="nf4")),
     ("llama_nf4_fp32_z2", dict(kind="llama", freeze=True), dict(zero_stage=2, quantize_frozen="nf4")),
     ("stack_z2_ratio", dict(kind="stack", n=5), dict(zero_stage=2, outsized_ratio=1.1)),
+    # compact trainable gathers (records + staging areas), with an NF4 base in the same staging areas
+    ("llama_fp8_bf16", dict(kind="llama", vocab=257), dict(param_dtype=torch.bfloat16, gather_dtype="fp8")),
+    ("llama_int8_z2", dict(kind="llama"), dict(zero_stage=2, gather_dtype="int8")),
+    ("llama_int8_nf4_bf16", dict(kind="llama", freeze=True),
+     dict(param_dtype=torch.bfloat16, quantize_frozen="nf4", gather_dtype="int8")),
 ]
 
 
@@ -63,6 +68,10 @@ def _check(name, rank, res):
     if "nf4" in name:  # the NF4 shards and the weight buffers' staging areas are counted
         assert allocated["nf4"] > 0 and allocated["frozen"] > 0 and allocated["weight_small"] > 0
         assert any(k.endswith("_staging") and k.startswith("weight") for k in allocated), allocated
+    for fmt in ("fp8", "int8"):  # the records of the trainable groups gathered compact are counted
+        assert (allocated[fmt] > 0) == (fmt in name), (name, fmt, allocated)
+        if fmt in name:
+            assert any(k.endswith("_staging") and k.startswith("weight") for k in allocated), allocated
     assert own_plan == allocated, (name, rank)
     if "accum" in name:  # the landing is as large as its grad buffer, the accumulator one fp32 shard
         grads = [k for k in allocated if k.startswith("grad") and k[4:] in ("0", "1", "_outsized", "_small")]

@@ -32,7 +32,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import nf4, shards
+from . import shards
 from .buffers import GradBuffer, WeightBuffer
 from .flat import alias
 from .plan.sizing import landing_layout, plan_buffers
@@ -55,7 +55,7 @@ def allocate(self, outsized_ratio: float) -> None:
     # 1-D param_dtype: the compute copies (all-gather inputs) of the groups gathered in param_dtype,
     # laid as in the master when every group is; the master itself in fp32 (without offload: with
     # it, the device copy is always its own tensor).
-    plain_total = sum(g.layout.shard_numel for g in trainable if g.kind.gather_format is None)
+    plain_total = sum(g.layout.shard_numel for g in trainable if not g.kind.format.compact)
     self.compute = (
         self.master if self.compute_dtype == torch.float32 and not offload
         else torch.zeros(plain_total, dtype=self.compute_dtype, device=dev)
@@ -69,13 +69,14 @@ def allocate(self, outsized_ratio: float) -> None:
         self.compute_host = (self.master if self.compute_dtype == torch.float32
                              else self.host_zeros(total, self.compute_dtype))
         self.grad_landing = self.host_zeros(total, self.reduce_dtype)
-    # 1-D uint8: the compute copies of the trainable groups gathered compact (gather_dtype="fp8"):
-    # one FP8 record each, end to end. See [Note: compact trainable gathers] in fp8.py.
-    self.fp8_store = torch.zeros(sum(u.shape.fp8_record for u in self.all), dtype=torch.uint8, device=dev)
+    # 1-D uint8: the compute copies of the trainable groups gathered compact (gather_dtype="fp8",
+    # "int8"): one record of the gather format each, end to end. See [Note: gather formats] in
+    # formats/base.py.
+    self.gather_store = torch.zeros(sum(u.shape.gather_record for u in self.all), dtype=torch.uint8, device=dev)
     # 1-D param_dtype: every frozen group's shard end to end, stored only in param_dtype (it is
     # its own all-gather input; no master, no grad, no optimizer state).
     frozen_total = sum(g.layout.shard_numel for u in self.all for g in u.groups
-                       if not g.kind.reduced and g.kind.compact is None)
+                       if not g.kind.reduced and not g.kind.format.stored)
     # With offload="all" on the host (pinned on CUDA): [Note: the frozen landing] in plan/sizing.py.
     frozen_host = self.offload == "all"
     self.frozen_store = (self.host_zeros(frozen_total, self.compute_dtype) if frozen_host
@@ -85,7 +86,6 @@ def allocate(self, outsized_ratio: float) -> None:
     nf4_total = sum(u.shape.nf4_record for u in self.all)
     self.nf4_store = (self.host_zeros(nf4_total, torch.uint8) if frozen_host
                       else torch.zeros(nf4_total, dtype=torch.uint8, device=dev))
-    codebook = nf4.codebook(self.compute_dtype, dev) if nf4_total else None
     self.flat = nn.Module()  # holds the flat master shards as registered parameters
     off = foff = qoff = coff = roff = 0
     for u in self.all:
@@ -97,10 +97,10 @@ def allocate(self, outsized_ratio: float) -> None:
                 g.shard = nn.Parameter(alias(self.master, off, (n,)))
                 g.grad_shard = alias(self.grad, off, (n,))
                 self.flat.register_parameter(attr, g.shard)
-                if g.kind.gather_format is not None:  # its compute copy is its FP8 record
-                    rec = u.shape.fp8_record
-                    g.compute = self.fp8_store[roff:roff + rec]
-                    shards.set_copy_out(g.shard, g.compute, _copy_written_cb(self, g), format=g.kind.gather_format)
+                if g.kind.format.compact:  # its compute copy is its format's record
+                    rec = u.shape.gather_record
+                    g.compute = self.gather_store[roff:roff + rec]
+                    shards.set_copy_out(g.shard, g.compute, _copy_written_cb(self, g), format=g.kind.format.name)
                     roff += rec
                 elif self.compute is self.master:
                     g.compute = self.compute[off:off + n]
@@ -116,10 +116,9 @@ def allocate(self, outsized_ratio: float) -> None:
                     if copy is not None and not (offload and self.compute_host is self.master):
                         shards.set_copy_out(g.shard, copy, _copy_written_cb(self, g))
                 name, off = f"flat.{attr}", off + n
-            elif g.kind.compact is not None:
+            elif g.kind.format.stored:
                 rec = u.shape.nf4_record
                 g.shard = g.compute = alias(self.nf4_store, qoff, (rec,))
-                g.codebook = codebook
                 name, qoff = f"nf4.{attr}", qoff + rec
             else:
                 g.shard = g.compute = alias(self.frozen_store, foff, (n,))
@@ -129,7 +128,8 @@ def allocate(self, outsized_ratio: float) -> None:
                 param_shapes=[tuple(p.shape) for p in g.params], param_offsets=[p.offset for p in g.params],
                 numel=g.layout.numel, padded_numel=g.layout.padded_numel, shard_start=g.layout.shard_start,
                 shard_numel=n, param_ref=weakref.ref(g.shard),
-                values_dtype=g.kind.gather_dtype if g.kind.compact is not None else None,
+                values_dtype=g.kind.gather_dtype if g.kind.format.stored else None,
+                format=g.kind.format.name if g.kind.format.stored else None,
             ))
 
     # Buffer sizes come from the plan, so yafsdp.plan can report them without allocating.

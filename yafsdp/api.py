@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import collectives, fp8, nf4, shards
+from . import collectives, formats, fp8, shards
 import sys
 
 from .autograd import gate_small_group, install_hooks, rest_small_group
@@ -81,14 +81,14 @@ class YaFSDP(nn.Module):
         gather_exclude: list[str] | tuple[str, ...] | None = None,
     ):
         super().__init__()
-        quantize_frozen = nf4.check_format(quantize_frozen)
+        quantize_frozen = formats.storage_option(quantize_frozen)
         offload = check_offload(offload)
-        gather_dtype = fp8.check_gather_dtype(gather_dtype)
+        gather_dtype = formats.gather_option(gather_dtype)
         if offload is not None and gather_dtype is not None:
             raise ValueError(
                 f"yafsdp.YaFSDP: offload={offload!r} with gather_dtype={gather_dtype!r} is not supported yet: "
-                "the optimizer's copy-out writes a param_dtype host staging copy with offload and an FP8 record on "
-                "the device with gather_dtype. Use one of them")
+                "the optimizer's copy-out writes a param_dtype host staging copy with offload and a gather_dtype record "
+                "on the device. Use one of them")
         if zero_stage not in (2, 3):
             raise ValueError(f"yafsdp.YaFSDP: zero_stage={zero_stage!r} is not supported; use 2 or 3")
         for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
@@ -150,16 +150,17 @@ class YaFSDP(nn.Module):
         self.offload = offload
         self.gather_dtype = gather_dtype
         self.gather_exclude = gather_exclude
-        if gather_dtype is not None and not any(g.kind.gather_format == gather_dtype for u in self._rt.all
+        if gather_dtype is not None and not any(g.kind.format is self._rt.gather_format for u in self._rt.all
                                                 for g in u.groups):
             import warnings
 
             warnings.warn(
                 f"yafsdp.YaFSDP: gather_dtype={gather_dtype!r} found no unit to gather compact (a unit qualifies "
-                "when all its trainable parameters are 2-D nn.Linear weights with a multiple of 128 elements; "
+                "when all its trainable parameters are 2-D nn.Linear weights with a multiple of "
+                f"{self._rt.gather_format.block} elements; "
                 f"excluded: {list(gather_exclude)}); every weight is gathered in param_dtype. Drop gather_dtype, "
                 "or list units so that the linear layers form units of their own", UserWarning, stacklevel=2)
-        if quantize_frozen is not None and not any(g.kind.compact for u in self._rt.all for g in u.groups):
+        if quantize_frozen is not None and not any(g.kind.format.stored for u in self._rt.all for g in u.groups):
             import warnings
 
             warnings.warn(
@@ -576,7 +577,8 @@ class YaFSDP(nn.Module):
         out.setdefault("compute_copy", 0)
         out.setdefault("frozen", 0)
         out.setdefault("nf4", 0)
-        out.setdefault("fp8", 0)
+        for fmt in formats.gather_formats():  # the records of the gather formats ("fp8", "int8")
+            out.setdefault(fmt.name, 0)
         if self.offload is not None:
             out.setdefault("compute_host", 0)
         if where is not None:

@@ -75,7 +75,7 @@ class WeightBuffer:
             out = self.data[g.buffer_offset:g.buffer_offset + g.layout.padded_numel]
             stage = self._landing(unit, g)
             kw = {} if stage is None else {"stage": stage}
-            if g.kind.gather_format is None:
+            if not g.kind.format.compact:
                 self.schedule.gather(self.sync, out, g.compute, unit.name, **kw)
                 self.schedule.gathered[g.kind.name] += out.numel() * out.element_size()
             else:  # the records into the staging area, then the expand: [Note: expanding a compact gather]
@@ -89,7 +89,7 @@ class WeightBuffer:
         if g.kind.reduced or not self.landing.numel():
             return None
         n = g.compute.numel() * g.compute.element_size()
-        at = 0 if g.kind.compact is None else unit.landing_at
+        at = unit.landing_at if g.kind.format.stored else 0
         return self.landing[at:at + n].view(g.compute.dtype)
 
     def prefetch(self, unit) -> None:

@@ -43,7 +43,7 @@ from typing import Iterator
 
 import torch
 
-from . import collectives, nf4
+from . import collectives
 from .dist import check_collective, raise_together
 
 __all__ = ["iter_units", "stream_order", "ShardWriter", "parse_size", "LEDGER", "CHUNK_BYTES", "ExportError"]
@@ -149,10 +149,10 @@ def _gather_unit(rt, u, group, rank: int, spares: list) -> tuple[list, dict]:
     for g in u.groups:
         shard = rt.to_device(g.shard.detach())  # offload: the host master, moved for the collective
         n = g.layout.padded_numel
-        if g.kind.compact is not None:  # the records, expanded: the values the model computes with
+        if g.kind.format.stored:  # the records, expanded: the values the model computes with
             records = torch.empty(g.staging_bytes, dtype=torch.uint8, device=rt.device)
             collectives.all_gather(records, shard, group, async_op=False)
-            full = nf4.dequantize_record(records, g.layout.shard_numel, g.kind.gather_dtype)
+            full = g.kind.format.decode(records, g.layout.shard_numel, g.kind.gather_dtype)
             del records
             count = True
         else:

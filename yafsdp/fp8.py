@@ -37,19 +37,24 @@ trainable group may be gathered as an 8-bit *record* instead of ``param_dtype`` 
 """
 from __future__ import annotations
 
+import math
+
 import torch
+
+from . import kernels
+from .kernels import FP8_BLOCK as BLOCK, FP8_MAX
 
 __all__ = ["BLOCK", "FORMATS", "check_gather_dtype", "record_bytes", "shard_align", "eligible_unit", "default_exclude",
            "quantize", "dequantize", "fake_quantize"]
 
-BLOCK = 128
-FP8_MAX = 448.0
 FORMATS = ("fp8",)
 
 
 def check_gather_dtype(value) -> str | None:
     """``gather_dtype``'s value: None (gather in ``param_dtype``) or "fp8"; the names of
-    ``param_dtype`` itself ("bf16", torch.bfloat16, ...) also mean None."""
+    ``param_dtype`` itself ("bf16", torch.bfloat16, ...) also mean None. Kept for existing callers:
+    the engine resolves ``gather_dtype`` with ``yafsdp.formats.gather_option``, which knows every
+    registered gather format ("int8" too)."""
     if value is None or value in (torch.bfloat16, torch.float16, torch.float32):
         return None
     if isinstance(value, str):
@@ -65,14 +70,12 @@ def check_gather_dtype(value) -> str | None:
 
 def shard_align(align: int = 1) -> int:
     """Elements a rank's compact shard is a multiple of: whole blocks (and ``align``)."""
-    import math
-
     return BLOCK * align // math.gcd(BLOCK, align)
 
 
 def record_bytes(shard_numel: int) -> int:
     """Bytes of one rank's record: one e4m3 code per element, then one float32 scale per block."""
-    return shard_numel + (shard_numel // BLOCK) * 4
+    return kernels.fp8_record_bytes(shard_numel)
 
 
 def eligible_param(info) -> bool:
@@ -115,17 +118,12 @@ def quantize(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if values.dim() != 1 or values.numel() % BLOCK:
         raise ValueError(f"yafsdp.fp8.quantize: expected 1-D values of a multiple of {BLOCK} elements, "
                          f"got shape {tuple(values.shape)}")
-    blocks = values.to(torch.float32).view(-1, BLOCK)
-    scales = blocks.abs().amax(dim=1) / FP8_MAX
-    q = (blocks / scales.unsqueeze(1)).clamp_(-FP8_MAX, FP8_MAX)
-    q = q.masked_fill_((scales == 0).unsqueeze(1), 0.0)  # a zero block: scale 0, codes 0 (not 0/0)
-    return q.to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1), scales
+    return kernels.fp8_codes(values)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(codes, scales) -> values in ``dtype``: the fp32 product, then one rounding."""
-    v = codes.view(torch.float8_e4m3fn).to(torch.float32).view(-1, BLOCK) * scales.view(-1, 1)
-    return v.reshape(-1).to(dtype)
+    return kernels.fp8_values(codes, scales, dtype)
 
 
 @torch.no_grad()

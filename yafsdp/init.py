@@ -31,6 +31,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from . import formats
+
 BLOCK = 1 << 16  # elements per independently seeded block of a parameter's random init
 
 
@@ -81,12 +83,10 @@ def init_shards_(model, rule: InitRule, seed: int = 0) -> None:
 
     Not collective: each rank computes only its own slice. Values do not depend on the world size
     (see [Note: world-size independent init]). Padding is left at zero. Clears ``needs_load``."""
-    from . import nf4
-
     index = 0
     for info in model.shard_info():
         lo, hi = info.shard_start, info.shard_start + info.shard_numel  # this rank's slice of the flat unit
-        compact = info.values_dtype is not None  # an NF4 record: fill the values, then quantize them
+        compact = info.format is not None  # a stored record (NF4): fill the values, then encode them
         shard = (torch.zeros(info.shard_numel, dtype=torch.float32, device=info.param.device) if compact
                  else info.param.detach())  # 1-D, shard_numel; writing bumps its version
         shard.zero_()
@@ -96,7 +96,7 @@ def init_shards_(model, rule: InitRule, seed: int = 0) -> None:
                 _fill(shard[a - lo:b - lo], name, shape, a - offset, rule, seed, index)
             index += 1
         if compact:
-            nf4.quantize_into(info.param.detach(), shard.to(info.values_dtype))
+            formats.get(info.format).encode_(info.param.detach(), shard.to(info.values_dtype))
     model.mark_loaded()
 
 

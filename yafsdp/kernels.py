@@ -344,19 +344,27 @@ def adamw_step_(
 # ---------------------------------------------------------------------------
 
 
+# The NF4 record layout the compiled kernels hard-code ([Note: NF4 shard records] in csrc/common.h);
+# yafsdp.nf4 takes it from here, so the kernels import no module of the formats they serve.
+NF4_BLOCK = 64
+
+
+def nf4_record_bytes(shard_numel: int, dtype: torch.dtype) -> int:
+    """Bytes of one rank's NF4 record: packed codes, then one ``dtype`` scale per block."""
+    return shard_numel // 2 + (shard_numel // NF4_BLOCK) * torch.empty((), dtype=dtype, device="meta").element_size()
+
+
 def nf4_expand_reference(out: torch.Tensor, staging: torch.Tensor, codebook: torch.Tensor,
                          shard_numel: int) -> torch.Tensor:
     """Twin of :func:`nf4_expand_`: ``codebook[code] * scale`` in ``out.dtype``, record by record."""
-    from .nf4 import BLOCK, record_bytes
-
     world = out.numel() // shard_numel
-    rec = staging.view(world, record_bytes(shard_numel, out.dtype))
+    rec = staging.view(world, nf4_record_bytes(shard_numel, out.dtype))
     half = shard_numel // 2
     data = rec[:, :half]
-    scales = rec[:, half:].contiguous().view(out.dtype).view(world, shard_numel // BLOCK, 1)
+    scales = rec[:, half:].contiguous().view(out.dtype).view(world, shard_numel // NF4_BLOCK, 1)
     levels = torch.stack([codebook[(data >> 4).long()], codebook[(data & 15).long()]], dim=-1)
     with torch.no_grad():
-        out.view(world, shard_numel // BLOCK, BLOCK).copy_(levels.view(world, -1, BLOCK) * scales)
+        out.view(world, shard_numel // NF4_BLOCK, NF4_BLOCK).copy_(levels.view(world, -1, NF4_BLOCK) * scales)
     return out
 
 
@@ -381,12 +389,39 @@ def nf4_expand_(out: torch.Tensor, staging: torch.Tensor, codebook: torch.Tensor
 # ---------------------------------------------------------------------------
 
 
+# The FP8 record layout the compiled kernels hard-code ([Note: FP8 gather records] in csrc/common.h);
+# yafsdp.fp8 takes it from here.
+FP8_BLOCK = 128
+FP8_MAX = 448.0
+
+
+def fp8_record_bytes(shard_numel: int) -> int:
+    """Bytes of one rank's FP8 record: one e4m3 code per element, then one float32 scale per block."""
+    return shard_numel + (shard_numel // FP8_BLOCK) * 4
+
+
+@torch.no_grad()
+def fp8_codes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 values (1-D, a multiple of 128) -> (codes as uint8, float32 scales): the twin's arithmetic,
+    with torch's own ``float8_e4m3fn`` cast (round to nearest even)."""
+    blocks = values.to(torch.float32).view(-1, FP8_BLOCK)
+    scales = blocks.abs().amax(dim=1) / FP8_MAX
+    q = (blocks / scales.unsqueeze(1)).clamp_(-FP8_MAX, FP8_MAX)
+    q = q.masked_fill_((scales == 0).unsqueeze(1), 0.0)  # a zero block: scale 0, codes 0 (not 0/0)
+    return q.to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1), scales
+
+
+def fp8_values(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(codes, scales) -> values in ``dtype``: the fp32 product, then one rounding."""
+    v = codes.view(torch.float8_e4m3fn).to(torch.float32).view(-1, FP8_BLOCK) * scales.view(-1, 1)
+    return v.reshape(-1).to(dtype)
+
+
 def fp8_quantize_reference(record: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """Twin of :func:`fp8_quantize_`, with torch's own ``float8_e4m3fn`` cast."""
-    from .fp8 import quantize, split_record
-
-    codes, scales = split_record(record, src.numel())
-    c, s = quantize(src.detach().reshape(-1))
+    n = src.numel()
+    codes, scales = record[:n], record[n:fp8_record_bytes(n)].view(torch.float32)
+    c, s = fp8_codes(src.detach().reshape(-1))
     with torch.no_grad():
         codes.copy_(c)
         scales.copy_(s)
@@ -405,14 +440,12 @@ def fp8_quantize_(record: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
 def fp8_expand_reference(out: torch.Tensor, staging: torch.Tensor, shard_numel: int) -> torch.Tensor:
     """Twin of :func:`fp8_expand_`: ``float(code) * scale`` in fp32, rounded once to ``out.dtype``."""
-    from .fp8 import dequantize, record_bytes
-
     world = out.numel() // shard_numel
-    rec = staging.view(world, record_bytes(shard_numel))
+    rec = staging.view(world, fp8_record_bytes(shard_numel))
     codes = rec[:, :shard_numel].reshape(-1)
     scales = rec[:, shard_numel:].contiguous().view(torch.float32).reshape(-1)
     with torch.no_grad():
-        out.copy_(dequantize(codes, scales, out.dtype))
+        out.copy_(fp8_values(codes, scales, out.dtype))
     return out
 
 

@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
+from .kernels import NF4_BLOCK as BLOCK
+
 __all__ = ["BLOCK", "FORMATS", "LEVELS", "check_format", "codebook", "record_bytes", "shard_align", "split_record",
            "quantize", "quantize_into", "dequantize_record", "eligible"]
 
-BLOCK = 64
 FORMATS = ("nf4",)
 # QLoRA's NF4 levels as torchao writes them (4 decimals); cast to the values' dtype like torchao does.
 LEVELS = (-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
@@ -47,7 +49,8 @@ _CODEBOOKS: dict[tuple, torch.Tensor] = {}
 
 
 def check_format(value) -> str | None:
-    """``quantize_frozen``'s value: None, or a supported format name; anything else is refused."""
+    """``quantize_frozen``'s value: None, or a supported format name; anything else is refused. Kept for
+    existing callers: the engine resolves it with ``yafsdp.formats.storage_option``."""
     if value is None:
         return None
     if not isinstance(value, str) or value.lower() not in FORMATS:
@@ -76,7 +79,7 @@ def shard_align(dtype: torch.dtype) -> int:
 
 def record_bytes(shard_numel: int, dtype: torch.dtype) -> int:
     """Bytes of one rank's record: packed codes, then one ``dtype`` scale per block."""
-    return shard_numel // 2 + (shard_numel // BLOCK) * itemsize(dtype)
+    return kernels.nf4_record_bytes(shard_numel, dtype)
 
 
 def split_record(record: torch.Tensor, shard_numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,8 +128,6 @@ def quantize_into(record: torch.Tensor, values: torch.Tensor) -> None:
 @torch.no_grad()
 def dequantize_record(staging: torch.Tensor, shard_numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Records of ``world`` ranks end to end (1-D uint8) -> the values (1-D ``dtype``)."""
-    from . import kernels
-
     world = staging.numel() // record_bytes(shard_numel, dtype)
     out = torch.empty(world * shard_numel, dtype=dtype, device=staging.device)
     kernels.nf4_expand_(out, staging, codebook(dtype, staging.device), shard_numel)

@@ -18,10 +18,10 @@ For each parameter with a gradient: if ``yafsdp.shards.copy_out_of(p)`` is set (
 elements on ``p``'s device; the step writes ``p.to(copy.dtype)`` into it and then calls
 ``written()`` (no arguments). The engine records ``p._version`` at that call; any later in-place
 change of ``p`` bumps the version and makes the engine cast again. A copy-out with
-``format="fp8"`` is ``p``'s FP8 record (``yafsdp.fp8``: e4m3 codes + a float32 scale per 128
-values, the all-gather input of a trainable group gathered compact): the step quantizes its
-freshly updated values into it in the same pass (``kernels.adamw_step_fp8_``). Parameters without a
-registered copy-out get a plain AdamW step.
+``format=`` a gather format's name ("fp8", "int8": ``yafsdp.formats``) is ``p``'s record in that
+format (the all-gather input of a trainable group gathered compact): the step writes the record of
+the freshly updated values (``Format.adamw_step_``: for FP8 in the same pass,
+``kernels.adamw_step_fp8_``). Parameters without a registered copy-out get a plain AdamW step.
 
 [Note: per-parameter steps]
 DDP's AdamW keeps a step count per parameter, and a parameter no rank used in a step (an MoE
@@ -50,7 +50,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import kernels, shards, unused
+from . import formats, kernels, shards, unused
 
 __all__ = ["FusedAdamW"]
 
@@ -200,7 +200,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 self._warn_fallback(work)
             for p, grad, state in work:
                 out = shards.copy_out_of(p)
-                fmt = out.format if out is not None else None
+                fmt = _format_of(out)
                 copy = out.copy if out is not None else None
                 if copy is not None:
                     _check_copy(p, copy, fmt)
@@ -216,11 +216,9 @@ class FusedAdamW(torch.optim.Optimizer):
                     if out is not None:
                         out.written()
                     continue
-                if fmt == "fp8":  # the copy is p's FP8 record: [Note: compact trainable gathers] in fp8.py
-                    step_fp8 = kernels.adamw_step_fp8_reference if use_twin else kernels.adamw_step_fp8_
-                    extra = dict(exact=False) if use_twin else {}
-                    step_fp8(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], record=copy, **args,
-                             **extra)
+                if fmt is not None:  # the copy is p's record: [Note: gather formats] in formats/base.py
+                    fmt.adamw_step_(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], record=copy,
+                                    twin=use_twin, **args)
                     out.written()
                     continue
                 args["copy_out"] = copy
@@ -289,8 +287,8 @@ class FusedAdamW(torch.optim.Optimizer):
                 kernels.adamw_step_reference(flat[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], counts[j], exact=False, **seg)
             else:
                 kernels.adamw_step_(flat[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], counts[j], **seg)
-        if fmt == "fp8":  # the record of the whole updated shard, as the fused kernel writes it
-            (kernels.fp8_quantize_reference if use_twin else kernels.fp8_quantize_)(copy, flat)
+        if fmt is not None:  # the record of the whole updated shard, as the fused step writes it
+            fmt.encode_(copy, flat, twin=use_twin)
 
     def _warn_fallback(self, work) -> None:
         """Once per device type: the compiled kernels were expected (``fused=None``) but the
@@ -334,20 +332,21 @@ class FusedAdamW(torch.optim.Optimizer):
         return grad if grad.is_contiguous() else grad.contiguous()
 
 
-def _check_copy(p: torch.Tensor, copy: torch.Tensor, fmt: str | None = None) -> None:
-    if fmt is not None:
-        from .fp8 import BLOCK, record_bytes
+def _format_of(out) -> formats.Format | None:
+    """The gather format a registered copy-out writes (None: values)."""
+    if out is None or out.format is None:
+        return None
+    fmt = formats.get(out.format) if out.format in {f.name for f in formats.gather_formats()} else None
+    if fmt is None:
+        raise ValueError(f"the copy-out registered for p (yafsdp.shards.set_copy_out) has format={out.format!r}; "
+                         "FusedAdamW writes format None (values) or one of "
+                         f"{[f.name for f in formats.gather_formats()]} (a record of that gather format)")
+    return fmt
 
-        if fmt != "fp8":
-            raise ValueError(f"the copy-out registered for p (yafsdp.shards.set_copy_out) has format={fmt!r}; "
-                             "FusedAdamW writes format None (values) or 'fp8' (an FP8 record)")
-        if not (isinstance(copy, torch.Tensor) and copy.dtype == torch.uint8 and copy.is_contiguous()
-                and p.numel() % BLOCK == 0 and copy.numel() == record_bytes(p.numel()) and copy.device == p.device):
-            raise ValueError(
-                f"the FP8 copy-out registered for p must be a contiguous uint8 record of "
-                f"yafsdp.fp8.record_bytes({p.numel()}) bytes on {p.device} (p.numel() a multiple of {BLOCK}); got "
-                + (f"dtype={copy.dtype} numel={copy.numel()} device={copy.device}" if isinstance(copy, torch.Tensor)
-                   else repr(type(copy))))
+
+def _check_copy(p: torch.Tensor, copy: torch.Tensor, fmt: formats.Format | None = None) -> None:
+    if fmt is not None:
+        fmt.check_copy(p, copy)
         return
     if not (
         isinstance(copy, torch.Tensor)

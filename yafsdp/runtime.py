@@ -34,7 +34,7 @@ from typing import Iterator
 
 import torch
 
-from . import kernels
+from . import formats, kernels
 from .alloc import allocate
 from .comm import Schedule
 from .hsdp import ReplicaSync
@@ -44,7 +44,7 @@ from .reduce_accum import fold_pieces_
 from .shard_grad import grad_view, plain
 from .shard_hooks import fire as fire_shard_hooks
 from .trace import span
-from .unit import FlatGroup, Phase, StoredShard, Unit, frozen_kind, nf4_kind, trainable_kind
+from .unit import FlatGroup, Phase, StoredShard, Unit, frozen_kind, stored_kind, trainable_kind
 from .units import UnitSpec, weight_free_backward
 
 __all__ = ["Runtime", "BackwardUse", "in_backward", "current_task"]
@@ -108,25 +108,28 @@ class Runtime:
         self.reduce_accum_dtype = reduce_accum_dtype
         self.zero_stage = zero_stage
         self.quantize_frozen = quantize_frozen  # "nf4" or None: see [Note: NF4 frozen groups] in nf4.py
-        # "fp8" or None: trainable groups gathered compact, see [Note: compact trainable gathers] in fp8.py
+        # "fp8", "int8" or None: trainable groups gathered compact, see [Note: gather formats] in formats/base.py
         self.gather_dtype = gather_dtype
-        quantize = compute_dtype if quantize_frozen is not None else None
+        self.gather_format = formats.get(gather_dtype)  # the plain format for None
+        stored = formats.get(quantize_frozen) if quantize_frozen is not None else None
+        quantize = compute_dtype if stored is not None else None
 
         def unit(name, index, params, members):
             # the same split the plan makes
-            shape = unit_shape(params, world_size, rank, align, quantize, gather_dtype, gather_exclude)
-            kinds = (trainable_kind(compute_dtype, "fp8" if shape.fp8_record else None), frozen_kind(compute_dtype),
-                     nf4_kind(compute_dtype))
-            groups, offset = [], 0
+            shape = unit_shape(params, world_size, rank, align, quantize, self.gather_format, gather_exclude, stored)
+            kinds = (trainable_kind(compute_dtype, shape.gather), frozen_kind(compute_dtype),
+                     stored_kind(compute_dtype, stored) if stored is not None else None)
+            groups, offset, staged = [], 0, 0
             for kind, lay in zip(kinds, (shape.trainable, shape.frozen, shape.nf4)):
                 if lay is not None:
                     groups.append(FlatGroup(kind, lay, buffer_offset=offset))
                     offset += lay.padded_numel
-                    if kind.gather_format == "fp8":  # its records first in the staging area, the NF4 ones after
-                        groups[-1].staging_bytes = shape.fp8_staging
-                    elif kind.gather_format is not None:
-                        groups[-1].staging_offset = shape.fp8_staging
-                        groups[-1].staging_bytes = shape.staging_bytes - shape.fp8_staging
+                    if kind.format.compact:  # records end to end in the staging area: the trainable group's first
+                        groups[-1].staging_offset = staged
+                        groups[-1].staging_bytes = lay.world_size * kind.format.record_bytes(lay.shard_numel,
+                                                                                             compute_dtype)
+                        staged += groups[-1].staging_bytes
+            assert staged == shape.staging_bytes, (name, staged, shape.staging_bytes)
             u = Unit(name, index, groups, members, list(params))
             u.shape = shape
             return u
@@ -202,8 +205,8 @@ class Runtime:
             out["frozen"] = self.frozen_store
         if self.nf4_store.numel():
             out["nf4"] = self.nf4_store
-        if self.fp8_store.numel():
-            out["fp8"] = self.fp8_store
+        if self.gather_store.numel():  # named after its format ("fp8", "int8")
+            out[self.gather_format.name] = self.gather_store
         for s in self.weight_buffers:
             out[s.name] = s.data
             if s.staging.numel():
@@ -238,8 +241,8 @@ class Runtime:
         for s in self.weight_buffers:
             s.invalidate()
         # Every compute copy is rewritten from its master at the next step entry, whether or not the
-        # loader's writes bumped the shards' version counters (a compact group's FP8 record is derived
-        # from the master and never stored: [Note: compact trainable gathers] in fp8.py).
+        # loader's writes bumped the shards' version counters (a compact group's record is derived
+        # from the master and never stored: [Note: gather formats] in formats/base.py).
         for u in self.all:
             for g in u.groups:
                 g.cast_version = -1
@@ -340,13 +343,13 @@ class Runtime:
                 self.copies_changed = False
                 self.schedule.copies_written()
             return
-        # a frozen shard is its own compute copy; a compact trainable group's is its FP8 record
-        cast = [g for g in stale if g.kind.reduced and g.kind.gather_format is None]
-        packed = [g for g in stale if g.kind.reduced and g.kind.gather_format is not None]
+        # a frozen shard is its own compute copy; a compact trainable group's is its format's record
+        cast = [g for g in stale if g.kind.reduced and not g.kind.format.compact]
+        packed = [g for g in stale if g.kind.reduced and g.kind.format.compact]
         with torch.no_grad():
             n_trainable = sum(1 for g in groups if g.kind.reduced)
-            # every trainable group, laid alike in master and compute (never with FP8 groups: their
-            # compute copies are records in fp8_store)
+            # every trainable group, laid alike in master and compute (never with compact groups:
+            # their compute copies are records in gather_store)
             everything = len(cast) == n_trainable
             if cast and self.offload is not None:
                 # master (host) -> compute_host (host, param_dtype) -> upload -> compute (device).
@@ -371,10 +374,10 @@ class Runtime:
                     else:
                         for g in cast:
                             kernels.cast_(g.compute, g.shard.detach())
-            if packed:  # See [Note: compact trainable gathers] in fp8.py
+            if packed:  # See [Note: gather formats] in formats/base.py
                 with span("quantize", f"{len(packed)} units"):
                     for g in packed:
-                        kernels.fp8_quantize_(g.compute, g.shard.detach())
+                        g.kind.format.encode_(g.compute, g.shard.detach())
             for g in stale:
                 g.mark_cast()
         self.copies_changed = False

@@ -41,6 +41,9 @@ class ShardInfo:
     # not shard_numel values but this rank's byte record of them (yafsdp.nf4.split_record: packed
     # 4-bit codes, then one scale of this dtype per 64 elements). None for plain shards.
     values_dtype: torch.dtype | None = None
+    # The name of the stored format of a compact group ("nf4"; yafsdp.formats.get(format) is the
+    # object that reads and writes its record); None for plain shards.
+    format: str | None = None
 
     @property
     def param(self) -> torch.Tensor:
@@ -63,9 +66,9 @@ class CopyOut:
 
     copy: torch.Tensor  # contiguous, p.numel() elements, on p's device (format None)
     written: Callable[[], None]  # called (no arguments) after the optimizer wrote ``copy``
-    # None: ``copy`` holds p's values in its dtype. "fp8": ``copy`` is the FP8 record of p (1-D uint8,
-    # yafsdp.fp8.record_bytes(p.numel()): e4m3 codes, then a float32 scale per 128 values), written
-    # with yafsdp.kernels.fp8_quantize_'s arithmetic. See [Note: compact trainable gathers] in fp8.py.
+    # None: ``copy`` holds p's values in its dtype. A gather format's name ("fp8", "int8"): ``copy``
+    # is that format's record of p (1-D uint8, yafsdp.formats.get(format).record_bytes(p.numel())),
+    # written with its ``encode_`` arithmetic. See [Note: gather formats] in formats/base.py.
     format: str | None = None
 
 

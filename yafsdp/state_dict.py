@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from . import collectives, nf4, orig_params
+from . import collectives, orig_params
 from .dist import check_collective, raise_together, source_rank
 from .flat import ParamInfo
 from .runtime import Runtime
@@ -99,8 +99,8 @@ def write_shard(rt: Runtime, g: FlatGroup, values: torch.Tensor) -> None:
     """This rank's slice of flat group ``g`` (fp32, shard_numel, padding zero) into its stored shard:
     the fp32 master, a frozen shard (rounded), or an NF4 record (rounded, then quantized here).
     The scatter above and the streaming loads ([Note: streaming loads] in hf_stream.py) both end here."""
-    if g.kind.compact is not None:  # each rank quantizes its own slice: [Note: NF4 frozen groups]
-        nf4.quantize_into(g.shard.detach(), values.to(g.kind.gather_dtype))  # bumps the record's version
+    if g.kind.format.stored:  # each rank encodes its own slice: [Note: NF4 frozen groups] in nf4.py
+        g.kind.format.encode_(g.shard.detach(), values.to(g.kind.gather_dtype))  # bumps the record's version
     else:
         g.shard.detach().copy_(values)  # bumps the shard's version: its compute copy is now stale
 

@@ -12,11 +12,14 @@ shard, no optimizer state), laid one after the other in the unit's weight buffer
 codes + block scales (a byte record per rank), gathered compact into the weight buffer's staging
 area and expanded by one kernel into the group's place in the buffer, after the other two
 ([Note: NF4 frozen groups] in nf4.py). A trainable group may itself be *gathered* compact
-(``gather_dtype="fp8"``: ``GroupKind.gather_format``): its master stays fp32 and its compute copy
-is an FP8 byte record, gathered and expanded the same way ([Note: compact trainable gathers] in
-fp8.py); ``compact`` says how a shard is stored, ``gather_format`` how it is gathered. Whatever the kind, the modules see ``gather_dtype`` views of
-the weight buffer; what differs is only what the gather moves and what runs after it
-(``FlatGroup.expand``). A new kind adds a group, not a branch.
+(``gather_dtype="fp8"`` or ``"int8"``): its master stays fp32 and its compute copy is a byte
+record, gathered and expanded the same way ([Note: compact trainable gathers] in fp8.py). Each
+kind holds its *format* (``GroupKind.format``, [Note: gather formats] in formats/base.py), the
+object that sizes, writes and expands its records: the engine asks it (``format.compact``,
+``format.stored``, ``format.encode_``, ``format.expand_``) instead of testing a name. Whatever the
+kind, the modules see ``gather_dtype`` views of the weight buffer; what differs is only what the
+gather moves and what runs after it (``FlatGroup.expand``). A new kind adds a group, not a
+branch; a new format adds a module under formats/, not a branch.
 """
 from __future__ import annotations
 
@@ -27,11 +30,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import kernels
+from . import formats
 from .flat import FlatLayout, ParamInfo
+from .formats import PLAIN, Format
 from .units import Member
 
-__all__ = ["GroupKind", "FlatGroup", "Unit", "Phase", "StoredShard", "trainable_kind", "frozen_kind", "nf4_kind"]
+__all__ = ["GroupKind", "FlatGroup", "Unit", "Phase", "StoredShard", "trainable_kind", "frozen_kind", "stored_kind",
+           "nf4_kind"]
 
 
 @dataclass(frozen=True)
@@ -40,25 +45,42 @@ class GroupKind:
 
     name: str
     storage_dtype: torch.dtype  # the shard as kept on this rank (the fp32 master for trainable groups)
-    gather_dtype: torch.dtype  # the all-gather input and the weight buffer's dtype
+    gather_dtype: torch.dtype  # the weight buffer's dtype: the values the modules see
     reduced: bool  # gradients are reduce-scattered into a grad shard and stepped by the optimizer
-    compact: str | None = None  # a compact storage format ("nf4"): the shard itself is a byte record
-    # The format the group is gathered in when not gather_dtype values ("nf4", "fp8"): the compute
-    # copy is a byte record, gathered into the staging area and expanded (FlatGroup.expand).
-    gather_format: str | None = None
+    # The format its compute copy (the all-gather input) is in: the plain format (param_dtype
+    # values, gathered straight into the weight buffer) or a compact one (a byte record per rank,
+    # gathered into the staging area and expanded: FlatGroup.expand). A *stored* format (nf4) is
+    # also how the shard itself is kept. See [Note: gather formats] in formats/base.py.
+    format: Format = PLAIN
+
+    @property
+    def compact(self) -> str | None:
+        """The name of the format the shard is stored in when it is a byte record ("nf4"), else None."""
+        return self.format.name if self.format.stored else None
+
+    @property
+    def gather_format(self) -> str | None:
+        """The name of the format the group is gathered in when not values ("nf4", "fp8", "int8"), else None."""
+        return self.format.name if self.format.compact else None
 
 
-def trainable_kind(compute_dtype: torch.dtype, gather_format: str | None = None) -> GroupKind:
-    """``gather_format="fp8"``: gathered as FP8 records ([Note: compact trainable gathers] in fp8.py)."""
-    return GroupKind("trainable", torch.float32, compute_dtype, reduced=True, gather_format=gather_format)
+def trainable_kind(compute_dtype: torch.dtype, fmt: Format = PLAIN) -> GroupKind:
+    """``fmt``: a gather format (fp8, int8) gathers the group as records of the fp32 master
+    ([Note: compact trainable gathers] in fp8.py)."""
+    return GroupKind("trainable", torch.float32, compute_dtype, reduced=True, format=formats.get(fmt))
 
 
 def frozen_kind(compute_dtype: torch.dtype) -> GroupKind:
     return GroupKind("frozen", compute_dtype, compute_dtype, reduced=False)
 
 
+def stored_kind(compute_dtype: torch.dtype, fmt: Format) -> GroupKind:
+    """A frozen group stored as records of ``fmt`` (a stored format), named after it."""
+    return GroupKind(fmt.name, torch.uint8, compute_dtype, reduced=False, format=fmt)
+
+
 def nf4_kind(compute_dtype: torch.dtype) -> GroupKind:
-    return GroupKind("nf4", torch.uint8, compute_dtype, reduced=False, compact="nf4", gather_format="nf4")
+    return stored_kind(compute_dtype, formats.get("nf4"))
 
 
 class FlatGroup:
@@ -79,19 +101,14 @@ class FlatGroup:
         # landing of the reduced grad shard. See [Note: host and device tensors] in alloc.py.
         self.compute_host: torch.Tensor | None = None
         self.grad_landing: torch.Tensor | None = None
-        # compact groups: bytes of the gathered records (world x one rank's record), and the
-        # 16 levels in gather_dtype on the device (read by the expand kernel)
+        # compact groups: bytes of the gathered records (world x one rank's record)
         self.staging_bytes = 0
-        self.staging_offset = 0  # where its records start in the staging area (FP8 first, then NF4)
-        self.codebook: torch.Tensor | None = None
+        self.staging_offset = 0  # where its records start in the staging area (trainable first, then stored)
 
     def expand(self, out: torch.Tensor, staging: torch.Tensor) -> None:
         """A compact group's gathered records (``staging``) -> its values in ``out`` (its place in
         the weight buffer). See [Note: expanding a compact gather] in comm.py."""
-        if self.kind.gather_format == "fp8":
-            kernels.fp8_expand_(out, staging, self.layout.shard_numel)
-        else:
-            kernels.nf4_expand_(out, staging, self.codebook, self.layout.shard_numel)
+        self.kind.format.expand_(out, staging, self.layout.shard_numel)
 
     @property
     def stale(self) -> bool:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import collectives, nf4
+from . import collectives
 from .collectives import all_gather
 from .dist import check_collective, raise_together
 
@@ -49,10 +49,10 @@ def _gather_group(rt, u, g, group, grad: bool = False) -> torch.Tensor | None:
         all_gather(full, rt.to_device(local.detach()).float(), group, async_op=False)
         return full
     shard = rt.to_device(g.shard.detach())
-    if g.kind.compact is not None:  # the records, expanded: the values the model computes with
+    if g.kind.format.stored:  # the records, expanded: the values the model computes with
         records = torch.empty(g.staging_bytes, dtype=torch.uint8, device=rt.device)
         all_gather(records, shard, group, async_op=False)
-        return nf4.dequantize_record(records, g.layout.shard_numel, g.kind.gather_dtype)
+        return g.kind.format.decode(records, g.layout.shard_numel, g.kind.gather_dtype)
     full = torch.empty(g.layout.padded_numel, dtype=shard.dtype, device=rt.device)
     all_gather(full, shard, group, async_op=False)
     return full

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .. import formats
 from .dcp_glue import FlatShard
 from .files import CheckpointError
 from .safe import encode
@@ -34,36 +35,29 @@ def _model_entries(model) -> dict[str, FlatShard]:
     [Note: NF4 frozen groups] in yafsdp/nf4.py) as its packed codes ``model.<unit>.nf4`` (uint8,
     numel/2 bytes) and its scales ``model.<unit>.nf4.scales`` (numel/64), both laid out the same
     for every world size (blocks start at the group's start), so they reshard like the others."""
-    from .. import nf4
-
     out = {}
     for i in model.shard_info():
-        if i.values_dtype is None:
+        if i.format is None:
             out[f"model.{i.key}"] = _flat_shard(i, i.param.detach())
             continue
-        data, scales = nf4.split_record(i.param.detach(), i.shard_numel, i.values_dtype)
-        valid = max(0, min(i.shard_numel, i.numel - i.shard_start))
-        start = min(i.shard_start, i.numel)
-        out[f"model.{i.key}"] = FlatShard(data[:valid // 2], start // 2, i.numel // 2)
-        out[f"model.{i.key}.scales"] = FlatShard(scales[:valid // nf4.BLOCK], start // nf4.BLOCK,
-                                                 i.numel // nf4.BLOCK)
+        # a stored record: the entries its format says (See [Note: gather formats] in formats/base.py)
+        for suffix, (local, start, numel) in formats.get(i.format).checkpoint_entries(i, i.param.detach()).items():
+            out[f"model.{i.key}{suffix}"] = FlatShard(local, start, numel)
     return out
 
 
 def _zero_padding(model, entries: dict) -> None:
     """After a load: the padding past the loaded part is zero (NF4: a block of zeros, which
     expands to zeros), whatever was there; bumps each shard's version."""
-    from .. import nf4
-
     with torch.no_grad():
         for i in model.shard_info():
-            valid = entries[f"model.{i.key}"].local.numel()
-            if i.values_dtype is None:
-                i.param.detach()[valid:].zero_()
+            if i.format is None:
+                i.param.detach()[entries[f"model.{i.key}"].local.numel():].zero_()
                 continue
-            data, scales = nf4.split_record(i.param.detach(), i.shard_numel, i.values_dtype)
-            data[valid:].fill_(nf4.ZERO_INDEX << 4 | nf4.ZERO_INDEX)
-            scales[entries[f"model.{i.key}.scales"].local.numel():].zero_()
+            fmt = formats.get(i.format)
+            loaded = {suffix: entries[f"model.{i.key}{suffix}"].local.numel()
+                      for suffix in fmt.checkpoint_entries(i, i.param.detach())}
+            fmt.checkpoint_loaded_(i, i.param.detach(), loaded)
 
 
 def _optimizer_params(model, optimizer) -> list[tuple[Any, Any]]:

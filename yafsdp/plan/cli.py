@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from .. import formats
 from .report import MemoryPlan, memory_plan
 from .sizing import OPTIMIZER_BYTES
 
@@ -57,9 +58,10 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
                     help="optimizer: fp32 master, grad shard and optimizer state on the host "
                     "(YaFSDP(offload='optimizer')); all: the frozen and NF4 shards too, copied to the device per "
                     "unit before its gather; the table says where each role lives and totals per GPU and host")
-    ap.add_argument("--gather-dtype", default="param", choices=["param", "fp8"],
-                    help="fp8: the decoder layers' trainable weights gathered as fp8 records (gather_dtype='fp8'): "
-                    "their compute copy is 1.03 bytes per element, plus a staging area per weight buffer")
+    ap.add_argument("--gather-dtype", default="param", choices=["param"] + [f.name for f in formats.gather_formats()],
+                    help="fp8 / int8: the decoder layers' trainable weights gathered as records of that format "
+                    "(gather_dtype='fp8' / 'int8'; see docs/formats.md): their compute copy is about 1.03 bytes per "
+                    "element, plus a staging area per weight buffer")
     ap.add_argument("--async-save", action="store_true",
                     help="add the host memory of an asynchronous save's staging copy (the jobs' --async-save, "
                     "yafsdp.checkpoint.AsyncSaver): this rank's part of a checkpoint, kept between saves")
@@ -99,7 +101,7 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
         batch=a.batch, seq=a.seq, checkpointing=a.checkpointing, attention=a.attention,
         quantize_frozen="nf4" if a.frozen_base == "nf4" else None,
         offload=None if a.offload == "none" else a.offload,
-        gather_dtype="fp8" if a.gather_dtype == "fp8" else None, async_save=a.async_save,
+        gather_dtype=None if a.gather_dtype == "param" else a.gather_dtype, async_save=a.async_save,
         **({"budget": a.budget} if a.budget else {}),
     )
     choice = getattr(plan, "choice", None)

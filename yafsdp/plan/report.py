@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from .. import formats, fp8
 from ..units import discover, weight_free_backward
 from .activations import ActivationEstimate, activation_estimate
 from .staging import persistent_buffer_bytes, staging_bytes
@@ -24,9 +25,14 @@ class UnitRow:
     outsized: bool
     weight_free_bw: bool = False  # ZeRO-3 skips its backward re-gather (runtime.py [Note: weight-free backward])
     # Bytes one gather of the unit brings to each rank (the all-gather outputs: param_dtype values, or
-    # the gathered records of compact groups) and whether its trainable group is gathered as FP8
+    # the gathered records of compact groups) and the gather format of its trainable group when it is
+    # gathered compact ("fp8", "int8"; None: param_dtype values)
     gather_bytes: int = 0
-    fp8: bool = False
+    gather_format: str | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.gather_format == "fp8"
 
 
 @dataclass
@@ -58,7 +64,9 @@ class MemoryPlan:
     offload: str | None = None
     compute_host: int = 0
     grad_landing: int = 0
-    fp8: int = 0  # FP8 records of the trainable groups gathered compact (gather_dtype="fp8")
+    # records of the trainable groups gathered compact (gather_dtype="fp8" / "int8"): the role named
+    # after the format in engine_bytes(). See [Note: gather formats] in yafsdp/formats/base.py.
+    records: int = 0
     gather_dtype: str | None = None
     # "fp32": the reduce_dtype pieces are summed in fp32 (reduce_accum_dtype; yafsdp/reduce_accum.py)
     reduce_accum_dtype: str | None = None
@@ -96,7 +104,13 @@ class MemoryPlan:
     @property
     def model_state(self) -> int:
         """Sharded state + optimizer state: what the ZeRO paper calls model states."""
-        return self.master + self.grad + self.compute_copy + self.frozen + self.nf4 + self.fp8 + self.optimizer_state
+        return (self.master + self.grad + self.compute_copy + self.frozen + self.nf4 + self.records
+                + self.optimizer_state)
+
+    @property
+    def fp8(self) -> int:
+        """Bytes of the FP8 records (gather_dtype="fp8"; 0 otherwise)."""
+        return self.records if self.gather_dtype == "fp8" else 0
 
     @property
     def total(self) -> int:
@@ -138,7 +152,9 @@ class MemoryPlan:
     def engine_bytes(self) -> dict[str, int]:
         """The same keys and values as ``YaFSDP.allocated_bytes()`` returns once wrapped."""
         out = {"master": self.master, "grad": self.grad, "compute_copy": self.compute_copy, "frozen": self.frozen,
-               "nf4": self.nf4, "fp8": self.fp8}
+               "nf4": self.nf4}
+        for fmt in formats.gather_formats():  # one role per gather format, as YaFSDP.allocated_bytes()
+            out[fmt.name] = self.records if fmt.name == self.gather_dtype else 0
         if self.offload is not None:
             out.update(compute_host=self.compute_host, grad_landing=self.grad_landing)
         for s in self.slots:
@@ -167,8 +183,8 @@ class MemoryPlan:
             (f"compute copy ({self.param_dtype})", self.compute_copy),
             (f"frozen shard ({self.param_dtype})", self.frozen),
             *([(self._nf4_row, self.nf4)] if self.quantize_frozen else []),
-            *([("compute copy, FP8 records (e4m3 codes + fp32 scale per 128)", self.fp8)]
-              if self.gather_dtype else []),
+            *([(f"compute copy, {self.gather_dtype.upper()} records ({formats.get(self.gather_dtype).label})",
+                self.records)] if self.gather_dtype else []),
             ("weight buffers" + (" (per unit, ZeRO-2)" if self.zero_stage == 2 else " (x2)")
              + (" + NF4 staging" if self.quantize_frozen else "")
              + (" + frozen landing" if self.offload == "all" else ""), self.weight_buffers),
@@ -280,7 +296,7 @@ class MemoryPlan:
 
 def _gather_bytes(lay, cbytes: int) -> int:
     """Bytes one gather of a unit (``sizing.UnitShape``) brings to each rank."""
-    plain = (lay.trainable.padded_numel if lay.trainable is not None and not lay.fp8_record else 0) + (
+    plain = (lay.trainable.padded_numel if lay.trainable is not None and not lay.gather_record else 0) + (
         lay.frozen.padded_numel if lay.frozen is not None else 0)
     return plain * cbytes + lay.staging_bytes
 
@@ -336,15 +352,14 @@ def memory_plan(
     else:
         if world_size is None:
             raise ValueError("yafsdp.plan.memory_plan: world_size= is required for a model that is not wrapped")
-        from .. import fp8, nf4
 
         param_dtype, reduce_dtype = as_dtype(param_dtype), as_dtype(reduce_dtype)
         compute_dtype = param_dtype or torch.float32
         from ..api import check_offload
 
-        quantize_frozen = nf4.check_format(quantize_frozen)
+        quantize_frozen = formats.storage_option(quantize_frozen)
         offload = check_offload(offload)
-        gather_dtype = fp8.check_gather_dtype(gather_dtype)
+        gather_dtype = formats.gather_option(gather_dtype)
         exclude = fp8.default_exclude(model) if gather_exclude is None else tuple(gather_exclude)
         if offload is not None and gather_dtype is not None:
             raise ValueError(f"memory_plan: offload={offload!r} with gather_dtype={gather_dtype!r} is not supported "
@@ -373,7 +388,7 @@ def memory_plan(
     frozen_shard = sum(lay.frozen_shard for lay in all_layouts)
     nf4_shard = sum(lay.nf4_shard for lay in all_layouts)
     nf4_bytes = sum(lay.nf4_record for lay in all_layouts)
-    fp8_bytes = sum(lay.fp8_record for lay in all_layouts)
+    record_bytes = sum(lay.gather_record for lay in all_layouts)
     compute_shard = sum(lay.compute_shard for lay in all_layouts)
     cbytes = itemsize(compute_dtype)
     opt_bytes = optimizer if isinstance(optimizer, int) else OPTIMIZER_BYTES[optimizer]
@@ -383,7 +398,7 @@ def memory_plan(
             names[i], lay.numel, lay.weight_numel, lay.trainable_shard + lay.frozen_shard + lay.nf4_shard,
             slots.weight[slots.weight_of[i]].name,
             slots.grad[slots.grad_of[i]].name if slots.grad_of[i] >= 0 else "-", slots.outsized[i], weight_free[i],
-            _gather_bytes(lay, cbytes), bool(lay.fp8_record),
+            _gather_bytes(lay, cbytes), lay.gather.name if lay.gather_record else None,
         )
         for i, lay in enumerate(layouts)
     ]
@@ -396,7 +411,7 @@ def memory_plan(
         master=4 * shard, grad=4 * shard,
         compute_copy=0 if compute_dtype == torch.float32 and offload is None else cbytes * compute_shard,
         optimizer_state=opt_bytes * shard, frozen=cbytes * frozen_shard, nf4=nf4_bytes,
-        quantize_frozen=quantize_frozen, offload=offload, fp8=fp8_bytes, gather_dtype=gather_dtype,
+        quantize_frozen=quantize_frozen, offload=offload, records=record_bytes, gather_dtype=gather_dtype,
         reduce_accum_dtype=dtype_name(accum) if accum is not None else None,
         compute_host=cbytes * shard if offload is not None and compute_dtype != torch.float32 else 0,
         grad_landing=itemsize(reduce_dtype) * shard if offload is not None else 0,

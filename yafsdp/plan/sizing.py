@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import formats
 from ..flat import FlatLayout
+from ..formats import PLAIN, Format
 
 GiB = 1024**3
 
@@ -99,9 +101,11 @@ class UnitShape:
     frozen: FlatLayout | None
     nf4: FlatLayout | None = None
     nf4_record: int = 0  # bytes of one rank's NF4 record (nf4.record_bytes), 0 without an NF4 group
-    # gather_dtype="fp8": the trainable group is gathered as FP8 records of fp8_record bytes per rank
-    # (fp8.record_bytes); 0 when it is gathered in param_dtype. See [Note: compact trainable gathers].
-    fp8_record: int = 0
+    # gather_dtype="fp8" / "int8": the trainable group is gathered as records of ``gather`` (a
+    # gather format), gather_record bytes per rank; 0 when it is gathered in param_dtype. See
+    # [Note: gather formats] in formats/base.py.
+    gather_record: int = 0
+    gather: Format = PLAIN
 
     @property
     def groups(self) -> tuple[FlatLayout, ...]:
@@ -116,21 +120,21 @@ class UnitShape:
         return sum(lay.numel for lay in self.groups)
 
     @property
-    def fp8_staging(self) -> int:
-        """Bytes the gathered FP8 records of the trainable group take (every rank's record); first in
+    def gather_staging(self) -> int:
+        """Bytes the gathered records of the trainable group take (every rank's record); first in
         the staging area."""
-        return self.trainable.world_size * self.fp8_record if self.fp8_record else 0
+        return self.trainable.world_size * self.gather_record if self.gather_record else 0
 
     @property
     def staging_bytes(self) -> int:
         """Bytes the gathered compact records take in the staging area (every rank's record): the
-        FP8 trainable group's, then the NF4 group's."""
-        return self.fp8_staging + (self.nf4.world_size * self.nf4_record if self.nf4 is not None else 0)
+        trainable group's (fp8, int8), then the NF4 group's."""
+        return self.gather_staging + (self.nf4.world_size * self.nf4_record if self.nf4 is not None else 0)
 
     @property
     def compute_shard(self) -> int:
         """Elements of the param_dtype compute copy (the trainable shard unless gathered compact)."""
-        return 0 if self.fp8_record else self.trainable_shard
+        return 0 if self.gather_record else self.trainable_shard
 
     @property
     def nf4_shard(self) -> int:  # elements of this rank's NF4 shard (stored as nf4_record bytes)
@@ -146,28 +150,29 @@ class UnitShape:
 
 
 def unit_shape(params, world_size: int, rank: int, align: int, quantize: torch.dtype | None = None,
-               gather: str | None = None, gather_exclude: tuple[str, ...] = ()) -> UnitShape:
+               gather: Format | None = None, gather_exclude: tuple[str, ...] = (),
+               stored: Format | None = None) -> UnitShape:
     """Split a unit's parameters (in order) into its trainable, frozen and (``quantize``: the
-    dtype NF4 values expand to, when ``quantize_frozen="nf4"``) NF4 flat groups; ``gather="fp8"``
-    gathers the trainable group compact when the unit qualifies (fp8.eligible_unit)."""
-    from .. import fp8, nf4
-
+    dtype stored values expand to, when ``quantize_frozen`` is set; ``stored``: its format, NF4 by
+    default) stored flat groups; ``gather`` (a gather format, or its name) gathers the trainable
+    group compact when the unit qualifies (``gather.eligible_unit``)."""
+    gather = formats.get(gather)
+    stored = formats.get("nf4") if stored is None else stored
     trainable = [p for p in params if not p.frozen]
-    compact = [p for p in params if quantize is not None and nf4.eligible(p)]
+    compact = [p for p in params if quantize is not None and stored.eligible(p)]
     frozen = [p for p in params if p.frozen and not any(p is c for c in compact)]
     lay4 = None
     if compact:
-        # whole blocks per rank, each rank's record whole 16-byte lines: see [Note: NF4 frozen groups]
-        step = nf4.shard_align(quantize)
-        lay4 = FlatLayout.build(compact, world_size, rank, step * align // math.gcd(step, align))
-    packed = gather is not None and fp8.eligible_unit(params, gather_exclude)
-    # whole 128-blocks per rank: see [Note: compact trainable gathers] in fp8.py
-    lay_t = (FlatLayout.build(trainable, world_size, rank, fp8.shard_align(align) if packed else align)
+        lay4 = FlatLayout.build(compact, world_size, rank, stored.shard_align(align, quantize))
+    packed = gather.compact and gather.eligible_unit(params, gather_exclude)
+    # whole blocks per rank: see [Note: compact trainable gathers] in fp8.py
+    lay_t = (FlatLayout.build(trainable, world_size, rank, gather.shard_align(align, torch.float32) if packed else align)
              if trainable else None)
     return UnitShape(lay_t,
                      FlatLayout.build(frozen, world_size, rank, align) if frozen else None,
-                     lay4, nf4.record_bytes(lay4.shard_numel, quantize) if lay4 is not None else 0,
-                     fp8.record_bytes(lay_t.shard_numel) if packed else 0)
+                     lay4, stored.record_bytes(lay4.shard_numel, quantize) if lay4 is not None else 0,
+                     gather.record_bytes(lay_t.shard_numel, torch.float32) if packed else 0,
+                     gather if packed else formats.PLAIN)
 
 
 # [Note: the compact staging area]
