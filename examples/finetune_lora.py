@@ -74,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "for bit those without it")
     g.add_argument("--materialize-base", action="store_true",
                    help="read the whole base on every rank (from_pretrained) before wrapping, instead of building it "
-                   "on meta and streaming each rank's slices in after wrapping (the default; see docs/io-load.md)")
+                   "on meta and streaming each rank's slices in after wrapping (the default; see docs/io.md)")
     g.add_argument("--merge-export", default=None, metavar="DIR",
                    help="also write the base with the adapters merged as a plain HF checkpoint")
     g = p.add_argument_group("base (without --init-from-hf)")
