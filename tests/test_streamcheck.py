@@ -324,3 +324,50 @@ def test_hsdp_schedule_is_race_free_and_a_dropped_wait_is_reported():
         assert all_reduces and {s for s, _ in all_reduces} == {"comm"}, all_reduces[:5]
         assert stats["overlapped"] > 0 and stats["deferred"] > 0 and stats["rescaled"] > 0, stats
         assert any(r.startswith("race on 'grad") and "c10d.allreduce_" in r for r in faulty[0]), faulty[0][:5]
+
+
+def _hsdp_offload_case(rank, world, fault):
+    """offload x HSDP (world 2 as 2 replicas of one rank) under the checker: the host grad shards'
+    all-reduce staged through an idle grad buffer ([Note: the all-reduce of host grad shards] in
+    yafsdp/placement.py): the copy in and out on the compute stream, the all-reduce on the comm stream."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if fault == "replicated":  # the compute side no longer waits for the all-reduce before copying back
+        def replicate(self, grad, unit):
+            self.grads_final.record(self.streams.current_stream())
+            with self.streams.use(self.comm):
+                self.comm.wait_event(self.grads_final)
+                comm.all_reduce(grad, self.replicate_group, async_op=False)
+
+        comm.StreamSchedule.replicate = replicate
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    kind, module, _ = _build(dict(tie=True))
+    with StreamChecker() as chk:
+        model = yafsdp.YaFSDP(module, mesh=mesh, param_dtype=torch.bfloat16, offload="optimizer")
+        opt = _optimizer("fused_adamw", model.parameters())
+        chk.watch(model)
+        with chk.recording():
+            for step in range(2):
+                for micro in range(2):
+                    (loss_of(model, kind, batch(kind, step, micro, rank)) / 2).backward()
+                model.clip_grad_norm_(1.0)
+                opt.step()
+                opt.zero_grad()
+    kernels = [entry[1:4] for entry in chk.log if entry[0] == "kernel"]
+    all_reduces = [stream for stream, op, label in kernels if op == "c10d.allreduce_"
+                   and label.startswith("yafsdp.all_reduce")]
+    return [str(r) for r in chk.races], all_reduces, dict(model._rt.replica_sync.stats)
+
+
+def _hsdp_offload_cases(rank, world):
+    return [_hsdp_offload_case(rank, world, None), _hsdp_offload_case(rank, world, "replicated")]
+
+
+def test_hsdp_offload_staging_is_race_free_and_a_dropped_wait_is_reported():
+    for rank, (clean, faulty) in enumerate(run_ranks(_hsdp_offload_cases, 2)):
+        races, all_reduces, stats = clean
+        assert not races, f"rank {rank}:\n" + "\n".join(races[:5])
+        assert all_reduces and set(all_reduces) == {"comm"}, all_reduces[:5]
+        assert stats["deferred"] > 0 and stats["overlapped"] == 0, stats
+        # without the wait, the copy back to the host reads the staging the all-reduce writes
+        assert any(r.startswith("race on 'grad") and "c10d.allreduce_" in r for r in faulty[0]), faulty[0][:5]

@@ -6,6 +6,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from .. import fp8
+from ..config import EngineConfig, build_config
+from ..placement import placement_of
 from ..units import discover, weight_free_backward
 from .activations import ActivationEstimate, activation_estimate
 from .sizing import (
@@ -98,8 +101,6 @@ class MemoryPlan:
     def placement(self) -> dict[str, str]:
         """Where each role of :meth:`engine_bytes` lives ("host" / "device"), as ``YaFSDP.placement()``;
         the optimizer state is where the master shards are."""
-        from ..runtime import placement_of
-
         return {k: placement_of(k, self.offload) for k in self.engine_bytes()}
 
     @property
@@ -269,15 +270,16 @@ def memory_plan(
     offload: str | None = None,
     gather_dtype: str | None = None,
     gather_exclude=None,
+    config=None,
 ) -> MemoryPlan:
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
     or a plain module (any device, meta included; nothing is allocated) with the engine options
     given here. ``batch`` and ``seq`` add the activation estimate (HF causal LMs, or any model
     with ``inputs_fn(batch, seq, device) -> kwargs``). ``optimizer``: a name in
-    ``OPTIMIZER_BYTES`` or bytes of state per shard element."""
-    from ..api import YaFSDP
-
-    if isinstance(model, YaFSDP):
+    ``OPTIMIZER_BYTES`` or bytes of state per shard element. The engine options are checked by
+    ``yafsdp.config.build_config``, as ``YaFSDP(...)`` checks them (``config=``: an ``EngineConfig``
+    instead of the options)."""
+    if isinstance(getattr(model, "engine_config", None), EngineConfig):  # a wrapped YaFSDP
         eng = model
         names = [u.name for u in eng.units]
         layouts = [u.shape for u in eng.units]
@@ -295,19 +297,16 @@ def memory_plan(
     else:
         if world_size is None:
             raise ValueError("yafsdp.plan.memory_plan: world_size= is required for a model that is not wrapped")
-        from .. import fp8, nf4
-
-        param_dtype, reduce_dtype = as_dtype(param_dtype), as_dtype(reduce_dtype)
-        compute_dtype = param_dtype or torch.float32
-        from ..api import check_offload
-
-        quantize_frozen = nf4.check_format(quantize_frozen)
-        offload = check_offload(offload)
-        gather_dtype = fp8.check_gather_dtype(gather_dtype)
-        exclude = fp8.default_exclude(model) if gather_exclude is None else tuple(gather_exclude)
-        if offload is not None and gather_dtype is not None:
-            raise ValueError(f"memory_plan: offload={offload!r} with gather_dtype={gather_dtype!r} is not supported "
-                             "yet (YaFSDP refuses it too); plan one of them")
+        if config is None:  # the plan also takes dtype names ("bf16"), as its CLI does
+            param_dtype, reduce_dtype = as_dtype(param_dtype), as_dtype(reduce_dtype)
+        cfg = build_config(config, who="yafsdp.plan.memory_plan", param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                           zero_stage=zero_stage, align_bytes=align_bytes, outsized_ratio=outsized_ratio,
+                           quantize_frozen=quantize_frozen, offload=offload, gather_dtype=gather_dtype,
+                           gather_exclude=gather_exclude)
+        param_dtype, reduce_dtype, compute_dtype = cfg.param_dtype, cfg.reduce_dtype, cfg.compute_dtype
+        quantize_frozen, offload, gather_dtype = cfg.quantize_frozen, cfg.offload_what, cfg.gather_dtype
+        zero_stage, align_bytes, outsized_ratio = cfg.zero_stage, cfg.align_bytes, cfg.outsized_ratio
+        exclude = fp8.default_exclude(model) if cfg.gather_exclude is None else cfg.gather_exclude
         quantize = compute_dtype if quantize_frozen else None
         align = unit_align(compute_dtype, reduce_dtype, align_bytes)
         specs, small_params = discover(model, units)
