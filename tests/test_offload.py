@@ -269,3 +269,32 @@ def test_offload_with_hsdp_is_bit_identical():
                 # every gradient element all-reduced once per step, deferred (host shards: never overlapped)
                 assert b["stats"]["overlapped"] == 0 and b["stats"]["elements"] == a["stats"]["elements"], b["stats"]
             assert a["stats"]["overlapped"] > 0 or r is res["qlora_fp32_adamw"], a["stats"]
+
+
+def _fp8(rank, world):
+    """offload x gather_dtype="fp8" (refused before) against fp8 gathers without offload."""
+    out = {}
+    for dt, optim in ((torch.bfloat16, "fused"), (None, "adamw")):
+        res = {}
+        for offload in (None, "optimizer"):
+            model = yafsdp.YaFSDP(tiny_llama(), param_dtype=dt, gather_dtype="fp8", offload=offload)
+            opt = _optimizer(optim, model.parameters())
+            res[offload] = dict(trace=_run(model, opt, rank, 2), sd=model.full_state_dict(), state=_state(opt),
+                                plan=model.memory_plan().engine_bytes(), allocated=model.allocated_bytes(),
+                                host=sorted(model.allocated_bytes("host")))
+        out[f"{dt} {optim}"] = res
+    return out
+
+
+def test_offload_with_fp8_gathers_is_bit_identical():
+    """The FP8 records' host side (fp8_host) is what the optimizer and the quantize pass write, then
+    uploaded: the same losses, norms, weights and optimizer state as fp8 gathers without offload."""
+    for rank, res in enumerate(run_ranks(_fp8, 2)):
+        for name, r in res.items():
+            a, b = r[None], r["optimizer"]
+            assert a["trace"] == b["trace"], (name, a["trace"], b["trace"])
+            if rank == 0:
+                assert all(torch.equal(a["sd"][k], b["sd"][k]) for k in a["sd"]), name
+            assert all(torch.equal(x[k], y[k]) for x, y in zip(a["state"], b["state"]) for k in x), name
+            assert b["plan"] == b["allocated"] and b["allocated"]["fp8_host"] == b["allocated"]["fp8"] > 0, b
+            assert b["host"] == ["compute_host", "fp8_host", "grad", "grad_landing", "master"], b["host"]

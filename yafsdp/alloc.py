@@ -55,6 +55,7 @@ class Storage:
     compute_host: torch.Tensor | None = None  # offload: the host side of the compute copy
     grad_landing: torch.Tensor | None = None  # offload: reduce_dtype host landing of the reduced shards
     fp8_store: torch.Tensor | None = None  # 1-D uint8 FP8 records
+    fp8_host: torch.Tensor | None = None  # offload: the host side of the FP8 records
     frozen_store: torch.Tensor | None = None  # 1-D param_dtype frozen shards
     nf4_store: torch.Tensor | None = None  # 1-D uint8 NF4 records
     flat: nn.Module | None = None  # the master shards as registered parameters
@@ -90,7 +91,8 @@ def allocate(self, outsized_ratio: float) -> "Storage":
     )
     # offload: the host side of the compute copy (what the copy-out and the cast pass write and
     # the upload reads; the master itself in fp32) and the host landing of the reduced grads.
-    # (offload and gather_dtype are not combined: config.py refuses it, so plain_total == total here.)
+    # (compute_host spans every trainable group, laid as the master; an FP8 group's slice of it is
+    # unused: its host copy is its record in fp8_host.)
     st.compute_host = None
     st.grad_landing = None
     if offload:
@@ -99,7 +101,11 @@ def allocate(self, outsized_ratio: float) -> "Storage":
         st.grad_landing = place.zeros(total, self.reduce_dtype)
     # 1-D uint8: the compute copies of the trainable groups gathered compact (gather_dtype="fp8"):
     # one FP8 record each, end to end. See [Note: compact trainable gathers] in fp8.py.
-    st.fp8_store = torch.zeros(sum(u.shape.fp8_record for u in self.all), dtype=torch.uint8, device=dev)
+    fp8_total = sum(u.shape.fp8_record for u in self.all)  # record sizes: fp8.record_bytes via plan.sizing
+    st.fp8_store = torch.zeros(fp8_total, dtype=torch.uint8, device=dev)
+    # offload: the host side of the FP8 records, as compute_host is of the param_dtype copies (the
+    # optimizer's copy-out and the quantize pass write here; the upload moves it into fp8_store).
+    st.fp8_host = place.zeros(fp8_total, torch.uint8) if offload and fp8_total else None
     # 1-D param_dtype: every frozen group's shard end to end, stored only in param_dtype (it is
     # its own all-gather input; no master, no grad, no optimizer state).
     frozen_total = sum(g.layout.shard_numel for u in self.all for g in u.groups
@@ -126,7 +132,11 @@ def allocate(self, outsized_ratio: float) -> "Storage":
                 if g.kind.gather_format is not None:  # its compute copy is its FP8 record
                     rec = u.shape.fp8_record
                     g.compute = st.fp8_store[roff:roff + rec]
-                    shards.set_copy_out(g.shard, g.compute, _copy_written_cb(self, g), format=g.kind.gather_format)
+                    if offload:
+                        g.compute_host = st.fp8_host[roff:roff + rec]
+                        g.grad_landing = st.grad_landing[off:off + n]
+                    copy = g.compute_host if offload else g.compute  # where the optimizer runs
+                    shards.set_copy_out(g.shard, copy, _copy_written_cb(self, g), format=g.kind.gather_format)
                     roff += rec
                 elif st.compute is st.master:
                     g.compute = st.compute[off:off + n]

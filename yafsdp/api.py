@@ -63,8 +63,9 @@ class YaFSDP(nn.Module):
       (QLoRA); other names refused; a warning when no weight qualifies.
     - ``offload`` (default None): "optimizer" keeps the fp32 master, grad shard and optimizer state in host
       memory and steps the optimizer on the CPU; "all" moves the frozen and NF4 shards to the host too
-      (docs/offload.md). Combines with HSDP. Refused with ``gather_dtype="fp8"``: the host staging copy
-      the optimizer writes holds param_dtype values, not FP8 records.
+      (docs/offload.md); other values refused. Combines with every other option, HSDP and
+      ``gather_dtype="fp8"`` included (the host shards' all-reduce and the FP8 records' upload are
+      staged through the device: yafsdp/placement.py).
     - ``gather_dtype`` (default None: gather in param_dtype): "fp8" gathers trainable ``nn.Linear``
       weights as float8 e4m3 records; other values refused; a warning when no unit qualifies.
     - ``gather_exclude`` (default None: the HF output head): module names kept in param_dtype with

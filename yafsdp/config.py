@@ -7,11 +7,11 @@ The policies follow FSDP2's ``MixedPrecisionPolicy`` / ``OffloadPolicy``: small 
 that say *what* is wanted; the engine decides how (yafsdp/placement.py for offload).
 
 [Note: refused combinations]
-What the checks below refuse, and why; everything else combines:
+What the checks below refuse between options, and why; everything else combines:
 
-- ``offload`` with ``gather_dtype="fp8"``: the optimizer's copy-out writes the compute copy on the
-  host with offload, and it writes an FP8 record (the compute copy of a compact group) on the
-  device with ``gather_dtype``; the host staging copy carries param_dtype values only.
+- nothing at present. Lifted: ``offload`` with ``gather_dtype="fp8"`` (the optimizer's copy-out
+  and the quantize pass write the FP8 record into a host staging record, ``fp8_host``, that is
+  uploaded as the param_dtype staging copy is: placement.py),
 - (no longer refused) ``offload`` with HSDP: the all-reduce across replicas of host grad shards is
   staged through the device (see [Note: the all-reduce of host grad shards] in placement.py), and
   so are the broadcasts of host stores from replica 0; QLoRA with ``offload="all"`` on a mesh too.
@@ -147,11 +147,6 @@ def build_config(config: EngineConfig | None = None, *, who: str = "yafsdp.YaFSD
     quantize_frozen = _as(who, nf4.check_format, o["quantize_frozen"])
     offload = _as(who, check_offload, o["offload"])
     gather_dtype = _as(who, fp8.check_gather_dtype, o["gather_dtype"])
-    if offload is not None and gather_dtype is not None:  # See [Note: refused combinations]
-        raise ValueError(
-            f"{who}: offload={offload!r} with gather_dtype={gather_dtype!r} is not supported yet: "
-            "the optimizer's copy-out writes a param_dtype host staging copy with offload and an FP8 record on "
-            "the device with gather_dtype. Use one of them")
     zero_stage = o["zero_stage"]
     if zero_stage not in (2, 3):
         raise ValueError(f"{who}: zero_stage={zero_stage!r} is not supported; use 2 or 3")

@@ -7,7 +7,9 @@ Two pieces, both used only when the engine is given a 2-D mesh or a (shard, repl
   and the replicate group (this rank and the ranks holding the same shard in the other replicas),
   and refuses what is not supported, naming the value;
 - :class:`ReplicaSync` brings the grad shards of the replicas together: one all-reduce across
-  replicas per optimizer step, whatever the accumulation.
+  replicas per optimizer step, whatever the accumulation (a flat engine holds :class:`NoReplicas`,
+  which does nothing, so the runtime never asks which it has). With offload the grad shards are
+  host tensors, all-reduced through the device by the runtime's placement (placement.py).
 
 [Note: the cross-replica all-reduce]
 Each replica reduce-scatters its gradients inside its shard group as a flat engine does, folding

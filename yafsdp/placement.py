@@ -61,8 +61,8 @@ STAGE_BYTES = 64 << 20  # most bytes a broadcast of a host tensor stages on the 
 def placement_of(role: str, offload: str | None) -> str:
     """Where the tensor of ``role`` (a key of ``allocated_bytes()``) lives with ``offload``; the plan
     uses the same rule. See [Note: host and device tensors] in alloc.py."""
-    host = {None: (), "optimizer": ("master", "grad", "compute_host", "grad_landing"),
-            "all": ("master", "grad", "compute_host", "grad_landing", "frozen", "nf4")}[offload]
+    host = {None: (), "optimizer": ("master", "grad", "compute_host", "grad_landing", "fp8_host"),
+            "all": ("master", "grad", "compute_host", "grad_landing", "fp8_host", "frozen", "nf4")}[offload]
     return "host" if role in host else "device"
 
 
@@ -113,6 +113,11 @@ class Placement:
         else:
             for g in groups:
                 kernels.cast_(g.compute, g.shard.detach())
+
+    def quantize(self, rt, groups: list) -> None:
+        """The FP8 records of compact trainable ``groups`` from their masters."""
+        for g in groups:
+            kernels.fp8_quantize_(g.compute, g.shard.detach())
 
     def copy_written(self, schedule, group) -> None:
         """The optimizer wrote ``group``'s compute copy (its copy-out)."""
@@ -178,6 +183,13 @@ class HostPlacement(Placement):
         else:
             for g in groups:
                 rt.schedule.upload(g.compute, g.compute_host)
+
+    def quantize(self, rt, groups: list) -> None:
+        # master (host) -> FP8 record on the host (fp8_host) -> upload -> fp8_store (device)
+        rt.schedule.wait_uploads()
+        for g in groups:
+            kernels.fp8_quantize_(g.compute_host, g.shard.detach())
+            rt.schedule.upload(g.compute, g.compute_host)
 
     def copy_written(self, schedule, group) -> None:
         # Host -> device now, overlapped with the optimizer's pass over the next shards.

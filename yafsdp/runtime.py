@@ -199,6 +199,8 @@ class Runtime:
             out["nf4"] = self.nf4_store
         if self.fp8_store.numel():
             out["fp8"] = self.fp8_store
+        if self.fp8_host is not None:
+            out["fp8_host"] = self.fp8_host
         for s in self.weight_buffers:
             out[s.name] = s.data
             if s.staging.numel():
@@ -346,8 +348,7 @@ class Runtime:
                     self.placement.cast(self, cast, everything)  # with offload: then the upload
             if packed:  # See [Note: compact trainable gathers] in fp8.py
                 with span("quantize", f"{len(packed)} units"):
-                    for g in packed:
-                        kernels.fp8_quantize_(g.compute, g.shard.detach())
+                    self.placement.quantize(self, packed)  # with offload: on the host, then the upload
             for g in stale:
                 g.mark_cast()
         self.copies_changed = False

@@ -58,6 +58,7 @@ class MemoryPlan:
     compute_host: int = 0
     grad_landing: int = 0
     fp8: int = 0  # FP8 records of the trainable groups gathered compact (gather_dtype="fp8")
+    fp8_host: int = 0  # offload with gather_dtype="fp8": the records' host side (what the optimizer writes)
     gather_dtype: str | None = None
     activations: ActivationEstimate | None = None
     notes: list[str] = field(default_factory=list)
@@ -131,6 +132,8 @@ class MemoryPlan:
                "nf4": self.nf4, "fp8": self.fp8}
         if self.offload is not None:
             out.update(compute_host=self.compute_host, grad_landing=self.grad_landing)
+        if self.fp8_host:
+            out["fp8_host"] = self.fp8_host
         for s in self.slots:
             if s.kind == "weight":
                 out[s.name] = s.capacity * itemsize(s.dtype)
@@ -157,6 +160,7 @@ class MemoryPlan:
             *([(self._nf4_row, self.nf4)] if self.quantize_frozen else []),
             *([("compute copy, FP8 records (e4m3 codes + fp32 scale per 128)", self.fp8)]
               if self.gather_dtype else []),
+            *([("FP8 records host staging", self.fp8_host)] if self.fp8_host else []),
             ("weight buffers" + (" (per unit, ZeRO-2)" if self.zero_stage == 2 else " (x2)")
              + (" + NF4 staging" if self.quantize_frozen else "")
              + (" + frozen landing" if self.offload == "all" else ""), self.weight_buffers),
@@ -177,6 +181,7 @@ class MemoryPlan:
             return []
         return ["master shard (fp32)", "grad shard (fp32)", f"optimizer state ({self.optimizer})",
                 f"compute copy host staging ({self.param_dtype})", f"reduced-grad landing ({self.reduce_dtype})",
+                "FP8 records host staging",
                 *([f"frozen shard ({self.param_dtype})", self._nf4_row] if self.offload == "all" else [])]
 
     @property
@@ -353,6 +358,7 @@ def memory_plan(
         quantize_frozen=quantize_frozen, offload=offload, fp8=fp8_bytes, gather_dtype=gather_dtype,
         compute_host=cbytes * shard if offload is not None and compute_dtype != torch.float32 else 0,
         grad_landing=itemsize(reduce_dtype) * shard if offload is not None else 0,
+        fp8_host=fp8_bytes if offload is not None else 0,
     )
     if batch is not None and seq is not None:
         largest_unit_grads = max((lay.trainable.numel for lay in layouts if lay.trainable is not None),
