@@ -50,6 +50,10 @@ CASES = {
     # expand runs before `ready`; ZeRO-2 with torch AdamW (the cast pass quantizes) and a reload
     "z3_bf16_fp8_fusedadamw": dict(zero=3, bf16=True, opt="fused_adamw", accum=2, eval=True, fp8=True),
     "z2_fp32_fp8_adamw_sd": dict(zero=2, opt="adamw", sd=True, fp8=True),
+    # offload x fp8 (placement.py): the FP8 records written on the host (FusedAdamW's copy-out, the
+    # quantize pass after a reload) and uploaded on the upload stream before copies-ready
+    "z3_bf16_fp8_offload_fusedadamw_sd": dict(zero=3, bf16=True, opt="fused_adamw", fp8=True, sd=True,
+                                              offload="optimizer"),
     # a no-grad forward between a forward and its backward (with checkpointing: the recompute then
     # re-gathers into buffers the no-grad forward used), and two backward calls over one forward
     # (retain_graph: every unit re-gathered and released again in the second call)
@@ -135,10 +139,12 @@ def _run_case(rank, case, steps=3):
                    for stream, op, label in kernels), sorted({k[0] for k in kernels})
     if case.get("nf4"):  # the expand kernel ran, on the comm stream
         assert any(op == "yafsdp.nf4_expand_" and stream == "comm" for stream, op, _ in kernels)
-    if case.get("fp8"):  # the records written on the compute stream, expanded on the comm stream
+    if case.get("fp8"):  # the records written on the compute stream (offload: the host), expanded on comm
         assert any(op == "yafsdp.fp8_expand_" and stream == "comm" for stream, op, _ in kernels)
         writer = "yafsdp.adamw_step_fp8_" if case.get("opt") == "fused_adamw" else "yafsdp.fp8_quantize_"
-        assert any(op == writer and stream == "compute" for stream, op, _ in kernels)
+        where = "host" if case.get("offload") else "compute"
+        assert any(op == writer and stream == where for stream, op, _ in kernels), sorted(
+            {(st, op) for st, op, _ in kernels if op == writer})
     assert any(op.startswith("c10d.") for _, op, _ in comm_side) and not stray, stray[:5]
     return chk.report(), [str(r) for r in chk.races], chk.kernels, losses
 
