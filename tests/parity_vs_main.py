@@ -3,7 +3,7 @@ grad norms and final weights of several configs at world 4 (2x2 for the HSDP one
 
     PYTHONPATH=/work/main python tests/parity_vs_main.py run /tmp/main.pt
     SEAM_NEW=1 PYTHONPATH=$PWD python tests/parity_vs_main.py run /tmp/branch.pt
-    python tests/parity_vs_main.py compare /tmp/main.pt /tmp/branch.pt
+    PYTHONPATH=$PWD python tests/parity_vs_main.py compare /tmp/main.pt /tmp/branch.pt
 
 SEAM_NEW=1 adds combinations main refuses (``name@variant``), compared against main's run of ``name``
 (offload x HSDP, offload x fp8: bit for bit the same)."""
