@@ -345,13 +345,13 @@ def allowed(row: dict) -> bool:
     return not (row.get("ac") == "reentrant" and row.get("backward") == "grad")
 
 
-# Refused by the engine, by design (yafsdp/api.py): (dim, values, dim, values, words) -- a row holding
+# Refused by the engine, by design (yafsdp/config.py): (dim, values, dim, values, words) -- a row holding
 # both gets YaFSDP(...) refused with a ValueError naming both options (``words(row)``). Lifting a
 # refusal: delete its entry here; the generator then covers those pairs with parity rows.
 REFUSED = [
-    ("offload", ("optimizer", "all"), "mesh", ("hsdp",), lambda r: (f"offload={r['offload']!r}", "HSDP")),
-    ("offload", ("optimizer", "all"), "gather", ("fp8", "int8"),
-     lambda r: (f"offload={r['offload']!r}", f"gather_dtype={r['gather']!r}")),
+    # (offload x HSDP was refused here until the host grad shards' all-reduce was staged through the
+    # device: yafsdp/placement.py; its pairs are parity rows now)
+    # (offload x gather_dtype="fp8" / "int8" likewise, since the records have a host staging side)
 ]
 
 
@@ -387,6 +387,7 @@ def refusal_rows() -> list[dict]:
 # reproductions of bugs found where three features meet, so they stay covered when the table changes.
 SEEDS = [
     dict(trainable="qlora", mesh="hsdp", resume="weights"),  # issue 21.1
+    dict(trainable="qlora", mesh="hsdp", offload="all"),  # issue 23.4: QLoRA, host base shards, on a mesh
 ]
 
 

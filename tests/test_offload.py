@@ -202,3 +202,99 @@ def test_offload_refuses_unknown_values():
     assert [yafsdp.api.check_offload(v) for v in (None, "optimizer", "all")] == [None, "optimizer", "all"]
     with pytest.raises(ValueError, match="offload='gpu' is not supported; use None, 'optimizer' .* or 'all'"):
         yafsdp.api.check_offload("gpu")
+
+
+# HSDP with offload: the grad shards' all-reduce across replicas and the broadcasts from replica 0
+# run on host shards staged through the device ([Note: the all-reduce of host grad shards] in
+# yafsdp/placement.py). Two replicas of one-rank shard groups (world 2, the cheapest mesh): every
+# sum is of two values, so the results equal HSDP without offload bit for bit, whether that run
+# all-reduces overlapped (from the second step on) or deferred.
+HSDP_CASES = {
+    "lora_bf16_fused_accum2": ("lora", dict(param_dtype=torch.bfloat16), "fused", 2, (None, "optimizer", "all")),
+    "qlora_fp32_adamw": ("lora", dict(quantize_frozen="nf4"), "adamw", 1, (None, "all")),
+    "full_fp32_fused_tied_accum2": ("tied", dict(), "fused", 2, (None, "optimizer")),
+}
+
+
+def _hsdp_offload(rank, world):
+    from dist_utils import hsdp_groups
+
+    patched = []
+
+    def setattr_(mod, name, value):
+        patched.append((mod, name, getattr(mod, name)))
+        setattr(mod, name, value)
+
+    from yafsdp import comm
+
+    watch = _Watch(setattr_)
+    setattr_(comm, "all_reduce", watch._wrap("replicate all_reduce", comm.all_reduce))
+    setattr_(dist, "broadcast", watch._wrap("dist.broadcast", dist.broadcast))
+    groups = hsdp_groups(world, 1)
+    out = {}
+    for name, (kind, opts, optim, accum, offloads) in HSDP_CASES.items():
+        res = {}
+        for offload in offloads:
+            model = yafsdp.YaFSDP(_model(kind), offload=offload, process_group=groups, **opts)
+            opt = _optimizer(optim, model.parameters())
+            watch.host = _host_storages(model, opt)
+            trace = _run(model, opt, rank, accum)
+            sd = model.full_state_dict()
+            model.load_full_state_dict(sd if rank == 0 else None)  # the broadcast from replica 0
+            res[offload] = dict(trace=trace, sd=sd, state=_state(opt), stats=dict(model._rt.replica_sync.stats),
+                                plan=model.memory_plan().engine_bytes(), allocated=model.allocated_bytes(),
+                                after_load=_run(model, opt, rank, 1, steps=1, start=STEPS), bad=list(watch.bad))
+            watch.bad.clear()
+        out[name] = res
+    for mod, name, fn in reversed(patched):
+        setattr(mod, name, fn)
+    return out
+
+
+def test_offload_with_hsdp_is_bit_identical():
+    """offload x HSDP (refused before): the same losses, norms, weights and optimizer state as HSDP
+    without offload, bit for bit; no collective saw a host tensor; the plan equals the allocations."""
+    for rank, res in enumerate(run_ranks(_hsdp_offload, 2)):
+        for name, r in res.items():
+            a = r[None]
+            for off in [k for k in r if k is not None]:
+                b = r[off]
+                assert b["bad"] == [], (name, off, b["bad"])
+                assert a["trace"] == b["trace"] and a["after_load"] == b["after_load"], (name, off, a, b)
+                if rank == 0:
+                    assert a["sd"].keys() == b["sd"].keys()
+                    assert all(torch.equal(a["sd"][k], b["sd"][k]) for k in a["sd"]), (name, off)
+                assert all(torch.equal(x[k], y[k]) for x, y in zip(a["state"], b["state"]) for k in x), (name, off)
+                assert b["plan"] == b["allocated"], (name, off)
+                # every gradient element all-reduced once per step, deferred (host shards: never overlapped)
+                assert b["stats"]["overlapped"] == 0 and b["stats"]["elements"] == a["stats"]["elements"], b["stats"]
+            assert a["stats"]["overlapped"] > 0 or r is res["qlora_fp32_adamw"], a["stats"]
+
+
+def _fp8(rank, world):
+    """offload x gather_dtype="fp8" (refused before) against fp8 gathers without offload."""
+    out = {}
+    for dt, optim in ((torch.bfloat16, "fused"), (None, "adamw")):
+        res = {}
+        for offload in (None, "optimizer"):
+            model = yafsdp.YaFSDP(tiny_llama(), param_dtype=dt, gather_dtype="fp8", offload=offload)
+            opt = _optimizer(optim, model.parameters())
+            res[offload] = dict(trace=_run(model, opt, rank, 2), sd=model.full_state_dict(), state=_state(opt),
+                                plan=model.memory_plan().engine_bytes(), allocated=model.allocated_bytes(),
+                                host=sorted(model.allocated_bytes("host")))
+        out[f"{dt} {optim}"] = res
+    return out
+
+
+def test_offload_with_fp8_gathers_is_bit_identical():
+    """The FP8 records' host side (fp8_host) is what the optimizer and the quantize pass write, then
+    uploaded: the same losses, norms, weights and optimizer state as fp8 gathers without offload."""
+    for rank, res in enumerate(run_ranks(_fp8, 2)):
+        for name, r in res.items():
+            a, b = r[None], r["optimizer"]
+            assert a["trace"] == b["trace"], (name, a["trace"], b["trace"])
+            if rank == 0:
+                assert all(torch.equal(a["sd"][k], b["sd"][k]) for k in a["sd"]), name
+            assert all(torch.equal(x[k], y[k]) for x, y in zip(a["state"], b["state"]) for k in x), name
+            assert b["plan"] == b["allocated"] and b["allocated"]["fp8_host"] == b["allocated"]["fp8"] > 0, b
+            assert b["host"] == ["compute_host", "fp8_host", "grad", "grad_landing", "master"], b["host"]

@@ -50,6 +50,10 @@ CASES = {
     # expand runs before `ready`; ZeRO-2 with torch AdamW (the cast pass quantizes) and a reload
     "z3_bf16_fp8_fusedadamw": dict(zero=3, bf16=True, opt="fused_adamw", accum=2, eval=True, fp8=True),
     "z2_fp32_fp8_adamw_sd": dict(zero=2, opt="adamw", sd=True, fp8=True),
+    # offload x fp8 (placement.py): the FP8 records written on the host (FusedAdamW's copy-out, the
+    # quantize pass after a reload) and uploaded on the upload stream before copies-ready
+    "z3_bf16_fp8_offload_fusedadamw_sd": dict(zero=3, bf16=True, opt="fused_adamw", fp8=True, sd=True,
+                                              offload="optimizer"),
     # a no-grad forward between a forward and its backward (with checkpointing: the recompute then
     # re-gathers into buffers the no-grad forward used), and two backward calls over one forward
     # (retain_graph: every unit re-gathered and released again in the second call)
@@ -141,10 +145,12 @@ def _run_case(rank, case, steps=3):
                    for stream, op, label in kernels), sorted({k[0] for k in kernels})
     if case.get("nf4"):  # the expand kernel ran, on the comm stream
         assert any(op == "yafsdp.nf4_expand_" and stream == "comm" for stream, op, _ in kernels)
-    if case.get("fp8"):  # the records written on the compute stream, expanded on the comm stream
+    if case.get("fp8"):  # the records written on the compute stream (offload: the host), expanded on comm
         assert any(op == "yafsdp.fp8_expand_" and stream == "comm" for stream, op, _ in kernels)
         writer = "yafsdp.adamw_step_fp8_" if case.get("opt") == "fused_adamw" else "yafsdp.fp8_quantize_"
-        assert any(op == writer and stream == "compute" for stream, op, _ in kernels)
+        where = "host" if case.get("offload") else "compute"
+        assert any(op == writer and stream == where for stream, op, _ in kernels), sorted(
+            {(st, op) for st, op, _ in kernels if op == writer})
     if case.get("reduce_accum"):  # the pieces exchanged and summed on the comm stream, the accumulator used
         reduce_ops = {op for stream, op, label in kernels if label.startswith("yafsdp.reduce") and stream == "comm"}
         # the exchange (world 1: the own row's copy), the fp32 sum of the rows, a fresh fold's scale, and
@@ -341,4 +347,51 @@ def test_hsdp_schedule_is_race_free_and_a_dropped_wait_is_reported():
         # every all-reduce across replicas ran on the comm stream, deferred ones and overlapped ones
         assert all_reduces and {s for s, _ in all_reduces} == {"comm"}, all_reduces[:5]
         assert stats["overlapped"] > 0 and stats["deferred"] > 0 and stats["rescaled"] > 0, stats
+        assert any(r.startswith("race on 'grad") and "c10d.allreduce_" in r for r in faulty[0]), faulty[0][:5]
+
+
+def _hsdp_offload_case(rank, world, fault):
+    """offload x HSDP (world 2 as 2 replicas of one rank) under the checker: the host grad shards'
+    all-reduce staged through an idle grad buffer ([Note: the all-reduce of host grad shards] in
+    yafsdp/placement.py): the copy in and out on the compute stream, the all-reduce on the comm stream."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if fault == "replicated":  # the compute side no longer waits for the all-reduce before copying back
+        def replicate(self, grad, unit):
+            self.grads_final.record(self.streams.current_stream())
+            with self.streams.use(self.comm):
+                self.comm.wait_event(self.grads_final)
+                comm.all_reduce(grad, self.replicate_group, async_op=False)
+
+        comm.StreamSchedule.replicate = replicate
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    kind, module, _ = _build(dict(tie=True))
+    with StreamChecker() as chk:
+        model = yafsdp.YaFSDP(module, mesh=mesh, param_dtype=torch.bfloat16, offload="optimizer")
+        opt = _optimizer("fused_adamw", model.parameters())
+        chk.watch(model)
+        with chk.recording():
+            for step in range(2):
+                for micro in range(2):
+                    (loss_of(model, kind, batch(kind, step, micro, rank)) / 2).backward()
+                model.clip_grad_norm_(1.0)
+                opt.step()
+                opt.zero_grad()
+    kernels = [entry[1:4] for entry in chk.log if entry[0] == "kernel"]
+    all_reduces = [stream for stream, op, label in kernels if op == "c10d.allreduce_"
+                   and label.startswith("yafsdp.all_reduce")]
+    return [str(r) for r in chk.races], all_reduces, dict(model._rt.replica_sync.stats)
+
+
+def _hsdp_offload_cases(rank, world):
+    return [_hsdp_offload_case(rank, world, None), _hsdp_offload_case(rank, world, "replicated")]
+
+
+def test_hsdp_offload_staging_is_race_free_and_a_dropped_wait_is_reported():
+    for rank, (clean, faulty) in enumerate(run_ranks(_hsdp_offload_cases, 2)):
+        races, all_reduces, stats = clean
+        assert not races, f"rank {rank}:\n" + "\n".join(races[:5])
+        assert all_reduces and set(all_reduces) == {"comm"}, all_reduces[:5]
+        assert stats["deferred"] > 0 and stats["overlapped"] == 0, stats
+        # without the wait, the copy back to the host reads the staging the all-reduce writes
         assert any(r.startswith("race on 'grad") and "c10d.allreduce_" in r for r in faulty[0]), faulty[0][:5]

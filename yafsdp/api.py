@@ -15,13 +15,12 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collectives, formats, fp8, shards
+from .config import OFFLOAD_CHOICES, EngineConfig, build_config, check_offload  # noqa: F401
 import sys
 
 from .autograd import gate_small_group, install_hooks, rest_small_group
 from .comm import make_schedule
 from .dist import check_collective
-from .plan.sizing import unit_align
-from .reduce_accum import check_reduce_accum
 from .optim_hooks import install_optimizer_hooks
 from .orig_params import ShardedParameter
 from .runtime import Runtime, in_backward
@@ -36,29 +35,46 @@ __all__ = ["YaFSDP"]
 
 
 class YaFSDP(nn.Module):
-    """Shard ``module`` over ``process_group`` unit by unit; train it as the unsharded model under DDP.
+    """Shard ``module`` over ``process_group`` unit by unit; a drop-in for the unwrapped module.
 
-    The contract of the wrapped model (in full, with the tests that hold it: docs/api.md):
+    Arguments (keyword-only after ``module``; every value and combination is checked once, by
+    ``yafsdp.build_config``, which ``memory_plan`` and the example jobs use too):
 
-    - ``model(...)`` is the module's forward; attributes the wrapper lacks come from the module.
-    - ``model.parameters()``: one fp32 1-D flat master shard per unit (and the small group of 1-D
-      parameters); any ``torch.optim`` optimizer steps them, ``yafsdp.FusedAdamW`` in one pass.
-    - Gradients are DDP's: averaged over ranks, summed over backward calls; a parameter no rank
-      used is left untouched by the step. ``clip_grad_norm_`` (ours or torch's) is global; fp16
-      works with torch's ``GradScaler``; ``no_sync()`` is a no-op.
-    - ``full_state_dict()`` / ``load_full_state_dict()``: the original keys, collective;
-      ``yafsdp.checkpoint`` for sharded checkpoints.
-    - The module tree keeps its names (``ShardedParameter``); ``model.apply(fn)``,
-      ``summon_full_params``, ``full_parameter``/``full_grad``/``named_grad_norms``, parameter
-      hooks, ``generate()`` and activation checkpointing work.
-    - Refused, naming what and saying what to do instead (docs/errors.md): ``.to(dtype)`` /
-      ``.half()`` / ``.cuda()``, ``state_dict()``, ``deepcopy``, ``save_pretrained()``, freezing
-      or writing a parameter after wrapping, an optimizer step between forward and backward.
-
-    Arguments (docs/api.md "Arguments"): ``units``, ``process_group`` / ``mesh`` (HSDP with a
-    pair or a 2-D mesh), ``param_dtype``, ``reduce_dtype``, ``zero_stage`` (2 or 3), ``device``,
-    ``quantize_frozen="nf4"``, ``offload="optimizer"|"all"``, ``gather_dtype="fp8"``,
-    ``gather_exclude``; ``align_bytes`` and ``outsized_ratio`` tune the layout.
+    - ``module``: the model, on the CPU, the target device or the meta device; must not be wrapped already.
+    - ``units`` (default None: automatic, HF decoder layers, embedding and head): modules whose parameters
+      are gathered and reduced together; each parameter belongs to exactly one unit.
+    - ``process_group`` (default None: the world): the shard group, or a pair ``(shard_group,
+      replicate_group)`` for HSDP. Refused together with ``mesh``, and when this rank is not in it.
+    - ``mesh`` (default None): a 1-D DeviceMesh (full sharding) or a 2-D one named ``("replicate",
+      "shard")`` (HSDP); other shapes and names are refused (tensor / pipeline parallel are not handled).
+    - ``param_dtype`` (default None: fp32): dtype of the compute copy and the gathered weights; a
+      floating-point ``torch.dtype``, else refused.
+    - ``reduce_dtype`` (default ``torch.float32``): dtype of the grad buffers and the reduce-scatter; a
+      floating-point ``torch.dtype``, else refused. The grad shards are fp32 whatever it is.
+    - ``zero_stage`` (default 3): 3 re-gathers each unit for backward, 2 keeps the forward gather; other
+      values refused.
+    - ``device`` (default None: the current CUDA device with NCCL, else the CPU): where buffers and
+      collectives live.
+    - ``align_bytes`` (default 16): each flat unit is padded to a multiple of ``world x align_bytes``
+      bytes of the gathered dtype; a positive int, else refused.
+    - ``outsized_ratio`` (default 1.5): a unit larger than this times the typical unit gets its own
+      buffer; a positive number, else refused.
+    - ``quantize_frozen`` (default None): "nf4" stores frozen ``nn.Linear`` weights in 4-bit NormalFloat
+      (QLoRA); other names refused; a warning when no weight qualifies.
+    - ``offload`` (default None): "optimizer" keeps the fp32 master, grad shard and optimizer state in host
+      memory and steps the optimizer on the CPU; "all" moves the frozen and NF4 shards to the host too
+      (docs/offload.md); other values refused. Combines with every other option, HSDP and
+      a compact ``gather_dtype`` included (the host shards' all-reduce and the records' upload are
+      staged through the device: yafsdp/placement.py).
+    - ``gather_dtype`` (default None: gather in param_dtype): "fp8" / "int8" (or ``torch.int8``) gathers
+      trainable ``nn.Linear`` weights as 8-bit records of that format (docs/formats.md); other values
+      refused; a warning when no unit qualifies.
+    - ``gather_exclude`` (default None: the HF output head): module names kept in param_dtype with
+      a compact ``gather_dtype``.
+    - ``reduce_accum_dtype`` (default None): ``torch.float32`` with a 16-bit ``reduce_dtype`` sends the
+      pieces in ``reduce_dtype`` and sums them in fp32 (docs/reduce.md); refused with ``offload``.
+    - ``config`` (default None): a ``yafsdp.EngineConfig`` (``yafsdp.build_config(...)``) standing for
+      every option from ``param_dtype`` to ``reduce_accum_dtype``; refused together with any of them.
     """
 
     def __init__(
@@ -79,25 +95,17 @@ class YaFSDP(nn.Module):
         offload: str | None = None,
         gather_dtype: str | None = None,
         gather_exclude: list[str] | tuple[str, ...] | None = None,
+        config: EngineConfig | None = None,
     ):
         super().__init__()
-        quantize_frozen = formats.storage_option(quantize_frozen)
-        offload = check_offload(offload)
-        gather_dtype = formats.gather_option(gather_dtype)
-        if offload is not None and gather_dtype is not None:
-            raise ValueError(
-                f"yafsdp.YaFSDP: offload={offload!r} with gather_dtype={gather_dtype!r} is not supported yet: "
-                "the optimizer's copy-out writes a param_dtype host staging copy with offload and a gather_dtype record "
-                "on the device. Use one of them")
-        if zero_stage not in (2, 3):
-            raise ValueError(f"yafsdp.YaFSDP: zero_stage={zero_stage!r} is not supported; use 2 or 3")
-        for what, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-            if dt is None and what == "param_dtype":
-                continue
-            if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
-                raise ValueError(f"yafsdp.YaFSDP: {what}={dt!r} is not a floating-point torch.dtype")
-        # See [Note: narrow reduce, fp32 accumulation] in reduce_accum.py
-        reduce_accum_dtype = check_reduce_accum(reduce_accum_dtype, reduce_dtype, offload)
+        # Every option checked in one place (yafsdp/config.py), as the plan and the jobs check them.
+        cfg = build_config(config, param_dtype=param_dtype, reduce_dtype=reduce_dtype, zero_stage=zero_stage,
+                           align_bytes=align_bytes, outsized_ratio=outsized_ratio, quantize_frozen=quantize_frozen,
+                           offload=offload, gather_dtype=gather_dtype, gather_exclude=gather_exclude,
+                           reduce_accum_dtype=reduce_accum_dtype)
+        quantize_frozen, offload, gather_dtype = cfg.quantize_frozen, cfg.offload_what, cfg.gather_dtype
+        param_dtype, reduce_dtype, zero_stage = cfg.param_dtype, cfg.reduce_dtype, cfg.zero_stage
+        reduce_accum_dtype = cfg.reduce_accum_dtype  # See [Note: narrow reduce, fp32 accumulation]
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "yafsdp.YaFSDP needs torch.distributed: call torch.distributed.init_process_group() first "
@@ -113,12 +121,6 @@ class YaFSDP(nn.Module):
             replicate = None  # one replica: plain full sharding
         if replicate is not None:
             check_layout(group, replicate)
-            if offload is not None:  # the all-reduce across replicas reads device grad shards
-                raise ValueError(
-                    f"yafsdp.YaFSDP: offload={offload!r} with HSDP ({dist.get_world_size(replicate)} replicas) is not "
-                    "supported yet: the all-reduce across replicas runs on the device's grad shards, which offload "
-                    "keeps on the host. Use offload with full sharding (mesh=None, one process_group), or HSDP "
-                    "without offload")
         self.process_group = group  # the shard group: every gather, reduce-scatter and state-dict collective
         self.replicate_group = replicate  # HSDP: this rank's peers holding the same shard; else None
         self.rank = dist.get_rank(group)  # index of this rank's shard
@@ -127,25 +129,21 @@ class YaFSDP(nn.Module):
         self.replica = dist.get_rank(replicate) if replicate is not None else 0
         self.device = _resolve_device(device, group)
         self.zero_stage = zero_stage
+        self.engine_config = cfg  # every option, validated (yafsdp/config.py)
         self.param_dtype = param_dtype
-        self.compute_dtype = param_dtype or torch.float32
+        self.compute_dtype = cfg.compute_dtype
         self.reduce_dtype = reduce_dtype
         self.reduce_accum_dtype = reduce_accum_dtype  # torch.float32: reduce_dtype pieces summed in fp32; else None
 
         specs, small = discover(module, units)
         # See [Note: compact trainable gathers] in fp8.py
-        gather_exclude = fp8.default_exclude(module) if gather_exclude is None else tuple(gather_exclude)
+        gather_exclude = fp8.default_exclude(module) if cfg.gather_exclude is None else cfg.gather_exclude
         self._keys = StateDictKeys(module, specs, small)  # before any surgery
         # How gathers and reduces are ordered against compute: CUDA streams and events, or gloo
         # work handles. See [Note: streams and events] in comm.py.
         self.schedule = make_schedule(self.device, group, replicate)
-        self._rt = Runtime(
-            specs, small, schedule=self.schedule, group=group, world_size=self.world_size, rank=self.rank, device=self.device,
-            compute_dtype=self.compute_dtype, reduce_dtype=reduce_dtype, zero_stage=zero_stage,
-            align=unit_align(self.compute_dtype, reduce_dtype, align_bytes), outsized_ratio=outsized_ratio,
-            quantize_frozen=quantize_frozen, replicate_group=replicate, offload=offload, gather_dtype=gather_dtype,
-            gather_exclude=gather_exclude, reduce_accum_dtype=reduce_accum_dtype,
-        )
+        self._rt = Runtime(specs, small, cfg, gather_exclude=gather_exclude, schedule=self.schedule, group=group,
+                           rank=self.rank, device=self.device, replicate_group=replicate)
         self.quantize_frozen = quantize_frozen
         self.offload = offload
         self.gather_dtype = gather_dtype
@@ -581,26 +579,15 @@ class YaFSDP(nn.Module):
             out.setdefault(fmt.name, 0)
         if self.offload is not None:
             out.setdefault("compute_host", 0)
+            if self.gather_dtype is not None:  # the records' host side ("fp8_host", "int8_host")
+                out.setdefault(self.gather_dtype + "_host", 0)
         if where is not None:
-            out = {k: v for k, v in out.items() if self._rt.placement(k) == where}
+            out = {k: v for k, v in out.items() if self._rt.where(k) == where}
         return out
 
     def placement(self) -> dict[str, str]:
         """Where each role of :meth:`allocated_bytes` lives: "host" or "device"."""
-        return {k: self._rt.placement(k) for k in self.allocated_bytes()}
-
-
-OFFLOAD_CHOICES = (None, "optimizer", "all")
-
-
-
-def check_offload(offload) -> str | None:
-    """``offload=`` of YaFSDP and the plan: None, "optimizer" (fp32 master, grad shard and optimizer
-    state on the host) or "all" (the frozen and NF4 shards too); anything else is refused by name."""
-    if offload in OFFLOAD_CHOICES:
-        return offload
-    raise ValueError(f"yafsdp.YaFSDP: offload={offload!r} is not supported; use None, 'optimizer' (the fp32 master, "
-                     "grad shard and optimizer state on the host) or 'all' (the frozen and NF4 shards too)")
+        return {k: self._rt.where(k) for k in self.allocated_bytes()}
 
 
 def _conversion_error(out: torch.Tensor, device) -> RuntimeError:

@@ -281,6 +281,10 @@ class Schedule:
         compute side's later kernels see the result (after :meth:`wait_replicated` on gloo)."""
         raise NotImplementedError
 
+    def host_waits_compute(self) -> None:
+        """The host waits for the compute stream's work so far (offload: device -> host copies it
+        issued). Without streams every op has run already."""
+
     def wait_replicated(self) -> None:
         """The host / compute side waits for every all-reduce across replicas issued so far."""
 
@@ -408,6 +412,9 @@ class StreamSchedule(Schedule):
         # Issued by reduce() right after the fold, on the comm stream and before the grad buffer's
         # `done` (outside the reduce's timing, so the recorder times each collective on its own).
         self._after_fold.append((grad, unit))
+
+    def host_waits_compute(self):
+        self.streams.current_stream().synchronize()
 
     def replicate(self, grad, unit):
         with span("all_reduce", unit):

@@ -7,7 +7,9 @@ Two pieces, both used only when the engine is given a 2-D mesh or a (shard, repl
   and the replicate group (this rank and the ranks holding the same shard in the other replicas),
   and refuses what is not supported, naming the value;
 - :class:`ReplicaSync` brings the grad shards of the replicas together: one all-reduce across
-  replicas per optimizer step, whatever the accumulation.
+  replicas per optimizer step, whatever the accumulation (a flat engine holds :class:`NoReplicas`,
+  which does nothing, so the runtime never asks which it has). With offload the grad shards are
+  host tensors, all-reduced through the device by the runtime's placement (placement.py).
 
 [Note: the cross-replica all-reduce]
 Each replica reduce-scatters its gradients inside its shard group as a flat engine does, folding
@@ -50,7 +52,7 @@ import torch.distributed as dist
 
 from .dist import gather_object, raise_if_any
 
-__all__ = ["resolve_groups", "check_layout", "ReplicaSync", "HSDPError", "SYNCED", "LOCAL", "across_replicas",
+__all__ = ["resolve_groups", "check_layout", "ReplicaSync", "NoReplicas", "make_replicas", "HSDPError", "SYNCED", "LOCAL", "across_replicas",
            "broadcast_from_replica0", "sync_before_step"]
 
 
@@ -157,7 +159,9 @@ class ReplicaSync:
     # ---------------------------------------------------------------- backward
     def begin_backward(self) -> None:
         self.backwards += 1
-        self.overlap = self.backwards == self.expected  # after a misprediction: deferred again
+        # after a misprediction: deferred again; with offload always (see [Note: the all-reduce of
+        # host grad shards] in placement.py)
+        self.overlap = self.backwards == self.expected and self.rt.placement.can_overlap_replicas
         # A unit used twice in forward (a tied embedding and head) folds twice in backward: it is
         # all-reduced after its last expected fold only (a fold beyond that is repaired).
         self.uses = Counter(u.index for u in self.rt.order)
@@ -202,8 +206,8 @@ class ReplicaSync:
             self.state[u.index] = SYNCED
         if not pending:
             return False
-        for t, label in _runs(pending, self.rt.grad):
-            self.schedule.replicate(t, label)
+        for t, label in _runs(pending, self.rt.grad, per_unit=not self.rt.placement.can_overlap_replicas):
+            self.rt.placement.replicate(self.rt, t, label)  # host shards: staged through the device
             self._count(t.numel(), "deferred")
         self.schedule.wait_replicated()
         self.stats["syncs"] += 1
@@ -215,9 +219,37 @@ class ReplicaSync:
         self.stats[how] += 1
 
 
-def _runs(pending, grad_store: torch.Tensor):
+class NoReplicas:
+    """The replica sync of a flat engine (no HSDP): one replica, nothing to all-reduce; every fold
+    is the local one. Has :class:`ReplicaSync`'s interface, so the runtime never asks which it has."""
+
+    replicas = 1
+    replica = 0
+    group = None
+
+    def begin_backward(self) -> None:
+        pass
+
+    def fold(self, unit, target, fresh, fold_local) -> None:
+        fold_local()
+
+    def finish_backward(self) -> None:
+        pass
+
+    def sync(self) -> bool:
+        return False
+
+
+def make_replicas(rt, replicate_group, schedule):
+    """``ReplicaSync`` over ``replicate_group`` (HSDP), or :class:`NoReplicas`."""
+    return ReplicaSync(rt, replicate_group, schedule) if replicate_group is not None else NoReplicas()
+
+
+def _runs(pending, grad_store: torch.Tensor, per_unit: bool = False):
     """Maximal runs of adjacent grad shards inside the engine's one grad tensor, as views of it
-    (a ``.grad`` the user replaced is its own run)."""
+    (a ``.grad`` the user replaced is its own run); ``per_unit``: every shard its own run."""
+    if per_unit:
+        return [(g, u.name) for u, g in pending]
     base = grad_store.untyped_storage().data_ptr()
     spans, odd = [], []
     for u, g in pending:
@@ -270,9 +302,10 @@ def broadcast_from_replica0(rt, module, replicate_group) -> None:
 
     src = source_rank(replicate_group)
     tensors = _store_runs([s.tensor for s in rt.stored_shards()])
-    tensors += [b for _, m in module.named_modules() for b in m._buffers.values()
-                if b is not None and not b.is_meta]
-    for t in tensors:
+    for t in tensors:  # offload: host stores staged through the device (placement.py)
+        if t.numel():
+            rt.placement.broadcast(t, src, replicate_group)
+    for t in [b for _, m in module.named_modules() for b in m._buffers.values() if b is not None and not b.is_meta]:
         if t.numel():
             dist.broadcast(t, src, group=replicate_group)
     for s in rt.stored_shards():  # changed in place behind the engine: their compute copies are stale
@@ -300,14 +333,12 @@ def _store_runs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [r[0] for r in runs]
 
 
-def sync_before_step(optimizer) -> None:
+def sync_before_step(optimizer, runtimes) -> None:
     """The optimizer step pre-hook's HSDP part (installed by yafsdp/optim_hooks.py): the gradients
-    of every HSDP engine whose shards ``optimizer`` steps are completed (all-reduced across
-    replicas) before the step reads them. See [Note: the cross-replica all-reduce]."""
-    from .runtime import live_runtimes
-
+    of every HSDP engine among ``runtimes`` whose shards ``optimizer`` steps are completed
+    (all-reduced across replicas) before the step reads them. See [Note: the cross-replica all-reduce]."""
     stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    for rt in live_runtimes():
-        if rt.replica_sync is not None and any(
+    for rt in runtimes:
+        if rt.replicas > 1 and any(
                 u.flat_param is not None and id(u.flat_param) in stepped for u in rt.all):
             rt.sync_replicas()

@@ -43,7 +43,7 @@ def _versions_before_step(optimizer, args, kwargs):
     before any optimizer step reads the grad shards."""
     optim_state.before_step(optimizer)  # first: see [Note: optimizer state that knows its shard] in optim_state.py
     recover_all()
-    sync_before_step(optimizer)  # HSDP: the all-reduce across replicas, once per step (yafsdp/hsdp.py)
+    sync_before_step(optimizer, live_runtimes())  # HSDP: the all-reduce across replicas, once per step (yafsdp/hsdp.py)
     for rt in live_runtimes():  # offload: no upload still reads what this step is about to write
         rt.before_optimizer_step()
     _VERSIONS[optimizer] = [

@@ -33,13 +33,16 @@ import weakref
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
 from . import formats, kernels
-from .alloc import allocate
+from .alloc import STORAGE_FIELDS, allocate
 from .comm import Schedule
-from .hsdp import ReplicaSync
+from .hsdp import make_replicas
 from .orig_params import run_grad_hooks
-from .plan.sizing import unit_shape
+from .placement import make_placement, placement_of  # noqa: F401 (placement_of: its old home)
+from .config import EngineConfig
+from .plan.sizing import unit_align, unit_shape
 from .reduce_accum import fold_pieces_
 from .shard_grad import grad_view, plain
 from .shard_hooks import fire as fire_shard_hooks
@@ -83,34 +86,36 @@ def current_task() -> int:
 class Runtime:
     """Shards, buffers and the step protocol of one wrapped model."""
 
-    def __init__(self, specs: list[UnitSpec], small: list, *, schedule: Schedule, group, world_size: int, rank: int,
-                 device: torch.device, compute_dtype: torch.dtype, reduce_dtype: torch.dtype, zero_stage: int,
-                 align: int, outsized_ratio: float, quantize_frozen: str | None = None, replicate_group=None,
-                 offload: str | None = None, gather_dtype: str | None = None, gather_exclude: tuple[str, ...] = (),
-                 reduce_accum_dtype: torch.dtype | None = None):
+    def __init__(self, specs: list[UnitSpec], small: list, config: EngineConfig, *, gather_exclude: tuple[str, ...],
+                 schedule: Schedule, group, rank: int, device: torch.device, replicate_group=None):
+        """``config``: the engine's validated options (yafsdp/config.py); ``gather_exclude``: its
+        ``gather_exclude`` resolved for this model; ``group`` / ``rank``: the shard group and this
+        rank's index in it; ``replicate_group``: HSDP's, or None."""
+        self.config = config
         self.schedule = schedule
-        # offload="optimizer": master and grad shards (and so the optimizer) on the host. See
-        # [Note: host and device tensors] in alloc.py.
-        self.offload = offload
-        self.host_device = torch.device("cpu") if offload is not None else device
-        self.pin = offload is not None and device.type == "cuda"
-        self.host_folds: list = []  # units whose reduced grads await the host fold (offload)
+        # Where each tensor lives (offload: the optimizer's on the host). See [Note: placement] in placement.py.
+        self.placement = make_placement(device, config.offload_what)
+        self.offload = config.offload_what
+        self.host_device = self.placement.host
         # the shard group; with HSDP, replicate_group joins the replicas (the usage agreement of
         # unused.py runs over both)
         self.group = group
         self.replicate_group = replicate_group
-        self.world_size = world_size  # of the shard group (HSDP: one replica)
+        self.world_size = world_size = dist.get_world_size(group)  # of the shard group (HSDP: one replica)
         self.device = device
-        self.compute_dtype = compute_dtype
-        self.reduce_dtype = reduce_dtype
+        self.compute_dtype = compute_dtype = config.compute_dtype
+        self.reduce_dtype = config.reduce_dtype
         # torch.float32: reduces move reduce_dtype pieces and sum them in fp32; None: they sum in
         # reduce_dtype. See [Note: narrow reduce, fp32 accumulation] in reduce_accum.py.
-        self.reduce_accum_dtype = reduce_accum_dtype
-        self.zero_stage = zero_stage
-        self.quantize_frozen = quantize_frozen  # "nf4" or None: see [Note: NF4 frozen groups] in nf4.py
+        self.reduce_accum_dtype = config.reduce_accum_dtype
+        self.zero_stage = config.zero_stage
+        # "nf4" or None: see [Note: NF4 frozen groups] in nf4.py
+        self.quantize_frozen = quantize_frozen = config.quantize_frozen
         # "fp8", "int8" or None: trainable groups gathered compact, see [Note: gather formats] in formats/base.py
-        self.gather_dtype = gather_dtype
+        self.gather_dtype = gather_dtype = config.gather_dtype
         self.gather_format = formats.get(gather_dtype)  # the plain format for None
+        align = unit_align(compute_dtype, config.reduce_dtype, config.align_bytes)
+        outsized_ratio = config.outsized_ratio
         stored = formats.get(quantize_frozen) if quantize_frozen is not None else None
         quantize = compute_dtype if stored is not None else None
 
@@ -154,44 +159,38 @@ class Runtime:
         # (weak reference, requires_grad, name) of every original parameter: changing requires_grad
         # after wrapping would have no effect, so it is refused (see check_frozen).
         self.originals: list[tuple[weakref.ref, bool, str]] = []
-        allocate(self, outsized_ratio)
-        # HSDP: the grad shards' all-reduce across replicas (see [Note: the cross-replica all-reduce]).
-        self.replica_sync = ReplicaSync(self, replicate_group, schedule) if replicate_group is not None else None
-        self.replicas = self.replica_sync.replicas if self.replica_sync is not None else 1
+        self.storage = allocate(self, outsized_ratio)  # every tensor the engine owns (alloc.Storage)
+        # HSDP: the grad shards' all-reduce across replicas (see [Note: the cross-replica all-reduce]);
+        # a flat engine's does nothing (NoReplicas).
+        self.replica_sync = make_replicas(self, replicate_group, schedule)
+        self.replicas = self.replica_sync.replicas
         _RUNTIMES.add(self)
 
     # ------------------------------------------------------------------ host and device
+    # See [Note: placement] in placement.py.
     def host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed 1-D tensor where the optimizer runs (pinned when that is the host of a GPU)."""
-        return torch.zeros(numel, dtype=dtype, device=self.host_device, pin_memory=self.pin)  # pinned in place
+        return self.placement.zeros(numel, dtype)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` on the compute device, where the collectives run. With offload always a copy (also
-        when host and device are both the CPU, so a CPU run hands collectives the same tensors a GPU
-        run does); without, ``t`` itself when already there."""
-        if self.offload is not None:
-            return t.to(self.device, copy=True)
-        return t if t.device == self.device else t.to(self.device)
+        """``t`` on the compute device, where the collectives run (with offload always a copy)."""
+        return self.placement.to_device(t)
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` where the optimizer's tensors live (``t`` itself when already there)."""
-        return t if t.device == self.host_device else t.to(self.host_device)
+        return self.placement.to_host(t)
 
-    def placement(self, role: str) -> str:
-        """Where a role of :meth:`owned_tensors` lives: "host" or "device" (see [Note: host and
-        device tensors] in alloc.py; without offload every role is "device")."""
-        return placement_of(role, self.offload)
+    def where(self, role: str) -> str:
+        """Where a role of :meth:`owned_tensors` lives: "host" or "device"."""
+        return self.placement.where(role)
 
     def quiesce(self) -> None:
         """offload: the host waits for every copy and collective in flight (before host shards they
         may read are written: loads between steps)."""
-        if self.offload is not None:
-            self.schedule.quiesce()
+        self.placement.quiesce(self.schedule)
 
     def before_optimizer_step(self) -> None:
         """An optimizer step is about to write host tensors an upload may still read (offload)."""
-        if self.offload is not None:
-            self.schedule.wait_uploads()
+        self.placement.before_step(self.schedule)
 
     def owned_tensors(self) -> dict[str, torch.Tensor]:
         out = {"master": self.master, "grad": self.grad}
@@ -207,6 +206,8 @@ class Runtime:
             out["nf4"] = self.nf4_store
         if self.gather_store.numel():  # named after its format ("fp8", "int8")
             out[self.gather_format.name] = self.gather_store
+        if self.gather_host is not None:  # offload: its host side
+            out[self.gather_format.name + "_host"] = self.gather_host
         for s in self.weight_buffers:
             out[s.name] = s.data
             if s.staging.numel():
@@ -286,7 +287,7 @@ class Runtime:
         for gs in self.grad_buffers:
             gs.finish()
         self.finish_host_folds()
-        if self.replica_sync is not None and self.replica_begun:
+        if self.replica_begun:
             self.replica_sync.finish_backward()
         self.replica_begun = False
         for u in self.all:
@@ -351,33 +352,12 @@ class Runtime:
             # every trainable group, laid alike in master and compute (never with compact groups:
             # their compute copies are records in gather_store)
             everything = len(cast) == n_trainable
-            if cast and self.offload is not None:
-                # master (host) -> compute_host (host, param_dtype) -> upload -> compute (device).
-                # The host waits for the last upload before it writes its source again.
+            if cast and (self.compute is not self.master or self.offload is not None):
                 with span("cast", "all" if everything else f"{len(cast)} units"):
-                    if self.compute_host is not self.master:
-                        self.schedule.wait_uploads()
-                        if everything:
-                            kernels.cast_(self.compute_host, self.master)
-                        else:
-                            for g in cast:
-                                kernels.cast_(g.compute_host, g.shard.detach())
-                    if everything:
-                        self.schedule.upload(self.compute, self.compute_host)
-                    else:
-                        for g in cast:
-                            self.schedule.upload(g.compute, g.compute_host)
-            elif cast and self.compute is not self.master:
-                with span("cast", "all" if everything else f"{len(cast)} units"):
-                    if everything:
-                        kernels.cast_(self.compute, self.master)
-                    else:
-                        for g in cast:
-                            kernels.cast_(g.compute, g.shard.detach())
+                    self.placement.cast(self, cast, everything)  # with offload: then the upload
             if packed:  # See [Note: gather formats] in formats/base.py
                 with span("quantize", f"{len(packed)} units"):
-                    for g in packed:
-                        g.kind.format.encode_(g.compute, g.shard.detach())
+                    self.placement.quantize(self, packed)  # with offload: on the host, then the upload
             for g in stale:
                 g.mark_cast()
         self.copies_changed = False
@@ -544,45 +524,21 @@ class Runtime:
                     kernels.accumulate_(target, reduced, scale)
 
         sync = self.replica_sync
-        if sync is not None and not self.replica_begun:
+        if not self.replica_begun:
             # a backward call counts for the cross-replica prediction when it reduces (a call
             # that runs no gate, e.g. torch.autograd.grad of an input, does not)
             self.replica_begun = True
             sync.begin_backward()
-        if sync is None:
-            fold = fold_local
-        else:  # See [Note: the cross-replica all-reduce] in hsdp.py
-            def fold(reduced: torch.Tensor) -> None:
-                with torch.no_grad():
-                    sync.fold(unit, target, fresh, lambda: fold_local(reduced))
 
-        if self.offload is None:
-            unit.grad_buffer.reduce(unit.name, unit.layout.padded_numel, unit.layout.shard_numel, fold)
-            return
-        # [Note: reduced grads to the host] The reduced shard goes device -> host into the unit's
-        # landing (on CUDA: a copy on the comm stream right behind the reduce-scatter, into pinned
-        # memory), and the host folds it into the fp32 grad shard once it has landed: the same
-        # kernel on the same values as without offload, so the grads are bit for bit the same.
-        # On gloo both happen at the reduce's wait. On CUDA the host folds at the end of backward
-        # (finish_host_folds: one host synchronisation per backward, inherent to an optimizer
-        # step on the CPU); a unit reduced twice in one backward (a tied unit) first folds its
-        # previous landing, so the copy never overwrites values the host has not read.
-        landing = unit.trainable.grad_landing
-        if unit in self.host_folds:
-            self.finish_host_folds()
-        self.host_folds.append(unit)
+        def fold(reduced: torch.Tensor) -> None:  # HSDP: see [Note: the cross-replica all-reduce] in hsdp.py
+            with torch.no_grad():
+                sync.fold(unit, target, fresh, lambda: fold_local(reduced))
 
-        def to_host(reduced: torch.Tensor) -> None:
-            landing.copy_(reduced, non_blocking=True)
-
-        unit.grad_buffer.reduce(unit.name, unit.layout.padded_numel, unit.layout.shard_numel, to_host,
-                                host_fold=lambda: fold(landing))
+        self.placement.reduce(self, unit, fold)  # offload: via the host landing (placement.py)
 
     def finish_host_folds(self) -> None:
         """offload: every reduced grad shard that went to the host is folded there (host sync)."""
-        if self.host_folds:
-            self.host_folds = []
-            self.schedule.finish_host_folds()
+        self.placement.finish_folds(self.schedule)
 
     def end_task(self, task: int) -> None:
         """The end of a backward or autograd.grad call (its graph task): the holds it took are
@@ -597,7 +553,7 @@ class Runtime:
         for gs in self.grad_buffers:
             gs.finish()
         self.finish_host_folds()
-        if self.replica_sync is not None and self.replica_begun:
+        if self.replica_begun:
             self.replica_sync.finish_backward()
         self.replica_begun = False
         for s in self.weight_buffers:
@@ -609,15 +565,16 @@ class Runtime:
         """HSDP: the grad shards all-reduced across replicas, if a backward left local
         contributions (a no-op otherwise, and for a flat engine); True when it all-reduced."""
         self.recover()
-        return self.replica_sync.sync() if self.replica_sync is not None else False
+        return self.replica_sync.sync()
 
 
-def placement_of(role: str, offload: str | None) -> str:
-    """Where the tensor of ``role`` (a key of ``allocated_bytes()``) lives with ``offload``; the plan
-    uses the same rule. See [Note: host and device tensors] in alloc.py."""
-    host = {None: (), "optimizer": ("master", "grad", "compute_host", "grad_landing"),
-            "all": ("master", "grad", "compute_host", "grad_landing", "frozen", "nf4")}[offload]
-    return "host" if role in host else "device"
+def _stored(name: str) -> property:
+    return property(lambda self: getattr(self.storage, name),
+                    doc=f"``storage.{name}``: see ``Storage`` in alloc.py (allocated once, read-only here)")
+
+
+for _name in STORAGE_FIELDS:  # rt.master, rt.grad, rt.weight_buffers, ...: what alloc.allocate returned
+    setattr(Runtime, _name, _stored(_name))
 
 
 def live_runtimes() -> list[Runtime]:

@@ -169,7 +169,7 @@ def _sync(args) -> None:
         rt = t._rt()
         if rt is not None and id(rt) not in seen:
             seen.add(id(rt))
-            if rt.replica_sync is not None:
+            if rt.replicas > 1:
                 rt.sync_replicas()
 
 

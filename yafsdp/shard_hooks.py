@@ -30,7 +30,7 @@ def fire(rt) -> None:
               and (u.flat_param._backward_hooks or u.flat_param._post_accumulate_grad_hooks)]
     if not hooked:
         return
-    if rt.replica_sync is not None:
+    if rt.replicas > 1:  # HSDP: complete first
         rt.sync_replicas()
     for p in hooked:
         for hook in list((p._backward_hooks or {}).values()):

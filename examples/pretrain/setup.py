@@ -170,18 +170,21 @@ class Setup:
     def build(self):
         """The model from ``make_model``, wrapped, and its optimizer."""
         a = self.args
+        bf16 = a.bf16 if a.bf16 is not None else self.device.type == "cuda"
+        self.param_dtype = torch.bfloat16 if bf16 else None
+        options = dict(self.wrap_options())
+        if a.gather_dtype != "bf16":  # See [Note: gather formats] in yafsdp/formats/base.py
+            options["gather_dtype"] = a.gather_dtype
+        # The engine's options, checked as YaFSDP(...) and the plan check them (yafsdp/config.py),
+        # before the model is built.
+        config = yafsdp.build_config(param_dtype=self.param_dtype, zero_stage=a.zero_stage, **options)
         model = self.make_model()
         if a.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         self.n_params = sum(p.numel() for p in model.parameters())
-        bf16 = a.bf16 if a.bf16 is not None else self.device.type == "cuda"
-        self.param_dtype = torch.bfloat16 if bf16 else None
-        options = dict(self.wrap_options())
-        if a.gather_dtype != "bf16":  # See [Note: compact trainable gathers] in yafsdp/fp8.py
-            options["gather_dtype"] = a.gather_dtype
-        self.model = yafsdp.YaFSDP(model, param_dtype=self.param_dtype, zero_stage=a.zero_stage, device=self.device,
-                                   **options, **hsdp_mesh(a.hsdp, self.world, self.device))
+        self.model = yafsdp.YaFSDP(model, config=config, device=self.device,
+                                   **hsdp_mesh(a.hsdp, self.world, self.device))
         self.ckpt_choice = job_checkpointing(self)  # --checkpointing / --memory-budget (docs/checkpointing.md)
         if a.compile:
             self.model.compile_units()

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 from .. import formats, fp8
+from ..config import EngineConfig, build_config
+from ..placement import placement_of
 from ..units import discover, weight_free_backward
 from .activations import ActivationEstimate, activation_estimate
 from .staging import persistent_buffer_bytes, staging_bytes
@@ -67,6 +69,9 @@ class MemoryPlan:
     # records of the trainable groups gathered compact (gather_dtype="fp8" / "int8"): the role named
     # after the format in engine_bytes(). See [Note: gather formats] in yafsdp/formats/base.py.
     records: int = 0
+    # offload with a compact gather_dtype: the records' host side (what the optimizer writes), the role
+    # "<format>_host" in engine_bytes()
+    gather_host: int = 0
     gather_dtype: str | None = None
     # "fp32": the reduce_dtype pieces are summed in fp32 (reduce_accum_dtype; yafsdp/reduce_accum.py)
     reduce_accum_dtype: str | None = None
@@ -108,6 +113,15 @@ class MemoryPlan:
                 + self.optimizer_state)
 
     @property
+    def _gather_host_row(self) -> str:
+        return f"{(self.gather_dtype or '').upper()} records host staging"
+
+    @property
+    def fp8_host(self) -> int:
+        """Bytes of the FP8 records' host side (offload with gather_dtype="fp8"; 0 otherwise)."""
+        return self.gather_host if self.gather_dtype == "fp8" else 0
+
+    @property
     def fp8(self) -> int:
         """Bytes of the FP8 records (gather_dtype="fp8"; 0 otherwise)."""
         return self.records if self.gather_dtype == "fp8" else 0
@@ -121,8 +135,6 @@ class MemoryPlan:
     def placement(self) -> dict[str, str]:
         """Where each role of :meth:`engine_bytes` lives ("host" / "device"), as ``YaFSDP.placement()``;
         the optimizer state is where the master shards are."""
-        from ..runtime import placement_of
-
         return {k: placement_of(k, self.offload) for k in self.engine_bytes()}
 
     @property
@@ -157,6 +169,8 @@ class MemoryPlan:
             out[fmt.name] = self.records if fmt.name == self.gather_dtype else 0
         if self.offload is not None:
             out.update(compute_host=self.compute_host, grad_landing=self.grad_landing)
+        if self.gather_host:
+            out[f"{self.gather_dtype}_host"] = self.gather_host
         for s in self.slots:
             if s.kind == "weight":
                 out[s.name] = s.capacity * itemsize(s.dtype)
@@ -185,6 +199,7 @@ class MemoryPlan:
             *([(self._nf4_row, self.nf4)] if self.quantize_frozen else []),
             *([(f"compute copy, {self.gather_dtype.upper()} records ({formats.get(self.gather_dtype).label})",
                 self.records)] if self.gather_dtype else []),
+            *([(self._gather_host_row, self.gather_host)] if self.gather_host else []),
             ("weight buffers" + (" (per unit, ZeRO-2)" if self.zero_stage == 2 else " (x2)")
              + (" + NF4 staging" if self.quantize_frozen else "")
              + (" + frozen landing" if self.offload == "all" else ""), self.weight_buffers),
@@ -210,6 +225,7 @@ class MemoryPlan:
             return [self._staging_row] if self.checkpoint_staging else []
         return [self._staging_row, "master shard (fp32)", "grad shard (fp32)", f"optimizer state ({self.optimizer})",
                 f"compute copy host staging ({self.param_dtype})", f"reduced-grad landing ({self.reduce_dtype})",
+                *([self._gather_host_row] if self.gather_host else []),
                 *([f"frozen shard ({self.param_dtype})", self._nf4_row] if self.offload == "all" else [])]
 
     @property
@@ -324,16 +340,17 @@ def memory_plan(
     gather_exclude=None,
     async_save: bool = False,
     reduce_accum_dtype=None,
+    config=None,
 ) -> MemoryPlan:
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
     or a plain module (any device, meta included; nothing is allocated) with the engine options
     given here. ``async_save=True`` adds the host memory of an asynchronous save's staging copy
     (``yafsdp.checkpoint.AsyncSaver``, the jobs' ``--async-save``). ``batch`` and ``seq`` add the activation estimate (HF causal LMs, or any model
     with ``inputs_fn(batch, seq, device) -> kwargs``). ``optimizer``: a name in
-    ``OPTIMIZER_BYTES`` or bytes of state per shard element."""
-    from ..api import YaFSDP
-
-    if isinstance(model, YaFSDP):
+    ``OPTIMIZER_BYTES`` or bytes of state per shard element. The engine options are checked by
+    ``yafsdp.config.build_config``, as ``YaFSDP(...)`` checks them (``config=``: an ``EngineConfig``
+    instead of the options)."""
+    if isinstance(getattr(model, "engine_config", None), EngineConfig):  # a wrapped YaFSDP
         eng = model
         names = [u.name for u in eng.units]
         layouts = [u.shape for u in eng.units]
@@ -352,18 +369,16 @@ def memory_plan(
     else:
         if world_size is None:
             raise ValueError("yafsdp.plan.memory_plan: world_size= is required for a model that is not wrapped")
-
-        param_dtype, reduce_dtype = as_dtype(param_dtype), as_dtype(reduce_dtype)
-        compute_dtype = param_dtype or torch.float32
-        from ..api import check_offload
-
-        quantize_frozen = formats.storage_option(quantize_frozen)
-        offload = check_offload(offload)
-        gather_dtype = formats.gather_option(gather_dtype)
-        exclude = fp8.default_exclude(model) if gather_exclude is None else tuple(gather_exclude)
-        if offload is not None and gather_dtype is not None:
-            raise ValueError(f"memory_plan: offload={offload!r} with gather_dtype={gather_dtype!r} is not supported "
-                             "yet (YaFSDP refuses it too); plan one of them")
+        if config is None:  # the plan also takes dtype names ("bf16"), as its CLI does
+            param_dtype, reduce_dtype = as_dtype(param_dtype), as_dtype(reduce_dtype)
+        cfg = build_config(config, who="yafsdp.plan.memory_plan", param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                           zero_stage=zero_stage, align_bytes=align_bytes, outsized_ratio=outsized_ratio,
+                           quantize_frozen=quantize_frozen, offload=offload, gather_dtype=gather_dtype,
+                           gather_exclude=gather_exclude, reduce_accum_dtype=as_dtype(reduce_accum_dtype))
+        param_dtype, reduce_dtype, compute_dtype = cfg.param_dtype, cfg.reduce_dtype, cfg.compute_dtype
+        quantize_frozen, offload, gather_dtype = cfg.quantize_frozen, cfg.offload_what, cfg.gather_dtype
+        zero_stage, align_bytes, outsized_ratio = cfg.zero_stage, cfg.align_bytes, cfg.outsized_ratio
+        exclude = fp8.default_exclude(model) if cfg.gather_exclude is None else cfg.gather_exclude
         quantize = compute_dtype if quantize_frozen else None
         align = unit_align(compute_dtype, reduce_dtype, align_bytes)
         specs, small_params = discover(model, units)
@@ -372,9 +387,7 @@ def memory_plan(
         layouts = [unit_shape(s.params, world_size, rank, align, quantize, gather_dtype, exclude) for s in specs]
         small = (unit_shape(small_params, world_size, rank, align, quantize, gather_dtype, exclude)
                  if small_params else None)
-        from ..reduce_accum import check_reduce_accum
-
-        accum = check_reduce_accum(as_dtype(reduce_accum_dtype), reduce_dtype, offload)
+        accum = cfg.reduce_accum_dtype
         slots = plan_buffers(
             names, layouts, small, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
             zero_stage=zero_stage, outsized_ratio=outsized_ratio, offload_frozen=offload == "all",
@@ -418,6 +431,7 @@ def memory_plan(
         export_unit=max((4 * (lay.trainable.padded_numel if lay.trainable is not None else 0)
                          + cbytes * sum(g.padded_numel for g in (lay.frozen, lay.nf4) if g is not None)
                          for lay in all_layouts), default=0),
+        gather_host=record_bytes if offload is not None else 0,
     )
     if async_save:
         plan.checkpoint_staging = staging_bytes(
