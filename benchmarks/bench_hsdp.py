@@ -91,7 +91,7 @@ def run(a):
             rs = model._rt.replica_sync
             if name == "hsdp-deferred":
                 rs.expected = None  # no prediction: the all-reduce waits for clip_grad_norm_
-            before = dict(rs.stats) if rs else {}
+            before = dict(rs.stats)
             counted = dict(model.schedule.counted)
             n_iv = len(model.recorder.intervals)
             if gpu:
@@ -113,8 +113,8 @@ def run(a):
             times[name].append(dt)
             ivs = [iv for iv in model.recorder.finish()[n_iv:] if iv.kind == "all_reduce"]
             per_step[name].append(dict(
-                all_reduces=(rs.stats["all_reduces"] - before["all_reduces"]) if rs else 0,
-                elements=(rs.stats["elements"] - before["elements"]) if rs else 0,
+                all_reduces=rs.stats["all_reduces"] - before["all_reduces"],
+                elements=rs.stats["elements"] - before["elements"],
                 busy=sum(iv.duration for iv in ivs),
                 bytes=_bytes(model, counted, name == "hsdp-deferred"),
             ))
