@@ -36,7 +36,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..config import EngineConfig
 from .sizing import GiB
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The wrapped module of a ``YaFSDP`` (known by its ``engine_config``: the plan does not import
+    the wrapper), else ``model``."""
+    return model.module if isinstance(getattr(model, "engine_config", None), EngineConfig) else model
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
@@ -165,9 +172,7 @@ def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
 def model_blocks(model: nn.Module) -> list[str]:
     """The module paths of the blocks ``apply_checkpointing`` can checkpoint (the repeated
     blocks the engine's units are made of), in forward order; ``model`` wrapped or not."""
-    from ..api import YaFSDP
-
-    return [n for n, _ in _blocks(model.module if isinstance(model, YaFSDP) else model)]
+    return [n for n, _ in _blocks(_inner(model))]
 
 
 def apply_checkpointing(model: nn.Module, blocks) -> list[str]:
@@ -177,9 +182,7 @@ def apply_checkpointing(model: nn.Module, blocks) -> list[str]:
     per block (it also turns their KV cache off under checkpointing); other blocks have their
     ``forward`` run under ``torch.utils.checkpoint`` (the engine's hooks stay outside it, in
     ``__call__``, as with HF). Returns the checkpointed blocks' paths."""
-    from ..api import YaFSDP
-
-    module = model.module if isinstance(model, YaFSDP) else model
+    module = _inner(model)
     found = _blocks(module)
     if isinstance(blocks, CheckpointChoice):
         blocks = blocks.blocks
@@ -227,9 +230,7 @@ def _switch(block: nn.Module, on: bool):
 
 def checkpointed_blocks(model: nn.Module) -> list[str]:
     """The blocks that are checkpointed now (by ``apply_checkpointing`` or HF's switch)."""
-    from ..api import YaFSDP
-
-    module = model.module if isinstance(model, YaFSDP) else model
+    module = _inner(model)
     return [n for n, b in _blocks(module)
             if getattr(b, "gradient_checkpointing", False) or "_yafsdp_forward" in b.__dict__]
 
