@@ -19,7 +19,7 @@ from pretrain import outputs as O  # examples/pretrain (the job script's directo
 from pretrain import progress as P
 from pretrain import rundir as R
 from pretrain import saving as S
-from pretrain.args import build_parser, check_args, lr_at, parse_args  # noqa: F401 - their home was here
+from pretrain.args import build_parser, check_args, lr_at, parse_args, shard_size  # noqa: F401 - their home was here
 from pretrain.ops import Diverged, JobError, OutLock, StopSignal, init_distributed, shutdown_distributed
 from pretrain.rundir import describe_run, plan_output  # noqa: F401 - their home was here
 from pretrain.saving import get_rng_state, set_rng_state  # noqa: F401 - their home was here
