@@ -161,7 +161,12 @@ def test_row_trains_like_the_reference(index, row, root):
     if row["backward"] == "grad":
         assert res["info"]["untouched"], f"row {name}: torch.autograd.grad changed a .grad"
         d_aux = rel_seq(res["aux"], extra["aux"])
-        assert d_aux < 1e-5 * tol, f"row {name}: autograd.grad norms differ by {d_aux:.3g}: {res['aux']} vs {extra['aux']}"
+        # 16-bit rows: the norms are computed from the compute copy, where a one-ulp fp32 difference
+        # in a master (gloo's order of sums across 3 replicas vs the reference's: [Note: the grid's
+        # AdamW eps]) can move a weight by one ulp of param_dtype; they get the weights' tolerance
+        aux_tol = 1e-5 if fp32 else 1e-4
+        assert d_aux < aux_tol * tol, (f"row {name}: autograd.grad norms differ by {d_aux:.3g}: {res['aux']} vs "
+                                       f"{extra['aux']}")
     d_loss, d_norm, d_sd = rel_seq(losses, ref[0]), rel_seq(norms, ref[1]), rel_l2(sd, ref[2], trainable)
     assert d_loss < 1e-5 * tol, f"row {name}: losses differ by {d_loss:.3g}: {losses} vs reference {ref[0]}"
     assert d_norm < 1e-5 * tol, f"row {name}: clipped norms differ by {d_norm:.3g}: {norms} vs reference {ref[1]}"
