@@ -169,7 +169,7 @@ class MemoryPlan:
             out[fmt.name] = self.records if fmt.name == self.gather_dtype else 0
         if self.offload is not None:
             out.update(compute_host=self.compute_host, grad_landing=self.grad_landing)
-        if self.gather_host:
+        if self.offload is not None and self.gather_dtype is not None:  # as YaFSDP.allocated_bytes(), 0 included
             out[f"{self.gather_dtype}_host"] = self.gather_host
         for s in self.slots:
             if s.kind == "weight":
