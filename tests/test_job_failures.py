@@ -220,7 +220,8 @@ import os, sys
 sys.path.insert(0, os.path.join({root!r}, "examples"))
 from pretrain.job import main
 code = main(sys.argv[1:])
-print("threads after main:", len(os.listdir("/proc/self/task")), file=sys.stderr, flush=True)
+# one write per rank: print() writes its pieces separately, and two ranks' pieces interleave on the shared stderr
+os.write(2, f"threads after main: {{len(os.listdir('/proc/self/task'))}}\\n".encode())
 sys.exit(code)
 """
 
