@@ -116,6 +116,8 @@ def write_hf(sd: dict, inner, out_dir: str, *, dtype: torch.dtype = torch.float3
     end. Not collective; the whole dict is in memory (``export_hf`` streams instead)."""
     from safetensors.torch import save_file
 
+    from .hf_export import _finish
+
     config = inner.config
     tied = set()
     if getattr(config, "tie_word_embeddings", False) and hasattr(inner, "_tied_weights_keys"):
@@ -130,16 +132,5 @@ def write_hf(sd: dict, inner, out_dir: str, *, dtype: torch.dtype = torch.float3
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     save_file(out, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
-    cfg = config.__class__.from_dict(config.to_dict())
-    cfg.architectures = [type(inner).__name__]
-    if "dtype" in cfg.to_dict():  # transformers >= 4.56 names it dtype; older ones torch_dtype
-        cfg.dtype = dtype
-    else:
-        cfg.torch_dtype = dtype
-    cfg.save_pretrained(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    if os.path.isdir(out_dir) and not os.listdir(out_dir):
-        os.rmdir(out_dir)
-    os.rename(tmp, out_dir)
+    _finish(tmp, out_dir, inner, dtype, tokenizer)  # config (and tokenizer), then the rename: as export_hf
     return out_dir
