@@ -74,6 +74,18 @@ def init_distributed(device_kind: str) -> torch.device:
     return torch.device("cpu")
 
 
+def finish_distributed() -> None:
+    """End a rank as docs/api.md ("Ending a script") says: every rank meets after its last
+    collective, the group is destroyed, and the collection frees the backend (its gloo worker
+    threads are joined) while Python still runs. A rank main that only destroyed the group was seen
+    to abort at exit in CI ("terminate called without an active exception": bench_io's export row)."""
+    if dist.is_initialized():
+        if dist.get_backend() != "fake":
+            dist.barrier()
+        dist.destroy_process_group()
+    gc.collect()
+
+
 def init_fake(world: int, device: torch.device):
     """A fake process group of ``world`` ranks in this one process: collectives do nothing."""
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -23,7 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _common import init_distributed, launch, make_batch, versions  # this script's directory is on sys.path
+from _common import finish_distributed, init_distributed, launch, make_batch, versions  # this script's directory is on sys.path
 
 import yafsdp
 from yafsdp import checkpoint as ckpt
@@ -147,8 +147,7 @@ def run(a):
                 f.write(f"Versions: {v}. Load average (1 min) at the end: {load}.\n\n")
                 f.write(text + "\n")
         shutil.rmtree(a.root, ignore_errors=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 if __name__ == "__main__":

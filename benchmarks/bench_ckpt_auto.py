@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import init_fake, make_batch, md_table, versions  # noqa: E402
+from _common import finish_distributed, init_fake, make_batch, md_table, versions  # noqa: E402
 
 import yafsdp  # noqa: E402
 from yafsdp.measure import measure_memory  # noqa: E402
@@ -190,7 +190,7 @@ def main():
     if a.png:
         plot(a.png, budgets, choices, predicted, measured, med, low, n,
              f"{a.preset} b={a.batch} s={a.seq} ({a.device})")
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 def plot(path, budgets, choices, predicted, measured, med, low, n, title):

@@ -37,6 +37,7 @@ for p in (ROOT, os.path.join(ROOT, "benchmarks")):
 
 import yafsdp  # noqa: E402
 from _common import (  # noqa: E402
+    finish_distributed,
     MiB, decoder_layers, init_fake, launch, make_batch, md_table, versions, write_json,
 )
 from yafsdp.measure import measure_memory, noise_report  # noqa: E402
@@ -192,7 +193,7 @@ def run_real(a):
     plans = {n: plan_of(n, a, world) for n in names}
     if rank == 0:
         report_real(a, world, names, times, losses, mems, plans, g, load_before)
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 def report_real(a, world, names, times, losses, mems, plans, g, load_before):
@@ -251,7 +252,7 @@ def run_fake(a) -> str:
                          (row["plan_mib"] / row["peak_mib"] if p else None), row["plan_gpu_mib"],
                          row["plan_host_mib"], row["growth"]])
             print(f"fake world {w} {n}: peak {row['peak_mib']:.1f} MiB", flush=True)
-        dist.destroy_process_group()
+        finish_distributed()
     header = ["world", "engine", "measured peak MiB", "plan MiB", "plan / measured", "plan: per GPU MiB",
               "plan: host MiB", "growth B (step 2+)"]
     text = "\n".join([f"fake process group (rank 0 of each world, collectives do nothing), the same PEFT model built on "

@@ -22,7 +22,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _common import init_distributed, launch, make_batch, make_model, md_table, resolve_run, versions, write_json
+from _common import finish_distributed, init_distributed, launch, make_batch, make_model, md_table, resolve_run, versions, write_json
 
 import yafsdp
 from yafsdp.trace import Recorder
@@ -122,7 +122,7 @@ def run(a):
     every = [None] * world
     dist.all_gather_object(every, {n: per_step[n][-1]["bytes"] for n in ENGINES})
     if rank != 0:
-        dist.destroy_process_group()
+        finish_distributed()
         return
     full = statistics.median(times["full"])
     rows = []
@@ -149,7 +149,7 @@ def run(a):
         from bench_step import write_md
 
         write_md(a.md, result, text)
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 def main(argv=None):

@@ -30,7 +30,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _common import init_distributed, launch, md_table, versions  # this script's directory is on sys.path
+from _common import finish_distributed, init_distributed, launch, md_table, versions  # this script's directory is on sys.path
 
 GiB = 1 << 30
 
@@ -255,7 +255,7 @@ def _rank_main(a):
     if rank == 0:
         with open(a.result_file, "w") as f:
             json.dump(got, f)
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 # ---------------------------------------------------------------------------- report

@@ -37,6 +37,7 @@ import sys
 import torch
 import torch.distributed as dist
 from _common import (  # this script's directory is on sys.path: the benchmarks' shared plumbing
+    finish_distributed,
     build_engine, free_engine, init_distributed, launch, make_batch, md_table, resolve_run, versions, write_json,
 )
 
@@ -292,8 +293,7 @@ def run(a):
         dist.barrier()
     if rank == 0:
         report(a, dev, dist.get_world_size(), results)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 class _null:

@@ -32,6 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 from _common import (  # this script's directory is on sys.path: the benchmarks' shared plumbing
+    finish_distributed,
     ENGINES, REDUCE_ENGINES, MiB, build_engine, free_engine, fused_adamw_available, init_distributed, init_fake, launch,
     make_batch, md_table, median_min_max, reduce_options, resolve_run, versions, write_json,
 )
@@ -188,8 +189,7 @@ def run_real(a):
     dist.all_gather_object(mems, memory)
     if rank == 0:
         report_real(a, dev, world, times, losses, mems, plans, gathered, reduced)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 def reduce_bytes(model) -> int:
@@ -295,7 +295,7 @@ def run_fake(a):
                          row["plan_engine_mib"], row["plan_mib"]])
             print(f"world {w} {name}: peak {row['peak_mib']:.1f} MiB, growth from step 2 {row['growth_bytes']} B",
                   flush=True)
-        dist.destroy_process_group()
+        finish_distributed()
     header = ["world", "engine", "after wrap MiB", "peak MiB (steps 2+)", "reserved MiB", "growth B (step 2+)",
               "plan: state MiB", "plan: total MiB"]
     table = md_table(header, rows)

@@ -53,7 +53,11 @@ def main(argv=None):
         best = min(best, (time.perf_counter() - t) / len(batches))
     print(f"yafsdp from {os.path.dirname(yafsdp.__file__)}: {1e3 * best:.2f} ms/step "
           f"(best of {a.rounds} rounds of {a.steps}; {len(model.flat_units)} flat units)")
+    del model, opt
     dist.destroy_process_group()
+    import gc
+
+    gc.collect()  # the backend's threads joined before exit (docs/api.md, "Ending a script")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import yafsdp  # noqa: E402
+from _common import finish_distributed  # this script's directory is on sys.path  # noqa: E402
 
 
 def qlora_model(hidden=256, intermediate=688, layers=2, vocab=256):
@@ -68,7 +69,7 @@ def main():
         print(f"  bf16 frozen group: {r['base_bf16']:,} bytes")
         print(f"  NF4 records:       {r['base_nf4']:,} bytes  ({r['ratio']:.3f}x)")
         print(f"  all kinds, bf16 run: {dict(r['bf16'])}; NF4 run: {dict(r['nf4'])}")
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 if __name__ == "__main__":

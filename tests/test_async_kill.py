@@ -382,7 +382,9 @@ def test_a_failed_background_write_reports_the_synchronous_message(driver):
 
 
 # The job, SIGTERM'd while its background save is in flight: the writer is held in its checksums
-# (a wrapper patches yafsdp.checkpoint.crc32 in the job's process and marks the moment with a file).
+# (a wrapper patches yafsdp.checkpoint.crc32 in the job's process, marks the moment with a file and
+# holds the writer until the test, having seen the job say it waits, creates "<mark>.release"; a fixed
+# 2 s hold lost the race on a loaded CI machine: the save had finished before the job saw SIGTERM).
 _SLOW_WRITER = """
 import os, runpy, sys, threading, time
 job = sys.argv[1]
@@ -393,7 +395,9 @@ real, mark = C.crc32, os.environ["ASYNC_KILL_MARK"]
 def crc32(path, *a):
     if threading.current_thread().name.startswith("yafsdp-ckpt") and not os.path.exists(mark):
         open(mark, "w").close()
-        time.sleep(2.0)
+        t0 = time.monotonic()  # held until the test saw the job wait for it (bounded)
+        while not os.path.exists(mark + ".release") and time.monotonic() - t0 < 120:
+            time.sleep(0.01)
     return real(path, *a)
 C.crc32 = crc32
 runpy.run_path(job, run_name="__main__")
@@ -414,7 +418,14 @@ def test_job_sigterm_waits_for_the_background_save(tmp_path):
         assert a.poll() is None and time.monotonic() - t0 < 180, a.communicate()
         time.sleep(0.02)
     a.send_signal(signal.SIGTERM)
+    lines = []
+    for line in a.stdout:  # the writer is held until the job says it waits for it
+        lines.append(line)
+        if "waiting  for the background save of step 3 to finish" in line:
+            break
+    open(mark + ".release", "w").close()
     o, err = a.communicate(timeout=180)
+    o = "".join(lines) + o
     assert a.returncode == 0, (o[-3000:], err[-3000:])
     ev = events(out)
     stop = [x for x in ev if x["event"] == "signal"][0]["step"]
