@@ -21,7 +21,7 @@ import torch.distributed as dist
 import yafsdp
 from yafsdp.presets import build_llama
 
-# "+fp8": YaFSDP(gather_dtype="fp8"), the decoder layers gathered as FP8 records (yafsdp/fp8.py)
+# "+fp8": YaFSDP(gather_dtype="fp8"), the decoder layers gathered as FP8 records (yafsdp/formats/fp8_codec.py)
 ENGINES = ("yafsdp-z3", "yafsdp-z2", "yafsdp-z3+FusedAdamW", "yafsdp-z3+fp8", "yafsdp-z3+FusedAdamW+fp8", "fsdp2",
            "fsdp1", "ddp")
 # Not in the default runs (ask for them with --engines): the reduce precisions of docs/reduce.md, bf16

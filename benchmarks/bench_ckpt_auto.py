@@ -89,7 +89,7 @@ def main():
 
     def build(k, meta_init=True):
         def _build():
-            # meta_init (the memory runs, as tests/test_plan.py): each rank allocates only its shards, so
+            # meta_init (the memory runs, as tests/unit/test_plan.py): each rank allocates only its shards, so
             # nothing but the engine, the optimizer and the step is live; the timed engine has real weights.
             model = build_llama(a.preset, device="meta" if meta_init else dev, **over)
             if meta_init:

@@ -13,7 +13,7 @@ Engines (the same PEFT model: LoRA r on every linear layer but lm_head, the base
   fsdp2-qlora-torchao (every frozen nn.Linear weight a torchao NF4Tensor; only when torchao imports:
   it is looked for in ./.torchao as well).
 Competitors are interleaved step by step, so per-step ratios see the same machine load; absolute
-times on a shared 2-core VM move with it (see [Note: noise] in yafsdp/measure.py). Memory: the
+times on a shared 2-core VM move with it (see [Note: noise] in yafsdp/tools/measure.py). Memory: the
 process heap above the pre-build baseline (glibc mallinfo2, all threads) for the real run; with the
 fake process group the torch CPU allocator's live bytes (exact), next to yafsdp's plan. On a CPU,
 "host" and "device" are the same memory: offload changes where bytes would live on a GPU, not the

@@ -6,7 +6,7 @@ Per engine: the step time (median, min, max over the measured steps), and from t
 the all-reduces across replicas per step, their elements, and their busy time (the Recorder: from
 issue to completion of each all-reduce; on CUDA, events on the comm stream); the JSON also holds
 every rank's bytes per collective kind in the last step (``schedule.counted``), which
-tests/test_bench_smoke.py compares with benchmarks/model_scaling.py's byte model.
+tests/jobs/test_bench_smoke.py compares with benchmarks/model_scaling.py's byte model.
 
 CPU, gloo (spawns its own ranks; world 4 as 2 replicas x 2):
     python benchmarks/bench_hsdp.py
@@ -118,7 +118,7 @@ def run(a):
                 busy=sum(iv.duration for iv in ivs),
                 bytes=_bytes(model, counted, name == "hsdp-deferred"),
             ))
-    # every rank's bytes of the last measured step (tests/test_bench_smoke.py checks the byte model with them)
+    # every rank's bytes of the last measured step (tests/jobs/test_bench_smoke.py checks the byte model with them)
     every = [None] * world
     dist.all_gather_object(every, {n: per_step[n][-1]["bytes"] for n in ENGINES})
     if rank != 0:

@@ -128,7 +128,7 @@ def extract(prof, device: torch.device, gap_us: float, recorded=None) -> list[di
     ``recorded`` (CPU, yafsdp): per step, the engine Recorder's comm intervals as (start, end,
     kind, unit) in seconds from that step's start; they replace the gloo-thread lane (yafsdp's
     gloo collectives are point-to-point messages moved by gloo's transport threads, which the
-    profiler does not see; see [Note: gloo point-to-point collectives] in yafsdp/collectives.py)."""
+    profiler does not see; see [Note: gloo point-to-point collectives] in yafsdp/comm/collectives.py)."""
     evs = list(prof.profiler.kineto_results.events())
     steps = sorted((e.start_ns(), e.end_ns()) for e in evs if e.name() == "bench.step")
     if not steps:

@@ -101,7 +101,7 @@ def parse(argv=None):
     ap.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory for the HSDP shard-size fit (H100: 80)")
     ap.add_argument("--bytes", default=None, metavar="RxS,...",
                     help="only print (JSON) the bytes one rank puts into each collective kind per step for these "
-                    "meshes (replicas x shard), overlapped and deferred; tests/test_bench_smoke.py checks them "
+                    "meshes (replicas x shard), overlapped and deferred; tests/jobs/test_bench_smoke.py checks them "
                     "against the engine's counts")
     ap.add_argument("--png", default="runs/model_scaling.png")
     ap.add_argument("--json", default="runs/model_scaling.json")
@@ -247,7 +247,7 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
     gather moves (default: padded elements x param_dtype); ``expand``: per unit, seconds of the
     expand kernel behind its gather on the comm stream (fp8 gathers).
     Also counts the bytes put into each kind of collective (``bytes``; the engine's
-    ``schedule.counted`` is checked against it in tests/test_bench_smoke.py)."""
+    ``schedule.counted`` is checked against it in tests/jobs/test_bench_smoke.py)."""
     nbytes = dict(gather=0, reduce=0, all_reduce=0)
     pe = 2 if a.param_dtype == "bf16" else 4
     gather_bytes = gather_bytes or {u: n * pe for u, n in sizes.items()}

@@ -231,7 +231,7 @@ class FinetuneJob(J.Job):
         if a.materialize_base:
             torch.manual_seed(a.seed)
             model = peft.get_peft_model(base, cfg)
-        else:  # See [Note: adapters over a meta base] in yafsdp/peft_load.py
+        else:  # See [Note: adapters over a meta base] in yafsdp/integrations/peft_load.py
             from yafsdp.peft_load import meta_peft_model
 
             built = meta_peft_model(base, cfg, seed=a.seed)

@@ -39,7 +39,7 @@ def _entry(rank, world, port, fn, args, outdir, backend="gloo", timeout_s=300.0)
         if dist.is_initialized():
             dist.destroy_process_group()
     # Skip interpreter teardown: the result is on disk, and it saves time. (It is no longer needed
-    # for the engine's collectives -- [Note: gloo work and interpreter exit] in yafsdp/collectives.py --
+    # for the engine's collectives -- [Note: gloo work and interpreter exit] in yafsdp/comm/collectives.py --
     # but a test may have run torch's own gloo collectives, e.g. DCP's, which the exit hook cannot see.)
     os._exit(0)
 

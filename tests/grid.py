@@ -1,5 +1,5 @@
 """The combination grid: every pair of engine options trained at least once, against the unsharded
-reference (tests/test_grid.py runs it; docs/design.md "The combination grid" says why).
+reference (tests/multirank/test_grid.py runs it; docs/design.md "The combination grid" says why).
 
 A **dimension** is one entry of ``DIMS``: its name and, per value, an *effect* -- a function that
 edits a ``Recipe`` (what a row does, read by both the sharded run and the unsharded reference).
@@ -23,7 +23,7 @@ between, the several backwards, ``torch.autograd.grad``; ``optimizer_step``: Gra
 clipping calls) or in ``train_sharded`` / ``train_reference`` (the parameter hook). Pairs a feature
 cannot meet go into ``allowed`` (the generator never builds them); pairs the engine refuses by design
 go into ``REFUSED`` (rows that check the error message); known engine bugs into ``KNOWN`` in
-tests/test_grid.py (the parity rows avoid them; each has its own strict-xfail row); a combination of
+tests/multirank/test_grid.py (the parity rows avoid them; each has its own strict-xfail row); a combination of
 three or more values that must stay covered (a bug's reproduction) into ``SEEDS``.
 
 Example, the fp16 value of ``"param_dtype"``: ``both(engine(param_dtype=torch.float16),
@@ -251,7 +251,7 @@ def frozen_in_dtype(model, dtype):
 
 def nf4_round_trip(model, dtype):
     """Frozen nn.Linear weights of whole 64-blocks: NF4 quantize-dequantize of their param_dtype values."""
-    from yafsdp import nf4
+    from yafsdp.formats import nf4_codec as nf4
 
     with torch.no_grad():
         for mod in model.modules():
@@ -265,7 +265,7 @@ def nf4_round_trip(model, dtype):
 def fp8_layers(model) -> list[str]:
     """Names of the decoder layers a compact gather covers: all their trainable >= 2-D parameters are
     nn.Linear weights of whole 128-blocks (the output head is left out by default)."""
-    from yafsdp import fp8
+    from yafsdp.formats import fp8_codec as fp8
 
     weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     out = []
@@ -279,7 +279,7 @@ def fp8_layers(model) -> list[str]:
 
 
 def fp8_gather(master, low, dtype, fake=None):
-    from yafsdp import fp8
+    from yafsdp.formats import fp8_codec as fp8
 
     fake = fake or fp8.fake_quantize
     layers = set(fp8_layers(master))
@@ -345,12 +345,12 @@ def allowed(row: dict) -> bool:
     return not (row.get("ac") == "reentrant" and row.get("backward") == "grad")
 
 
-# Refused by the engine, by design (yafsdp/config.py): (dim, values, dim, values, words) -- a row holding
+# Refused by the engine, by design (yafsdp/core/config.py): (dim, values, dim, values, words) -- a row holding
 # both gets YaFSDP(...) refused with a ValueError naming both options (``words(row)``). Lifting a
 # refusal: delete its entry here; the generator then covers those pairs with parity rows.
 REFUSED = [
     # (offload x HSDP was refused here until the host grad shards' all-reduce was staged through the
-    # device: yafsdp/placement.py; its pairs are parity rows now)
+    # device: yafsdp/core/placement.py; its pairs are parity rows now)
     # (offload x gather_dtype="fp8" / "int8" likewise, since the records have a host staging side)
 ]
 

@@ -8,7 +8,8 @@ grad norms and final weights of several configs at world 4 (2x2 for the HSDP one
 SEAM_NEW=1 adds combinations main refuses (``name@variant``), compared against main's run of ``name``
 (offload x HSDP, offload x fp8: bit for bit the same)."""
 import sys, os
-sys.path.insert(0, os.path.join(os.environ.get("PYTHONPATH") or os.path.dirname(os.path.dirname(__file__)), "tests"))
+_T = os.path.join(os.environ.get("PYTHONPATH") or os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+sys.path[:0] = [_T, os.path.join(_T, "multirank")]
 import torch, torch.distributed as dist
 import yafsdp
 from dist_utils import run_ranks, hsdp_groups

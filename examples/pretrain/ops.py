@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from yafsdp.dist import raise_if_any
+from yafsdp.comm.groups import raise_if_any
 
 
 class JobError(RuntimeError):
@@ -237,14 +237,14 @@ def shutdown_distributed() -> None:
     [Note: teardown before exit] A gloo worker thread that drops the last C++ reference of a
     tensor while the interpreter finalizes aborts the process ("terminate called without an
     active exception", SIGABRT, after all the work was done; see [Note: gloo work and interpreter
-    exit] in yafsdp/collectives.py for the mechanism and the engine's exit hook). The job goes
+    exit] in yafsdp/comm/collectives.py for the mechanism and the engine's exit hook). The job goes
     further and ends the gloo backend itself before exit: ``destroy_process_group()`` only
     unregisters the group, and the backend (its worker threads) lives while Python objects hold it
     -- the model, the optimizer and the job, which sit in reference cycles. The caller has dropped
     its references and every rank met in a barrier after its last collective; the collection here
     frees the group while Python still runs, and the backend's destructor joins its threads. This
     holds on the error path too (the engine's autograd nodes hold it weakly: [Note: weak
-    references from autograd nodes]); tests/test_job_failures.py checks that no thread but the
+    references from autograd nodes]); tests/jobs/test_job_failures.py checks that no thread but the
     main one is left after ``main()`` returns, on a normal and on an error exit."""
     import gc
 

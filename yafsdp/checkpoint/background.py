@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from . import contents
 from .files import CheckpointError, CheckpointWarning, checkpoint_dir
+from .write import _save
 
 __all__ = ["AsyncSaver", "Staged", "wait_for_root"]
 
@@ -118,8 +119,6 @@ class AsyncSaver:
         """Collective. Wait for the previous save (raising its failure), stage this step's state
         and start writing it in the background; returns once the staging copy is taken (change the
         weights right after: the checkpoint holds the state of this call)."""
-        from . import _save
-
         t0 = time.perf_counter()
         self.wait()
         wait_for_root(root, "AsyncSaver.save", step)  # another saver's write into this root

@@ -32,7 +32,7 @@ def _flat_shard(info, tensor: torch.Tensor) -> FlatShard:
 
 def _model_entries(model) -> dict[str, FlatShard]:
     """The DCP entries of the model's shards: ``model.<key>`` per flat group; an NF4 group (see
-    [Note: NF4 frozen groups] in yafsdp/nf4.py) as its packed codes ``model.<unit>.nf4`` (uint8,
+    [Note: NF4 frozen groups] in yafsdp/formats/nf4_codec.py) as its packed codes ``model.<unit>.nf4`` (uint8,
     numel/2 bytes) and its scales ``model.<unit>.nf4.scales`` (numel/64), both laid out the same
     for every world size (blocks start at the group's start), so they reshard like the others."""
     out = {}

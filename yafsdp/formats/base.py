@@ -5,7 +5,7 @@ Every flat group of a unit (see [Note: unit groups] in unit.py) is gathered in o
 object of a subclass of :class:`Format` held by its ``GroupKind``. The plain format
 (:data:`yafsdp.formats.PLAIN`) gathers ``param_dtype`` values straight into the weight buffer;
 a *compact* format gathers a byte *record* per rank into the weight buffer's staging area and
-expands it there into ``param_dtype`` values ([Note: expanding a compact gather] in comm.py).
+expands it there into ``param_dtype`` values ([Note: expanding a compact gather] in comm/schedule.py).
 Whatever the format, the modules see plain ``param_dtype`` views of the weight buffer.
 
 A format owns everything that depends on its bytes, so that the engine asks it rather than
@@ -22,7 +22,7 @@ testing its name:
 - ``adamw_step_(...)``: ``yafsdp.FusedAdamW``'s step when its copy-out is a record of this format
   (the AdamW kernel, then ``encode_`` of the updated shard, or one fused kernel).
 - ``expand_(out, staging, shard_numel)`` and its pure-PyTorch twin ``expand_reference``: every
-  rank's record end to end -> the values (the kernel + twin pattern of kernels.py);
+  rank's record end to end -> the values (the kernel + twin pattern of kernels/__init__.py);
   ``decode(records, shard_numel, dtype)`` allocates and expands (state dicts, views).
 - ``checkpoint_entries(info, record)`` / ``checkpoint_loaded_(info, record, loaded)``: what a
   checkpoint holds of a stored record, and its zero padding after a load (a gather format's

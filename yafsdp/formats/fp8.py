@@ -1,7 +1,7 @@
 """FP8 as a format: trainable weights gathered as float8 e4m3 records (``gather_dtype="fp8"``).
 
 The arithmetic and the record layout are ``yafsdp.fp8``'s and the kernels' ([Note: compact
-trainable gathers] in fp8.py); this object is what the engine asks (see [Note: gather formats] in
+trainable gathers] in formats/fp8_codec.py); this object is what the engine asks (see [Note: gather formats] in
 base.py). A *gather* format: the record is derived from the fp32 master (the cast pass, or
 ``FusedAdamW``'s fused pass) and never saved.
 """
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import fp8, kernels
+from . import fp8_codec as fp8
+from .. import kernels
 from .base import Format
 
 __all__ = ["FP8", "FP8_FORMAT"]

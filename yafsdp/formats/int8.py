@@ -1,7 +1,7 @@
 """INT8 gathers: trainable weights gathered as int8 records (``gather_dtype="int8"``).
 
 [Note: int8 gathers]
-The same contract as FP8 gathers ([Note: compact trainable gathers] in yafsdp/fp8.py): the fp32
+The same contract as FP8 gathers ([Note: compact trainable gathers] in yafsdp/formats/fp8_codec.py): the fp32
 master, the gradients and the optimizer state stay exact; only the gathered compute copy of the
 eligible units (the decoder layers' ``nn.Linear`` weights, the head left out by default) is
 quantized, and the gradients are those of the dequantized weights the forward used.

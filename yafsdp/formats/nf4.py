@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from .. import kernels, nf4
+from .. import kernels
+from . import nf4_codec as nf4
 from .base import Format
 
 __all__ = ["NF4", "NF4_FORMAT"]

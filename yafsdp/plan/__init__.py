@@ -8,7 +8,7 @@
 The engine's buffers are sized by :func:`plan_buffers` and nothing else: the runtime's allocator calls
 it, and the plan of a model that has never been wrapped calls it on layouts built by the engine's
 own unit discovery (``units.discover``) and ``FlatLayout.build``. So the plan equals what the
-engine allocates, byte for byte (tests/test_plan.py checks it against ``allocated_bytes()``).
+engine allocates, byte for byte (tests/unit/test_plan.py checks it against ``allocated_bytes()``).
 
 What the engine allocates per rank (Psi parameters, N ranks, every count padded as the engine pads):
 - master shard (fp32) 4 Psi/N, grad shard (fp32) 4 Psi/N, compute copy (param_dtype; none in fp32)
@@ -37,7 +37,7 @@ tensors the size of the largest saved one, live while that one is still held (fo
 fp32 log-softmax of the logits: its incoming gradient and the logits' gradient), and the largest
 unit's weight gradients as autograd produces them before the engine copies them into the grad
 buffer (by then the log-softmax output has been freed, which makes room for the logits'
-gradient). On CPU (fake process group, tests/test_plan.py) plan and measured peak agree within a
+gradient). On CPU (fake process group, tests/unit/test_plan.py) plan and measured peak agree within a
 few percent.
 """
 from .activations import ActivationTrace, activation_estimate, activation_trace

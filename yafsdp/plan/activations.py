@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..units import find_blocks
+from ..core.units import find_blocks
 from .sizing import dtype_name
 
 

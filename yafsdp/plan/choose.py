@@ -15,7 +15,7 @@ first k blocks in forward order (see that note: an early block is recomputed whe
 blocks' activations are already freed), and the peak of the first k is non-increasing in k
 while a block's input is smaller than what it saves, which holds for every transformer block. The
 chooser still does not rely on it: it evaluates every k from 0 up and takes the first whose
-predicted peak fits; tests/test_ckpt_auto.py checks it against a brute force over all subsets.
+predicted peak fits; tests/multirank/test_ckpt_auto.py checks it against a brute force over all subsets.
 Blocks of different sizes (e.g. a model with two block lists) are covered by the same scan
 because the set is always a prefix of the forward order; the brute-force test would show a
 better non-prefix set if one existed for the models tested.
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..config import EngineConfig
+from ..core.config import EngineConfig
 from .sizing import GiB
 
 
@@ -163,7 +163,7 @@ def choose_checkpointing(model: nn.Module, *, budget=None, batch: int, seq: int,
 
 
 def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    from ..units import find_blocks
+    from ..core.units import find_blocks
 
     names = {id(m): n for n, m in module.named_modules()}
     return [(names[id(b)], b) for b in find_blocks(module)]

@@ -9,7 +9,7 @@ from .report import MemoryPlan, memory_plan
 from .sizing import OPTIMIZER_BYTES
 
 def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
-    from ..presets import PRESETS
+    from ..tools.presets import PRESETS
 
     ap = argparse.ArgumentParser(
         prog=prog,
@@ -74,7 +74,7 @@ def _parse(argv=None, prog="python -m yafsdp plan"):
 
 
 def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
-    from ..presets import build_llama
+    from ..tools.presets import build_llama
 
     a = _parse(argv, prog)
     if a.hsdp < 1 or a.world_size % a.hsdp:

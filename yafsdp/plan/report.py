@@ -6,10 +6,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .. import formats, fp8
-from ..config import EngineConfig, build_config
-from ..placement import placement_of
-from ..units import discover, weight_free_backward
+from .. import formats
+from ..formats import fp8_codec as fp8
+from ..core.config import EngineConfig, build_config
+from ..core.placement import placement_of
+from ..core.units import discover, weight_free_backward
 from .activations import ActivationEstimate, activation_estimate
 from .staging import persistent_buffer_bytes, staging_bytes
 from .sizing import (
@@ -62,7 +63,7 @@ class MemoryPlan:
     checkpoint_staging: int = 0
     # offload="optimizer": master, grad shard and optimizer state on the host, plus the host side of
     # the compute copy (compute_host; 0 in fp32, where it is the master) and the reduced grads'
-    # landing (grad_landing). See [Note: host and device tensors] in yafsdp/alloc.py.
+    # landing (grad_landing). See [Note: host and device tensors] in yafsdp/core/alloc.py.
     offload: str | None = None
     compute_host: int = 0
     grad_landing: int = 0
@@ -73,7 +74,7 @@ class MemoryPlan:
     # "<format>_host" in engine_bytes()
     gather_host: int = 0
     gather_dtype: str | None = None
-    # "fp32": the reduce_dtype pieces are summed in fp32 (reduce_accum_dtype; yafsdp/reduce_accum.py)
+    # "fp32": the reduce_dtype pieces are summed in fp32 (reduce_accum_dtype; yafsdp/comm/reduce_accum.py)
     reduce_accum_dtype: str | None = None
     activations: ActivationEstimate | None = None
     notes: list[str] = field(default_factory=list)
@@ -289,8 +290,8 @@ class MemoryPlan:
 
     def export_line(self, max_shard_size="5GB") -> str:
         """What the writing rank holds during ``yafsdp.hf.export_hf`` / ``export_merged``; see
-        [Note: streaming export] in yafsdp/export.py."""
-        from ..export import CHUNK_BYTES, parse_size
+        [Note: streaming export] in yafsdp/integrations/export.py."""
+        from ..integrations.export import CHUNK_BYTES, parse_size
 
         shard, chunks = parse_size(max_shard_size), 2 * CHUNK_BYTES
         return (f"export (writing rank): the largest unit gathered {self.export_unit / GiB:.3f} GiB (on the device; "
@@ -437,7 +438,7 @@ def memory_plan(
         plan.checkpoint_staging = staging_bytes(
             all_layouts, rank=rank, compute_dtype=compute_dtype, optimizer_bytes=opt_bytes,
             buffer_bytes=persistent_buffer_bytes(module))
-    from ..hf_stream import load_host_bytes
+    from ..integrations.hf_stream import load_host_bytes
 
     plan.load_host = load_host_bytes(all_layouts, cbytes)
     if batch is not None and seq is not None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import formats
-from ..flat import FlatLayout
+from ..core.flat import FlatLayout
 from ..formats import PLAIN, Format
 
 GiB = 1024**3
@@ -165,7 +165,7 @@ def unit_shape(params, world_size: int, rank: int, align: int, quantize: torch.d
     if compact:
         lay4 = FlatLayout.build(compact, world_size, rank, stored.shard_align(align, quantize))
     packed = gather.compact and gather.eligible_unit(params, gather_exclude)
-    # whole blocks per rank: see [Note: compact trainable gathers] in fp8.py
+    # whole blocks per rank: see [Note: compact trainable gathers] in formats/fp8_codec.py
     lay_t = (FlatLayout.build(trainable, world_size, rank, gather.shard_align(align, torch.float32) if packed else align)
              if trainable else None)
     return UnitShape(lay_t,

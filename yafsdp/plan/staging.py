@@ -38,7 +38,7 @@ def persistent_buffer_bytes(module) -> int:
 def staging_bytes(shapes, *, rank: int, compute_dtype, optimizer_bytes: int, buffer_bytes: int) -> int:
     """Host bytes of one rank's staging copy (``shapes``: the ``UnitShape`` of every flat unit,
     the small group's included). See [Note: the staging copy in the plan]."""
-    from .. import nf4
+    from ..formats import nf4_codec as nf4
 
     cbytes = itemsize(compute_dtype)
     total = buffer_bytes if rank == 0 else 0

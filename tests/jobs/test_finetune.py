@@ -1,0 +1,172 @@
+"""The LoRA fine-tuning job, examples/finetune_lora.py, launched like users launch it (torchrun,
+world 2): it lowers the held-out response loss, its adapter loads in PEFT with the job's logits (and
+the merged export has them too), a resumed run repeats the uninterrupted one's losses, the loss
+covers response tokens only, and a --lora-targets that matches nothing is a one-line error."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from job_utils import ROOT, close, env, losses
+from dist_utils import free_port
+
+peft = pytest.importorskip("peft")
+
+JOB = os.path.join(ROOT, "examples", "finetune_lora.py")
+# A tiny variant of the default: a base of preset tiny pretrained for 40 steps, 30 fine-tuning steps.
+FAST = ["--preset", "tiny", "--base-steps", "40", "--steps", "30", "--batch-size", "4", "--lr", "1e-2", "--no-progress",
+        "--sample-tokens", "0", "--eval-batches", "1"]
+
+
+def run_ft(args, nproc=2, check=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), JOB, *FAST, *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
+    if check and p.returncode != 0:
+        raise AssertionError(f"job failed ({p.returncode}): {' '.join(cmd)}\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
+    return p
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ft") / "run")
+    p = run_ft(["--out", out, "--save-every", "15", "--merge-export", os.path.join(out, "merged")])
+    return dict(out=out, stdout=p.stdout)
+
+
+def test_default_lowers_the_heldout_response_loss(run):
+    m = re.search(r"held-out response-token loss ([\d.]+) \(before fine-tuning\) -> ([\d.]+) \(step 30\)", run["stdout"])
+    assert m, run["stdout"][-3000:]
+    before, after = float(m.group(1)), float(m.group(2))
+    assert after < before - 0.5, (before, after)
+    assert "loss on response tokens only" in run["stdout"]
+    assert "pretraining one (pretrain_llama.py" in run["stdout"]  # the base came from the pretraining job
+    assert "each rank read its slices" in run["stdout"]  # built on meta, streamed in (yafsdp.peft_load)
+    ev = [json.loads(line) for line in open(os.path.join(run["out"], "events.jsonl"))]
+    assert [e["loss"] for e in ev if e["event"] == "heldout_before"] == [pytest.approx(before, abs=1e-4)]
+    assert len(losses(run["out"])) == 30
+    assert os.path.isdir(os.path.join(run["out"], "checkpoints", "step_00000030"))
+
+
+def test_adapter_loads_in_peft_with_the_jobs_logits(run):
+    from transformers import LlamaForCausalLM
+
+    out = run["out"]
+    probe = torch.load(os.path.join(out, "probe.pt"))
+    x = probe["input_ids"]
+    base_dir = os.path.join(out, "base", "hf")
+    assert probe["base"] == base_dir
+    with torch.no_grad():
+        plain = LlamaForCausalLM.from_pretrained(base_dir)(input_ids=x).logits
+        loaded = peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base_dir), os.path.join(out, "adapter"))
+        ours = loaded(input_ids=x).logits
+        merged = LlamaForCausalLM.from_pretrained(os.path.join(out, "merged"))(input_ids=x).logits
+    assert (plain - probe["logits"]).abs().max().item() > 1e-2  # the adapter changed the function
+    assert (ours - probe["logits"]).abs().max().item() < 1e-5
+    assert (merged - probe["logits"]).abs().max().item() < 1e-4
+    cfg = json.load(open(os.path.join(out, "adapter", "adapter_config.json")))
+    assert sorted(cfg["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"] and cfg["r"] == 8
+
+
+def test_resume_repeats_the_uninterrupted_losses(run, tmp_path):
+    out = str(tmp_path / "resumed")
+    base = ["--out", out, "--init-from-hf", os.path.join(run["out"], "base", "hf"), "--save-every", "15"]
+    run_ft(base + ["--steps", "15"])
+    p = run_ft(base + ["--resume"])
+    assert "resumed from" in p.stdout and "step_00000015" in p.stdout
+    want = losses(run["out"])
+    got = losses(out)
+    assert len(got) == 30 and close(got, want, rel=1e-6), (got, want)
+    # The held-out loss before fine-tuning is the run's, read back on resume.
+    assert re.search(r"held-out response-token loss [\d.]+ \(before fine-tuning\)", p.stdout)
+
+
+def test_bad_lora_targets_is_a_one_line_error(run, tmp_path):
+    p = run_ft(["--out", str(tmp_path / "bad"), "--init-from-hf", os.path.join(run["out"], "base", "hf"),
+                "--lora-targets", "q_proj,attn_qkv"], check=False)
+    assert p.returncode != 0
+    ours = [line for line in p.stderr.splitlines() if line.startswith("finetune_lora.py: error:")]
+    assert ours == ["finetune_lora.py: error: --lora-targets 'q_proj,attn_qkv': 'attn_qkv' matches no linear module "
+                    "of the model; its linear modules are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, "
+                    "up_proj, v_proj"], p.stderr[-3000:]
+    assert 'finetune_lora.py", line' not in p.stderr  # no traceback
+
+
+def test_response_only_masking():
+    from finetune_lora import response_loss
+    from pretrain import data as D
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = D.ByteTokenizer()
+    seq = 64
+    row = D.encode_instruction("Spell backwards: cat", "tac", tok, seq)
+    head = len(D.PROMPT_TEMPLATE.format(prompt="Spell backwards: cat").encode())
+    ids, labels = row[0], row[1]
+    assert row.shape == (2, seq + 1) and row.dtype == np.int64
+    assert ids[:head + 4].tolist() == list((D.PROMPT_TEMPLATE.format(prompt="Spell backwards: cat") + "tac").encode()) \
+        + [tok.eos_id]
+    assert (labels[:head] == D.IGNORE).all()
+    assert labels[head:head + 4].tolist() == [ord("t"), ord("a"), ord("c"), tok.eos_id]
+    assert (labels[head + 4:] == D.IGNORE).all() and (ids[head + 4:] == tok.pad_id).all()
+    # The loss is the mean cross-entropy over the 4 response targets only, whatever the prompt's labels.
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()
+    x = torch.from_numpy(row)[None]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=x[:, 0, :-1]).logits[0].float(), -1)
+        want = -torch.stack([logp[t - 1, int(ids[t])] for t in range(head, head + 4)]).mean()
+        assert torch.allclose(response_loss(model, x), want, atol=1e-6)
+    # A response cut by --seq-len keeps the tokens that fit; one with no room left is refused.
+    cut = D.encode_instruction("p", "x" * 100, tok, seq)
+    assert (cut[1, 1:] != D.IGNORE).sum() == seq + 1 - len(D.PROMPT_TEMPLATE.format(prompt="p"))
+    with pytest.raises(D.DataError, match=r"example 2 leaves no response token within --seq-len 64 .*raise --seq-len"):
+        D.encode_instructions([("a", "b"), ("y" * 80, "z")], tok, seq, "--data 'x.jsonl'")
+
+
+def test_qlora_job(run, tmp_path):
+    """--qlora at world 2: the base's linear weights in NF4; the held-out loss falls; probe.pt's logits are
+    PEFT's with the adapter on the NF4-dequantized base (the merged export has them too)."""
+    from transformers import LlamaForCausalLM
+
+    from yafsdp.formats import nf4_codec as nf4
+
+    out = str(tmp_path / "qlora")
+    base_dir = os.path.join(run["out"], "base", "hf")
+    p = run_ft(["--out", out, "--init-from-hf", base_dir, "--qlora", "--steps", "15",
+                "--merge-export", os.path.join(out, "merged")])
+    assert "linear weights stored in NF4 (--qlora)" in p.stdout and "NF4-dequantized base" in p.stdout
+    m = re.search(r"held-out response-token loss ([\d.]+) \(before fine-tuning\) -> ([\d.]+)", p.stdout)
+    assert m and float(m.group(2)) < float(m.group(1)) - 0.2, p.stdout[-3000:]
+    probe = torch.load(os.path.join(out, "probe.pt"))
+    base = LlamaForCausalLM.from_pretrained(base_dir)
+    with torch.no_grad():
+        for mod in base.modules():  # the base as the engine stored it (fp32 compute on CPU: fp32 NF4)
+            if isinstance(mod, torch.nn.Linear) and mod.weight.numel() % nf4.BLOCK == 0:
+                w = mod.weight
+                packed, scales = nf4.quantize(w.detach().reshape(-1))
+                w.copy_(nf4.dequantize_record(torch.cat([packed, scales.view(torch.uint8)]), w.numel(),
+                                              w.dtype).view_as(w))
+        ours = peft.PeftModel.from_pretrained(base, os.path.join(out, "adapter"))(input_ids=probe["input_ids"]).logits
+        merged = LlamaForCausalLM.from_pretrained(os.path.join(out, "merged"))(input_ids=probe["input_ids"]).logits
+    assert (ours - probe["logits"]).abs().max().item() < 1e-5
+    assert (merged - probe["logits"]).abs().max().item() < 1e-4
+
+
+def test_offload_job_repeats_the_losses_and_resumes(run, tmp_path):
+    """--offload at world 2 (adapters' fp32 state on the host, the step on the CPU): the first half with
+    --offload, a checkpoint, a resumed second half with --offload all (the frozen base on the host too)
+    repeat the default run's 30 losses bit for bit."""
+    out = str(tmp_path / "offload")
+    base = ["--out", out, "--init-from-hf", os.path.join(run["out"], "base", "hf"), "--save-every", "15"]
+    p = run_ft(base + ["--steps", "15", "--offload"])
+    assert "stepped on the CPU (--offload)" in p.stdout, p.stdout[-3000:]
+    p = run_ft(base + ["--resume", "--offload", "all"])
+    assert "resumed from" in p.stdout and "--offload all" in p.stdout
+    want, got = losses(run["out"]), losses(out)
+    assert len(got) == 30 and got == want, (got, want)

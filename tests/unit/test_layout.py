@@ -1,0 +1,134 @@
+"""The package's layout (issue 23): subpackages by role, no import cycle (function-level imports
+count), no module over the size a reader takes in at once, the documented import paths unchanged,
+and docs/design.md's module table naming every module once."""
+import ast
+import pathlib
+import re
+
+import yafsdp
+
+ROOT = pathlib.Path(yafsdp.__file__).parent
+MAX_LINES = 450
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(mod: str, is_pkg: bool, node: ast.ImportFrom, files) -> list[str]:
+    """The yafsdp modules ``from X import a, b`` loads: X.a and X.b where they are modules, else X."""
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    if node.level:
+        base = base[:len(base) - (node.level - 1)]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    if all(a.name in ("_C", "_C_cuda") for a in node.names):
+        return []  # the compiled extension (loaded at kernels' import, inside a try)
+    subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in files]
+    return subs or ([target] if target in files else [])
+
+
+def _imports():
+    """Per yafsdp module: the yafsdp modules it imports at module level, and those imported inside functions."""
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    top, deferred = {}, {}
+    for mod, path in files.items():
+        tree = ast.parse(path.read_text())
+        is_pkg = path.name == "__init__.py"
+        inner = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                names = _resolve(mod, is_pkg, node, files)
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name in files]
+            else:
+                continue
+            (deferred if id(node) in inner else top).setdefault(mod, set()).update(n for n in names if n != mod)
+    return files, top, deferred
+
+
+def _path(graph, start, goal) -> list[str] | None:
+    """A chain of imports from ``start`` to ``goal``, or None."""
+    seen, todo = {start}, [(start, [start])]
+    while todo:
+        m, chain = todo.pop()
+        for n in sorted(graph.get(m, ())):
+            if n == goal:
+                return chain + [n]
+            if n not in seen:
+                seen.add(n)
+                todo.append((n, chain + [n]))
+    return None
+
+
+def test_no_import_cycle():
+    """No module reaches itself through imports, counting those inside functions: a function-level
+    import that holds a cycle apart is still a cycle (issue 23: api <-> plan, runtime <-> hsdp,
+    kernels <-> nf4, hf <-> hf_stream, orig_params <-> runtime, checkpoint <-> checkpoint.background)."""
+    files, top, deferred = _imports()
+    graph = {m: top.get(m, set()) | deferred.get(m, set()) for m in files}
+    cycles = {m: _path(graph, m, m) for m in files}
+    assert not {m: c for m, c in cycles.items() if c}, cycles
+
+
+def test_the_detector_sees_a_function_level_cycle(tmp_path, monkeypatch):
+    """The check above is not vacuous: two modules importing each other, one inside a function."""
+    pkg = tmp_path / "yafsdp"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import g\n")
+    (pkg / "b.py").write_text("def g():\n    from .a import g\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", pkg)
+    files, top, deferred = _imports()
+    assert top["yafsdp.a"] == {"yafsdp.b"} and deferred["yafsdp.b"] == {"yafsdp.a"}
+    graph = {m: top.get(m, set()) | deferred.get(m, set()) for m in files}
+    assert _path(graph, "yafsdp.a", "yafsdp.a") == ["yafsdp.a", "yafsdp.b", "yafsdp.a"]
+
+
+def test_kernels_and_formats_are_leaves():
+    """The kernels import no yafsdp module but their own twins; the formats import none inside functions."""
+    files, top, deferred = _imports()
+    mine = ["yafsdp.kernels", "yafsdp.kernels.twins"] + sorted(m for m in files if m.startswith("yafsdp.formats"))
+    for m in mine:
+        assert not deferred.get(m), (m, deferred[m])
+    assert "yafsdp.kernels" in top["yafsdp.formats.nf4_codec"]
+    assert top.get("yafsdp.kernels") == {"yafsdp.kernels.twins"} and not top.get("yafsdp.kernels.twins")
+
+
+def test_no_module_over_the_limit():
+    sizes = {_module_name(p): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
+    assert not {m: n for m, n in sizes.items() if n > MAX_LINES}, f"modules over {MAX_LINES} lines"
+
+
+def test_the_documented_import_paths():
+    """What the README and docs show keeps working; the short paths are the modules themselves."""
+    import yafsdp.adapters
+    import yafsdp.checkpoint
+    import yafsdp.hf
+    import yafsdp.init
+    import yafsdp.presets
+    from yafsdp.adapters import export_merged, save_adapter  # noqa: F401
+    from yafsdp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: F401
+    from yafsdp.hf import export_hf, load_hf_weights  # noqa: F401
+    from yafsdp.init import meta_parameters  # noqa: F401
+    from yafsdp.integrations import hf
+    from yafsdp.plan.cli import main  # noqa: F401 (python -m yafsdp plan)
+    from yafsdp.trainer import YaFSDPSFTTrainer, YaFSDPTrainer, with_yafsdp  # noqa: F401
+
+    assert yafsdp.YaFSDP.__module__ == "yafsdp.core.api" and yafsdp.FusedAdamW.__module__ == "yafsdp.core.optim"
+    assert yafsdp.hf is hf and yafsdp.hf.export_hf is hf.export_hf
+    for short in ("ema", "shards", "adapters", "export", "hf", "init", "peft_load", "trainer", "measure", "presets",
+                  "streamcheck", "trace"):
+        mod = __import__(f"yafsdp.{short}", fromlist=["_"])
+        assert mod is getattr(yafsdp, short) and mod.__name__.endswith("." + short), short
+
+
+def test_design_md_names_every_module_once():
+    table = (ROOT.parent / "docs" / "design.md").read_text()
+    named = re.findall(r"^(yafsdp/\S+\.py)\s", table, flags=re.M)
+    files = sorted(str(p.relative_to(ROOT.parent)) for p in ROOT.rglob("*.py"))
+    assert sorted(named) == files, (sorted(set(files) - set(named)), sorted(set(named) - set(files)))

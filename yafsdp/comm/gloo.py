@@ -1,0 +1,93 @@
+"""The gloo schedule (CPU): collectives return asynchronous work handles and the compute side is
+the host, so an ordering point is a ``wait()`` on a handle. The protocol and its Notes are in
+``comm/schedule.py``."""
+from __future__ import annotations
+
+from collections import Counter
+
+from .collectives import all_gather, all_reduce, all_to_all, reduce_scatter
+from ..tools.trace import span
+from .schedule import Schedule, _GradSync, _WeightSync, _then, _wait
+
+__all__ = ["HandleSchedule"]
+
+
+class HandleSchedule(Schedule):
+    """gloo (CPU): asynchronous work handles; the host is the compute side."""
+
+    def __init__(self, group, replicate_group=None):
+        self.group = group
+        self.gathered = Counter()
+        self.replicate_group = replicate_group  # HSDP: the ranks holding the same shard, else None
+        self.replicating: list = []  # (work, unit) of all-reduces across replicas not yet waited for
+        self.counted = Counter()
+
+    def weight_sync(self) -> _WeightSync:
+        return _WeightSync()
+
+    def grad_sync(self) -> _GradSync:
+        return _GradSync()
+
+    def gather(self, sync, out, shard, unit, expand=None, stage=None):
+        self.wait_gathered(sync)  # a previous gather into this buffer must land (and expand) first
+        if stage is not None:  # its input was this buffer's landing too: [Note: the frozen landing]
+            stage.copy_(shard)
+            shard = stage
+        rec = self.recorder
+        with span("gather", unit):
+            t = rec.now() if rec else None  # before the issuing call, which may itself move data
+            sync.work = all_gather(out, shard, self.group, async_op=True)
+            sync.unit = unit
+            sync.expand = expand
+            self._count("gather", unit, out)
+            if rec:
+                rec.comm("gather", unit, sync.work, issued=t)
+
+    def wait_gathered(self, sync):
+        if sync.work is not None:
+            work, sync.work = sync.work, None
+            _wait(work, "gather", sync.unit)
+            expand, sync.expand = sync.expand, None
+            if expand is not None:  # See [Note: expanding a compact gather]
+                with span("expand", sync.unit):
+                    expand()
+
+    def reduce(self, sync, out, full, unit, fold, host_fold=None, pieces=False):
+        rec = self.recorder
+        if host_fold is not None:  # the host is the compute side: both at the wait
+            fold = _then(fold, host_fold)
+        with span("reduce", unit):
+            t = rec.now() if rec else None
+            work = (all_to_all if pieces else reduce_scatter)(out, full, self.group, async_op=True)
+            sync.pending = (work, fold, unit)
+            self._count("reduce", unit, full)
+            if rec:
+                rec.comm("reduce", unit, work, issued=t)
+
+    def wait_reduced(self, sync):
+        if sync.pending is not None:
+            work, fold, unit = sync.pending
+            sync.pending = None
+            _wait(work, "reduce-scatter", unit)
+            fold()
+
+    def reduce_pending(self, sync) -> bool:
+        return sync.pending is not None
+
+    def replicate_in_fold(self, grad, unit):
+        self.replicate(grad, unit)  # the fold runs on the host at the reduce's wait: issue it now
+
+    def replicate(self, grad, unit):
+        rec = self.recorder
+        with span("all_reduce", unit):
+            t = rec.now() if rec else None
+            work = all_reduce(grad, self.replicate_group, async_op=True)
+            self.replicating.append((work, unit))
+            self._count("all_reduce", unit, grad)
+            if rec:
+                rec.comm("all_reduce", unit, work, issued=t)
+
+    def wait_replicated(self):
+        pending, self.replicating = self.replicating, []
+        for work, unit in pending:
+            _wait(work, "all-reduce across replicas", unit)

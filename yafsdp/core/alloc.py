@@ -1,0 +1,209 @@
+"""Allocation of a runtime's tensors: every unit's shards (one master, one grad, one compute-copy,
+one frozen and one NF4 tensor for all units), the public shard registrations, and the weight and grad buffers
+the plan sizes. Called once, by ``Runtime.__init__``; ``self`` is that runtime.
+
+[Note: host and device tensors]
+Every tensor the engine allocates lives in one of two places: ``Runtime.device`` (the compute
+device: weight and grad buffers, the compute copies, frozen and NF4 shards) or
+``Runtime.host_device`` (where the optimizer runs: the fp32 master and grad shards). The runtime's
+placement object decides (see [Note: placement] in placement.py); :func:`allocate` returns what it
+allocated as one :class:`Storage`. Without
+offload both are the same device. With ``offload="optimizer"`` the host is the CPU (pinned memory
+when the device is CUDA) and the engine adds two host tensors:
+
+- ``compute_host`` (param_dtype; the master itself in fp32): the optimizer's copy-out and the
+  cast pass write here, on the host; the upload (``Schedule.upload``) moves it into the device
+  compute copy, which stays the all-gather input (a separate device tensor even in fp32);
+- ``grad_landing`` (reduce_dtype): the reduced grad shard goes device -> host into it
+  (``Schedule.reduce``'s fold), and the host folds it into the fp32 grad shard
+  (``kernels.cast_`` / ``accumulate_``, the same kernels and values as without offload).
+
+With ``offload="all"`` the frozen and NF4 stores are host tensors too (pinned on CUDA), and each weight
+buffer has a device *landing* their shards are copied into before their all-gathers: see [Note: the
+frozen landing] in plan/sizing.py.
+
+Collectives only ever see device tensors: code that hands a host tensor to a collective moves it
+with ``Runtime.to_device`` first (``tests/multirank/test_offload.py`` checks that no collective touches a
+host tensor's storage). ``Runtime.placement`` says where each role of ``owned_tensors`` lives;
+the plan reports the same split (``MemoryPlan.placement``).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import nn
+
+from . import shards
+from .buffers import GradBuffer, WeightBuffer
+from .flat import alias
+from ..plan.sizing import landing_layout, plan_buffers
+from .unit import FlatGroup
+
+__all__ = ["allocate", "Storage", "STORAGE_FIELDS"]
+
+
+@dataclass
+class Storage:
+    """Every tensor one engine allocates (:func:`allocate` fills it; ``Runtime`` reads it through
+    attributes of the same names). Where each lives: [Note: host and device tensors]."""
+
+    master: torch.Tensor | None = None  # 1-D fp32, every trainable shard end to end
+    grad: torch.Tensor | None = None  # 1-D fp32, laid as master
+    compute: torch.Tensor | None = None  # 1-D param_dtype all-gather inputs (the master itself in fp32)
+    compute_host: torch.Tensor | None = None  # offload: the host side of the compute copy
+    grad_landing: torch.Tensor | None = None  # offload: reduce_dtype host landing of the reduced shards
+    gather_store: torch.Tensor | None = None  # 1-D uint8 records of the gather format (fp8, int8)
+    gather_host: torch.Tensor | None = None  # offload: the host side of the records
+    frozen_store: torch.Tensor | None = None  # 1-D param_dtype frozen shards
+    nf4_store: torch.Tensor | None = None  # 1-D uint8 NF4 records
+    flat: nn.Module | None = None  # the master shards as registered parameters
+    buffer_plan: object = None  # plan.sizing.BufferPlan
+    weight_buffers: list = field(default_factory=list)
+    grad_buffers: list = field(default_factory=list)
+
+
+STORAGE_FIELDS = tuple(f.name for f in fields(Storage))
+
+
+def allocate(self, outsized_ratio: float) -> "Storage":
+    """Local shards (one tensor each for all units), then the weight and grad buffers; ``self`` is
+    the runtime being built (its units, placement and schedule). Returns what it allocated."""
+    st = Storage()
+    place = self.placement
+    dev = self.device
+    trainable = [g for u in self.all for g in u.groups if g.kind.reduced]
+    total = sum(g.layout.shard_numel for g in trainable)
+    offload = place.offload is not None
+    # 1-D fp32: every unit's master shard end to end (one cast pass covers all of them). On the
+    # host with offload: see [Note: host and device tensors].
+    st.master = place.zeros(total, torch.float32)
+    # 1-D fp32: every unit's grad shard; each shard's .grad aliases its slice.
+    st.grad = place.zeros(total, torch.float32)
+    # 1-D param_dtype: the compute copies (all-gather inputs) of the groups gathered in param_dtype,
+    # laid as in the master when every group is; the master itself in fp32 (without offload: with
+    # it, the device copy is always its own tensor).
+    plain_total = sum(g.layout.shard_numel for g in trainable if not g.kind.format.compact)
+    st.compute = (
+        st.master if self.compute_dtype == torch.float32 and not offload
+        else torch.zeros(plain_total, dtype=self.compute_dtype, device=dev)
+    )
+    # offload: the host side of the compute copy (what the copy-out and the cast pass write and
+    # the upload reads; the master itself in fp32) and the host landing of the reduced grads.
+    # (compute_host spans every trainable group, laid as the master; an FP8 group's slice of it is
+    # unused: its host copy is its record in gather_host.)
+    st.compute_host = None
+    st.grad_landing = None
+    if offload:
+        st.compute_host = (st.master if self.compute_dtype == torch.float32
+                             else place.zeros(total, self.compute_dtype))
+        st.grad_landing = place.zeros(total, self.reduce_dtype)
+    # 1-D uint8: the compute copies of the trainable groups gathered compact (gather_dtype="fp8",
+    # "int8"): one record of the gather format each, end to end. See [Note: gather formats] in
+    # formats/base.py.
+    gather_total = sum(u.shape.gather_record for u in self.all)
+    st.gather_store = torch.zeros(gather_total, dtype=torch.uint8, device=dev)
+    # offload: the host side of the records, as compute_host is of the param_dtype copies (the
+    # optimizer's copy-out and the encode pass write here; the upload moves it into gather_store).
+    st.gather_host = place.zeros(gather_total, torch.uint8) if offload and gather_total else None
+    # 1-D param_dtype: every frozen group's shard end to end, stored only in param_dtype (it is
+    # its own all-gather input; no master, no grad, no optimizer state).
+    frozen_total = sum(g.layout.shard_numel for u in self.all for g in u.groups
+                       if not g.kind.reduced and not g.kind.format.stored)
+    # With offload="all" on the host (pinned on CUDA): [Note: the frozen landing] in plan/sizing.py.
+    frozen_host = place.host_frozen
+    st.frozen_store = place.store_zeros(frozen_total, self.compute_dtype)
+    # 1-D uint8: every NF4 group's shard (one byte record each: packed codes, then block scales)
+    # end to end; the record is its own all-gather input. See [Note: NF4 frozen groups] in formats/nf4_codec.py.
+    nf4_total = sum(u.shape.nf4_record for u in self.all)
+    st.nf4_store = place.store_zeros(nf4_total, torch.uint8)
+    st.flat = nn.Module()  # holds the flat master shards as registered parameters
+    off = foff = qoff = coff = roff = 0
+    for u in self.all:
+        u.anchor = torch.empty(0, device=dev, requires_grad=True)
+        attr = u.name.replace(".", "_")
+        for g in u.groups:
+            n = g.layout.shard_numel
+            if g.kind.reduced:
+                g.shard = nn.Parameter(alias(st.master, off, (n,)))
+                g.grad_shard = alias(st.grad, off, (n,))
+                st.flat.register_parameter(attr, g.shard)
+                if g.kind.format.compact:  # its compute copy is its format's record
+                    rec = u.shape.gather_record
+                    g.compute = st.gather_store[roff:roff + rec]
+                    if offload:
+                        g.compute_host = st.gather_host[roff:roff + rec]
+                        g.grad_landing = st.grad_landing[off:off + n]
+                    copy = g.compute_host if offload else g.compute  # where the optimizer runs
+                    shards.set_copy_out(g.shard, copy, _copy_written_cb(self, g), format=g.kind.format.name)
+                    roff += rec
+                elif st.compute is st.master:
+                    g.compute = st.compute[off:off + n]
+                else:
+                    g.compute = st.compute[coff:coff + n]
+                    coff += n
+                    if offload:
+                        g.compute_host = st.compute_host[off:off + n]
+                        g.grad_landing = st.grad_landing[off:off + n]
+                    # The optimizer's copy-out goes where the optimizer runs: the host staging with
+                    # offload (fp32 offload: the step writes the master itself, the cast pass uploads it).
+                    copy = g.compute_host if offload else g.compute
+                    if copy is not None and not (offload and st.compute_host is st.master):
+                        shards.set_copy_out(g.shard, copy, _copy_written_cb(self, g))
+                name, off = f"flat.{attr}", off + n
+            elif g.kind.format.stored:
+                rec = u.shape.nf4_record
+                g.shard = g.compute = alias(st.nf4_store, qoff, (rec,))
+                name, qoff = f"nf4.{attr}", qoff + rec
+            else:
+                g.shard = g.compute = alias(st.frozen_store, foff, (n,))
+                name, foff = f"frozen.{attr}", foff + n
+            shards.register(shards.ShardInfo(
+                name=name, unit=u.name, kind=g.kind.name, param_names=[p.fqn for p in g.params],
+                param_shapes=[tuple(p.shape) for p in g.params], param_offsets=[p.offset for p in g.params],
+                numel=g.layout.numel, padded_numel=g.layout.padded_numel, shard_start=g.layout.shard_start,
+                shard_numel=n, param_ref=weakref.ref(g.shard),
+                values_dtype=g.kind.gather_dtype if g.kind.format.stored else None,
+                format=g.kind.format.name if g.kind.format.stored else None,
+            ))
+
+    # Buffer sizes come from the plan, so yafsdp.plan can report them without allocating.
+    # See [Note: one plan, one allocator] in yafsdp/plan/__init__.py.
+    st.buffer_plan = plan = plan_buffers(
+        [u.name for u in self.units], [u.shape for u in self.units],
+        self.small.shape if self.small is not None else None,
+        compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
+        zero_stage=self.zero_stage, outsized_ratio=outsized_ratio, offload_frozen=frozen_host,
+        accumulate_fp32=self.reduce_accum_dtype is not None,
+    )
+    st.grad_buffers: list[GradBuffer] = [
+        GradBuffer(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule, s.accum_capacity)
+        for s in plan.grad
+    ]
+    st.weight_buffers: list[WeightBuffer] = [
+        WeightBuffer(s.name, s.capacity, s.dtype, dev, self.schedule, s.staging_bytes, s.landing_bytes)
+        for s in plan.weight
+    ]
+    for u, w, g in zip(self.all, plan.weight_of, plan.grad_of):
+        u.buffer, u.grad_buffer = st.weight_buffers[w], (st.grad_buffers[g] if g >= 0 else None)
+    for u, big in zip(self.units, plan.outsized):
+        u.outsized = big
+    for u in self.all:
+        u.landing_at = landing_layout(u.shape, self.compute_dtype)[0]
+        u.aliases = [alias(u.buffer.data, u.group_of[id(p)].buffer_offset + p.offset, p.shape) for p in u.params]
+    return st
+
+def _copy_written_cb(self, group: FlatGroup):
+    me, g = weakref.ref(self), weakref.ref(group)  # the registry must not keep the engine alive
+
+    def copy_written():  # the optimizer wrote the compute copy (offload: its host staging), on the compute side
+        rt, grp = me(), g()
+        if grp is not None:
+            grp.mark_cast()
+        if rt is not None:
+            if grp is not None:  # offload: the upload (placement.py)
+                rt.placement.copy_written(rt.schedule, grp)
+            rt.copies_changed = True
+
+    return copy_written

@@ -1,0 +1,412 @@
+"""``YaFSDP``: the public face of the engine — its arguments (the contract is the class docstring),
+the forward, and the nn.Module habits of a wrapped model. The work is done elsewhere:
+
+- api_methods.py: optimizer groups, clipping, state dicts, views and introspection (a base class);
+- units.py discovers the units; flat.py lays each out as a flat padded tensor;
+- runtime.py owns the shards and buffers and runs the step protocol; autograd.py drives it
+  from autograd nodes and module hooks; ``yafsdp.comm`` orders it on CUDA streams or gloo handles;
+- state_dict.py gathers and loads the full state dict and materialises the shards at wrap time.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm.checked import make_schedule
+from ..comm.hsdp import broadcast_from_replica0, check_layout, resolve_groups
+from ..formats import fp8_codec as fp8
+from .anchor import ANCHOR, anchored_modules
+from .api_methods import WrapperMethods
+from .autograd import gate_small_group, install_hooks, rest_small_group
+from .config import EngineConfig, build_config
+from .ema import refuse_deepcopy
+from .optim_hooks import install_optimizer_hooks
+from .orig_params import ShardedParameter
+from .runtime import Runtime, in_backward
+from .state_dict import StateDictKeys, materialize
+from .units import discover, mark_wrapped
+
+__all__ = ["YaFSDP"]
+
+
+class YaFSDP(WrapperMethods, nn.Module):
+    """Shard ``module`` over ``process_group`` unit by unit; a drop-in for the unwrapped module.
+
+    Arguments (keyword-only after ``module``; every value and combination is checked once, by
+    ``yafsdp.build_config``, which ``memory_plan`` and the example jobs use too):
+
+    - ``module``: the model, on the CPU, the target device or the meta device; must not be wrapped already.
+    - ``units`` (default None: automatic, HF decoder layers, embedding and head): modules whose parameters
+      are gathered and reduced together; each parameter belongs to exactly one unit.
+    - ``process_group`` (default None: the world): the shard group, or a pair ``(shard_group,
+      replicate_group)`` for HSDP. Refused together with ``mesh``, and when this rank is not in it.
+    - ``mesh`` (default None): a 1-D DeviceMesh (full sharding) or a 2-D one named ``("replicate",
+      "shard")`` (HSDP); other shapes and names are refused (tensor / pipeline parallel are not handled).
+    - ``param_dtype`` (default None: fp32): dtype of the compute copy and the gathered weights; a
+      floating-point ``torch.dtype``, else refused.
+    - ``reduce_dtype`` (default ``torch.float32``): dtype of the grad buffers and the reduce-scatter; a
+      floating-point ``torch.dtype``, else refused. The grad shards are fp32 whatever it is.
+    - ``zero_stage`` (default 3): 3 re-gathers each unit for backward, 2 keeps the forward gather; other
+      values refused.
+    - ``device`` (default None: the current CUDA device with NCCL, else the CPU): where buffers and
+      collectives live.
+    - ``align_bytes`` (default 16): each flat unit is padded to a multiple of ``world x align_bytes``
+      bytes of the gathered dtype; a positive int, else refused.
+    - ``outsized_ratio`` (default 1.5): a unit larger than this times the typical unit gets its own
+      buffer; a positive number, else refused.
+    - ``quantize_frozen`` (default None): "nf4" stores frozen ``nn.Linear`` weights in 4-bit NormalFloat
+      (QLoRA); other names refused; a warning when no weight qualifies.
+    - ``offload`` (default None): "optimizer" keeps the fp32 master, grad shard and optimizer state in host
+      memory and steps the optimizer on the CPU; "all" moves the frozen and NF4 shards to the host too
+      (docs/offload.md); other values refused. Combines with every other option, HSDP and
+      a compact ``gather_dtype`` included (the host shards' all-reduce and the records' upload are
+      staged through the device: yafsdp/core/placement.py).
+    - ``gather_dtype`` (default None: gather in param_dtype): "fp8" / "int8" (or ``torch.int8``) gathers
+      trainable ``nn.Linear`` weights as 8-bit records of that format (docs/formats.md); other values
+      refused; a warning when no unit qualifies.
+    - ``gather_exclude`` (default None: the HF output head): module names kept in param_dtype with
+      a compact ``gather_dtype``.
+    - ``reduce_accum_dtype`` (default None): ``torch.float32`` with a 16-bit ``reduce_dtype`` sends the
+      pieces in ``reduce_dtype`` and sums them in fp32 (docs/reduce.md); refused with ``offload``.
+    - ``config`` (default None): a ``yafsdp.EngineConfig`` (``yafsdp.build_config(...)``) standing for
+      every option from ``param_dtype`` to ``reduce_accum_dtype``; refused together with any of them.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        units: list[nn.Module] | None = None,
+        process_group=None,
+        mesh=None,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        reduce_accum_dtype: torch.dtype | None = None,
+        zero_stage: int = 3,
+        device: torch.device | str | None = None,
+        align_bytes: int = 16,
+        outsized_ratio: float = 1.5,
+        quantize_frozen: str | None = None,
+        offload: str | None = None,
+        gather_dtype: str | None = None,
+        gather_exclude: list[str] | tuple[str, ...] | None = None,
+        config: EngineConfig | None = None,
+    ):
+        super().__init__()
+        # Every option checked in one place (yafsdp/core/config.py), as the plan and the jobs check them.
+        cfg = build_config(config, param_dtype=param_dtype, reduce_dtype=reduce_dtype, zero_stage=zero_stage,
+                           align_bytes=align_bytes, outsized_ratio=outsized_ratio, quantize_frozen=quantize_frozen,
+                           offload=offload, gather_dtype=gather_dtype, gather_exclude=gather_exclude,
+                           reduce_accum_dtype=reduce_accum_dtype)
+        quantize_frozen, offload, gather_dtype = cfg.quantize_frozen, cfg.offload_what, cfg.gather_dtype
+        param_dtype, reduce_dtype, zero_stage = cfg.param_dtype, cfg.reduce_dtype, cfg.zero_stage
+        reduce_accum_dtype = cfg.reduce_accum_dtype  # See [Note: narrow reduce, fp32 accumulation]
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "yafsdp.YaFSDP needs torch.distributed: call torch.distributed.init_process_group() first "
+                "(launch with torchrun; gloo on CPU, nccl on GPU)"
+            )
+        # HSDP: shard over `group`, all-reduce the grad shards over `replicate` (yafsdp/comm/hsdp.py).
+        group, replicate = resolve_groups(mesh, process_group)
+        group = group if group is not None else dist.group.WORLD
+        for what, g in (("process_group", group), ("the replicate group", replicate)):
+            if g is not None and (g == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(g) < 0):
+                raise ValueError(f"yafsdp.YaFSDP: the current rank (global rank {dist.get_rank()}) is not in {what}")
+        if replicate is not None and dist.get_world_size(replicate) == 1:
+            replicate = None  # one replica: plain full sharding
+        if replicate is not None:
+            check_layout(group, replicate)
+        self.process_group = group  # the shard group: every gather, reduce-scatter and state-dict collective
+        self.replicate_group = replicate  # HSDP: this rank's peers holding the same shard; else None
+        self.rank = dist.get_rank(group)  # index of this rank's shard
+        self.world_size = dist.get_world_size(group)  # ranks sharing one copy of the model
+        self.replicas = dist.get_world_size(replicate) if replicate is not None else 1
+        self.replica = dist.get_rank(replicate) if replicate is not None else 0
+        self.device = _resolve_device(device, group)
+        self.zero_stage = zero_stage
+        self.engine_config = cfg  # every option, validated (yafsdp/core/config.py)
+        self.param_dtype = param_dtype
+        self.compute_dtype = cfg.compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self.reduce_accum_dtype = reduce_accum_dtype  # torch.float32: reduce_dtype pieces summed in fp32; else None
+
+        specs, small = discover(module, units)
+        # See [Note: compact trainable gathers] in formats/fp8_codec.py
+        gather_exclude = fp8.default_exclude(module) if cfg.gather_exclude is None else cfg.gather_exclude
+        self._keys = StateDictKeys(module, specs, small)  # before any surgery
+        # How gathers and reduces are ordered against compute: CUDA streams and events, or gloo
+        # work handles. See [Note: streams and events] in comm/schedule.py.
+        self.schedule = make_schedule(self.device, group, replicate)
+        self._rt = Runtime(specs, small, cfg, gather_exclude=gather_exclude, schedule=self.schedule, group=group,
+                           rank=self.rank, device=self.device, replicate_group=replicate)
+        self.quantize_frozen = quantize_frozen
+        self.offload = offload
+        self.gather_dtype = gather_dtype
+        self.gather_exclude = gather_exclude
+        if gather_dtype is not None and not any(g.kind.format is self._rt.gather_format for u in self._rt.all
+                                                for g in u.groups):
+            import warnings
+
+            warnings.warn(
+                f"yafsdp.YaFSDP: gather_dtype={gather_dtype!r} found no unit to gather compact (a unit qualifies "
+                "when all its trainable parameters are 2-D nn.Linear weights with a multiple of "
+                f"{self._rt.gather_format.block} elements; "
+                f"excluded: {list(gather_exclude)}); every weight is gathered in param_dtype. Drop gather_dtype, "
+                "or list units so that the linear layers form units of their own", UserWarning, stacklevel=2)
+        if quantize_frozen is not None and not any(g.kind.format.stored for u in self._rt.all for g in u.groups):
+            import warnings
+
+            warnings.warn(
+                f"yafsdp.YaFSDP: quantize_frozen={quantize_frozen!r} found no frozen nn.Linear weight to quantize "
+                "(it takes 2-D weights of nn.Linear modules with requires_grad=False at wrap time and a multiple of "
+                "64 elements); nothing is stored in 4 bits. Freeze the base before wrapping (peft.get_peft_model "
+                "does), or drop quantize_frozen", UserWarning, stacklevel=2)
+        self.flat = self._rt.flat  # the flat master shards, registered as this module's parameters
+        self.module = module
+        mark_wrapped(module)
+        mark_wrapped(self)
+        # See [Note: copies of a wrapped model] in ema.py
+        module.__dict__["__deepcopy__"] = refuse_deepcopy(f"the module wrapped by yafsdp.YaFSDP ({type(module).__name__})")
+        self._needs_load = materialize(self._rt, module, group, self.rank, self.world_size)
+        if replicate is not None:  # every replica starts from replica 0's values, as DDP does
+            broadcast_from_replica0(self._rt, module, replicate)
+        install_hooks(self._rt)
+        install_optimizer_hooks()  # See [Note: optimizers that do not bump versions] in optim_hooks.py
+        # See [Note: the root entry] and [Note: the device anchor] in anchor.py. YaFSDP.parameters() leaves it out.
+        anchor = nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device), requires_grad=False)
+        object.__setattr__(self, "_device_param", anchor)  # not a parameter of the wrapper itself
+        self._anchored = anchored_modules(module)
+        for m in self._anchored:
+            m.register_parameter(ANCHOR, anchor)
+        # The step entry on the root and on every model inside it that code may run on its own (HF
+        # models: a PEFT model's generate() runs the inner LlamaForCausalLM's forward, never the root's);
+        # entries nest (root_depth). prepend: the entry runs before a unit's own pre-hook when the
+        # module is itself a unit (units=[module]).
+        entries = [module] + [m for m in self._anchored if m is not module]
+        for m in entries:
+            m.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True, prepend=True)
+            m.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True)
+        module.register_state_dict_pre_hook(_refuse_module_state_dict)
+
+    # ------------------------------------------------------------------ forward
+    # [Note: the root entry]
+    # A step begins when the wrapped module's own forward begins, whoever calls it: ``model(...)``,
+    # ``model.module(...)``, a reference to the module kept from before wrapping, or HF
+    # ``generate()`` (reached through ``model.generate``), or when the forward of an HF model inside
+    # it begins (a PEFT model's ``generate()`` runs its base model's forward only). A forward pre-hook on the module runs
+    # the cast pass, gathers the small group and hands it out; a forward hook that runs even when
+    # the forward raises ends it (an exception drops every hold on the buffers).
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _root_pre_forward(self, module, args, kwargs):
+        if in_backward():  # a recompute of the whole module inside backward: the units see to their weights
+            return None
+        if self._needs_load:
+            raise RuntimeError(
+                "yafsdp.YaFSDP: the model was built on the meta device and its shards hold no values yet; "
+                "fill them first with model.load_full_state_dict(sd), yafsdp.init.init_shards_(model, rule), "
+                "yafsdp.hf.load_hf_weights(model, path) or yafsdp.checkpoint.load_checkpoint(path, model)"
+            )
+        rt = self._rt
+        rt.recover()  # before counting this entry: recovering an aborted backward resets the depth
+        rt.root_depth += 1
+        if rt.root_depth == 1:
+            small = rt.begin_forward()
+            if small:
+                gate_small_group(rt, small)
+        return None
+
+    def _root_post_forward(self, module, args, kwargs, output):
+        if in_backward():
+            return None
+        rt = self._rt
+        if rt.root_depth == 0:  # the pre-hook refused (nothing was begun)
+            return None
+        rt.root_depth -= 1
+        if rt.root_depth == 0:
+            if rt.small is not None:  # See [Note: the module tree after wrapping] in orig_params.py
+                rest_small_group(rt)
+            # Called from torch's exception handler when the forward raised (see always_call).
+            rt.end_forward(ok=not (output is None and sys.exc_info()[0] is not None))
+        return None
+
+    def named_parameters(self, *args, **kwargs):
+        """The flat master shards (one per unit and the small group) as ``flat.<unit>``. (The wrapped
+        module's own ``named_parameters()`` lists the original names: [Note: the module tree after
+        wrapping] in orig_params.py.)"""
+        for name, p in super().named_parameters(*args, **kwargs):
+            if p is not self.__dict__.get("_device_param") and not isinstance(p, ShardedParameter):
+                yield name, p
+
+    def apply(self, fn):
+        """``fn`` on every module, inside ``summon_full_params(writeback=True)`` (collective): what
+        ``fn`` writes into parameters lands in the shards (rank 0's values)."""
+        with self.summon_full_params(writeback=True):
+            super().apply(fn)
+        return self
+
+    # ------------------------------------------------------------------ refused PyTorch habits
+    def _apply(self, fn, recurse=True):
+        """``.to(dtype)``, ``.half()``, ``.double()``, ``.bfloat16()``, ``.cuda()``, ``.cpu()`` ...:
+        refused when they would change a dtype or the device (the shards would stop being the
+        engine's); a conversion that changes nothing passes."""
+        probe = torch.empty(1, dtype=torch.float32, device=self.device)
+        out = fn(probe)
+        if isinstance(out, torch.Tensor) and (out.dtype != probe.dtype or out.device != probe.device):
+            raise _conversion_error(out, self.device)
+        # Nothing to convert: the flat shards stay as they are, the original parameters hold no
+        # values ([Note: the module tree after wrapping]); only the module buffers see fn.
+        for m in self.modules():
+            for key, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[key] = fn(b)
+        return self
+
+    def state_dict(self, *args, **kwargs):
+        raise RuntimeError(
+            "yafsdp.YaFSDP.state_dict() is not supported: each rank holds only flat shards of the parameters, "
+            "which loaded on another rank would silently mix them up. Use model.full_state_dict() (collective; "
+            "rank 0 gets the original module's keys) or yafsdp.checkpoint.save_checkpoint(root, step, model, opt) "
+            "for sharded checkpoints"
+        )
+
+    def load_state_dict(self, *args, **kwargs):
+        raise RuntimeError(
+            "yafsdp.YaFSDP.load_state_dict() is not supported: use model.load_full_state_dict(sd) (collective; "
+            "rank 0 passes the original module's state_dict) or yafsdp.checkpoint.load_checkpoint(path, model, opt)"
+        )
+
+    def save_pretrained(self, *args, **kwargs):
+        raise RuntimeError(
+            "yafsdp.YaFSDP: save_pretrained() of the wrapped module would write no weights (they are sharded); "
+            "use yafsdp.hf.export_hf(model, out_dir) (collective) to write an HF checkpoint"
+        )
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None or name == "module":
+                raise
+            attr = getattr(inner, name)
+            if name in _INIT_METHODS and callable(attr):
+                def run_written_back(*args, **kwargs):
+                    with self.summon_full_params(writeback=True):
+                        return attr(*args, **kwargs)
+
+                return run_written_back
+            return attr
+
+    def save_adapter(self, out_dir: str, adapter_name: str = "default") -> str | None:
+        """Collective: the PEFT adapter of a wrapped PEFT model, in PEFT's format (see yafsdp.adapters)."""
+        from ..integrations.adapters import save_adapter
+
+        return save_adapter(self, out_dir, adapter_name)
+
+    def compile_units(self, **compile_options) -> "YaFSDP":
+        """Compile each unit's modules on their own, the torchtitan way: ``torch.compile`` of every
+        member module's ``forward`` (the decoder layers, the embedding, the head), while the engine's
+        gathers, gates and hooks stay outside the compiled regions (they run in the module's
+        ``__call__``). ``compile_options`` go to ``torch.compile`` (e.g. ``mode=``, ``dynamic=``).
+        Call it once, after wrapping and before the first step; returns the model."""
+        if getattr(self, "_compiled_units", False):
+            raise RuntimeError("yafsdp.YaFSDP.compile_units() was already called on this model")
+        if getattr(self.module, "is_gradient_checkpointing", False):
+            import warnings
+
+            warnings.warn(
+                "yafsdp.YaFSDP.compile_units(): HF gradient checkpointing is on; it runs each block inside "
+                "torch.utils.checkpoint, which disables dynamo, so those blocks run uncompiled. Turn it off to "
+                "compile them, or checkpoint inside the block's own forward",
+                RuntimeWarning, stacklevel=2,
+            )
+        seen: set[int] = set()
+        for u in self._rt.units:
+            for m in u.members:
+                mod = m.module
+                if id(mod) in seen:
+                    continue
+                seen.add(id(mod))
+                mod.forward = torch.compile(mod.forward, **compile_options)
+        self._compiled_units = True
+        return self
+
+    @property
+    def recorder(self):
+        """A ``yafsdp.trace.Recorder`` collecting what ran when, or None (the default)."""
+        return self.schedule.recorder
+
+    @recorder.setter
+    def recorder(self, rec):
+        self.schedule.recorder = rec
+
+    def __deepcopy__(self, memo):
+        raise refuse_deepcopy("a yafsdp.YaFSDP model")()
+
+    @property
+    def coordinator(self) -> bool:
+        """True on the one rank that receives ``full_state_dict()`` and writes exports: rank 0 of
+        the shard group (HSDP: of replica 0)."""
+        return self.rank == 0 and self.replica == 0
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """(replicas, shard size): (1, world size) for full sharding."""
+        return self.replicas, self.world_size
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+def _conversion_error(out: torch.Tensor, device) -> RuntimeError:
+    return RuntimeError(
+        f"yafsdp.YaFSDP: converting the wrapped model to dtype={out.dtype}, device={out.device} is not "
+        f"supported: its parameters are fp32 master shards on {device} that the engine owns. For "
+        "bf16/fp16 compute pass param_dtype= (and reduce_dtype=) to YaFSDP(...); to use another device, "
+        "move the module before wrapping or pass device= to YaFSDP(...)"
+    )
+
+
+# Methods of the wrapped module (reached through YaFSDP.__getattr__) that (re-)initialise parameters:
+# they run inside summon_full_params(writeback=True). See [Note: the module tree after wrapping].
+_INIT_METHODS = frozenset({"init_weights", "post_init", "_init_weights", "initialize_weights", "reset_parameters",
+                           "_initialize_weights"})
+
+
+def _refuse_module_state_dict(module, prefix, keep_vars):
+    raise RuntimeError(
+        f"yafsdp: state_dict() of the module wrapped by yafsdp.YaFSDP ({type(module).__name__}) would hold none of "
+        "its parameters (they are sharded); use model.full_state_dict() on the YaFSDP wrapper, or "
+        "yafsdp.checkpoint / yafsdp.hf.export_hf"
+    )
+
+
+def _resolve_device(device, group) -> torch.device:
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

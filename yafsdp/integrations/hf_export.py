@@ -1,0 +1,111 @@
+"""Hugging Face exports written unit by unit: ``yafsdp.hf.export_hf`` and
+``yafsdp.adapters.export_merged`` call :func:`export_folder`. See [Note: streaming export] in
+export.py for the memory bound and the order of the files.
+
+The folder is HF's ``save_pretrained`` layout: ``config.json`` (the ``architectures`` and dtype
+set), ``model.safetensors`` when everything fits in ``max_shard_size``, otherwise
+``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, and the tokenizer files
+when one is given. It is written as ``<out_dir>.tmp-export`` and renamed to ``out_dir`` last.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from .export import ExportError, ShardWriter, iter_units, stream_order, stream_to_writer
+
+__all__ = ["export_folder", "export_dtype", "tied_keys", "TMP_SUFFIX"]
+
+TMP_SUFFIX = ".tmp-export"
+
+
+def export_dtype(model, dtype) -> torch.dtype:
+    """``dtype`` or, when None, the run's: bf16 for a bf16 run (``param_dtype``), fp32 otherwise."""
+    if dtype is None:
+        return torch.bfloat16 if model.compute_dtype == torch.bfloat16 else torch.float32
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ExportError(f"dtype={dtype!r}: give a floating torch.dtype (torch.bfloat16, torch.float32) or None")
+    return dtype
+
+
+def tied_keys(inner) -> set[str]:
+    """The keys ``save_pretrained`` leaves out because they are tied to another (``lm_head.weight``)."""
+    config = inner.config
+    if getattr(config, "tie_word_embeddings", False) and hasattr(inner, "_tied_weights_keys"):
+        keys = inner._tied_weights_keys
+        return set(keys if not isinstance(keys, dict) else keys.keys())
+    return set()
+
+
+def export_folder(model, out_dir: str, inner, *, rename, dtype: torch.dtype, tokenizer, max_shard_size,
+                  where: str, merge=None) -> str | None:
+    """Collective. Stream the wrapped model's state dict unit by unit into an HF folder for HF
+    model ``inner`` (its config and class name are written). ``rename(key)`` gives the output key
+    or None to leave the key out; ``merge(values)`` (optional) rewrites one unit's
+    ``{key: tensor}`` before it is renamed (the LoRA merge). Returns ``out_dir`` on the
+    coordinator, None elsewhere. HSDP: replica 0's shard group writes; the others return at once."""
+    model.check_idle(where.split(":")[0].rsplit(".", 1)[-1])
+    if model.replica != 0:
+        return None
+    rt, keys, group = model._rt, model._keys, model.process_group
+    writer, tmp, problem = None, out_dir.rstrip("/") + TMP_SUFFIX, None
+    via_of, plan = {}, []
+    for unit in stream_order(rt, keys):
+        for key, kind, ref in unit:
+            new = rename(key)
+            if new is None:
+                continue
+            shape = tuple(ref.shape) if kind == "param" else tuple(ref[0]._buffers[ref[1]].shape)
+            src = ref.dtype if kind == "param" else ref[0]._buffers[ref[1]].dtype
+            plan.append((new, shape, dtype if src.is_floating_point else src))
+            via_of[key] = src
+    if model.coordinator:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # a killed export's leftovers
+            os.makedirs(tmp)
+            writer = ShardWriter(tmp, plan, max_shard_size)
+        except (OSError, ExportError) as e:
+            problem = f"{where}: cannot start writing {out_dir!r}: {e}"
+    from ..comm.groups import raise_together
+
+    raise_together(problem, group, ExportError)
+
+    def transform(values):
+        if merge is not None:
+            values = merge(values)
+        out = []
+        for key, v in values.items():
+            new = rename(key)
+            if new is not None:
+                out.append((new, v, via_of[key]))
+        return out
+
+    try:
+        stream_to_writer(iter_units(rt, keys, group, model.rank, where), transform, writer, group, where)
+        if writer is not None:
+            writer.close()
+            _finish(tmp, out_dir, inner, dtype, tokenizer)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir if model.coordinator else None
+
+
+def _finish(tmp: str, out_dir: str, inner, dtype: torch.dtype, tokenizer) -> None:
+    config = inner.config
+    cfg = config.__class__.from_dict(config.to_dict())
+    cfg.architectures = [type(inner).__name__]
+    if "dtype" in cfg.to_dict():  # transformers >= 4.56 names it dtype; older ones torch_dtype
+        cfg.dtype = dtype
+    else:
+        cfg.torch_dtype = dtype
+    cfg.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if os.path.isdir(out_dir) and not os.listdir(out_dir):
+        os.rmdir(out_dir)
+    os.rename(tmp, out_dir)
