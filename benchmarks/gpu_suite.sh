@@ -1,84 +1,210 @@
 #!/usr/bin/env bash
-# Everything a lent GPU is for, in one call of under 10 minutes: build the CUDA extension, run the
-# GPU tests (the stream protocol with widened windows, no host sync, parity), the kernel benchmark,
-# the world-1 step benchmark against FSDP2/FSDP1/DDP on a ~1B Llama and of the reduce precisions, the
-# fake-process-group memory run of large worlds, the overlap trace, and activation checkpointing chosen by
-# the plan. Every table lands in benchmarks/results/ as <what>_<gpu>_<date>.md (and, where $OUT is set, a
-# copy under it), with the commands and versions.
+# The one prepared script a lent GPU runs: every CUDA path of the engine (docs/testing.md, "GPU suite",
+# has the table of paths and the check covering each), in two parts that each fit one device call
+# and together fit a session's 15 minutes of device time with the machine's start:
 #
-#   bash benchmarks/gpu_suite.sh             # on the GPU machine (torch with CUDA; no package registry needed)
-#   bash benchmarks/gpu_suite.sh --dry-run   # print every step and run none (CI runs this so it does not rot)
+#   bash benchmarks/gpu_suite.sh part1    # build the CUDA extension, every test marked `gpu`     (<= 400 s)
+#   bash benchmarks/gpu_suite.sh part2    # the benchmarks: step time and memory against FSDP2/DDP,
+#                                         # the reduce precisions, fake-world memory, auto checkpointing (<= 320 s)
+#   bash benchmarks/gpu_suite.sh all      # both, one after the other
+#   bash benchmarks/gpu_suite.sh part1 --dry-run   # print every step with its time limit, run none
 #
-# Needs on the machine: python3 with torch (CUDA), transformers, pytest, ninja, nvcc. Each step has its
-# own time limit; a failing step is reported and the suite goes on, and the exit status says whether all passed.
+# Results go to $OUT (the device tool's output folder) or, where it is unset, benchmarks/results/gpu_<date>/:
+# <part>.log (everything printed), <part>_summary.md (the command, the versions, each check's status and
+# time), versions.txt, the pytest report (gpu_tests.xml) and each benchmark's table (.md / .json / .png).
+# A failing or timed-out check is reported and the part goes on; the exit status is 1 when any failed.
+# Each step's limit is its own or what is left of its part's, whichever is smaller; a step with under
+# 10 s left is reported as not run. part2 builds the extension again only when part1's build is gone
+# (a fresh machine): then its benchmarks get less time.
+#
+# Needs on the machine: python3 with torch (CUDA), transformers, pytest; nvcc (and ninja, else the
+# build is serial and slow). No package registry. tests/test_gpu_suite.py checks this file on the CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+PART=""
 DRY=0
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
-    *) echo "gpu_suite.sh: unknown argument $a (use --dry-run or nothing)" >&2; exit 2 ;;
+    part1|part2|all) PART=$a ;;
+    *) echo "gpu_suite.sh: unknown argument $a (use part1, part2 or all, and optionally --dry-run)" >&2; exit 2 ;;
   esac
 done
-PY=${PYTHON:-python3}
+if [ -z "$PART" ]; then
+  echo "gpu_suite.sh: name a part: part1, part2 or all (see the header of $0)" >&2
+  exit 2
+fi
+
+PY=${PYTHON:-$(command -v python3 || command -v python)}
 DATE=$(date -u +%F)
+RES=${OUT:-benchmarks/results/gpu_${DATE}}
 if [ "$DRY" = 1 ]; then
   GPU=dryrun
 else
+  mkdir -p "$RES"
   GPU=$($PY -c "import torch; n = torch.cuda.get_device_name(0).lower(); print('h200' if 'h200' in n else 'h100' if 'h100' in n else n.split()[-1])") || {
     echo "gpu_suite.sh: no CUDA device visible to $PY" >&2; exit 2; }
 fi
-RES=benchmarks/results
-LOG=runs/gpu_suite_${GPU}_${DATE}.log
-mkdir -p runs "$RES"
+# Part time limits (seconds). Their sum plus the machine's start (~150 s) stays under a session's 900 s:
+# tests/test_gpu_suite.py checks it, and that the steps of each part fit it.
+declare -A PART_LIMIT=([part1]=400 [part2]=320)
+# A session with less device time left may shorten a part: PART_LIMIT_S=250 bash benchmarks/gpu_suite.sh part2
+# (its later steps are then reported as not run, and the summary is still written).
+if [ -n "${PART_LIMIT_S:-}" ] && [ "$PART" != all ]; then PART_LIMIT[$PART]=$PART_LIMIT_S; fi
+MIN_STEP_S=10
+
+# The test files that hold `gpu` tests, found rather than listed (the tests may move between folders); the
+# engine's (test_gpu.py) first and the benchmarks' smoke runs last, so a part that runs out of time loses the least.
+GPU_TESTS=$(grep -rlE --include='test_*.py' 'pytest\.mark\.gpu' tests \
+  | awk '{ print (/test_gpu\.py$/ ? 0 : /test_bench_smoke\.py$/ ? 2 : 1), $0 }' | sort -k1,1n -k2 | cut -d' ' -f2 \
+  | tr '\n' ' ')
+
+STATUS=()   # "name|status|seconds" per step of the part being run
 FAILED=()
 
-step() {  # step NAME LIMIT_S COMMAND... : run it with a time limit, log it, remember a failure
+step() {  # step NAME LIMIT_S COMMAND... : run it under min(LIMIT_S, what is left of the part), log it, record it
   local name=$1 limit=$2
   shift 2
-  echo "=== $name: $*" | tee -a "$LOG"
-  if [ "$DRY" = 1 ]; then return 0; fi
-  local t0=$SECONDS
-  if timeout "$limit" "$@" 2>&1 | tee -a "$LOG"; then
+  local shown
+  shown=$(printf '%s ' "$@" | tr '\n' ' ')  # one line (the versions step's Python is several)
+  if [ "$DRY" = 1 ]; then echo "=== $name [limit $limit s]: $shown"; return 0; fi
+  local left=$((PART_END - SECONDS))
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "=== $name [limit $limit s]: $shown" | tee -a "$LOG"
+  if [ "$left" -lt "$MIN_STEP_S" ]; then
+    echo "=== $name: NOT RUN (the part's time is spent)" | tee -a "$LOG"
+    STATUS+=("$name|NOT RUN (the part's time is spent)|0"); FAILED+=("$name"); return 0
+  fi
+  local t0=$SECONDS rc why
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" = 0 ]; then
     echo "=== $name: ok in $((SECONDS - t0)) s" | tee -a "$LOG"
+    STATUS+=("$name|pass|$((SECONDS - t0))")
   else
-    echo "=== $name: FAILED (status ${PIPESTATUS[0]}) after $((SECONDS - t0)) s" | tee -a "$LOG"
-    FAILED+=("$name")
+    why="FAILED (status $rc)"
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then why="FAILED (timed out after $limit s)"; fi
+    echo "=== $name: $why after $((SECONDS - t0)) s" | tee -a "$LOG"
+    STATUS+=("$name|$why|$((SECONDS - t0))"); FAILED+=("$name")
   fi
 }
 
-export PYTHONUNBUFFERED=1
-step versions 60 $PY -c "import torch, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
-# The extension, CUDA kernels included (YAFSDP_FORCE_CUDA: fail instead of quietly skipping them).
-step build 240 env YAFSDP_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="9.0" MAX_JOBS=16 $PY setup.py build_ext --inplace
-step kernels-check 60 $PY -c "import yafsdp.kernels as k; print(k.describe()); assert k.backend('cuda') == 'extension', k.fallback_reason('cuda')"
-step gpu-tests 240 env YAFSDP_REQUIRE_EXT=1 $PY -m pytest -q -p no:cacheprovider -m gpu tests -x
-step kernel-bench 60 $PY benchmarks/bench_optimizer.py --device cuda --numel 100000000 --rounds 10 \
-  --md "$RES/optimizer_${GPU}_${DATE}.md"
-step step-bench 180 $PY -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_step.py --device cuda \
-  --preset llama3-1b --batch 2 --seq 2048 --steps 8 --rounds 2 --md "$RES/bench_step_${GPU}_${DATE}.md"
-# fp32, bf16 and bf16-summed-in-fp32 reduces (docs/reduce.md): step time, peak, and reduce bytes per step.
-# World 1: the NCCL all-to-all and the fp32 fold run, but nothing crosses a link; the bytes column is the
-# engine's count of each reduce's input, which is what a larger world sends ((world - 1) / world of it).
-step reduce-bench 120 $PY -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_step.py --device cuda \
-  --preset llama3-1b --batch 2 --seq 2048 --engines yafsdp-z3,yafsdp-z3+bf16reduce,yafsdp-z3+bf16reduce+fp32acc \
-  --steps 6 --rounds 1 --mem-steps 2 --md "$RES/bench_reduce_${GPU}_${DATE}.md"
-step fake-world-memory 120 $PY benchmarks/bench_step.py --fake-world 8,64,256 --device cuda --preset llama3-8b \
-  --batch 1 --seq 4096 --md "$RES/bench_step_fakeworld_${GPU}_${DATE}.md"
-step overlap 120 $PY -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_overlap.py --device cuda \
-  --preset llama3-1b --batch 2 --seq 2048 --png "$RES/overlap_${GPU}_${DATE}.png" --md "$RES/overlap_${GPU}_${DATE}.md"
-# Activation checkpointing chosen by the plan: predicted vs measured peak, and step time of the auto
-# choice against every block and no block checkpointed, at budgets between the two (world 1, bf16).
-step ckpt-auto 300 $PY benchmarks/bench_ckpt_auto.py --device cuda --preset llama3-1b --vocab 0 --batch 2 \
-  --seq 2048 --bf16 --points 5 --steps 3 --rounds 2 --md "$RES/ckpt_auto_${GPU}_${DATE}.md" \
-  --png "$RES/ckpt_auto_${GPU}_${DATE}.png"
+VERSIONS_PY="import os, shutil, subprocess, sys, torch
+print('python', sys.version.split()[0]); print('torch', torch.__version__, '| CUDA', torch.version.cuda)
+print('gpu', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none',
+      '| capability', torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None,
+      '| NCCL', torch.cuda.nccl.version() if torch.cuda.is_available() else None)
+for m in ('transformers', 'peft', 'pytest', 'numpy'):
+    try: print(m, __import__(m).__version__)
+    except Exception as e: print(m, 'missing:', type(e).__name__)
+print('nvcc', shutil.which('nvcc') or 'missing', '| ninja', shutil.which('ninja') or 'missing (serial build)')
+import yafsdp.comm.collectives as c  # torch 2.11 has only the *_tensor forms; 2.13 the *_single ones
+print('collectives', c._all_gather.__name__, c._reduce_scatter.__name__)
+git = shutil.which('git') and subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True)
+print('git', (git.stdout.strip() if git else '') or '? (not a git checkout here)')"
 
-if [ "$DRY" = 0 ] && [ -n "${OUT:-}" ]; then
-  cp "$LOG" "$RES"/*_"${GPU}"_"${DATE}".* "$OUT"/ 2>/dev/null || true
-fi
+# The extension with its CUDA kernels (YAFSDP_FORCE_CUDA: fail instead of quietly skipping them). The CPU
+# extension of this Python is built too (the tree's copy may be for another Python).
+BUILD=(env YAFSDP_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="9.0" MAX_JOBS=16 "$PY" setup.py build_ext --inplace)
+HAVE_CUDA_EXT="import yafsdp.kernels as k; print(k.describe()); assert k.backend('cuda') == 'extension', k.fallback_reason('cuda')"
+
+run_part1() {
+  step build 150 "${BUILD[@]}"
+  step kernels-check 20 "$PY" -c "$HAVE_CUDA_EXT"
+  # Every test marked gpu: kernels against their twins bit for bit, the NCCL engine at world 1 with the
+  # stream windows widened, offload, the narrow reduce, int8/fp8/NF4 gathers, GradScaler, async saves,
+  # auto checkpointing, the benchmarks' smoke runs. -v: each test's outcome is in the log as it happens.
+  # shellcheck disable=SC2086
+  step gpu-tests 210 env YAFSDP_REQUIRE_EXT=1 "$PY" -m pytest -v -rfEs -p no:cacheprovider -m gpu \
+    --junitxml="$RES/gpu_tests.xml" $GPU_TESTS
+}
+
+run_part2() {
+  # A fresh machine (part1 ran elsewhere): build again, else the benchmarks would time the twins.
+  if [ "$DRY" = 0 ] && "$PY" -c "$HAVE_CUDA_EXT" >/dev/null 2>&1; then
+    echo "=== build-if-missing: part1's build is here" | tee -a "$LOG"
+  else  # (its time is not counted in the part's limit: on a fresh machine the benchmarks get less)
+    step build-if-missing 200 "${BUILD[@]}"
+  fi
+  # Peak memory per rank against FSDP2 with the CUDA caching allocator (allocated and reserved), emulated
+  # worlds 8 and 64 at Llama-3.2-1B shapes (issue 26's setup: 2 layers, batch 1 x 256, bf16 on GPU).
+  step fake-world-memory 40 "$PY" benchmarks/bench_step.py --fake-world 8,64 --device cuda --preset llama3-1b \
+    --layers 2 --batch 1 --seq 256 --md "$RES/bench_step_fakeworld_${GPU}_${DATE}.md" \
+    --json "$RES/bench_step_fakeworld_${GPU}_${DATE}.json"
+  # World 1 under NCCL, a ~1B Llama in bf16: step time and peak (allocated, reserved) against FSDP2 and DDP,
+  # and the reduce precisions (docs/reduce.md): fp32, bf16 summed in bf16, bf16 summed in fp32 (the all-to-all
+  # and the fp32 fold run; nothing crosses a link at world 1: the bytes column is each reduce's input).
+  step step-bench 145 "$PY" -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_step.py --device cuda \
+    --preset llama3-1b --batch 2 --seq 2048 \
+    --engines yafsdp-z3,yafsdp-z3+FusedAdamW,yafsdp-z3+bf16reduce,yafsdp-z3+bf16reduce+fp32acc,fsdp2,ddp \
+    --warmup 2 --steps 5 --rounds 1 --mem-steps 2 --md "$RES/bench_step_${GPU}_${DATE}.md" \
+    --json "$RES/bench_step_${GPU}_${DATE}.json"
+  # Activation checkpointing chosen by the plan at world 1 with the GPU's budgets: predicted vs measured
+  # peak, step time of each choice against every block and no block checkpointed.
+  step ckpt-auto 95 "$PY" benchmarks/bench_ckpt_auto.py --device cuda --preset llama3-1b --vocab 0 --batch 2 \
+    --seq 2048 --bf16 --points 3 --steps 3 --rounds 2 --md "$RES/ckpt_auto_${GPU}_${DATE}.md" \
+    --png "$RES/ckpt_auto_${GPU}_${DATE}.png"
+  # FusedAdamW's CUDA kernel against torch's AdamW (foreach, fused) and the copy bandwidth.
+  step kernel-bench 20 "$PY" benchmarks/bench_optimizer.py --device cuda --numel 100000000 --rounds 5 \
+    --md "$RES/optimizer_${GPU}_${DATE}.md"
+}
+
+summary() {  # summary PART: <part>_summary.md with the command, the versions and each step's status
+  local part=$1 f="$RES/${part}_summary.md"
+  {
+    echo "# gpu_suite.sh $part, $(date -u '+%F %H:%M UTC')"
+    echo
+    echo "Command: \`bash benchmarks/gpu_suite.sh $part\` (results in \`$RES\`; log \`$(basename "$LOG")\`)"
+    echo
+    echo '```'
+    cat "$RES/versions.txt"
+    echo '```'
+    echo
+    echo "| check | status | seconds |"
+    echo "|---|---|---|"
+    for s in "${STATUS[@]}"; do IFS='|' read -r n st t <<<"$s"; echo "| $n | $st | $t |"; done
+    if [ -f "$RES/gpu_tests.xml" ] && [ "$part" = part1 ]; then
+      echo
+      "$PY" - "$RES/gpu_tests.xml" <<'PYEOF'
+import sys, xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+rows = []
+for tc in root.iter("testcase"):
+    kids = {c.tag for c in tc}
+    st = "FAILED" if kids & {"failure", "error"} else "skipped" if "skipped" in kids else "pass"
+    rows.append(f"| {tc.get('classname')}::{tc.get('name')} | {st} | {float(tc.get('time') or 0):.1f} |")
+print("| gpu test | status | seconds |\n|---|---|---|\n" + "\n".join(rows))
+PYEOF
+    fi
+  } > "$f"
+  echo "gpu_suite.sh: summary in $f"
+}
+
+run() {  # run PART
+  local part=$1
+  LOG=$RES/${part}.log
+  PART_END=$((SECONDS + PART_LIMIT[$part]))
+  STATUS=()
+  if [ "$DRY" = 1 ]; then
+    echo "=== part $part [limit ${PART_LIMIT[$part]} s]"
+    step versions 20 "$PY" -c "$VERSIONS_PY"
+    "run_$part"
+    return 0
+  fi
+  echo "=== part $part [limit ${PART_LIMIT[$part]} s]: results in $RES" | tee -a "$LOG"
+  export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  step versions 20 "$PY" -c "$VERSIONS_PY"
+  sed -n '/^=== versions \[/,/^=== versions: /p' "$LOG" | sed '1d;$d' > "$RES/versions.txt"
+  "run_$part"
+  summary "$part"
+}
+
+if [ "$PART" = all ]; then run part1; run part2; else run "$PART"; fi
+
+if [ "$DRY" = 1 ]; then exit 0; fi
 if [ ${#FAILED[@]} -gt 0 ]; then
-  echo "gpu_suite.sh: failed steps: ${FAILED[*]} (log: $LOG)"
+  echo "gpu_suite.sh: failed: ${FAILED[*]} (logs and summaries in $RES)"
   exit 1
 fi
-echo "gpu_suite.sh: all steps passed (log: $LOG)"
+echo "gpu_suite.sh: every check passed (logs and summaries in $RES)"

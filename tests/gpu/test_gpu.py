@@ -1,6 +1,9 @@
 """The CUDA path on a GPU: parity, the stream protocol with its timing windows widened, no host
-synchronisation anywhere in the step, resume, and the fake process group. Skipped without a GPU
-(the same protocol is proven on the CPU by tests/multirank/test_streamcheck.py).
+synchronisation anywhere in the step, resume, and the fake process group; the narrow reduce with fp32
+accumulation, GradScaler and clipping on shard grads, asynchronous saves from device memory and auto
+checkpointing under NCCL at world 1 (one spawned rank for the four); int8 records and the fp32 fold on the
+device against their CPU twins. Skipped without a GPU (the same protocol is proven on the CPU by
+tests/multirank/test_streamcheck.py). docs/testing.md ("GPU suite") maps every CUDA path to its check here.
 
 Races between streams hide when the host cannot run ahead of the device. These tests keep the
 host free: inputs are put on the device once, losses stay device tensors until the end, and
@@ -9,6 +12,8 @@ every optimizer step, so a missing event wait reads stale or torn data. Each loo
 bit for bit against the same loop with a ``torch.cuda.synchronize()`` after every optimizer step.
 """
 import copy
+import gc
+import math
 
 import pytest
 import torch
@@ -115,6 +120,14 @@ CASES = {
     # FP8 gathers of the decoder layers: FusedAdamW writes the records, the expand runs on the comm stream
     "z3_bf16_fp8": dict(zero=3, dtype="bfloat16", opt="fused_adamw", fp8=True),
     "z2_bf16_fp8_adamw": dict(zero=2, dtype="bfloat16", opt="adamw", fp8=True),
+    # the narrow reduce summed in fp32 (reduce_accum.py): an all-to-all into the grad buffer's landing and the
+    # fp32 fold of its pieces, both on the comm stream
+    "z3_bf16_reduce_accum": dict(zero=3, dtype="bfloat16", opt="fused_adamw", reduce_accum=True),
+    # INT8 gathers (formats/int8.py): the twin's expand on the comm stream; FP8 and INT8 records with offload:
+    # the host record written by the optimizer, uploaded on the upload stream, gathered from the device copy
+    "z3_bf16_int8": dict(zero=3, dtype="bfloat16", opt="fused_adamw", gather="int8"),
+    "z3_bf16_fp8_offload": dict(zero=3, dtype="bfloat16", opt="fused_adamw", fp8=True, offload="optimizer"),
+    "z3_bf16_int8_adamw_offload": dict(zero=3, dtype="bfloat16", opt="adamw", gather="int8", offload="optimizer"),
 }
 
 
@@ -135,7 +148,9 @@ def _race_windows(rank, world, names):
             model = yafsdp.YaFSDP(copy.deepcopy(base), zero_stage=case["zero"],
                                   param_dtype=getattr(torch, case["dtype"]) if case["dtype"] else None,
                                   quantize_frozen="nf4" if case.get("nf4") else None, offload=case.get("offload"),
-                                  gather_dtype="fp8" if case.get("fp8") else None)
+                                  gather_dtype="fp8" if case.get("fp8") else case.get("gather"),
+                                  **(dict(reduce_dtype=torch.bfloat16, reduce_accum_dtype=torch.float32)
+                                     if case.get("reduce_accum") else {}))
             opt = _optimizer(case["opt"], model.parameters())
             torch.cuda.synchronize()
             losses, mismatch = _loop(model, opt, "llama", inputs, sync_after_step=sync, check_buffers=True,
@@ -192,6 +207,11 @@ def test_nccl_world1_fp32_parity(zero_stage):
         assert max(rel.values()) < 1e-3, (kind, rel)
 
 
+def _bf16_stack_batch():
+    """A Stack batch for a bf16 engine: the inputs in the weights' dtype (the engine casts no inputs)."""
+    return {k: v.to("cuda", torch.bfloat16) for k, v in batch("stack", 0, 0, 0).items()}
+
+
 def _collectives_on_comm_stream(rank, world):
     """Every gather and reduce of the step is issued synchronously on the comm stream (so the NCCL
     kernel runs there, torch >= 2.8), never with async_op=True."""
@@ -207,7 +227,7 @@ def _collectives_on_comm_stream(rank, world):
 
         setattr(comm, name, spy)
     model = yafsdp.YaFSDP(Stack(n=4), param_dtype=torch.bfloat16)
-    loss_of(model, "stack", {k: v.cuda() for k, v in batch("stack", 0, 0, 0).items()}).backward()
+    loss_of(model, "stack", _bf16_stack_batch()).backward()
     torch.cuda.synchronize()
     return seen, model.schedule.comm.stream_id
 
@@ -218,36 +238,52 @@ def test_collectives_run_on_the_comm_stream():
     assert all(s == comm_id and a is False for _, s, a in seen), seen
 
 
+NO_SYNC_CASES = {
+    "bf16": dict(),
+    # the all-to-all of the narrow reduce and its fp32 fold; the int8 records' encode (FusedAdamW) and expand
+    "bf16_reduce_accum": dict(reduce_dtype=torch.bfloat16, reduce_accum_dtype=torch.float32),
+    "bf16_int8": dict(gather_dtype="int8"),
+}
+
+
 def _no_sync_and_recorder(rank, world):
     from yafsdp.trace import Recorder
 
-    model = yafsdp.YaFSDP(Stack(n=4), param_dtype=torch.bfloat16)
-    opt = yafsdp.FusedAdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"))
-    inputs = {k: v.cuda() for k, v in batch("stack", 0, 0, 0).items()}
-    loss_of(model, "stack", inputs).backward()  # warm-up: state allocated, kernels loaded
-    model.clip_grad_norm_(1.0)
-    opt.step()
-    opt.zero_grad()
-    torch.cuda.synchronize()
-    model.recorder = Recorder()
-    torch.cuda.set_sync_debug_mode("error")
-    try:  # the whole step: forward, backward, clipping, FusedAdamW with its copy-out, zero_grad
-        for _ in range(2):
-            loss_of(model, "stack", inputs).backward()
-            model.clip_grad_norm_(1.0)
-            opt.step()
-            opt.zero_grad()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    iv = model.recorder.finish()
-    return [(i.kind, i.unit, i.start, i.end) for i in iv]
+    out = {}
+    for name, opts in NO_SYNC_CASES.items():
+        # d=128: the blocks' Linear weights are whole int8 blocks of 128 values (int8-eligible)
+        model = yafsdp.YaFSDP(Stack(n=4, d=128), param_dtype=torch.bfloat16, **opts)
+        opt = yafsdp.FusedAdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"))
+        inputs = _bf16_stack_batch()
+        loss_of(model, "stack", inputs).backward()  # warm-up: state allocated, kernels loaded
+        model.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        model.recorder = Recorder()
+        torch.cuda.set_sync_debug_mode("error")
+        try:  # the whole step: forward, backward, clipping, FusedAdamW with its copy-out, zero_grad
+            for _ in range(2):
+                loss_of(model, "stack", inputs).backward()
+                model.clip_grad_norm_(1.0)
+                opt.step()
+                opt.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        iv = model.recorder.finish()
+        formats = {str(g.kind.gather_format) for u in model.flat_units for g in u.groups}
+        out[name] = ([(i.kind, i.unit, i.start, i.end) for i in iv], formats)
+    return out
 
 
 def test_step_has_no_host_sync_and_uses_comm_stream():
-    iv = run_ranks(_no_sync_and_recorder, 1, backend="nccl")[0]
-    kinds = {k for k, *_ in iv}
-    assert {"gather", "reduce", "forward", "backward"} <= kinds
-    assert all(e >= s for _, _, s, e in iv)
+    out = run_ranks(_no_sync_and_recorder, 1, backend="nccl")[0]
+    assert set(out) == set(NO_SYNC_CASES)
+    for name, (iv, formats) in out.items():
+        kinds = {k for k, *_ in iv}
+        assert {"gather", "reduce", "forward", "backward"} <= kinds, name
+        assert all(e >= s for _, _, s, e in iv), name
+    assert "int8" in out["bf16_int8"][1], out["bf16_int8"][1]  # the case gathers int8 records
 
 
 def _resume_keeps_step_where_torch_does(rank, world, root):
@@ -257,7 +293,7 @@ def _resume_keeps_step_where_torch_does(rank, world, root):
     for name in ("adamw", "fused_adamw", "torch_fused"):
         model = yafsdp.YaFSDP(Stack(), param_dtype=torch.bfloat16)
         opt = _optimizer(name, model.parameters())
-        loss_of(model, "stack", {k: v.cuda() for k, v in batch("stack", 0, 0, 0).items()}).backward()
+        loss_of(model, "stack", _bf16_stack_batch()).backward()
         opt.step()
         path = ckpt.save_checkpoint(f"{root}/{name}", 1, model, opt)
         model2 = yafsdp.YaFSDP(Stack(seed=1), param_dtype=torch.bfloat16)
@@ -328,3 +364,276 @@ def test_offload_placement_and_parity_on_gpu():
             assert r["params"] == {"cpu"} and r["state"] == {"cpu"}, (off, r)
             assert torch.allclose(r["losses"], out[None]["losses"], rtol=1e-3), (off, r["losses"], out[None]["losses"])
     assert out["all"]["where"]["nf4"] == "host" and out["optimizer"]["where"]["nf4"] == "device"
+
+
+# ------------------------------------------------------------------ kernels and twins on the device (no ranks)
+def _bits(t):
+    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype])
+
+
+def test_fp32_fold_of_narrow_pieces_on_cuda_is_its_cpu_twin():
+    """reduce_accum.fold_pieces_ on the device (the comm stream's kernel of the narrow reduce: copy, adds,
+    kernels.accumulate_ of the CUDA extension) equals its CPU twin bit for bit, on pieces whose large values
+    cancel across ranks, and stays within the Note's bound against the fp32 reduce."""
+    from yafsdp.comm.reduce_accum import error_bound, fold_pieces_, fold_pieces_reference
+
+    world, n = 4, 1001
+    g = torch.Generator().manual_seed(3)
+    c = torch.randn(world, n, generator=g)
+    c[0] += 256.0  # a large value on one rank cancelled on another: a bf16 running sum loses the rest
+    c[2] -= 256.0
+    pieces = c.to(torch.bfloat16)
+    base = torch.randn(n, generator=g)
+    for accumulate in (False, True):
+        want = fold_pieces_reference(base.clone(), pieces, 1 / world, accumulate)
+        got = fold_pieces_(base.cuda(), pieces.cuda(), 1 / world, accumulate, torch.empty(n, device="cuda"))
+        assert torch.equal(_bits(got.cpu()), _bits(want)), accumulate
+    got = fold_pieces_(torch.empty(n, device="cuda"), pieces.cuda(), 1 / world, False, torch.empty(0, device="cuda"))
+    fp32 = (c[0] + c[1] + c[2] + c[3]) * (1 / world)  # the fp32 reduce, in rank order
+    err = (got.cpu().double() - fp32.double()).abs()
+    assert (err <= error_bound(c, 1 / world, torch.bfloat16, reference=fp32)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_records_on_cuda_equal_cpu(dtype):
+    """The int8 format's encode (the optimizer's record write) and expand (after each gather) run as torch
+    ops on the device (no compiled kernel: formats/int8.py): the same bits as on the CPU."""
+    from yafsdp import formats
+    from yafsdp.formats import int8
+
+    fmt = formats.get("int8")
+    n = int8.BLOCK * 257
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 2, n // int8.BLOCK).repeat_interleave(int8.BLOCK)
+    x[int8.BLOCK:2 * int8.BLOCK] = 0  # a block of zeros: scale 0, codes 0
+    want = torch.zeros(fmt.record_bytes(n), dtype=torch.uint8)
+    fmt.encode_(want, x)
+    got = torch.zeros_like(want, device="cuda")
+    fmt.encode_(got, x.cuda())
+    assert torch.equal(got.cpu(), want)
+    other = torch.zeros_like(want)
+    fmt.encode_(other, torch.randn(n, generator=g))
+    staging = torch.cat([want, other])  # two ranks' records
+    out_cpu = torch.empty(2 * n, dtype=dtype)
+    fmt.expand_(out_cpu, staging, n)
+    out = torch.empty(2 * n, dtype=dtype, device="cuda")
+    fmt.expand_(out, staging.cuda(), n)
+    assert torch.equal(_bits(out.cpu()), _bits(out_cpu))
+    assert torch.equal(_bits(out_cpu[:n]), _bits(int8.fake_quantize(x, dtype)))
+
+
+# ------------------------------------------------- engine paths under NCCL at world 1, in one spawned rank
+class _Leaf(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(n))
+
+    def forward(self, c):
+        return (self.w * c).sum()
+
+
+class _Probe(torch.nn.Module):
+    """Two units whose gradient is exactly the input ``c`` (2 x n)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Leaf(n), _Leaf(n)])
+
+    def forward(self, c):
+        return self.blocks[0](c[0]) + self.blocks[1](c[1])
+
+
+def _cuda(inputs):
+    return {k: v.cuda() for k, v in inputs.items()}
+
+
+def _narrow_reduce():
+    """The grads of fp32, bf16 and bf16-summed-in-fp32 reduces (world 1: the NCCL reduce-scatter and
+    all-to-all copy; the folds run on the comm stream) and each reduce's bytes."""
+    n = 37  # uneven: the flat units are padded
+    c = torch.randn(2, n, generator=torch.Generator().manual_seed(5)) * 100
+    out = {}
+    for name, opts in {"fp32": {}, "bf16": dict(reduce_dtype=torch.bfloat16),
+                       "accum": dict(reduce_dtype=torch.bfloat16, reduce_accum_dtype=torch.float32)}.items():
+        model = yafsdp.YaFSDP(_Probe(n), **opts)
+        model(c.cuda()).backward()
+        torch.cuda.synchronize()
+        sent = sum(v for (kind, _), v in model.schedule.counted.items() if kind == "reduce")
+        out[name] = (torch.cat([model.full_grad(f"blocks.{i}.w").cpu() for i in range(2)]), sent,
+                     model.device.type)
+    return c.reshape(-1), out
+
+
+def _grad_scaler():
+    """fp16 with torch's GradScaler("cuda") and torch's clip_grad_norm_ on the engine's shard grads
+    (found_inf and the norm all-reduced over NCCL), against the unwrapped model's fp16 grads on an fp32
+    master: the same scale history (the same steps skipped) and norms."""
+    steps, init = 6, 2.0 ** 24  # 2^24: the first steps overflow fp16 for sure, then the scale halves
+
+    def scaler():
+        return torch.amp.GradScaler("cuda", init_scale=init, growth_interval=1)
+
+    model = yafsdp.YaFSDP(tiny_llama(), param_dtype=torch.float16)
+    opt, sc, got = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False), scaler(), ([], [])
+    for step in range(steps):
+        sc.scale(loss_of(model, "llama", _cuda(batch("llama", step, 0, 0)))).backward()
+        sc.unscale_(opt)
+        got[1].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        sc.step(opt)
+        sc.update()
+        got[0].append(float(sc.get_scale()))
+        opt.zero_grad()
+    master = tiny_llama().cuda()
+    opt, sc, ref = torch.optim.AdamW(master.parameters(), lr=1e-3, foreach=False), scaler(), ([], [])
+    for step in range(steps):
+        low = copy.deepcopy(master)
+        for q in low.parameters():
+            q.data = q.data.half()
+        sc.scale(loss_of(low, "llama", _cuda(batch("llama", step, 0, 0)))).backward()
+        for p, q in zip(master.parameters(), low.parameters()):
+            p.grad = None if q.grad is None else q.grad.float()
+        sc.unscale_(opt)
+        ref[1].append(float(torch.nn.utils.clip_grad_norm_(master.parameters(), 1.0)))
+        sc.step(opt)
+        sc.update()
+        ref[0].append(float(sc.get_scale()))
+        opt.zero_grad()
+    return got, ref
+
+
+def _async_save(root):
+    """AsyncSaver staging from device memory while the device is still busy: the checkpoint holds the
+    state at save() (the optimizer step queued behind a sleep included, the later change excluded)."""
+    from yafsdp import checkpoint as ckpt
+
+    model = yafsdp.YaFSDP(tiny_llama(), param_dtype=torch.bfloat16)
+    opt = yafsdp.FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    saver = ckpt.AsyncSaver(model, opt)
+    for step in range(2):
+        loss_of(model, "llama", _cuda(batch("llama", step, 0, 0))).backward()
+        torch.cuda._sleep(50 * SLEEP)  # ~50 ms: the optimizer step below is still queued when save() stages
+        opt.step()
+        opt.zero_grad()
+    saver.save(root, 2)
+    want = model.full_state_dict()
+    want_state = [{k: v.detach().cpu().clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+                  for p in model.parameters()]
+    with torch.no_grad():  # after save() returned: the checkpoint must not see this
+        for p in model.parameters():
+            p.add_(1.0)
+    path = saver.wait()
+    saver.close()
+    fresh = yafsdp.YaFSDP(tiny_llama(seed=1), param_dtype=torch.bfloat16)
+    fopt = yafsdp.FusedAdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1)
+    ckpt.load_checkpoint(path, fresh, fopt)
+    got = fresh.full_state_dict()
+    got_state = [{k: v.detach().cpu() for k, v in fopt.state[p].items() if torch.is_tensor(v)}
+                 for p in fresh.parameters()]
+    return dict(same_weights=want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want),
+                same_state=len(want_state) == len(got_state) and all(
+                    a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+                    for a, b in zip(want_state, got_state)),
+                changed=not torch.equal(model.full_state_dict()["model.norm.weight"], want["model.norm.weight"]))
+
+
+def _auto_checkpointing():
+    """choose_checkpointing on the GPU: the default budget (free device memory after the engine, minus a
+    margin) and a budget between "all" and "none"; each choice's predicted peak against the peak the CUDA
+    allocator measures (world 1, bf16, a 4-layer Llama-3.2-1B)."""
+    from test_plan import _llama_step
+
+    from yafsdp.measure import measure_memory
+    from yafsdp.plan import apply_checkpointing, choose_checkpointing
+    from yafsdp.plan.choose import gpu_budget, model_blocks
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    b, s = 2, 1024
+    build, step = _llama_step("llama3-1b", dev, b, s, bf16=True, layers=4, meta=False)
+    model, opt = build()
+    default = choose_checkpointing(model, batch=b, seq=s)
+    expected_budget = gpu_budget(dev)
+    mid = choose_checkpointing(model, batch=b, seq=s, budget=(default.peak_all + default.peak_none) // 2)
+    every = model_blocks(model)
+    out = dict(default=default.to_dict(), expected_budget=expected_budget, total=torch.cuda.mem_get_info(dev)[1],
+               mid=mid.to_dict(), n=len(every))
+    runs = (("none", [], default.peak_none), ("mid", list(mid.blocks), mid.peak), ("all", every, default.peak_all))
+    del model, opt, default, mid  # the choices' plans refer to this engine: the peaks below are absolute
+    gc.collect()
+    torch.cuda.empty_cache()
+    for name, blocks, predicted in runs:
+        def build_with(blocks=blocks):
+            engine = build()
+            apply_checkpointing(engine[0], blocks)
+            return engine
+
+        m = measure_memory(build_with, step, 3, dev)
+        out[name] = dict(predicted=predicted, measured=m["peak_steady"], reserved=m["reserved"],
+                         growth=m["growth_from_step2"])
+    return out
+
+
+def _guarded(fn, *args):
+    """One check's result, or its traceback: a failing check does not hide the others of the spawn."""
+    import traceback
+
+    try:
+        return ("ok", fn(*args))
+    except Exception as e:  # noqa: BLE001 - reported by the test of this check
+        return ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+
+def _engine_paths(rank, world, root):
+    return dict(narrow_reduce=_guarded(_narrow_reduce), grad_scaler=_guarded(_grad_scaler),
+                async_save=_guarded(_async_save, f"{root}/async"), auto_ckpt=_guarded(_auto_checkpointing))
+
+
+@pytest.fixture(scope="module")
+def engine_paths(tmp_path_factory):
+    return run_ranks(_engine_paths, 1, str(tmp_path_factory.mktemp("gpu_paths")), backend="nccl")[0]
+
+
+def _ok(engine_paths, name):
+    status, value = engine_paths[name]
+    assert status == "ok", value
+    return value
+
+
+def test_narrow_reduce_with_fp32_accumulation_under_nccl(engine_paths):
+    """World 1: each reduce leaves the contribution rounded once to its reduce dtype; the fp32-summed
+    bf16 reduce sends the bf16 reduce's bytes, fewer than the fp32 one's."""
+    c, out = _ok(engine_paths, "narrow_reduce")
+    assert {dev for _, _, dev in out.values()} == {"cuda"}
+    assert torch.equal(_bits(out["fp32"][0]), _bits(c))
+    rounded = c.to(torch.bfloat16).float()
+    assert torch.equal(_bits(out["bf16"][0]), _bits(rounded)) and torch.equal(_bits(out["accum"][0]), _bits(rounded))
+    assert out["accum"][1] == out["bf16"][1] < out["fp32"][1], {k: v[1] for k, v in out.items()}
+
+
+def test_grad_scaler_and_clipping_under_nccl(engine_paths):
+    (scales, norms), (ref_scales, ref_norms) = _ok(engine_paths, "grad_scaler")
+    assert scales == ref_scales, (scales, ref_scales)
+    assert any(b < a for a, b in zip([2.0 ** 24] + scales, scales)), f"no step was skipped: tests nothing {scales}"
+    # the norms: the same up to an fp16 ulp (2^-11) here and there (cuBLAS may pick another algorithm for the
+    # engine's views into its flat buffer than for the reference's own tensors)
+    for a, b in zip(norms, ref_norms):
+        assert math.isfinite(a) == math.isfinite(b), (norms, ref_norms)
+        assert not math.isfinite(a) or abs(a - b) <= 2e-3 * b, (norms, ref_norms)
+
+
+def test_async_save_from_device_memory(engine_paths):
+    r = _ok(engine_paths, "async_save")
+    assert r["changed"] and r["same_weights"] and r["same_state"], r
+
+
+def test_auto_checkpointing_with_the_gpu_budget(engine_paths):
+    r = _ok(engine_paths, "auto_ckpt")
+    d = r["default"]
+    # the default budget: what the device has free after the engine, minus a margin (the engine was alive)
+    assert 0 < d["budget"] <= r["total"] and abs(d["budget"] - r["expected_budget"]) <= 0.05 * r["total"], r
+    assert d["indices"] == [] and d["fits"], d  # a 4-layer 1B at 2 x 1024 fits an H100/H200: nothing checkpointed
+    assert 0 < len(r["mid"]["indices"]) < r["n"] and r["mid"]["fits"], r["mid"]
+    for name in ("none", "mid", "all"):
+        p = r[name]
+        assert p["growth"] == 0 and abs(p["predicted"] - p["measured"]) <= 0.10 * p["measured"], (name, p)
+    assert r["all"]["measured"] < r["mid"]["measured"] < r["none"]["measured"], r
+

@@ -64,6 +64,10 @@ CASES = {
     # comm stream, before `done`; an outsized head so three grad buffers take turns
     "z3_bf16_reduce_accum_fp32": dict(zero=3, bf16=True, opt="fused_adamw", accum=2, vocab=1000, reduce_bf16=True,
                                       reduce_accum=True, eval=True),
+    # INT8 gathers (formats/int8.py): the records written by FusedAdamW / the cast pass (offload: on the
+    # host, then uploaded), expanded by the twin's torch ops on the comm stream
+    "z3_bf16_int8_fusedadamw": dict(zero=3, bf16=True, opt="fused_adamw", accum=2, eval=True, gather="int8"),
+    "z3_bf16_int8_offload_adamw_sd": dict(zero=3, bf16=True, opt="adamw", sd=True, gather="int8", offload="optimizer"),
 }
 
 
@@ -100,9 +104,10 @@ def _run_case(rank, case, steps=3):
             reduce_dtype=torch.bfloat16 if case.get("reduce_bf16") else torch.float32,
             reduce_accum_dtype=torch.float32 if case.get("reduce_accum") else None,
             quantize_frozen="nf4" if case.get("nf4") else None, offload=case.get("offload"),
-            gather_dtype="fp8" if case.get("fp8") else None,
+            gather_dtype="fp8" if case.get("fp8") else case.get("gather"),
         )
         assert ("fp8" in model.owned_tensors()) == bool(case.get("fp8"))
+        assert ("int8" in model.owned_tensors()) == (case.get("gather") == "int8")
         assert isinstance(model.schedule, comm.StreamSchedule)
         assert ("nf4" in model.owned_tensors()) == bool(case.get("nf4"))
         assert ("frozen" in model.owned_tensors() or "nf4" in model.owned_tensors()) == bool(case.get("freeze"))
@@ -152,6 +157,13 @@ def _run_case(rank, case, steps=3):
         where = "host" if case.get("offload") else "compute"
         assert any(op == writer and stream == where for stream, op, _ in kernels), sorted(
             {(st, op) for st, op, _ in kernels if op == writer})
+    if case.get("gather") == "int8":  # the records written by the optimizer (offload: on the host), expanded on comm
+        expand = {(stream, op) for stream, op, label in kernels if label.startswith("yafsdp.expand")}
+        assert ("comm", "aten.copy_") in expand and {st for st, _ in expand} == {"comm"}, sorted(expand)
+        where = "host" if case.get("offload") else "compute"
+        writer = "Optimizer.step#FusedAdamW" if case.get("opt") == "fused_adamw" else "yafsdp.quantize"
+        assert any(op == "aten.copy_" and stream == where and label.startswith(writer)
+                   for stream, op, label in kernels), sorted({(st, lab) for st, op, lab in kernels if op == "aten.copy_"})
     if case.get("reduce_accum"):  # the pieces exchanged and summed on the comm stream, the accumulator used
         reduce_ops = {op for stream, op, label in kernels if label.startswith("yafsdp.reduce") and stream == "comm"}
         # the exchange (world 1: the own row's copy), the fp32 sum of the rows, a fresh fold's scale, and

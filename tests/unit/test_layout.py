@@ -75,6 +75,26 @@ def test_no_import_cycle():
     assert not {m: c for m, c in cycles.items() if c}, cycles
 
 
+def test_every_import_names_a_module_that_exists():
+    """Each ``from .x import y`` / ``import yafsdp.x`` inside the package, function-level ones included (which
+    only fail when the function runs), names a module of the current layout."""
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    missing = []
+    for mod, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                target = (".".join(base[:len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+                          if node.level else node.module or "")
+                if target.split(".")[0] == "yafsdp" and target not in files:
+                    missing.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {target}")
+            elif isinstance(node, ast.Import):
+                missing += [f"{path.relative_to(ROOT.parent)}:{node.lineno}: {a.name}" for a in node.names
+                            if a.name.split(".")[0] == "yafsdp" and a.name not in files]
+    assert not missing, missing
+
+
 def test_the_detector_sees_a_function_level_cycle(tmp_path, monkeypatch):
     """The check above is not vacuous: two modules importing each other, one inside a function."""
     pkg = tmp_path / "yafsdp"

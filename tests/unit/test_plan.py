@@ -462,3 +462,25 @@ def test_qlora_offload_8b_fake_pg_confirms_the_plan():
     assert host > 0 and m["growth_from_step2"] == 0
     assert 0 <= m["step_end"][-1] - state <= 64 * 16, (m["step_end"], state)
     assert abs(total - m["peak_steady"]) / m["peak_steady"] <= 0.10, (total, m["peak_steady"])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--reduce-dtype", "bf16", "--reduce-accum-dtype", "fp32", "--offload", "optimizer"],
+     "reduce_accum_dtype=torch.float32 with offload='optimizer' is not supported yet"),
+    (["--outsized-ratio", "0"], "outsized_ratio=0.0 is not a positive number"),
+    (["--budget", "lots", "--batch", "1"], "--budget: memory budget 'lots': write a number with a unit"),
+    (["--budget", "8GiB"], "--budget chooses the checkpointed blocks for a step: give --batch"),
+    (["--world-size", "0"], "--world-size 0: give the number of ranks"),
+    (["--world-size", "4", "--rank", "4"], "--rank 4 is not a rank of the 4 ranks"),
+    (["--batch", "0"], "--batch 0: give a positive number"),
+])
+def test_plan_cli_refuses_with_usage_not_a_traceback(argv, says, capsys):
+    """A refused combination of options (yafsdp.core.config.build_config's own refusals among them) is the
+    parser's error: its usage, the message, exit status 2, before any model is built."""
+    from yafsdp.plan.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--preset", "cpu-4x128", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert err.startswith("usage: python -m yafsdp plan") and f"python -m yafsdp plan: error: {says}" in err, err

@@ -77,9 +77,7 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
     from ..tools.presets import build_llama
 
     a = _parse(argv, prog)
-    if a.hsdp < 1 or a.world_size % a.hsdp:
-        parser(prog).error(f"--hsdp {a.hsdp} does not divide --world-size {a.world_size}; HSDP shards over "
-                           "world-size / R ranks, so pick R among the divisors of the world size")
+    _check(a, parser(prog))
     shard = a.world_size // a.hsdp  # HSDP: every memory figure is one replica's (shards over `shard` ranks)
     model = build_llama(a.preset, device="meta")
     if a.batch is not None and a.seq is None:
@@ -91,9 +89,6 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=a.lora_rank, lora_alpha=2 * a.lora_rank,
                                                            target_modules="all-linear", lora_dropout=0.0))
-    if a.budget is not None and (a.batch is None or a.checkpointing):
-        parser(prog).error("--budget chooses the checkpointed blocks for a step: give --batch (and --seq), "
-                           "and leave out --checkpointing")
     plan = (_choose if a.budget is not None else memory_plan)(
         model, world_size=shard, rank=a.rank, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype,
         reduce_accum_dtype=a.reduce_accum_dtype,
@@ -115,6 +110,44 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
         if choice is not None:
             print(choice.format())
     return plan
+
+
+def _check(a, ap: argparse.ArgumentParser) -> None:
+    """Refuse what the plan cannot be computed for with the parser's usage and exit status 2, before
+    any model is built: the engine options go through ``build_config`` (the check ``YaFSDP`` makes,
+    whose message names the value and what to pass instead), the sizes and the budget here."""
+    from ..core.config import build_config
+    from .choose import parse_bytes
+    from .sizing import as_dtype
+
+    if a.world_size < 1:
+        ap.error(f"--world-size {a.world_size}: give the number of ranks, at least 1")
+    if a.hsdp < 1 or a.world_size % a.hsdp:
+        ap.error(f"--hsdp {a.hsdp} does not divide --world-size {a.world_size}; HSDP shards over "
+                 "world-size / R ranks, so pick R among the divisors of the world size")
+    if not 0 <= a.rank < a.world_size // a.hsdp:
+        ap.error(f"--rank {a.rank} is not a rank of the {a.world_size // a.hsdp} ranks the model is sharded over")
+    for flag, value in (("--batch", a.batch), ("--seq", a.seq)):
+        if value is not None and value < 1:
+            ap.error(f"{flag} {value}: give a positive number")
+    if a.lora_rank < 0:
+        ap.error(f"--lora-rank {a.lora_rank}: give a positive rank (0: no adapters)")
+    if a.budget is not None:
+        if a.batch is None or a.checkpointing:
+            ap.error("--budget chooses the checkpointed blocks for a step: give --batch (and --seq), "
+                     "and leave out --checkpointing")
+        try:
+            parse_bytes(a.budget)
+        except ValueError as e:
+            ap.error(f"--budget: {e}")
+    try:
+        build_config(who="options", param_dtype=as_dtype(a.param_dtype), reduce_dtype=as_dtype(a.reduce_dtype),
+                     reduce_accum_dtype=as_dtype(a.reduce_accum_dtype), zero_stage=a.zero_stage,
+                     outsized_ratio=a.outsized_ratio, quantize_frozen="nf4" if a.frozen_base == "nf4" else None,
+                     offload=None if a.offload == "none" else a.offload,
+                     gather_dtype=None if a.gather_dtype == "param" else a.gather_dtype)
+    except (TypeError, ValueError) as e:  # a refused combination of options: the parser's error, not a traceback
+        ap.error(str(e).removeprefix("options: "))
 
 
 def _choose(model, *, budget, checkpointing, **options) -> MemoryPlan:
