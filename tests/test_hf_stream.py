@@ -5,7 +5,7 @@
   ``load_full_state_dict`` scatters it), torch.equal on every stored shard, for a single-file and
   a sharded checkpoint (with its index, as HF writes them), stored bf16 / fp16 / fp32, world 2
   and HSDP 2x1, a plain model and one with frozen, NF4 and FP8-gathered groups;
-- the bound: the bytes the loader holds (``hf_stream.HELD``) stay within this rank's shards +
+- the bound: the bytes the loader holds (``export.LEDGER``) stay within this rank's shards +
   1.2 x the largest unit (fp32) + a constant, while the old path's whole-checkpoint read does not;
 - refusals: a missing, unexpected, misshapen key or a broken index raise on every rank and leave
   every shard as it was; so does a checkpoint only rank 1 finds wrong;
@@ -75,7 +75,7 @@ def _build(mesh, kinds: bool):
 def _stream_ranks(rank, world, ckpts, bad):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from yafsdp import hf_stream
+    from yafsdp.export import LEDGER
     from yafsdp.hf import HFCheckpointError, load_hf_weights, read_hf_state_dict
 
     meshes = {"flat": init_device_mesh("cpu", (world,)),
@@ -112,23 +112,23 @@ def _stream_ranks(rank, world, ckpts, bad):
         bound = own + 1.2 * unit + 4096
         results = {}
         for path_name in ("sharded_bf16", "single_fp32"):
-            hf_stream.HELD.reset()
+            LEDGER.reset()
             load_hf_weights(model, ckpts[path_name])
-            results[path_name] = hf_stream.HELD.peak
+            results[path_name] = LEDGER.peak
         # the old path, counted the same way: rank 0 holds the whole checkpoint
         import safetensors.torch as st
 
         load_file = st.load_file
-        st.load_file = lambda *a, **k: {n: hf_stream.HELD.take(t) for n, t in load_file(*a, **k).items()}
+        st.load_file = lambda *a, **k: {n: LEDGER.hold(t) for n, t in load_file(*a, **k).items()}
         try:
-            hf_stream.HELD.reset()
+            LEDGER.reset()
             sd = read_hf_state_dict(ckpts["single_fp32"]) if dist.get_rank() == 0 else None
             model.load_full_state_dict(sd)
             del sd
-            results["old"] = hf_stream.HELD.peak
+            results["old"] = LEDGER.peak
         finally:
             st.load_file = load_file
-        out["bound"][kinds] = dict(results, bound=bound, now=hf_stream.HELD.current,
+        out["bound"][kinds] = dict(results, bound=bound, now=LEDGER.now,
                                    plan=model.memory_plan().load_host)
     return out
 
