@@ -227,6 +227,11 @@ def _agree(problem: str | None, model) -> str | None:
 
 
 @torch.no_grad()
+def _dtype_of(g) -> torch.dtype:
+    """The dtype ``write_shard`` takes group ``g``'s values in without another rounding."""
+    return g.kind.gather_dtype if g.kind.format.stored else g.shard.dtype
+
+
 def _fill(g, lo: int, n: int, out: torch.Tensor, by_param: dict, scratch: torch.Tensor) -> None:
     """Elements [lo, lo + n) of flat group ``g`` into 1-D ``out``: each parameter's part read from its
     source, every element no parameter covers (padding, alignment gaps) set to zero."""
@@ -262,21 +267,28 @@ def load_streaming(model, sources: list, *, error: type[Exception] = ValueError,
     if problem:
         raise error(f"{' + '.join(s.describe() for s, _ in pairs)} does not fit the model: {problem}")
     # one converting read's room, for every group: at most READ_BYTES, never more than the largest slice
-    widest = max((g.layout.shard_numel * 8 for _, g, _, _ in rt.stored_shards()), default=0)
+    # (4 bytes an element: a wider stored dtype, F64, is read in pieces of fewer elements)
+    widest = max((g.layout.shard_numel * 4 for _, g, _, _ in rt.stored_shards()), default=0)
     scratch = LEDGER.hold(torch.empty(min(READ_BYTES, max(widest, 64)), dtype=torch.uint8))
+    direct = rt.device.type == "cpu"
+    indirect = [s for s in rt.stored_shards() if not direct or s.group.kind.format.stored]
+    slab = None
     for u, g, _, _ in rt.stored_shards():  # See [Note: stored shards] in unit.py
         lo, n = g.layout.shard_start, g.layout.shard_numel
-        if rt.device.type == "cpu" and not g.kind.format.stored:
+        if direct and not g.kind.format.stored:
             # straight into the stored shard (fp32 master or frozen shard): each range converted once
             # from the file's dtype, as write_shard's copy would round it; the padding zeroed here
             _fill(g, lo, n, g.shard.detach(), by_param, scratch)
             continue
         # an NF4 group (encoded from its param_dtype values) or a device shard: this rank's slice of
         # the flat group in the dtype write_shard stores from, on the host, then written once
-        dtype = g.kind.gather_dtype if g.kind.format.stored else g.shard.dtype
-        out = LEDGER.hold(torch.empty(n, dtype=dtype))
+        dtype = _dtype_of(g)
+        if slab is None:  # one host vector for every such group, sized to the largest: touched once
+            most = max(s.group.layout.shard_numel * _dtype_of(s.group).itemsize for s in indirect)
+            slab = LEDGER.hold(torch.empty(most, dtype=torch.uint8))
+        out = slab[:n * dtype.itemsize].view(dtype)
         _fill(g, lo, n, out, by_param, scratch)
-        write_shard(rt, g, out.to(rt.device))
+        write_shard(rt, g, out.to(rt.device))  # consumed before the next group overwrites the slab
         del out
 
     def fill(key, b):
@@ -285,17 +297,17 @@ def load_streaming(model, sources: list, *, error: type[Exception] = ValueError,
         b.copy_(flat.view(b.shape))
 
     load_buffers(rt, model._keys, fill)
-    del scratch
+    del scratch, slab
     rt.invalidate_buffers()
     model.mark_loaded()
 
 
 def load_host_bytes(layouts, compute_itemsize: int) -> int:
     """Host bytes the streaming loader holds at its peak on one rank, beyond the engine's own
-    allocations (``python -m yafsdp plan``'s "host at load" row): one flat group's slice in fp32,
-    its ``param_dtype`` copy when it is NF4-quantized, and one read (at most ``READ_BYTES``, or one
-    row of a tensor when a row is longer, and never more than the slice). ``layouts``: the units'
-    ``plan.sizing.UnitShape``. On a GPU the fp32 slice is also copied to the device once at a time."""
+    allocations (``python -m yafsdp plan``'s "host at load" row), at most: one flat group's slice
+    (on a CPU engine only an NF4 group's, in ``param_dtype``; on a GPU engine any group's, in its
+    shard's dtype: at most fp32), the NF4 slice, and the scratch of one converting read (at most
+    ``READ_BYTES``, never more than a slice in fp32). ``layouts``: the units' ``plan.sizing.UnitShape``."""
     big = max((max(lay.trainable_shard, lay.frozen_shard, lay.nf4_shard) for lay in layouts), default=0)
     nf4 = max((lay.nf4_shard for lay in layouts), default=0)
     return 4 * big + compute_itemsize * nf4 + min(READ_BYTES, 4 * big)
