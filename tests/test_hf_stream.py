@@ -287,3 +287,21 @@ def test_peft_meta_refuses_weight_derived_inits():
                      (dict(use_dora=True), "use_dora=True")):
         with pytest.raises(ValueError, match=what):
             meta_peft_model(cfg, peft.LoraConfig(r=2, target_modules=["q_proj"], **kw))
+
+
+def test_plan_reports_host_memory_per_phase():
+    """The plan's host memory per rank at load, in training and at export (issue 24, "say what it
+    needs"): the host-resident state (offload), + the streaming loader's peak, + the writer's chunks."""
+    from yafsdp.export import CHUNK_BYTES
+    from yafsdp.plan import memory_plan
+
+    model = tiny_llama(layers=2)
+    for offload in (None, "all"):
+        plan = memory_plan(model, world_size=2, param_dtype=torch.bfloat16, offload=offload)
+        h = plan.host_phases()
+        assert h["training"] == plan.host_total and (h["training"] > 0) == (offload is not None), (offload, h)
+        assert h["load"] == plan.host_total + plan.load_host > h["training"], (offload, h)
+        assert h["export"] == plan.host_total + 2 * CHUNK_BYTES, (offload, h)
+        assert (f"at load {h['load'] / 2**30:.3f} GiB, training {h['training'] / 2**30:.3f} GiB, "
+                f"export {h['export'] / 2**30:.3f} GiB") in plan.format()
+        assert plan.to_dict()["host_phases"] == h

@@ -161,6 +161,16 @@ class MemoryPlan:
         return (self.host_bytes + (self.optimizer_state if self.offload is not None else 0)
                 + self.checkpoint_staging)
 
+    def host_phases(self) -> dict[str, int]:
+        """Host bytes per rank in each phase of a job: ``training`` (``host_total``: what offload and
+        async_save keep there), ``load`` (that + the streaming loader's peak, ``load_host``), ``export``
+        (that + the writer's conversion chunks; the gathered unit is on the device, in host memory
+        only on a CPU engine). Not counted: the interpreter, torch and CUDA's own host memory."""
+        from ..export import CHUNK_BYTES
+
+        return dict(load=self.host_total + self.load_host, training=self.host_total,
+                    export=self.host_total + 2 * CHUNK_BYTES)
+
     def engine_bytes(self) -> dict[str, int]:
         """The same keys and values as ``YaFSDP.allocated_bytes()`` returns once wrapped."""
         out = {"master": self.master, "grad": self.grad, "compute_copy": self.compute_copy, "frozen": self.frozen,
@@ -274,6 +284,9 @@ class MemoryPlan:
                          f"{self.host_total / GiB:>9.3f}")
         lines.append(f"  {'host at load (hf streaming)':<{w}}  {self.load_host:>16,}  "
                      f"{self.load_host / GiB:>9.3f}")
+        h = self.host_phases()
+        lines.append(f"  host per rank, engine + I/O (add the interpreter's own): at load {h['load'] / GiB:.3f} GiB,"
+                     f" training {h['training'] / GiB:.3f} GiB, export {h['export'] / GiB:.3f} GiB")
         z = self.zero_formula()
         stage = "16 Psi/N" if self.zero_stage == 3 else "2 Psi + 14 Psi/N"
         lines.append(
@@ -306,6 +319,7 @@ class MemoryPlan:
         d["engine_bytes"] = self.engine_bytes()
         d["placement"] = self.placement()
         d["device_total"], d["host_total"] = self.device_total, self.host_total
+        d["host_phases"] = self.host_phases()
         d["zero_formula"] = self.zero_formula()
         return d
 
