@@ -51,7 +51,7 @@ def read_files(files) -> float:
     return time.perf_counter() - t0
 
 
-def rank_main(rank: int, world: int, port: int, ckpt: str, cold: bool, profile: str | None):
+def rank_main(rank: int, world: int, port: int, ckpt: str, cold: bool, profile: str | None, qlora: bool = False):
     import torch
     import torch.distributed as dist
 
@@ -63,9 +63,20 @@ def rank_main(rank: int, world: int, port: int, ckpt: str, cold: bool, profile: 
     from yafsdp.init import meta_parameters
     from transformers import LlamaForCausalLM
 
-    with meta_parameters():
-        m = LlamaForCausalLM(read_hf_config(ckpt))
-    model = yafsdp.YaFSDP(m, param_dtype=torch.bfloat16)
+    if qlora:  # the fine-tuning job's path: a PEFT model on meta, the base streamed in, NF4 per slice
+        import peft
+        from yafsdp.peft_load import load_peft_base, meta_peft_model
+
+        built = meta_peft_model(read_hf_config(ckpt), peft.LoraConfig(
+            r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]), seed=0)
+        model = yafsdp.YaFSDP(built.model, param_dtype=torch.bfloat16, quantize_frozen="nf4")
+
+        def load_hf_weights(model, path):  # noqa: F811 - the QLoRA load in the same place
+            load_peft_base(model, path, built.adapters)
+    else:
+        with meta_parameters():
+            m = LlamaForCausalLM(read_hf_config(ckpt))
+        model = yafsdp.YaFSDP(m, param_dtype=torch.bfloat16)
     files = sorted(glob.glob(os.path.join(ckpt, "*.safetensors")))
     dist.barrier()
     if cold and rank == 0:
@@ -91,11 +102,11 @@ def rank_main(rank: int, world: int, port: int, ckpt: str, cold: bool, profile: 
     dist.destroy_process_group()
 
 
-def one_load(tree: str, ckpt: str, cold: bool, port: int, profile: str | None = None) -> float:
+def one_load(tree: str, ckpt: str, cold: bool, port: int, profile: str | None = None, qlora: bool = False) -> float:
     env = dict(os.environ, PYTHONPATH=tree)
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
             "import bench_load, torch.multiprocessing as mp; "
-            f"mp.spawn(bench_load.rank_main, args=(2, {port}, {ckpt!r}, {cold}, {profile!r}), nprocs=2)")
+            f"mp.spawn(bench_load.rank_main, args=(2, {port}, {ckpt!r}, {cold}, {profile!r}, {qlora}), nprocs=2)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tree)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -109,14 +120,20 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--other", default=None, help="a second tree's root, run in alternation (e.g. the old loader)")
     ap.add_argument("--profile", default=None, help="cProfile rank 0 of one extra warm load of this tree into this file")
+    ap.add_argument("--qlora-profile", default=None,
+                    help="cProfile rank 0 of one warm QLoRA load (meta PEFT + NF4) of this tree into this file")
     a = ap.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = {"this": here} | ({"other": os.path.abspath(a.other)} if a.other else {})
     files = sorted(glob.glob(os.path.join(a.ckpt, "*.safetensors")))
     size = sum(os.path.getsize(f) for f in files)
     res: dict[str, list[float]] = {}
-    how = ""
     port = 29600
+    if a.reps == 0 and a.qlora_profile:
+        read_files(files)
+        print(f"QLoRA load (meta PEFT + NF4, warm, profiled): {one_load(here, a.ckpt, False, port + 2, a.qlora_profile, True):.2f} s")
+        return
+    how = ""
     for rep in range(a.reps):
         for cold in (False, True):
             state = "cold" if cold else "warm"
@@ -129,11 +146,17 @@ def main():
                 if not cold:
                     read_files(files)
                 port += 1
-                res.setdefault(f"load {name} ({state})", []).append(one_load(tree, a.ckpt, cold, port))
+                try:
+                    res.setdefault(f"load {name} ({state})", []).append(one_load(tree, a.ckpt, cold, port))
+                except RuntimeError as e:  # e.g. the OOM killer on a shared box: the row is left out, said here
+                    print(f"rep {rep} load {name} ({state}) failed: {str(e)[-300:]}", flush=True)
             print(rep, {k: round(v[-1], 2) for k, v in res.items()}, flush=True)
     if a.profile:
         read_files(files)
         one_load(here, a.ckpt, False, port + 1, a.profile)
+    if a.qlora_profile:
+        read_files(files)
+        print(f"QLoRA load (meta PEFT + NF4, warm, profiled): {one_load(here, a.ckpt, False, port + 2, a.qlora_profile, True):.2f} s")
     print(f"checkpoint: {a.ckpt}: {len(files)} files, {size / GiB:.2f} GiB; cold = {how}; reps {a.reps}; "
           f"load average at the end {os.getloadavg()}")
     print("| row | median s | min s | max s | GB/s (median) |")
@@ -145,10 +168,12 @@ def main():
     for state in ("warm", "cold"):
         r = med[f"read files ({state})"]
         for name in trees:
+            if f"load {name} ({state})" not in med:
+                continue
             l = med[f"load {name} ({state})"]
             print(f"{state}: load {name} / read files throughput = {r / l:.2f} "
                   f"({'met' if r / l >= 0.5 else 'NOT MET'}: goal >= 0.5)")
-        if a.other:
+        if a.other and f"load other ({state})" in med and f"load this ({state})" in med:
             print(f"{state}: load this vs other: {med[f'load other ({state})'] / med[f'load this ({state})']:.2f}x faster")
 
 
