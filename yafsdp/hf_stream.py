@@ -270,14 +270,18 @@ def load_streaming(model, sources: list, *, error: type[Exception] = ValueError,
     # (4 bytes an element: a wider stored dtype, F64, is read in pieces of fewer elements)
     widest = max((g.layout.shard_numel * 4 for _, g, _, _ in rt.stored_shards()), default=0)
     scratch = LEDGER.hold(torch.empty(min(READ_BYTES, max(widest, 64)), dtype=torch.uint8))
-    direct = rt.device.type == "cpu"
-    indirect = [s for s in rt.stored_shards() if not direct or s.group.kind.format.stored]
+
+    def direct(g):  # a host shard that stores the values as they are (not NF4): written in place
+        return g.shard.device.type == "cpu" and not g.kind.format.stored
+
+    indirect = [s for s in rt.stored_shards() if not direct(s.group)]
     slab = None
     for u, g, _, _ in rt.stored_shards():  # See [Note: stored shards] in unit.py
         lo, n = g.layout.shard_start, g.layout.shard_numel
-        if direct and not g.kind.format.stored:
-            # straight into the stored shard (fp32 master or frozen shard): each range converted once
-            # from the file's dtype, as write_shard's copy would round it; the padding zeroed here
+        if direct(g):
+            # straight into the stored shard (fp32 master or frozen shard, on a CPU engine or offloaded):
+            # each range converted once from the file's dtype, as write_shard's copy would round it;
+            # the padding zeroed here
             _fill(g, lo, n, g.shard.detach(), by_param, scratch)
             continue
         # an NF4 group (encoded from its param_dtype values) or a device shard: this rank's slice of
