@@ -20,8 +20,9 @@ flat group's slice (only where it cannot be written in place) and one bounded re
   A range of a row-major tensor is one contiguous byte range of its file, so each is one
   ``pread``: straight into the destination when it has the stored dtype, else in pieces of at most
   ``READ_BYTES`` into one scratch buffer (allocated once per load), each converted by a single
-  copy into the destination. The destination is the stored shard itself on a CPU engine (the
-  fp32 master, or a frozen shard in ``param_dtype``: the copy rounds as ``write_shard``'s would);
+  copy into the destination. The destination is the stored shard itself when it is in host
+  memory (a CPU engine, or offload): the fp32 master, or a frozen shard in ``param_dtype`` (the
+  copy rounds as ``write_shard``'s would);
   for an NF4 group (quantized from its ``param_dtype`` values) or a device shard it is one host
   vector of the slice, then ``state_dict.write_shard`` (the old rank-0 scatter's end) writes it.
   The elements no parameter covers (padding) are zeroed. Each stored value is rounded once into
