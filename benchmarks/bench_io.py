@@ -345,6 +345,16 @@ def report(a, ck, results, say):
                 goals.append((f"{name} writer: growth {m['growth'] / GiB:.3f} GiB <= shard {parse_size(a.max_shard_size) / GiB:.3f}"
                               f" + unit {m['unit'] / GiB:.3f} + 1 GiB = {bound / GiB:.3f} GiB"
                               + (" (the old path, for comparison)" if name == "old_export" else ""), m["growth"] <= bound))
+        if name == "qlora":  # the "done when": a base larger than one rank's share of host memory
+            share = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / a.world
+            for rank, m in enumerate(per):
+                if m is None:
+                    continue
+                peak = m["base"] + m["growth"]
+                goals.append((f"QLoRA rank {rank}: base {ck['bytes'] / GiB:.2f} GiB on disk > one rank's share of host "
+                              f"memory {share / GiB:.2f} GiB, and the rank's peak resident memory {peak / GiB:.2f} GiB "
+                              f"({m['base'] / GiB:.2f} before the load, with the interpreter and the wrapped NF4 model, "
+                              f"+ {m['growth'] / GiB:.2f} growth) fits in that share", ck["bytes"] > share and peak < share))
         if name == "load":
             slow = max(m["seconds"] for m in per)
             gbps = ck["bytes"] / slow / 1e9

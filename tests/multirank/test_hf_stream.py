@@ -5,7 +5,7 @@
   ``load_full_state_dict`` scatters it), torch.equal on every stored shard, for a single-file and
   a sharded checkpoint (with its index, as HF writes them), stored bf16 / fp16 / fp32, world 2
   and HSDP 2x1, a plain model and one with frozen, NF4 and FP8-gathered groups;
-- the bound: the bytes the loader holds (``hf_stream.HELD``) stay within this rank's shards +
+- the bound: the bytes the loader holds (``export.LEDGER``) stay within this rank's shards +
   1.2 x the largest unit (fp32) + a constant, while the old path's whole-checkpoint read does not;
 - refusals: a missing, unexpected, misshapen key or a broken index raise on every rank and leave
   every shard as it was; so does a checkpoint only rank 1 finds wrong;
@@ -75,7 +75,7 @@ def _build(mesh, kinds: bool):
 def _stream_ranks(rank, world, ckpts, bad):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from yafsdp.integrations import hf_stream
+    from yafsdp.export import LEDGER
     from yafsdp.hf import HFCheckpointError, load_hf_weights, read_hf_state_dict
 
     meshes = {"flat": init_device_mesh("cpu", (world,)),
@@ -112,23 +112,23 @@ def _stream_ranks(rank, world, ckpts, bad):
         bound = own + 1.2 * unit + 4096
         results = {}
         for path_name in ("sharded_bf16", "single_fp32"):
-            hf_stream.HELD.reset()
+            LEDGER.reset()
             load_hf_weights(model, ckpts[path_name])
-            results[path_name] = hf_stream.HELD.peak
+            results[path_name] = LEDGER.peak
         # the old path, counted the same way: rank 0 holds the whole checkpoint
         import safetensors.torch as st
 
         load_file = st.load_file
-        st.load_file = lambda *a, **k: {n: hf_stream.HELD.take(t) for n, t in load_file(*a, **k).items()}
+        st.load_file = lambda *a, **k: {n: LEDGER.hold(t) for n, t in load_file(*a, **k).items()}
         try:
-            hf_stream.HELD.reset()
+            LEDGER.reset()
             sd = read_hf_state_dict(ckpts["single_fp32"]) if dist.get_rank() == 0 else None
             model.load_full_state_dict(sd)
             del sd
-            results["old"] = hf_stream.HELD.peak
+            results["old"] = LEDGER.peak
         finally:
             st.load_file = load_file
-        out["bound"][kinds] = dict(results, bound=bound, now=hf_stream.HELD.current,
+        out["bound"][kinds] = dict(results, bound=bound, now=LEDGER.now,
                                    plan=model.memory_plan().load_host)
     return out
 
@@ -287,3 +287,21 @@ def test_peft_meta_refuses_weight_derived_inits():
                      (dict(use_dora=True), "use_dora=True")):
         with pytest.raises(ValueError, match=what):
             meta_peft_model(cfg, peft.LoraConfig(r=2, target_modules=["q_proj"], **kw))
+
+
+def test_plan_reports_host_memory_per_phase():
+    """The plan's host memory per rank at load, in training and at export (issue 24, "say what it
+    needs"): the host-resident state (offload), + the streaming loader's peak, + the writer's chunks."""
+    from yafsdp.export import CHUNK_BYTES
+    from yafsdp.plan import memory_plan
+
+    model = tiny_llama(layers=2)
+    for offload in (None, "all"):
+        plan = memory_plan(model, world_size=2, param_dtype=torch.bfloat16, offload=offload)
+        h = plan.host_phases()
+        assert h["training"] == plan.host_total and (h["training"] > 0) == (offload is not None), (offload, h)
+        assert h["load"] == plan.host_total + plan.load_host > h["training"], (offload, h)
+        assert h["export"] == plan.host_total + 2 * CHUNK_BYTES, (offload, h)
+        assert (f"at load {h['load'] / 2**30:.3f} GiB, training {h['training'] / 2**30:.3f} GiB, "
+                f"export {h['export'] / 2**30:.3f} GiB") in plan.format()
+        assert plan.to_dict()["host_phases"] == h

@@ -139,3 +139,17 @@ def test_cuda_expand_equals_cpu(dtype):
     gpu = torch.empty(3 * shard, dtype=dtype, device="cuda")
     kernels.nf4_expand_(gpu, staging.cuda(), nf4.codebook(dtype, "cuda"), shard)
     assert torch.equal(bits(gpu.cpu()), bits(cpu))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_code_table_equals_the_nearest_level_search_on_every_value(dtype):
+    """The quantizer's lookup ([Note: the NF4 code table]) gives the 16-level search's code for every
+    finite value in [-1, 1] of the dtype (each block scaled by 1: a 1.0 leads it), including ties."""
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    v = every[torch.isfinite(every) & (every.abs() <= 1)]
+    v = torch.cat([v, v[: -v.numel() % 63]]).view(-1, 63)  # whole blocks of 63 + the leading 1.0
+    values = torch.cat([torch.ones(v.shape[0], 1, dtype=dtype), v], 1).reshape(-1)
+    codes, scales = nf4.quantize(values)
+    want = nf4._nearest(values, nf4.codebook(dtype)).to(torch.uint8)
+    assert torch.equal(scales, torch.ones_like(scales))
+    assert torch.equal(codes, want[0::2] << 4 | want[1::2])

@@ -38,7 +38,7 @@ class ShardInfo:
     shard_numel: int
     param_ref: weakref.ref = field(repr=False)  # the shard itself, weakly (the registry keeps nothing alive)
     # Compact groups (kind "nf4"): the dtype of the values the shard encodes. Its ``param`` is then
-    # not shard_numel values but this rank's byte record of them (yafsdp.nf4.split_record: packed
+    # not shard_numel values but this rank's byte record of them (formats.nf4_codec.split_record: packed
     # 4-bit codes, then one scale of this dtype per 64 elements). None for plain shards.
     values_dtype: torch.dtype | None = None
     # The name of the stored format of a compact group ("nf4"; yafsdp.formats.get(format) is the

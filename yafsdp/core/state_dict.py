@@ -25,7 +25,7 @@ from .runtime import Runtime
 from .unit import FlatGroup
 from .units import UnitSpec, WrapError
 
-__all__ = ["StateDictKeys", "gather_full", "load_full", "materialize", "scatter_group", "write_shard", "original_structure"]
+__all__ = ["StateDictKeys", "gather_full", "load_buffers", "load_full", "materialize", "scatter_group", "write_shard", "original_structure"]
 
 
 class StateDictKeys:
@@ -184,6 +184,20 @@ def load_full(rt: Runtime, keys: StateDictKeys, state_dict, group, rank: int, wo
             full = rt.fp32_scratch(u, g)
             g.layout.flatten([by_param[id(p)].to(rt.device, torch.float32) for p in g.params], full)
         scatter_group(rt, g, full, group, rank, world)
+
+    def fill(key, b):
+        if rank == 0:
+            b.copy_(state_dict[key])
+        _broadcast_buffer(b, group)
+
+    load_buffers(rt, keys, fill)
+    rt.invalidate_buffers()
+
+
+def load_buffers(rt: Runtime, keys: StateDictKeys, fill) -> None:
+    """Every checkpointed module buffer (``keys``' buffer entries), in key order: one still on the
+    meta device is made on the engine's device, then ``fill(key, buffer)`` writes it in place
+    (``load_full``: rank 0's value, broadcast; the streaming loads: each rank reads it)."""
     for key, kind, ref in keys.entries:
         if kind != "buffer":
             continue
@@ -191,11 +205,8 @@ def load_full(rt: Runtime, keys: StateDictKeys, state_dict, group, rank: int, wo
         b = m._buffers[bname]
         if b.is_meta:
             b = torch.empty_like(b, device=rt.device)
-        if rank == 0:
-            b.copy_(state_dict[key])
-        _broadcast_buffer(b, group)
+        fill(key, b)
         m._buffers[bname] = b
-    rt.invalidate_buffers()
 
 
 @contextmanager

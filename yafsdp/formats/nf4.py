@@ -1,6 +1,6 @@
 """NF4 as a format: the 4-bit storage of frozen ``nn.Linear`` weights (``quantize_frozen="nf4"``).
 
-The arithmetic and the record layout are ``yafsdp.nf4``'s ([Note: NF4 frozen groups] there);
+The arithmetic and the record layout are ``formats/nf4_codec.py``'s ([Note: NF4 frozen groups] there);
 this object is what the engine asks (see [Note: gather formats] in base.py). A *storage* format:
 the record is the shard of record, encoded at wrap time and on every load from the values in
 ``param_dtype``; a checkpoint holds its codes and scales.

@@ -83,22 +83,50 @@ def eligible(info) -> bool:
             and all(isinstance(m, torch.nn.Linear) and attr == "weight" for m, attr in info.owners))
 
 
+def _nearest(scaled: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest level of every element, the first level on a tie (torchao's rule)."""
+    return (scaled.unsqueeze(-1) - levels).abs().min(dim=-1).indices
+
+
+# [Note: the NF4 code table]
+# A 16-bit dtype (bf16, fp16) has 65,536 values, so the nearest-level search above can run once over
+# every one of them: the table maps a scaled value's bits (as int16, + 32768) to its code, and the
+# quantizer looks codes up instead of comparing each element with 16 levels (measured: the search
+# was 99% of a QLoRA load's time, benchmarks/results/io_cpu_2026-11-26.md). The table is that search's
+# output, so the codes are the same bit for bit (tests/test_nf4.py compares both on every value).
+_CODE_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _code_table(dtype: torch.dtype, device) -> torch.Tensor:
+    """uint8[65536]: the code of the ``dtype`` value whose bits, read as int16, are ``i - 32768``."""
+    key = (dtype, str(torch.device(device)))
+    t = _CODE_TABLES.get(key)
+    if t is None:
+        every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+        t = _CODE_TABLES[key] = _nearest(every, codebook(dtype)).to(torch.uint8).to(device)
+    return t
+
+
 @torch.no_grad()
 def quantize(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``values`` (1-D, a multiple of 64 elements, the values' dtype) -> (packed codes uint8, scales)."""
     if values.dim() != 1 or values.numel() % BLOCK:
-        raise ValueError(f"yafsdp.nf4.quantize: expected 1-D values of a multiple of {BLOCK} elements, "
+        raise ValueError(f"yafsdp.formats.nf4_codec.quantize: expected 1-D values of a multiple of {BLOCK} elements, "
                          f"got shape {tuple(values.shape)}")
     n = values.numel()
     blocks = values.view(-1, BLOCK)
     scales = blocks.abs().amax(dim=1)
     levels = codebook(values.dtype, values.device)
     codes = torch.empty(n, dtype=torch.uint8, device=values.device)
-    step = _CHUNK // BLOCK
+    table = _code_table(values.dtype, values.device) if values.element_size() == 2 else None
+    step = (_CHUNK if table is None else 16 * _CHUNK) // BLOCK
     for b0 in range(0, blocks.shape[0], step):
         blk, s = blocks[b0:b0 + step], scales[b0:b0 + step]
         scaled = (blk / s.unsqueeze(-1)).reshape(-1)  # in the values' dtype, as torchao
-        idx = (scaled.unsqueeze(-1) - levels).abs().min(dim=-1).indices  # the first level on a tie
+        if table is None:
+            idx = _nearest(scaled, levels)
+        else:  # See [Note: the NF4 code table]
+            idx = table[scaled.view(torch.int16).to(torch.int32) + 32768]
         idx = idx.view(-1, BLOCK).masked_fill_((s == 0).unsqueeze(-1), ZERO_INDEX)
         codes[b0 * BLOCK:(b0 + blk.shape[0]) * BLOCK] = idx.reshape(-1).to(torch.uint8)
     return codes[0::2] << 4 | codes[1::2], scales

@@ -29,7 +29,8 @@ the next unit's all-gather. The folder is written as ``<out>.tmp-export`` and re
 
 :data:`LEDGER` counts the bytes the coordinator holds for the stream (every gathered flat buffer,
 converted chunk and merged weight is registered and released when its tensor is freed); the tests
-read its peak to check the bound above.
+read its peak to check the bound above. The streaming loader counts its buffers into the same
+ledger ([Note: streaming loads] in hf_stream.py): one counter for the I/O paths.
 """
 from __future__ import annotations
 

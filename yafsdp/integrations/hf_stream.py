@@ -8,21 +8,28 @@ second source (the adapters PEFT initialised) and a renaming (PEFT's ``base_laye
 
 [Note: streaming loads]
 No rank ever holds the whole model, and no rank holds more of it than its own shards plus one
-flat group's slice in fp32 and one bounded read:
+flat group's slice (only where it cannot be written in place) and one bounded read buffer:
 
-- Every rank opens the checkpoint's safetensors files (``safe_open`` reads the JSON header only;
+- Every rank opens the checkpoint's safetensors files (``_File`` reads the JSON header only;
   the data stays in the file) and checks the keys, shapes and dtypes against the model's
   ``StateDictKeys`` -- missing, unexpected, misshapen, or stored as a non-floating dtype where a
   parameter is. The ranks agree (an all-gather of each rank's verdict over the shard group, then
   over the replicate group) and every rank raises the same error before any shard is written.
 - Then, for each stored shard (``Runtime.stored_shards``: [Note: stored shards] in unit.py), the
-  rank computes which element range of which parameter falls into its slice of the flat layout
-  and reads exactly those elements with ``get_slice`` (whole rows, or one partial row at a slice's
-  ends, in reads of at most ``READ_BYTES``), converting the stored dtype (bf16, fp16, fp32) to fp32
-  on the fly into a zeroed fp32 vector of the shard's length (the padding stays zero). That
-  vector then goes where the old rank-0 scatter's output went (``state_dict.write_shard``): copied
-  into the fp32 master, rounded into a frozen shard, or rounded and NF4-quantized by this rank.
-  Arithmetic is the same as ``load_full_state_dict``'s, so the shards are bit-identical to it.
+  rank computes which element range of which parameter falls into its slice of the flat layout.
+  A range of a row-major tensor is one contiguous byte range of its file, so each is one
+  ``pread``: straight into the destination when it has the stored dtype, else in pieces of at most
+  ``READ_BYTES`` into one scratch buffer (allocated once per load), each converted by a single
+  copy into the destination. The destination is the stored shard itself when it is in host
+  memory (a CPU engine, or offload): the fp32 master, or a frozen shard in ``param_dtype`` (the
+  copy rounds as ``write_shard``'s would);
+  for an NF4 group (quantized from its ``param_dtype`` values) or a device shard it is one host
+  vector of the slice, then ``state_dict.write_shard`` (the old rank-0 scatter's end) writes it.
+  The elements no parameter covers (padding) are zeroed. Each stored value is rounded once into
+  the shard's dtype, as ``load_full_state_dict``'s fp32 path rounds it, so the shards are
+  bit-identical to it. Measured (benchmarks/results/io_cpu_2026-11-26.md): the earlier reader
+  (``safe_open(...).get_slice`` per row block, a bf16 tensor per read, an fp32 slice vector,
+  then a copy into the shard) made four passes over every byte and ran at 0.48 GB/s.
 - HSDP: every replica's rank reads the same ranges itself -- the replicas hold identical shards
   without a broadcast. Module buffers in the checkpoint are read whole by every rank.
 
@@ -32,9 +39,9 @@ and no rank holding a whole unit; the price is that every rank must see the file
 ``read_hf_config`` already asks of every rank for config.json. A read that fails midway (an I/O
 error after the checks) leaves the shards partly written: load again.
 
-The bytes the loader holds are counted (``HELD``): every tensor it reads from a file and every
-scratch vector it allocates is registered and counted until it is freed, so a test can bound the
-loader's peak (tests/multirank/test_hf_stream.py) without timing or RSS.
+The bytes the loader holds are counted (``export.LEDGER``, the one counter the streaming export
+uses too): the scratch buffer and every slice vector it allocates are registered and counted until
+freed, so a test can bound the loader's peak (tests/multirank/test_hf_stream.py) without timing or RSS.
 """
 from __future__ import annotations
 
@@ -48,35 +55,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .export import _ST_DTYPES, LEDGER
 from .hf_files import INDEX, HFCheckpointError, weight_files
 
-__all__ = ["HELD", "READ_BYTES", "Entry", "SafetensorsSource", "TensorSource", "load_streaming"]
+__all__ = ["READ_BYTES", "Entry", "SafetensorsSource", "TensorSource", "load_streaming"]
 
-READ_BYTES = 64 << 20  # the most one read from a file holds (at least one row of the tensor)
+READ_BYTES = 64 << 20  # the most one converting read from a file holds (the scratch buffer's size)
 
-
-class Held:
-    """Bytes of the tensors the loader has read or allocated and not yet freed; ``peak`` since ``reset``."""
-
-    def __init__(self):
-        self.current = 0
-        self.peak = 0
-
-    def reset(self) -> None:
-        self.peak = self.current
-
-    def take(self, t: torch.Tensor) -> torch.Tensor:
-        n = t.untyped_storage().nbytes()
-        self.current += n
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(t, self._free, n)
-        return t
-
-    def _free(self, n: int) -> None:
-        self.current -= n
-
-
-HELD = Held()
+# safetensors' dtype names -> torch dtypes (the inverse of export's table)
+_DTYPES = {code: dt for dt, code in _ST_DTYPES.items()}
 
 
 @dataclass
@@ -86,37 +73,64 @@ class Entry:
     shape: tuple
     dtype: str  # as stored ("BF16", "F32", ... for safetensors; str(torch dtype) for tensors)
     floating: bool
-    read: Callable[[int, int, torch.Tensor], None]  # (start, stop, out): flattened elements -> 1-D out
+    # (start, stop, out, scratch): flattened elements [start, stop) into 1-D contiguous ``out``, converted
+    # to out's dtype; ``scratch``: a 1-D uint8 CPU tensor a converting read may use (see load_streaming)
+    read: Callable[[int, int, torch.Tensor, torch.Tensor], None]
 
 
-def _read_range(sl, shape: tuple, start: int, stop: int, out: torch.Tensor, prefix: tuple = ()) -> None:
-    """Elements [start, stop) of the row-major tensor ``sl[prefix]`` (of shape ``shape``) into 1-D
-    ``out`` (converted to out's dtype), reading whole rows, or a partial row at either end."""
-    if start >= stop:
-        return
-    if not shape:  # a scalar
-        out.copy_(HELD.take(sl[prefix] if prefix else sl[...]).reshape(-1))
-        return
-    if len(shape) == 1:
-        out.copy_(HELD.take(sl[prefix + (slice(start, stop),)]))
-        return
-    row = math.prod(shape[1:])
-    first, last = -(-start // row), stop // row  # the whole rows in [start, stop)
-    if first > last:  # inside one row
-        r = start // row
-        _read_range(sl, shape[1:], start - r * row, stop - r * row, out, prefix + (r,))
-        return
-    head = first * row - start
-    _read_range(sl, shape[1:], row - head, row, out[:head], prefix + (first - 1,))
-    itemsize = max(1, out.element_size())
-    step = max(1, READ_BYTES // (row * itemsize))
-    for r in range(first, last, step):
-        r2 = min(last, r + step)
-        chunk = HELD.take(sl[prefix + (slice(r, r2),)])
-        at = head + (r - first) * row
-        out[at:at + (r2 - r) * row].copy_(chunk.reshape(-1))
-        del chunk
-    _read_range(sl, shape[1:], 0, stop - last * row, out[head + (last - first) * row:], prefix + (last,))
+def _pread_into(fd: int, offset: int, dest: torch.Tensor, where: str) -> None:
+    """The file's bytes from ``offset`` into contiguous CPU tensor ``dest``'s memory, whole."""
+    mv = memoryview(dest.view(-1).view(torch.uint8).numpy()).cast("B")
+    while len(mv):
+        got = os.preadv(fd, [mv], offset)
+        if got <= 0:
+            raise OSError(f"{where}: the file ends at byte {offset}, before the tensor's data does")
+        mv, offset = mv[got:], offset + got
+
+
+class _File:
+    """One safetensors file: its header parsed (8-byte little-endian length, then JSON), its tensors
+    read by byte range with ``pread`` -- no mapping, so what the loader holds is what it allocated."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)
+        size = os.fstat(self.fd).st_size
+        raw = os.pread(self.fd, 8, 0)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if not 0 < n <= min(size - 8, 100 << 20):
+            raise ValueError(f"header length {n} does not fit the file's {size} bytes")
+        header = json.loads(os.pread(self.fd, n, 8))
+        header.pop("__metadata__", None)
+        base = 8 + n
+        self.tensors = {}  # key -> (shape, dtype name, torch dtype, byte offset of its data in the file)
+        for k, h in header.items():
+            shape, code, (b, e) = tuple(h["shape"]), h["dtype"], h["data_offsets"]
+            dt = _DTYPES.get(code)
+            if dt is None:
+                raise ValueError(f"tensor {k!r} has dtype {code!r}, which this loader does not read")
+            if e - b != math.prod(shape) * dt.itemsize or not 0 <= b <= e <= size - base:
+                raise ValueError(f"tensor {k!r}: data_offsets [{b}, {e}] do not fit shape {shape} x {code} "
+                                 f"in a file of {size} bytes")
+            self.tensors[k] = (shape, code, dt, base + b)
+
+    def read(self, key: str, start: int, stop: int, out: torch.Tensor, scratch: torch.Tensor) -> None:
+        """Elements [start, stop) of row-major ``key`` into 1-D contiguous ``out``: one read straight
+        into ``out`` when it has the stored dtype, else reads of at most ``scratch``'s bytes, each
+        converted by one copy into its part of ``out`` (no other intermediate)."""
+        _, _, dt, at = self.tensors[key]
+        size = dt.itemsize
+        where = f"{self.path!r}, tensor {key!r}"
+        if out.dtype == dt and out.device.type == "cpu":
+            _pread_into(self.fd, at + start * size, out, where)
+            return
+        step = max(1, scratch.numel() // size)
+        for i in range(start, stop, step):
+            j = min(stop, i + step)
+            part = scratch[:(j - i) * size]
+            _pread_into(self.fd, at + i * size, part, where)
+            out[i - start:j - start].copy_(part.view(dt))
 
 
 class SafetensorsSource:
@@ -124,7 +138,6 @@ class SafetensorsSource:
     ``model.safetensors.index.json`` lists), read lazily. Opening reads the headers only."""
 
     def __init__(self, path: str):
-        from safetensors import safe_open
 
         self.path = path
         self.entries: dict[str, Entry] = {}
@@ -132,20 +145,17 @@ class SafetensorsSource:
         where: dict[str, str] = {}
         for f in weight_files(path):
             try:
-                h = safe_open(f, framework="pt", device="cpu")
-                keys = list(h.keys())
-                slices = {k: h.get_slice(k) for k in keys}
+                h = _File(f)
             except Exception as e:  # noqa: BLE001
                 raise HFCheckpointError(f"{f!r} cannot be read as safetensors ({type(e).__name__}: {e})") from None
             self._files.append(h)
-            for k, sl in slices.items():
+            for k, (shape, code, _, _) in h.tensors.items():
                 if k in where:
                     raise HFCheckpointError(f"{path!r}: tensor {k!r} is in both {where[k]!r} and "
                                             f"{os.path.basename(f)!r}")
                 where[k] = os.path.basename(f)
-                shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
-                self.entries[k] = Entry(shape, dtype, dtype.startswith(("F", "BF")),
-                                        lambda a, b, out, sl=sl, shape=shape: _read_range(sl, shape, a, b, out))
+                self.entries[k] = Entry(shape, code, code.startswith(("F", "BF")),
+                                        lambda a, b, out, scratch, h=h, k=k: h.read(k, a, b, out, scratch))
         index = os.path.join(path, INDEX)
         if len(self._files) > 1 or not os.path.isfile(os.path.join(path, "model.safetensors")):
             with open(index) as fh:
@@ -166,7 +176,7 @@ class TensorSource:
     def __init__(self, tensors: dict[str, torch.Tensor], what: str = "tensors in memory"):
         self.what = what
         self.entries = {k: Entry(tuple(t.shape), str(t.dtype), t.is_floating_point(),
-                                 lambda a, b, out, t=t: out.copy_(t.detach().reshape(-1)[a:b]))
+                                 lambda a, b, out, scratch, t=t: out.copy_(t.detach().reshape(-1)[a:b]))
                         for k, t in tensors.items()}
 
     def describe(self) -> str:
@@ -218,12 +228,33 @@ def _agree(problem: str | None, model) -> str | None:
 
 
 @torch.no_grad()
+def _dtype_of(g) -> torch.dtype:
+    """The dtype ``write_shard`` takes group ``g``'s values in without another rounding."""
+    return g.kind.gather_dtype if g.kind.format.stored else g.shard.dtype
+
+
+def _fill(g, lo: int, n: int, out: torch.Tensor, by_param: dict, scratch: torch.Tensor) -> None:
+    """Elements [lo, lo + n) of flat group ``g`` into 1-D ``out``: each parameter's part read from its
+    source, every element no parameter covers (padding, alignment gaps) set to zero."""
+    at = 0
+    for p in sorted(g.params, key=lambda p: p.offset):
+        a, b = max(lo, p.offset), min(lo + n, p.offset + p.numel)
+        if a >= b:
+            continue
+        if a - lo > at:
+            out[at:a - lo].zero_()
+        by_param[id(p)].read(a - p.offset, b - p.offset, out[a - lo:b - lo], scratch)
+        at = max(at, b - lo)
+    if at < n:
+        out[at:].zero_()
+
+
 def load_streaming(model, sources: list, *, error: type[Exception] = ValueError, what: str = "load") -> None:
     """Collective. Fill every stored shard and checkpointed buffer of wrapped ``model`` from
     ``sources`` (a list of sources, or of (source, rename) pairs), each rank reading only its own
     slices. Checked on every rank first; nothing is modified on error. See [Note: streaming loads]."""
     from ..comm.groups import check_collective
-    from ..core.state_dict import write_shard
+    from ..core.state_dict import load_buffers, write_shard
 
     check_collective(f"{what}()", model.process_group)
     model.check_idle(what)
@@ -236,37 +267,52 @@ def load_streaming(model, sources: list, *, error: type[Exception] = ValueError,
     problem = _agree(problem, model)
     if problem:
         raise error(f"{' + '.join(s.describe() for s, _ in pairs)} does not fit the model: {problem}")
+    # one converting read's room, for every group: at most READ_BYTES, never more than the largest slice
+    # (4 bytes an element: a wider stored dtype, F64, is read in pieces of fewer elements)
+    widest = max((g.layout.shard_numel * 4 for _, g, _, _ in rt.stored_shards()), default=0)
+    scratch = LEDGER.hold(torch.empty(min(READ_BYTES, max(widest, 64)), dtype=torch.uint8))
+
+    def direct(g):  # a host shard that stores the values as they are (not NF4): written in place
+        return g.shard.device.type == "cpu" and not g.kind.format.stored
+
+    indirect = [s for s in rt.stored_shards() if not direct(s.group)]
+    slab = None
     for u, g, _, _ in rt.stored_shards():  # See [Note: stored shards] in unit.py
         lo, n = g.layout.shard_start, g.layout.shard_numel
-        out = HELD.take(torch.zeros(n, dtype=torch.float32))  # this rank's slice of the flat group, padding zero
-        for p in g.params:
-            a, b = max(lo, p.offset), min(lo + n, p.offset + p.numel)
-            if a < b:
-                by_param[id(p)].read(a - p.offset, b - p.offset, out[a - lo:b - lo])
-        write_shard(rt, g, out.to(rt.device))
-        del out
-    for key, kind, ref in model._keys.entries:
-        if kind != "buffer":
+        if direct(g):
+            # straight into the stored shard (fp32 master or frozen shard, on a CPU engine or offloaded):
+            # each range converted once from the file's dtype, as write_shard's copy would round it;
+            # the padding zeroed here
+            _fill(g, lo, n, g.shard.detach(), by_param, scratch)
             continue
-        m, bname = ref
-        b = m._buffers[bname]
-        if b.is_meta:
-            b = torch.empty_like(b, device=rt.device)
-        flat = HELD.take(torch.empty(b.numel(), dtype=b.dtype))
-        buffers[key].read(0, b.numel(), flat)
+        # an NF4 group (encoded from its param_dtype values) or a device shard: this rank's slice of
+        # the flat group in the dtype write_shard stores from, on the host, then written once
+        dtype = _dtype_of(g)
+        if slab is None:  # one host vector for every such group, sized to the largest: touched once
+            most = max(s.group.layout.shard_numel * _dtype_of(s.group).itemsize for s in indirect)
+            slab = LEDGER.hold(torch.empty(most, dtype=torch.uint8))
+        out = slab[:n * dtype.itemsize].view(dtype)
+        _fill(g, lo, n, out, by_param, scratch)
+        write_shard(rt, g, out.to(rt.device))  # consumed before the next group overwrites the slab
+        del out
+
+    def fill(key, b):
+        flat = LEDGER.hold(torch.empty(b.numel(), dtype=b.dtype))
+        buffers[key].read(0, b.numel(), flat, scratch)
         b.copy_(flat.view(b.shape))
-        m._buffers[bname] = b
-        del flat
+
+    load_buffers(rt, model._keys, fill)
+    del scratch, slab
     rt.invalidate_buffers()
     model.mark_loaded()
 
 
 def load_host_bytes(layouts, compute_itemsize: int) -> int:
     """Host bytes the streaming loader holds at its peak on one rank, beyond the engine's own
-    allocations (``python -m yafsdp plan``'s "host at load" row): one flat group's slice in fp32,
-    its ``param_dtype`` copy when it is NF4-quantized, and one read (at most ``READ_BYTES``, or one
-    row of a tensor when a row is longer, and never more than the slice). ``layouts``: the units'
-    ``plan.sizing.UnitShape``. On a GPU the fp32 slice is also copied to the device once at a time."""
+    allocations (``python -m yafsdp plan``'s "host at load" row), at most: one flat group's slice
+    (on a CPU engine only an NF4 group's, in ``param_dtype``; on a GPU engine any group's, in its
+    shard's dtype: at most fp32), the NF4 slice, and the scratch of one converting read (at most
+    ``READ_BYTES``, never more than a slice in fp32). ``layouts``: the units' ``plan.sizing.UnitShape``."""
     big = max((max(lay.trainable_shard, lay.frozen_shard, lay.nf4_shard) for lay in layouts), default=0)
     nf4 = max((lay.nf4_shard for lay in layouts), default=0)
     return 4 * big + compute_itemsize * nf4 + min(READ_BYTES, 4 * big)

@@ -78,7 +78,7 @@ class MemoryPlan:
     reduce_accum_dtype: str | None = None
     activations: ActivationEstimate | None = None
     notes: list[str] = field(default_factory=list)
-    # host bytes the streaming HF loader adds at its peak (yafsdp.hf_stream.load_host_bytes)
+    # host bytes the streaming HF loader adds at its peak (yafsdp.integrations.hf_stream.load_host_bytes)
     load_host: int = 0
     export_unit: int = 0  # bytes of the largest unit gathered whole (yafsdp.hf.export_hf streams units)
 
@@ -161,6 +161,16 @@ class MemoryPlan:
         optimizer state (pinned); with ``async_save`` the checkpoint's staging copy (pageable)."""
         return (self.host_bytes + (self.optimizer_state if self.offload is not None else 0)
                 + self.checkpoint_staging)
+
+    def host_phases(self) -> dict[str, int]:
+        """Host bytes per rank in each phase of a job: ``training`` (``host_total``: what offload and
+        async_save keep there), ``load`` (that + the streaming loader's peak, ``load_host``), ``export``
+        (that + the writer's conversion chunks; the gathered unit is on the device, in host memory
+        only on a CPU engine). Not counted: the interpreter, torch and CUDA's own host memory."""
+        from ..integrations.export import CHUNK_BYTES
+
+        return dict(load=self.host_total + self.load_host, training=self.host_total,
+                    export=self.host_total + 2 * CHUNK_BYTES)
 
     def engine_bytes(self) -> dict[str, int]:
         """The same keys and values as ``YaFSDP.allocated_bytes()`` returns once wrapped."""
@@ -275,6 +285,9 @@ class MemoryPlan:
                          f"{self.host_total / GiB:>9.3f}")
         lines.append(f"  {'host at load (hf streaming)':<{w}}  {self.load_host:>16,}  "
                      f"{self.load_host / GiB:>9.3f}")
+        h = self.host_phases()
+        lines.append(f"  host per rank, engine + I/O (add the interpreter's own): at load {h['load'] / GiB:.3f} GiB,"
+                     f" training {h['training'] / GiB:.3f} GiB, export {h['export'] / GiB:.3f} GiB")
         z = self.zero_formula()
         stage = "16 Psi/N" if self.zero_stage == 3 else "2 Psi + 14 Psi/N"
         lines.append(
@@ -307,6 +320,7 @@ class MemoryPlan:
         d["engine_bytes"] = self.engine_bytes()
         d["placement"] = self.placement()
         d["device_total"], d["host_total"] = self.device_total, self.host_total
+        d["host_phases"] = self.host_phases()
         d["zero_formula"] = self.zero_formula()
         return d
 
@@ -349,7 +363,7 @@ def memory_plan(
     (``yafsdp.checkpoint.AsyncSaver``, the jobs' ``--async-save``). ``batch`` and ``seq`` add the activation estimate (HF causal LMs, or any model
     with ``inputs_fn(batch, seq, device) -> kwargs``). ``optimizer``: a name in
     ``OPTIMIZER_BYTES`` or bytes of state per shard element. The engine options are checked by
-    ``yafsdp.config.build_config``, as ``YaFSDP(...)`` checks them (``config=``: an ``EngineConfig``
+    ``yafsdp.core.config.build_config``, as ``YaFSDP(...)`` checks them (``config=``: an ``EngineConfig``
     instead of the options)."""
     if isinstance(getattr(model, "engine_config", None), EngineConfig):  # a wrapped YaFSDP
         eng = model
