@@ -139,7 +139,8 @@ def _world_one(rank, world):
     gw.wait(), rw.wait()
     errors = []
     for call in (lambda: all_gather(torch.empty(8), shard, None, local=True),
-                 lambda: reduce_scatter(torch.empty(6), grads, None, local=True)):
+                 lambda: reduce_scatter(torch.empty(6), grads, None, local=True),
+                 lambda: all_gather(torch.empty(7, dtype=torch.bfloat16), shard, None, local=True)):
         try:
             call()
         except ValueError as e:
@@ -153,4 +154,5 @@ def test_world_one_is_a_local_copy():
     handles; wrong sizes are still refused."""
     [(done, gathered, reduced, errors)] = run_ranks(_world_one, 1)
     assert done == [True, True] and gathered and reduced
-    assert len(errors) == 2 and "8 elements" in errors[0] and "6 elements" in errors[1], errors
+    assert len(errors) == 3 and "8 elements" in errors[0] and "6 elements" in errors[1], errors
+    assert "torch.bfloat16, expected the shard's 7 of torch.float32" in errors[2], errors

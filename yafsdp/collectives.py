@@ -268,9 +268,9 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool 
             return _gloo_all_gather(output, shard, group, async_op)
         if not local:
             return _all_gather(output, shard, group=group, async_op=async_op)
-        if output.numel() != shard.numel():
-            raise ValueError(f"yafsdp all_gather: output has {output.numel()} elements, expected the shard's "
-                             f"{shard.numel()} (world 1)")
+        if output.numel() != shard.numel() or output.dtype != shard.dtype:
+            raise ValueError(f"yafsdp all_gather: output has {output.numel()} elements of {output.dtype}, expected "
+                             f"the shard's {shard.numel()} of {shard.dtype} (world 1)")
         output.copy_(shard)
         return _local(async_op)
     return _all_gather(output, shard, group=group, async_op=async_op)
@@ -319,9 +319,9 @@ def reduce_scatter(shard_out: torch.Tensor, full: torch.Tensor, group, async_op:
     if info.gloo:
         world = info.world
         if world == 1 and local:  # the sum over one rank is its input
-            if shard_out.numel() != full.numel():
-                raise ValueError(f"yafsdp reduce_scatter: shard_out has {shard_out.numel()} elements, expected "
-                                 f"{full.numel()} (world 1)")
+            if shard_out.numel() != full.numel() or shard_out.dtype != full.dtype:
+                raise ValueError(f"yafsdp reduce_scatter: shard_out has {shard_out.numel()} elements of "
+                                 f"{shard_out.dtype}, expected {full.numel()} of {full.dtype} (world 1)")
             shard_out.copy_(full)
             return _local(async_op)
         if world == 2:
