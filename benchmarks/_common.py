@@ -112,10 +112,13 @@ def resolve_run(a) -> bool:
 
 
 # ---------------------------------------------------------------------------- model and data
-def make_model(preset: str, device: torch.device, seed: int = 0, layers: int | None = None, meta_init: bool = False):
+def make_model(preset: str, device: torch.device, seed: int = 0, layers: int | None = None, meta_init: bool = False,
+               vocab: int | None = None):
     """The benchmark model: HF LlamaForCausalLM from ``preset``, same weights on every rank and for
-    every engine (HF init under a fixed seed, on ``device``)."""
+    every engine (HF init under a fixed seed, on ``device``); ``layers``/``vocab`` override the preset's."""
     over = {"num_hidden_layers": layers} if layers else {}
+    if vocab:
+        over["vocab_size"] = vocab
     if meta_init:
         model = build_llama(preset, device="meta", **over)
         # Buffers (rotary frequencies) must be real; parameters stay on meta for the engine to fill.
@@ -171,11 +174,11 @@ def _adamw(params, lr: float, device: torch.device):
 
 
 def build_engine(name: str, preset: str, device: torch.device, mixed: bool, *, lr: float = 3e-4, seed: int = 0,
-                 layers: int | None = None, meta_init: bool = False) -> Engine:
+                 layers: int | None = None, meta_init: bool = False, vocab: int | None = None) -> Engine:
     """``name`` in ENGINES, wrapped around a fresh model from ``preset``. ``mixed``: bf16 compute
     and fp32 reduce (GPU); otherwise fp32 throughout."""
     bf16 = torch.bfloat16 if mixed else None
-    model = make_model(preset, device, seed, layers, meta_init=meta_init)
+    model = make_model(preset, device, seed, layers, meta_init=meta_init, vocab=vocab)
     if name.startswith("yafsdp"):
         zero = 2 if name.startswith("yafsdp-z2") else 3
         wrapped = yafsdp.YaFSDP(model, param_dtype=bf16, zero_stage=zero, device=device,

@@ -52,6 +52,7 @@ def parse(argv=None):
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     ap.add_argument("--preset", default=None, help="yafsdp.presets name (default: cpu-6x256 on CPU, llama3-1b on GPU)")
     ap.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
+    ap.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size")
     ap.add_argument("--batch", type=int, default=None, help="micro-batch per rank (default 2)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default 128 CPU, 2048 GPU)")
     ap.add_argument("--world", type=int, default=2, help="ranks to spawn when not under torchrun (CPU)")
@@ -98,11 +99,12 @@ class Runner:
         self.mixed = dev.type == "cuda"
         from yafsdp.presets import llama_config
 
-        self.vocab = llama_config(a.preset).vocab_size
+        self.vocab = a.vocab or llama_config(a.preset).vocab_size
         self.rank = dist.get_rank()
 
     def build(self, name: str):
-        return build_engine(name, self.a.preset, self.dev, self.mixed, layers=self.a.layers, meta_init=self.meta_init)
+        return build_engine(name, self.a.preset, self.dev, self.mixed, layers=self.a.layers, meta_init=self.meta_init,
+                            vocab=self.a.vocab)
 
     def batch(self, step: int) -> dict:
         return make_batch(step, self.rank, self.a.batch, self.a.seq, self.vocab, self.dev)
@@ -128,6 +130,8 @@ class Runner:
         from yafsdp.presets import build_llama
 
         over = {"num_hidden_layers": self.a.layers} if self.a.layers else {}
+        if self.a.vocab:
+            over["vocab_size"] = self.a.vocab
         p = memory_plan(
             build_llama(self.a.preset, device="meta", **over), world_size=dist.get_world_size(),
             rank=dist.get_rank(), param_dtype=torch.bfloat16 if self.mixed else None, **reduce_options(name),
@@ -241,7 +245,8 @@ def report_real(a, dev, world, times, losses, mems, plans, gathered=None, reduce
             goals.append(dict(engine="yafsdp-z3", vs="fsdp2", what="peak memory", ratio=mine / theirs, limit=1.0,
                               met=mine <= theirs))
     mem_how = mems[0][a.engines[0]]["how"] if mems[0] else "not measured"
-    setup = (f"preset {a.preset}{f' ({a.layers} layers)' if a.layers else ''}, world {world}, batch {a.batch} x "
+    setup = (f"preset {a.preset}{f' ({a.layers} layers)' if a.layers else ''}"
+             f"{f' (vocab {a.vocab})' if a.vocab else ''}, world {world}, batch {a.batch} x "
              f"seq {a.seq} per rank ({tokens:,} tokens/step), {'bf16 compute + fp32 reduce' if dev.type == 'cuda' else 'fp32'}, "
              f"{a.warmup} warm-up + {a.steps} measured steps, interleave={a.interleave}"
              f"{f' x {a.rounds} rounds' if a.interleave == 'round' else ''}")

@@ -124,3 +124,35 @@ def test_p2p_collectives_in_a_subgroup():
         assert torch.equal(full, torch.cat([torch.full((5,), float(m)) for m in members]))
         total = sum(torch.arange(8, dtype=torch.float32) + m for m in members)
         assert torch.equal(s_out, total.chunk(2)[members.index(rank)])
+
+
+def _world_one(rank, world):
+    from yafsdp.comm.collectives import P2PWork, all_gather, reduce_scatter
+
+    shard = torch.randn(7, generator=torch.Generator().manual_seed(3))
+    full = torch.full((7,), float("nan"))
+    gw = all_gather(full, shard, None, async_op=True, local=True)
+    grads = torch.randn(7, generator=torch.Generator().manual_seed(4))
+    s_out = torch.full((7,), float("nan"))
+    rw = reduce_scatter(s_out, grads, None, async_op=True, local=True)
+    done = [isinstance(w, P2PWork) and w.is_completed() for w in (gw, rw)]  # local copies: complete at once
+    gw.wait(), rw.wait()
+    errors = []
+    for call in (lambda: all_gather(torch.empty(8), shard, None, local=True),
+                 lambda: reduce_scatter(torch.empty(6), grads, None, local=True),
+                 lambda: all_gather(torch.empty(7, dtype=torch.bfloat16), shard, None, local=True)):
+        try:
+            call()
+        except ValueError as e:
+            errors.append(str(e))
+    return done, torch.equal(full, shard), torch.equal(s_out, grads), errors
+
+
+def test_world_one_is_a_local_copy():
+    """At world 1 on gloo, asked for by the host schedule (local=True), the all-gather and the
+    reduce-scatter are local copies (no gloo worker call), bit-identical to the input, with complete
+    handles; wrong sizes are still refused."""
+    [(done, gathered, reduced, errors)] = run_ranks(_world_one, 1)
+    assert done == [True, True] and gathered and reduced
+    assert len(errors) == 3 and "8 elements" in errors[0] and "6 elements" in errors[1], errors
+    assert "torch.bfloat16, expected the shard's 7 of torch.float32" in errors[2], errors

@@ -408,3 +408,32 @@ def test_hsdp_offload_staging_is_race_free_and_a_dropped_wait_is_reported():
         assert stats["deferred"] > 0 and stats["overlapped"] == 0, stats
         # without the wait, the copy back to the host reads the staging the all-reduce writes
         assert any(r.startswith("race on 'grad") and "c10d.allreduce_" in r for r in faulty[0]), faulty[0][:5]
+
+
+def test_span_labels_only_for_a_listener(monkeypatch):
+    """trace.span opens a record_function label only under a profiler or a dispatch mode (what this
+    checker reads); otherwise none: see [Note: labels only for a listener] in trace.py."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    opened = []
+    real = torch.profiler.record_function
+
+    def counting(label):
+        opened.append(label)
+        return real(label)
+
+    monkeypatch.setattr(torch.profiler, "record_function", counting)
+    with span("gather", "u0"):
+        torch.ones(2).add_(1)
+    assert opened == []
+
+    class Labels(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Labels(), span("reduce", "u1"):
+        torch.ones(2).add_(1)
+    with torch.profiler.profile() as prof, span("gather", "u2"):
+        torch.ones(2).add_(1)
+    assert opened == ["yafsdp.reduce u1", "yafsdp.gather u2"]
+    assert any(e.name == "yafsdp.gather u2" for e in prof.events())

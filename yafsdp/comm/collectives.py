@@ -20,6 +20,10 @@ slower for the sizes of a unit (two ranks, one thread each, 32 MB unit):
   contribution to its own slice into ``shard_out``; ``wait()`` then adds the local slice. No
   extra memory. For worlds above 2 receiving every peer's slice at once would need
   (world - 1) shards of room, so the list-form gloo reduce-scatter is used there.
+- World 1, asked with ``local=True`` (the host schedule of comm.py): the all-gather and the
+  reduce-scatter are a local copy (gloo's own run on a worker thread, ~0.5 ms a call for nothing);
+  the handle is already complete. The stream schedule keeps gloo's call at world 1: the stream
+  checker proves its ordering from the c10d ops it sees on the comm stream.
 - All-to-all (the reduce with fp32 accumulation: [Note: narrow reduce, fp32 accumulation] in
   reduce_accum.py): each rank sends every peer that peer's slice of its input and receives each
   peer's slice of its own into that peer's row of the output (which has that room by design);
@@ -145,8 +149,31 @@ def scatter(out: torch.Tensor, chunks: list | None, src: int, group) -> None:
         retain(out, *(chunks or ()))
 
 
+class _GroupInfo:
+    """What the collectives ask of a group on every call, looked up once per group (torch's
+    registry lookups cost more than the small collectives of a tiny unit): a group's backend, size
+    and ranks never change."""
+
+    def __init__(self, group):
+        self.gloo = str(dist.get_backend(group)).lower() == "gloo"
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        order = [(self.rank + k) % self.world for k in range(1, self.world)]  # staggered: not all to rank 0 first
+        self.peers = [(p, dist.get_global_rank(group, p) if group is not dist.group.WORLD else p) for p in order]
+
+
+_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> _GroupInfo
+
+
+def _info(group) -> _GroupInfo:
+    info = _groups.get(group)
+    if info is None:
+        info = _groups[group] = _GroupInfo(group)
+    return info
+
+
 def _is_gloo(group) -> bool:
-    return str(dist.get_backend(group)).lower() == "gloo"  # a lookup in torch's group registry
+    return _info(group).gloo
 
 
 def _next_tag(group) -> int:
@@ -183,10 +210,13 @@ class P2PWork:
 
 
 def _peers(group):
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    order = [(rank + k) % world for k in range(1, world)]  # staggered: not everyone sends to rank 0 first
-    return world, rank, [(p, dist.get_global_rank(group, p) if group is not dist.group.WORLD else p) for p in order]
+    info = _info(group)
+    return info.world, info.rank, info.peers
+
+
+def _local(async_op: bool):
+    """The handle of a collective over one rank, done by a local copy (see the module note)."""
+    return P2PWork([]) if async_op else None
 
 
 def _gloo_all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool):
@@ -228,11 +258,21 @@ def _gloo_reduce_scatter_pair(shard_out: torch.Tensor, full: torch.Tensor, group
     return work
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True):
-    """output (world * shard.numel(),) <- concatenation of every rank's ``shard``."""
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True, local: bool = False):
+    """output (world * shard.numel(),) <- concatenation of every rank's ``shard``. ``local``: at
+    world 1 on gloo, a local copy (see the module note)."""
     group = group if group is not None else dist.group.WORLD
-    if _is_gloo(group) and dist.get_world_size(group) > 1:
-        return _gloo_all_gather(output, shard, group, async_op)
+    info = _info(group)
+    if info.gloo:
+        if info.world > 1:
+            return _gloo_all_gather(output, shard, group, async_op)
+        if not local:
+            return _all_gather(output, shard, group=group, async_op=async_op)
+        if output.numel() != shard.numel() or output.dtype != shard.dtype:
+            raise ValueError(f"yafsdp all_gather: output has {output.numel()} elements of {output.dtype}, expected "
+                             f"the shard's {shard.numel()} of {shard.dtype} (world 1)")
+        output.copy_(shard)
+        return _local(async_op)
     return _all_gather(output, shard, group=group, async_op=async_op)
 
 
@@ -269,13 +309,21 @@ def all_to_all(output: torch.Tensor, full: torch.Tensor, group, async_op: bool =
     return dist.all_to_all_single(output, full, group=group, async_op=async_op)
 
 
-def reduce_scatter(shard_out: torch.Tensor, full: torch.Tensor, group, async_op: bool = True):
-    """shard_out <- this rank's slice of the elementwise SUM over ranks of ``full``.
+def reduce_scatter(shard_out: torch.Tensor, full: torch.Tensor, group, async_op: bool = True, local: bool = False):
+    """shard_out <- this rank's slice of the elementwise SUM over ranks of ``full``. ``local``: at
+    world 1 on gloo, a local copy (see the module note).
 
     ``full`` is scratch: on gloo it must not be written until the handle's ``wait()`` returned."""
     group = group if group is not None else dist.group.WORLD
-    if _is_gloo(group):
-        world = dist.get_world_size(group)
+    info = _info(group)
+    if info.gloo:
+        world = info.world
+        if world == 1 and local:  # the sum over one rank is its input
+            if shard_out.numel() != full.numel() or shard_out.dtype != full.dtype:
+                raise ValueError(f"yafsdp reduce_scatter: shard_out has {shard_out.numel()} elements of "
+                                 f"{shard_out.dtype}, expected {full.numel()} of {full.dtype} (world 1)")
+            shard_out.copy_(full)
+            return _local(async_op)
         if world == 2:
             return _gloo_reduce_scatter_pair(shard_out, full, group, async_op)
         # torch 2.13's gloo tensor form copies the whole input and all-reduces it; the list form

@@ -36,7 +36,7 @@ class HandleSchedule(Schedule):
         rec = self.recorder
         with span("gather", unit):
             t = rec.now() if rec else None  # before the issuing call, which may itself move data
-            sync.work = all_gather(out, shard, self.group, async_op=True)
+            sync.work = all_gather(out, shard, self.group, async_op=True, local=True)
             sync.unit = unit
             sync.expand = expand
             self._count("gather", unit, out)
@@ -58,7 +58,10 @@ class HandleSchedule(Schedule):
             fold = _then(fold, host_fold)
         with span("reduce", unit):
             t = rec.now() if rec else None
-            work = (all_to_all if pieces else reduce_scatter)(out, full, self.group, async_op=True)
+            if pieces:
+                work = all_to_all(out, full, self.group, async_op=True)
+            else:
+                work = reduce_scatter(out, full, self.group, async_op=True, local=True)
             sync.pending = (work, fold, unit)
             self._count("reduce", unit, full)
             if rec:
