@@ -340,6 +340,7 @@ def memory_plan(
     gather_exclude=None,
     async_save: bool = False,
     reduce_accum_dtype=None,
+    chunk_outsized_grads: bool = True,
     config=None,
 ) -> MemoryPlan:
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
@@ -374,7 +375,8 @@ def memory_plan(
         cfg = build_config(config, who="yafsdp.plan.memory_plan", param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                            zero_stage=zero_stage, align_bytes=align_bytes, outsized_ratio=outsized_ratio,
                            quantize_frozen=quantize_frozen, offload=offload, gather_dtype=gather_dtype,
-                           gather_exclude=gather_exclude, reduce_accum_dtype=as_dtype(reduce_accum_dtype))
+                           gather_exclude=gather_exclude, reduce_accum_dtype=as_dtype(reduce_accum_dtype),
+                           chunk_outsized_grads=chunk_outsized_grads)
         param_dtype, reduce_dtype, compute_dtype = cfg.param_dtype, cfg.reduce_dtype, cfg.compute_dtype
         quantize_frozen, offload, gather_dtype = cfg.quantize_frozen, cfg.offload_what, cfg.gather_dtype
         zero_stage, align_bytes, outsized_ratio = cfg.zero_stage, cfg.align_bytes, cfg.outsized_ratio
@@ -391,7 +393,7 @@ def memory_plan(
         slots = plan_buffers(
             names, layouts, small, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
             zero_stage=zero_stage, outsized_ratio=outsized_ratio, offload_frozen=offload == "all",
-            accumulate_fp32=accum is not None,
+            accumulate_fp32=accum is not None, chunk_outsized=cfg.chunk_outsized_grads and offload is None,
         )
         module = model
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
