@@ -183,7 +183,12 @@ def test_llama3_8b_plan_and_zero_formula():
     layer = next(u for u in p.units if u.name == "model.layers.0")
     assert p.largest_unit == layer.padded_numel == 218_103_808  # one Llama-3-8B layer: 436 MB in bf16
     assert p.weight_buffers == 2 * 2 * layer.padded_numel
-    assert p.outsized_buffers == (2 + 4) * 128256 * 4096 + 4 * 128256 * 4096 // n  # bf16 weight, fp32 grad + staging
+    # the bf16 weight; the gradients go through the grad pair in chunks ([Note: chunked outsized gradients])
+    assert p.outsized_buffers == 2 * 128256 * 4096
+    assert {u.grad_slot for u in p.units if u.outsized} == {"grad0/grad1 in 3 chunks"}  # 128256 x 4096 / L
+    own = memory_plan(model, world_size=n, param_dtype="bf16", chunk_outsized_grads=False)
+    assert own.outsized_buffers == (2 + 4) * 128256 * 4096 + 4 * 128256 * 4096 // n  # + fp32 grad and staging
+    assert own.total - p.total == (4 + 4 / n) * 128256 * 4096
     # Activation checkpointing keeps far less.
     full = memory_plan(model, world_size=n, param_dtype="bf16", batch=1, seq=2048)
     ckpt = memory_plan(model, world_size=n, param_dtype="bf16", batch=1, seq=2048, checkpointing=True)

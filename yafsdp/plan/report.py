@@ -253,7 +253,9 @@ class MemoryPlan:
         ]
         big = [u.name for u in self.units if u.outsized]
         if big:
-            lines.append(f"  outsized units (own shared buffer): {', '.join(big)}")
+            chunked = any(" chunks" in u.grad_slot for u in self.units if u.outsized)
+            lines.append(f"  outsized units (own shared {'weight ' if chunked else ''}buffer"
+                         f"{'; gradients reduced in chunks through the grad pair' if chunked else ''}): {', '.join(big)}")
         free = [u.name for u in self.units if u.weight_free_bw]
         if free and self.zero_stage == 3:
             lines.append(f"  not re-gathered for backward (weight-free backward): {', '.join(free)}")
@@ -315,6 +317,17 @@ def _gather_bytes(lay, cbytes: int) -> int:
     plain = (lay.trainable.padded_numel if lay.trainable is not None and not lay.gather_record else 0) + (
         lay.frozen.padded_numel if lay.frozen is not None else 0)
     return plain * cbytes + lay.staging_bytes
+
+
+def _grad_slot_name(slots, i: int, lay) -> str:
+    """The grad slot(s) unit ``i`` reduces through, as the plan prints them."""
+    if slots.grad_of[i] < 0:
+        return "-"
+    width = slots.grad_chunk[i] if slots.grad_chunk else 0
+    if not width:
+        return slots.grad[slots.grad_of[i]].name
+    n = -(-lay.trainable_shard // width)  # See [Note: chunked outsized gradients] in sizing.py
+    return f"{'/'.join(slots.grad[k].name for k in slots.chunk_slots)} in {n} chunks"
 
 
 def memory_plan(
@@ -412,7 +425,7 @@ def memory_plan(
         UnitRow(
             names[i], lay.numel, lay.weight_numel, lay.trainable_shard + lay.frozen_shard + lay.nf4_shard,
             slots.weight[slots.weight_of[i]].name,
-            slots.grad[slots.grad_of[i]].name if slots.grad_of[i] >= 0 else "-", slots.outsized[i], weight_free[i],
+            _grad_slot_name(slots, i, lay), slots.outsized[i], weight_free[i],
             _gather_bytes(lay, cbytes), lay.gather.name if lay.gather_record else None,
         )
         for i, lay in enumerate(layouts)
