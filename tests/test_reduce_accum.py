@@ -278,3 +278,20 @@ def test_chunked_outsized_gradients_equal_the_own_buffer():
         assert rel_l2(sd, dict(tiny_llama(tie=True, vocab=1000, layers=2).state_dict())) > 1e-4  # it trained
         # the same sums in the same order (a world of 2: a + b; fp32 accumulation: rank order): bit for bit
         assert all(torch.equal(sd[k], own_sd[k]) for k in own_sd), name
+
+
+def test_copy_columns_is_the_column_block_of_the_flat_unit():
+    """``copy_columns`` (the chunked reduce's copy) against slicing the (world x shard) view, for
+    parameters that start and end inside rows, span rows, and fill whole ones."""
+    from yafsdp.runtime import copy_columns
+
+    world, shard = 5, 13
+    flat = torch.arange(world * shard, dtype=torch.float32) + 1
+    cuts = [0, 3, 11, 12, 40, 41, 58, 60]  # the last two elements: padding (no parameter)
+    for lo, hi in [(0, 13), (0, 4), (4, 9), (9, 13), (12, 13)]:
+        dst = torch.zeros(world, hi - lo)
+        for a, b in zip(cuts, cuts[1:]):
+            copy_columns(dst, flat[a:b].clone(), a, shard, lo)
+        want = flat.view(world, shard)[:, lo:hi].clone()
+        pad = torch.arange(world * shard).view(world, shard)[:, lo:hi] >= cuts[-1]
+        assert torch.equal(dst, torch.where(pad, torch.zeros(()), want)), (lo, hi)
