@@ -23,6 +23,7 @@ BAD = {  # options -> words every entry's message must hold
     "align": (dict(align_bytes=0), ["align_bytes=0 is not a positive int"]),
     "ratio": (dict(outsized_ratio=-1.0), ["outsized_ratio=-1.0 is not a positive number"]),
     "exclude": (dict(gather_exclude="lm_head"), ["gather_exclude='lm_head' is not a list of module names"]),
+    "chunk": (dict(chunk_outsized_grads="yes"), ["chunk_outsized_grads='yes' is not a bool"]),
 }
 
 
