@@ -28,7 +28,9 @@ ENGINES = ("yafsdp-z3", "yafsdp-z2", "yafsdp-z3+FusedAdamW", "yafsdp-z3+fp8", "y
 # reduce-scatters (summed in bf16) and bf16 pieces summed in fp32 (reduce_accum_dtype=torch.float32);
 # "+owngrad": chunk_outsized_grads=False, an outsized unit's gradient in a grad buffer of its own (the
 # layout before chunked outsized gradients, docs/reduce.md "Memory").
-REDUCE_ENGINES = ("yafsdp-z3+bf16reduce", "yafsdp-z3+bf16reduce+fp32acc", "yafsdp-z3+owngrad")
+# "+gradchunks2": grad_chunks=2, grad buffers half a decoder layer, each layer reduced in 2 chunks.
+REDUCE_ENGINES = ("yafsdp-z3+bf16reduce", "yafsdp-z3+bf16reduce+fp32acc", "yafsdp-z3+owngrad",
+                  "yafsdp-z3+gradchunks2")
 
 
 # ---------------------------------------------------------------------------- launching
@@ -233,6 +235,8 @@ def build_engine(name: str, preset: str, device: torch.device, mixed: bool, *, l
 def reduce_options(name: str) -> dict:
     """The reduce options of a yafsdp engine name: fp32, or one of REDUCE_ENGINES'."""
     own = dict(chunk_outsized_grads=False) if "+owngrad" in name else {}
+    if "+gradchunks" in name:  # "+gradchunks2": grad_chunks=2
+        own["grad_chunks"] = int(name.split("+gradchunks")[1].split("+")[0])
     if "+bf16reduce" not in name:
         return dict(reduce_dtype=torch.float32, **own)
     return dict(reduce_dtype=torch.bfloat16, reduce_accum_dtype=torch.float32 if name.endswith("+fp32acc") else None,

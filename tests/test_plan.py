@@ -22,6 +22,9 @@ CASES = [
     ("llama_outsized_bf16", dict(kind="llama", vocab=1031, layers=4), dict(param_dtype=torch.bfloat16)),
     # the outsized units' gradients in a grad buffer of their own (chunked through the pair by default)
     ("llama_outsized_own", dict(kind="llama", vocab=1031, layers=4), dict(chunk_outsized_grads=False)),
+    # the grad pair at half a layer, the layers' gradients reduced in 2 chunks (with fp32 accumulation's landings)
+    ("llama_gradchunks_accum", dict(kind="llama", vocab=1031), dict(reduce_dtype=torch.bfloat16,
+                                                                    reduce_accum_dtype=torch.float32, grad_chunks=2)),
     ("llama_tied_z2", dict(kind="llama", tie=True), dict(zero_stage=2)),
     ("llama_bf16_reduce", dict(kind="llama", vocab=257), dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
     # bf16 reduce summed in fp32: each grad buffer's all-to-all landing (world x shard) and fp32 accumulator

@@ -252,11 +252,15 @@ def _chunked_vs_own(rank, world):
         "pair_fp32": dict(process_group=shard),  # a world of 2: a + b, whatever the chunking
         "flat_accum": dict(param_dtype=BF16, reduce_dtype=BF16, reduce_accum_dtype=torch.float32),  # rank order
         "hsdp_fp32": dict(process_group=(shard, replicate)),  # the replicas' all-reduce after the last chunk
+        # grad_chunks=2: the decoder layers' gradients in 2 chunks through half-size grad buffers too
+        "hsdp_gc2": dict(process_group=(shard, replicate), grad_chunks=2),
+        "flat_accum_gc2": dict(param_dtype=BF16, reduce_dtype=BF16, reduce_accum_dtype=torch.float32, grad_chunks=2),
     }
     out = {}
     for name, opts in setups.items():
-        for chunk in (True, False):
-            model = yafsdp.YaFSDP(tiny_llama(tie=True, vocab=1000, layers=2), chunk_outsized_grads=chunk, **opts)
+        for chunk in (True, False):  # False: nothing chunked
+            kw = opts if chunk else {k: v for k, v in opts.items() if k != "grad_chunks"}
+            model = yafsdp.YaFSDP(tiny_llama(tie=True, vocab=1000, layers=2), chunk_outsized_grads=chunk, **kw)
             chunks = [u.grad_chunk for u in model._rt.units]
             assert not chunk or model._rt.units[0].layout.shard_numel > 3 * chunks[0]  # several chunks
             opt = _optimizer(model.parameters())
@@ -269,12 +273,16 @@ def _chunked_vs_own(rank, world):
 
 def test_chunked_outsized_gradients_equal_the_own_buffer():
     res = _world4()[0]["chunked"]
-    for name in ("pair_fp32", "flat_accum", "hsdp_fp32"):
+    for name in ("pair_fp32", "flat_accum", "hsdp_fp32", "hsdp_gc2", "flat_accum_gc2"):
         (sd, chunks, alloc), (own_sd, own_chunks, own_alloc) = res[name, True], res[name, False]
-        assert chunks[0] > 0 and chunks[1:] == [0] * (len(chunks) - 1) and own_chunks == [0] * len(chunks), chunks
+        layers = [0] * (len(chunks) - 1) if "gc2" not in name else [chunks[0]] * (len(chunks) - 1)
+        assert chunks[0] > 0 and chunks[1:] == layers and own_chunks == [0] * len(chunks), chunks
         assert "grad_outsized" not in alloc and own_alloc["grad_outsized"] > 0
-        assert sum(own_alloc.values()) - sum(alloc.values()) == own_alloc["grad_outsized"] + own_alloc[
-            "grad_outsized_staging"] + own_alloc.get("grad_outsized_accum", 0)
+        saved = own_alloc["grad_outsized"] + own_alloc["grad_outsized_staging"] + own_alloc.get("grad_outsized_accum", 0)
+        if "gc2" in name:  # and half of each grad buffer of the pair (its staging, landing, accumulator)
+            saved += sum(own_alloc[k] - alloc[k] for k in own_alloc if k.startswith(("grad0", "grad1")))
+            assert all(alloc[k] <= own_alloc[k] // 2 + 256 for k in own_alloc if k.startswith(("grad0", "grad1")))
+        assert sum(own_alloc.values()) - sum(alloc.values()) == saved
         assert rel_l2(sd, dict(tiny_llama(tie=True, vocab=1000, layers=2).state_dict())) > 1e-4  # it trained
         # the same sums in the same order (a world of 2: a + b; fp32 accumulation: rank order): bit for bit
         assert all(torch.equal(sd[k], own_sd[k]) for k in own_sd), name

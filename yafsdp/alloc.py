@@ -177,6 +177,7 @@ def allocate(self, outsized_ratio: float) -> "Storage":
         zero_stage=self.zero_stage, outsized_ratio=outsized_ratio, offload_frozen=frozen_host,
         accumulate_fp32=self.reduce_accum_dtype is not None,
         chunk_outsized=self.config.chunk_outsized_grads and place.offload is None,
+        grad_chunks=self.config.grad_chunks,
     )
     st.grad_buffers: list[GradBuffer] = [
         GradBuffer(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule, s.accum_capacity)

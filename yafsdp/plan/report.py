@@ -354,6 +354,7 @@ def memory_plan(
     async_save: bool = False,
     reduce_accum_dtype=None,
     chunk_outsized_grads: bool = True,
+    grad_chunks: int = 1,
     config=None,
 ) -> MemoryPlan:
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
@@ -389,7 +390,7 @@ def memory_plan(
                            zero_stage=zero_stage, align_bytes=align_bytes, outsized_ratio=outsized_ratio,
                            quantize_frozen=quantize_frozen, offload=offload, gather_dtype=gather_dtype,
                            gather_exclude=gather_exclude, reduce_accum_dtype=as_dtype(reduce_accum_dtype),
-                           chunk_outsized_grads=chunk_outsized_grads)
+                           chunk_outsized_grads=chunk_outsized_grads, grad_chunks=grad_chunks)
         param_dtype, reduce_dtype, compute_dtype = cfg.param_dtype, cfg.reduce_dtype, cfg.compute_dtype
         quantize_frozen, offload, gather_dtype = cfg.quantize_frozen, cfg.offload_what, cfg.gather_dtype
         zero_stage, align_bytes, outsized_ratio = cfg.zero_stage, cfg.align_bytes, cfg.outsized_ratio
@@ -407,6 +408,7 @@ def memory_plan(
             names, layouts, small, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
             zero_stage=zero_stage, outsized_ratio=outsized_ratio, offload_frozen=offload == "all",
             accumulate_fp32=accum is not None, chunk_outsized=cfg.chunk_outsized_grads and offload is None,
+            grad_chunks=cfg.grad_chunks,
         )
         module = model
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)

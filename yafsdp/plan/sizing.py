@@ -240,6 +240,7 @@ def plan_buffers(
     offload_frozen: bool = False,
     accumulate_fp32: bool = False,
     chunk_outsized: bool = False,
+    grad_chunks: int = 1,
 ) -> BufferPlan:
     """The weight and grad buffers for units with ``layouts`` (and the small group): pure, no
     allocation. See [Note: one plan, one allocator]."""
@@ -275,14 +276,26 @@ def plan_buffers(
     # Grad buffers serve the units with a trainable group; a unit that is all frozen has none.
     regular_t = [i for i in regular if layouts[i].trainable is not None]
     big_t = [i for i in big if layouts[i].trainable is not None]
-    if regular_t:
+    grad_chunk = [0] * n_all
+    chunk_slots: list[int] = []
+    width = max((layouts[i].trainable.shard_numel for i in regular_t), default=0)  # the pair's shard
+    if regular_t and grad_chunks > 1:  # See [Note: chunked outsized gradients]: the pair holds 1/grad_chunks
+        width = -(-width // grad_chunks // 16) * 16  # of the largest unit; 16-element aligned columns
+        world = layouts[regular_t[0]].trainable.world_size
+        for k in range(min(2, len(regular_t))):
+            grad.append(BufferSpec(f"grad{k}", "grad", world * width, world * width if accumulate_fp32 else width,
+                                   reduce_dtype, "buffers", accum_capacity=width if accumulate_fp32 else 0))
+        pair = list(range(len(grad) - min(2, len(regular_t)), len(grad)))
+        chunk_slots = pair
+        for j, i in enumerate(regular_t):
+            grad_of[i] = pair[j % len(pair)]
+            if layouts[i].trainable.shard_numel > width:
+                grad_of[i], grad_chunk[i] = pair[0], width
+    elif regular_t:
         pair = [grad_slot(f"grad{k}", regular_t, "buffers") for k in range(min(2, len(regular_t)))]
         for j, i in enumerate(regular_t):
             grad_of[i] = pair[j % len(pair)]
-    grad_chunk = [0] * n_all
-    chunk_slots: list[int] = []
     if big_t and chunk_outsized and regular_t:  # See [Note: chunked outsized gradients]
-        width = max(layouts[i].trainable.shard_numel for i in regular_t)  # the pair's shard
         chunk_slots = pair
         for i in big_t:
             grad_of[i], grad_chunk[i] = pair[0], width
