@@ -113,6 +113,10 @@ def repeated_blocks(names: list[str]) -> list[bool]:
 # one for the unit (about its size over a decoder layer's, 5 for Llama-3.2-1B), each as large as a
 # layer's, and a strided copy instead of a contiguous one. With offload (the reduce goes through
 # the host landing) the unit keeps its own buffer; so does a model with no regular unit.
+# ``grad_chunks=K`` (default 1) applies the same to the regular units: the pair is sized for 1/K
+# of the largest of them (16-element aligned columns), and every unit larger than that is reduced
+# in chunks through it. Its cost is overlap: a unit's first chunk waits for the previous unit's
+# first chunk, one unit back instead of two.
 @dataclass(frozen=True)
 class UnitShape:
     """A unit's flat groups as laid out in its weight buffer: the trainable group first (it alone
