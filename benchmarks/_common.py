@@ -25,8 +25,12 @@ from yafsdp.presets import build_llama
 ENGINES = ("yafsdp-z3", "yafsdp-z2", "yafsdp-z3+FusedAdamW", "yafsdp-z3+fp8", "yafsdp-z3+FusedAdamW+fp8", "fsdp2",
            "fsdp1", "ddp")
 # Not in the default runs (ask for them with --engines): the reduce precisions of docs/reduce.md, bf16
-# reduce-scatters (summed in bf16) and bf16 pieces summed in fp32 (reduce_accum_dtype=torch.float32).
-REDUCE_ENGINES = ("yafsdp-z3+bf16reduce", "yafsdp-z3+bf16reduce+fp32acc")
+# reduce-scatters (summed in bf16) and bf16 pieces summed in fp32 (reduce_accum_dtype=torch.float32);
+# "+owngrad": chunk_outsized_grads=False, an outsized unit's gradient in a grad buffer of its own (the
+# layout before chunked outsized gradients, docs/reduce.md "Memory").
+# "+gradchunks2": grad_chunks=2, grad buffers half a decoder layer, each layer reduced in 2 chunks.
+REDUCE_ENGINES = ("yafsdp-z3+bf16reduce", "yafsdp-z3+bf16reduce+fp32acc", "yafsdp-z3+owngrad",
+                  "yafsdp-z3+gradchunks2")
 
 
 # ---------------------------------------------------------------------------- launching
@@ -232,10 +236,14 @@ def build_engine(name: str, preset: str, device: torch.device, mixed: bool, *, l
 
 
 def reduce_options(name: str) -> dict:
-    """The reduce precision of a yafsdp engine name: fp32, or one of REDUCE_ENGINES'."""
+    """The reduce options of a yafsdp engine name: fp32, or one of REDUCE_ENGINES'."""
+    own = dict(chunk_outsized_grads=False) if "+owngrad" in name else {}
+    if "+gradchunks" in name:  # "+gradchunks2": grad_chunks=2
+        own["grad_chunks"] = int(name.split("+gradchunks")[1].split("+")[0])
     if "+bf16reduce" not in name:
-        return dict(reduce_dtype=torch.float32)
-    return dict(reduce_dtype=torch.bfloat16, reduce_accum_dtype=torch.float32 if name.endswith("+fp32acc") else None)
+        return dict(reduce_dtype=torch.float32, **own)
+    return dict(reduce_dtype=torch.bfloat16, reduce_accum_dtype=torch.float32 if name.endswith("+fp32acc") else None,
+                **own)
 
 
 def free_engine(e: Engine | None):

@@ -55,6 +55,8 @@ def parse(argv=None):
     ap.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size")
     ap.add_argument("--batch", type=int, default=None, help="micro-batch per rank (default 2)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default 128 CPU, 2048 GPU)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="bf16 compute with fp32 reduce on CPU too (the GPU's precision policy; default on CPU: fp32)")
     ap.add_argument("--world", type=int, default=2, help="ranks to spawn when not under torchrun (CPU)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per spawned rank")
     ap.add_argument("--engines", default=",".join(ENGINES),
@@ -96,7 +98,7 @@ class Runner:
 
     def __init__(self, a, dev: torch.device, meta_init: bool = False):
         self.a, self.dev, self.meta_init = a, dev, meta_init
-        self.mixed = dev.type == "cuda"
+        self.mixed = dev.type == "cuda" or a.bf16
         from yafsdp.presets import llama_config
 
         self.vocab = a.vocab or llama_config(a.preset).vocab_size
@@ -247,7 +249,7 @@ def report_real(a, dev, world, times, losses, mems, plans, gathered=None, reduce
     mem_how = mems[0][a.engines[0]]["how"] if mems[0] else "not measured"
     setup = (f"preset {a.preset}{f' ({a.layers} layers)' if a.layers else ''}"
              f"{f' (vocab {a.vocab})' if a.vocab else ''}, world {world}, batch {a.batch} x "
-             f"seq {a.seq} per rank ({tokens:,} tokens/step), {'bf16 compute + fp32 reduce' if dev.type == 'cuda' else 'fp32'}, "
+             f"seq {a.seq} per rank ({tokens:,} tokens/step), {'bf16 compute + fp32 reduce' if dev.type == 'cuda' or a.bf16 else 'fp32'}, "
              f"{a.warmup} warm-up + {a.steps} measured steps, interleave={a.interleave}"
              f"{f' x {a.rounds} rounds' if a.interleave == 'round' else ''}")
     lines = [f"bench_step: {setup}", f"memory: {mem_how}; peak over steps 2..{a.mem_steps}, max over ranks", "",
@@ -281,7 +283,7 @@ def run_fake(a):
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     worlds = [int(w) for w in a.fake_world.split(",")]
-    engines = [e for e in a.engines if e in ("yafsdp-z3", "yafsdp-z2", "fsdp2")] or ["yafsdp-z3", "fsdp2"]
+    engines = [e for e in a.engines if e.startswith("yafsdp-z") or e == "fsdp2"] or ["yafsdp-z3", "fsdp2"]
     out_rows, rows = [], []
     for w in worlds:
         init_fake(w, dev)
@@ -301,21 +303,30 @@ def run_fake(a):
             print(f"world {w} {name}: peak {row['peak_mib']:.1f} MiB, growth from step 2 {row['growth_bytes']} B",
                   flush=True)
         finish_distributed()
-    header = ["world", "engine", "after wrap MiB", "peak MiB (steps 2+)", "reserved MiB", "growth B (step 2+)",
-              "plan: state MiB", "plan: total MiB"]
+    # peak per rank against FSDP2's in the same world (same run, same process)
+    fsdp2 = {r["world"]: r["peak_mib"] for r in out_rows if r["engine"] == "fsdp2"}
+    goals = []
+    for r, row in zip(out_rows, rows):
+        r["vs_fsdp2"] = r["peak_mib"] / fsdp2[r["world"]] if r["world"] in fsdp2 else None
+        row.insert(4, r["vs_fsdp2"])
+        if r["engine"] == "yafsdp-z3" and r["vs_fsdp2"] is not None:
+            goals.append(f"goal: yafsdp-z3 peak <= 0.95 x fsdp2 at world {r['world']}: x{r['vs_fsdp2']:.3f} -> "
+                         f"{'met' if r['vs_fsdp2'] <= 0.95 else 'NOT met'}")
+    header = ["world", "engine", "after wrap MiB", "peak MiB (steps 2+)", "x FSDP2 peak", "reserved MiB",
+              "growth B (step 2+)", "plan: state MiB", "plan: total MiB"]
     table = md_table(header, rows)
     setup = (f"fake process group (one process emulates rank 0 of each world; collectives do nothing), preset "
              f"{a.preset}{f' ({a.layers} layers)' if a.layers else ''}, batch {a.batch} x seq {a.seq}, "
-             f"{'bf16 + fp32 reduce' if dev.type == 'cuda' else 'fp32'}, {max(3, a.mem_steps)} steps, device {dev}")
+             f"{'bf16 + fp32 reduce' if dev.type == 'cuda' or a.bf16 else 'fp32'}, {max(3, a.mem_steps)} steps, device {dev}")
     mem_how = ("torch.cuda.max_memory_allocated" if dev.type == "cuda"
                else "torch CPU allocator live bytes (profiler memory events)")
     flat = [r for r in out_rows if r["engine"].startswith("yafsdp")]
     flat_ok = all(r["growth_bytes"] == 0 for r in flat)
-    text = "\n".join([f"bench_step --fake-world: {setup}", f"memory: {mem_how}", "", table, "",
+    text = "\n".join([f"bench_step --fake-world: {setup}", f"memory: {mem_how}", "", table, "", *goals,
                       f"yafsdp memory flat from step 2 on (0 bytes growth) in every world: {flat_ok}"])
     print(text, flush=True)
     result = dict(kind="bench_step_fake", command=a.argv, setup=setup, versions=versions(dev), rows=out_rows,
-                  table=table, flat=flat_ok, memory_how=mem_how)
+                  table=table, flat=flat_ok, memory_how=mem_how, goals=goals)
     if a.json:
         write_json(a.json, result)
     if a.md:

@@ -100,7 +100,18 @@ def _adversarial(rank, world):
     # all-reduced in fp32.
     out["hsdp"] = _grads(rank, world, N, 1, process_group=hsdp_groups(2, world // 2), reduce_dtype=BF16,
                          reduce_accum_dtype=torch.float32)
+    out["chunked"] = _chunked_vs_own(rank, world)  # the same ranks: test_chunked_outsized_gradients_...
     return out
+
+
+_WORLD4: list = []
+
+
+def _world4() -> list:
+    """Every rank's results of one world of 4 (shared by the tests that need one)."""
+    if not _WORLD4:
+        _WORLD4.extend(run_ranks(_adversarial, 4))
+    return _WORLD4
 
 
 N = 37  # per block; uneven, so the flat units are padded
@@ -108,12 +119,14 @@ N = 37  # per block; uneven, so the flat units are padded
 
 def test_fp32_accumulation_is_within_one_bf16_rounding_where_the_bf16_reduce_is_not():
     world = 4
-    res = run_ranks(_adversarial, world)
+    res = _world4()
     for r in res[1:]:  # every rank sees the same full gradients
         for k in res[0]:
+            if k == "chunked":
+                continue
             assert torch.equal(r[k][0], res[0][k][0]), k
-    got = {k: v[0] for k, v in res[0].items()}
-    sent = {k: v[1] for k, v in res[0].items()}
+    got = {k: v[0] for k, v in res[0].items() if k != "chunked"}
+    sent = {k: v[1] for k, v in res[0].items() if k != "chunked"}
     # bf16 bytes on the wire (half of fp32's but for the alignment: 16 bytes per rank is 8 bf16 elements, 4 fp32)
     assert sent["accum"] == sent["bf16"] == 2 * 2 * 48 and sent["fp32"] == 4 * 2 * 40, sent
     c = contributions(world, 2 * N, 1)
@@ -226,3 +239,67 @@ def test_training_parity_with_bf16_rounded_contributions_summed_in_fp32():
     # bf16 grads: the fp32-accumulated bf16 reduce is the fp32 reduce, bit for bit, at half the bytes
     assert set(bf16_fp32) == set(bf16_accum) and all(torch.equal(bf16_fp32[k], bf16_accum[k]) for k in bf16_fp32)
     assert rel_l2(bf16_accum, dict(tiny_llama(tie=True).state_dict())) > 1e-3
+
+
+# ----------------------------------------------------------------------------- chunked outsized gradients
+def _chunked_vs_own(rank, world):
+    """A tied Llama with a 1000-word vocabulary (the embedding/head unit outsized), one step of 2
+    micro-batches, AdamW: the final weights with the outsized gradient reduced in chunks
+    through the grad pair (the default) and through a grad buffer of its own, under several
+    process groups and reduce precisions. See [Note: chunked outsized gradients]."""
+    shard, replicate = hsdp_groups(2, world // 2)
+    setups = {
+        "pair_fp32": dict(process_group=shard),  # a world of 2: a + b, whatever the chunking
+        "flat_accum": dict(param_dtype=BF16, reduce_dtype=BF16, reduce_accum_dtype=torch.float32),  # rank order
+        "hsdp_fp32": dict(process_group=(shard, replicate)),  # the replicas' all-reduce after the last chunk
+        # grad_chunks=2: the decoder layers' gradients in 2 chunks through half-size grad buffers too
+        "hsdp_gc2": dict(process_group=(shard, replicate), grad_chunks=2),
+        "flat_accum_gc2": dict(param_dtype=BF16, reduce_dtype=BF16, reduce_accum_dtype=torch.float32, grad_chunks=2),
+    }
+    out = {}
+    for name, opts in setups.items():
+        for chunk in (True, False):  # False: nothing chunked
+            kw = opts if chunk else {k: v for k, v in opts.items() if k != "grad_chunks"}
+            model = yafsdp.YaFSDP(tiny_llama(tie=True, vocab=1000, layers=2), chunk_outsized_grads=chunk, **kw)
+            chunks = [u.grad_chunk for u in model._rt.units]
+            assert not chunk or model._rt.units[0].layout.shard_numel > 3 * chunks[0]  # several chunks
+            opt = _optimizer(model.parameters())
+            for micro in range(2):  # the second backward adds to the grad shards
+                (loss_of(model, "llama", batch("llama", 0, micro, rank)) / 2).backward()
+            opt.step()
+            out[name, chunk] = (model.full_state_dict(), chunks, model.allocated_bytes())
+    return out
+
+
+def test_chunked_outsized_gradients_equal_the_own_buffer():
+    res = _world4()[0]["chunked"]
+    for name in ("pair_fp32", "flat_accum", "hsdp_fp32", "hsdp_gc2", "flat_accum_gc2"):
+        (sd, chunks, alloc), (own_sd, own_chunks, own_alloc) = res[name, True], res[name, False]
+        layers = [0] * (len(chunks) - 1) if "gc2" not in name else [chunks[0]] * (len(chunks) - 1)
+        assert chunks[0] > 0 and chunks[1:] == layers and own_chunks == [0] * len(chunks), chunks
+        assert "grad_outsized" not in alloc and own_alloc["grad_outsized"] > 0
+        saved = own_alloc["grad_outsized"] + own_alloc["grad_outsized_staging"] + own_alloc.get("grad_outsized_accum", 0)
+        if "gc2" in name:  # and half of each grad buffer of the pair (its staging, landing, accumulator)
+            saved += sum(own_alloc[k] - alloc[k] for k in own_alloc if k.startswith(("grad0", "grad1")))
+            assert all(alloc[k] <= own_alloc[k] // 2 + 256 for k in own_alloc if k.startswith(("grad0", "grad1")))
+        assert sum(own_alloc.values()) - sum(alloc.values()) == saved
+        assert rel_l2(sd, dict(tiny_llama(tie=True, vocab=1000, layers=2).state_dict())) > 1e-4  # it trained
+        # the same sums in the same order (a world of 2: a + b; fp32 accumulation: rank order): bit for bit
+        assert all(torch.equal(sd[k], own_sd[k]) for k in own_sd), name
+
+
+def test_copy_columns_is_the_column_block_of_the_flat_unit():
+    """``copy_columns`` (the chunked reduce's copy) against slicing the (world x shard) view, for
+    parameters that start and end inside rows, span rows, and fill whole ones."""
+    from yafsdp.core.backward import copy_columns
+
+    world, shard = 5, 13
+    flat = torch.arange(world * shard, dtype=torch.float32) + 1
+    cuts = [0, 3, 11, 12, 40, 41, 58, 60]  # the last two elements: padding (no parameter)
+    for lo, hi in [(0, 13), (0, 4), (4, 9), (9, 13), (12, 13)]:
+        dst = torch.zeros(world, hi - lo)
+        for a, b in zip(cuts, cuts[1:]):
+            copy_columns(dst, flat[a:b].clone(), a, shard, lo)
+        want = flat.view(world, shard)[:, lo:hi].clone()
+        pad = torch.arange(world * shard).view(world, shard)[:, lo:hi] >= cuts[-1]
+        assert torch.equal(dst, torch.where(pad, torch.zeros(()), want)), (lo, hi)

@@ -20,6 +20,11 @@ from yafsdp.presets import build_llama
 CASES = [
     ("llama_z3", dict(kind="llama"), dict()),
     ("llama_outsized_bf16", dict(kind="llama", vocab=1031, layers=4), dict(param_dtype=torch.bfloat16)),
+    # the outsized units' gradients in a grad buffer of their own (chunked through the pair by default)
+    ("llama_outsized_own", dict(kind="llama", vocab=1031, layers=4), dict(chunk_outsized_grads=False)),
+    # the grad pair at half a layer, the layers' gradients reduced in 2 chunks (with fp32 accumulation's landings)
+    ("llama_gradchunks_accum", dict(kind="llama", vocab=1031), dict(reduce_dtype=torch.bfloat16,
+                                                                    reduce_accum_dtype=torch.float32, grad_chunks=2)),
     ("llama_tied_z2", dict(kind="llama", tie=True), dict(zero_stage=2)),
     ("llama_bf16_reduce", dict(kind="llama", vocab=257), dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
     # bf16 reduce summed in fp32: each grad buffer's all-to-all landing (world x shard) and fp32 accumulator
@@ -73,6 +78,8 @@ def _check(name, rank, res):
         if fmt in name:
             assert any(k.endswith("_staging") and k.startswith("weight") for k in allocated), allocated
     assert own_plan == allocated, (name, rank)
+    if "outsized" in name:  # See [Note: chunked outsized gradients]: no grad buffer of their own unless asked
+        assert ("grad_outsized" in allocated) == name.endswith("_own") and "weight_outsized" in allocated, allocated
     if "accum" in name:  # the landing is as large as its grad buffer, the accumulator one fp32 shard
         grads = [k for k in allocated if k.startswith("grad") and k[4:] in ("0", "1", "_outsized", "_small")]
         assert len(grads) >= 3 and all(allocated[g + "_staging"] == allocated[g] for g in grads), allocated
@@ -131,6 +138,18 @@ def test_plan_buffers_pure_rules():
     assert a["grad0"].shard_capacity == a["grad0"].capacity == layouts[2].trainable.padded_numel
     assert a["grad0"].accum_capacity == layouts[2].trainable_shard and a["grad0"].dtype == torch.bfloat16
     assert a["grad0"].nbytes == 2 * 2 * a["grad0"].capacity + 4 * a["grad0"].accum_capacity
+    assert p.grad_chunk == [0] * 6 and p.chunk_slots == []
+    # chunked outsized gradients: no grad_outsized slot; the outsized units go through the pair in
+    # chunks of the pair's shard width (the largest regular unit's shard)
+    for accum in (False, True):
+        c = plan_buffers(names, layouts, lay(7), compute_dtype=torch.bfloat16,
+                         reduce_dtype=torch.bfloat16 if accum else torch.float32, zero_stage=3, outsized_ratio=1.5,
+                         accumulate_fp32=accum, chunk_outsized=True)
+        assert [s.name for s in c.grad] == ["grad0", "grad1", "grad_small"]
+        assert [s.nbytes for s in c.grad] == [s.nbytes for s in (acc if accum else p).grad if s.name != "grad_outsized"]
+        assert c.grad_chunk == [layouts[2].trainable_shard, 0, 0, 0, layouts[2].trainable_shard, 0]
+        assert [c.grad[i].name for i in c.chunk_slots] == ["grad0", "grad1"] and c.grad_of[0] == c.grad_of[4] == 0
+        assert c.weight == p.weight
     z2 = plan_buffers(names, layouts, None, compute_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                     zero_stage=2, outsized_ratio=1.5)
     assert [s.capacity for s in z2.weight] == [x.weight_numel for x in layouts]
@@ -167,7 +186,12 @@ def test_llama3_8b_plan_and_zero_formula():
     layer = next(u for u in p.units if u.name == "model.layers.0")
     assert p.largest_unit == layer.padded_numel == 218_103_808  # one Llama-3-8B layer: 436 MB in bf16
     assert p.weight_buffers == 2 * 2 * layer.padded_numel
-    assert p.outsized_buffers == (2 + 4) * 128256 * 4096 + 4 * 128256 * 4096 // n  # bf16 weight, fp32 grad + staging
+    # the bf16 weight; the gradients go through the grad pair in chunks ([Note: chunked outsized gradients])
+    assert p.outsized_buffers == 2 * 128256 * 4096
+    assert {u.grad_slot for u in p.units if u.outsized} == {"grad0/grad1 in 3 chunks"}  # 128256 x 4096 / L
+    own = memory_plan(model, world_size=n, param_dtype="bf16", chunk_outsized_grads=False)
+    assert own.outsized_buffers == (2 + 4) * 128256 * 4096 + 4 * 128256 * 4096 // n  # + fp32 grad and staging
+    assert own.total - p.total == (4 + 4 / n) * 128256 * 4096
     # Activation checkpointing keeps far less.
     full = memory_plan(model, world_size=n, param_dtype="bf16", batch=1, seq=2048)
     ckpt = memory_plan(model, world_size=n, param_dtype="bf16", batch=1, seq=2048, checkpointing=True)

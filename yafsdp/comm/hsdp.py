@@ -167,16 +167,20 @@ class ReplicaSync:
         self.uses = Counter(u.index for u in self.rt.order)
         self.folds = Counter()
 
-    def fold(self, unit, target: torch.Tensor, fresh: bool, fold_local) -> None:
+    def fold(self, unit, target: torch.Tensor, fresh: bool, fold_local, first: bool = True, last: bool = True) -> None:
         """Runs where the fold runs (CUDA: the comm stream; gloo: at the reduce's wait):
         ``fold_local()`` adds this replica's contribution to ``target``; around it, the repair of
-        a synced shard and, in an overlapped backward, the unit's all-reduce."""
-        if not fresh and self.state.get(unit.index) is SYNCED:
+        a synced shard and, in an overlapped backward, the unit's all-reduce. A reduce in chunks
+        (see [Note: chunked outsized gradients] in plan/sizing.py) folds in parts, in order: the
+        repair before the ``first``, the count and the all-reduce after the ``last``."""
+        if first and not fresh and self.state.get(unit.index) is SYNCED:
             self.schedule.wait_replicated()  # gloo: its all-reduce must have landed
             target.mul_(1.0 / self.replicas)  # See [Note: the cross-replica all-reduce]: X/R + new
             self.stats["rescaled"] += 1
         fold_local()
         self.state[unit.index] = LOCAL
+        if not last:
+            return
         self.folds[unit.index] += 1
         if self.overlap and self.folds[unit.index] >= self.uses.get(unit.index, 1):
             self.schedule.replicate_in_fold(target, unit.name)
@@ -234,7 +238,7 @@ class NoReplicas:
     def begin_backward(self) -> None:
         pass
 
-    def fold(self, unit, target, fresh, fold_local) -> None:
+    def fold(self, unit, target, fresh, fold_local, first: bool = True, last: bool = True) -> None:
         fold_local()
 
     def finish_backward(self) -> None:

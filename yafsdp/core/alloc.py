@@ -176,6 +176,8 @@ def allocate(self, outsized_ratio: float) -> "Storage":
         compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
         zero_stage=self.zero_stage, outsized_ratio=outsized_ratio, offload_frozen=frozen_host,
         accumulate_fp32=self.reduce_accum_dtype is not None,
+        chunk_outsized=self.config.chunk_outsized_grads and place.offload is None,
+        grad_chunks=self.config.grad_chunks,
     )
     st.grad_buffers: list[GradBuffer] = [
         GradBuffer(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule, s.accum_capacity)
@@ -189,6 +191,9 @@ def allocate(self, outsized_ratio: float) -> "Storage":
         u.buffer, u.grad_buffer = st.weight_buffers[w], (st.grad_buffers[g] if g >= 0 else None)
     for u, big in zip(self.units, plan.outsized):
         u.outsized = big
+    for u, width in zip(self.all, plan.grad_chunk):  # See [Note: chunked outsized gradients] in plan/sizing.py
+        u.grad_chunk = width
+        u.chunk_buffers = [st.grad_buffers[i] for i in plan.chunk_slots] if width else []
     for u in self.all:
         u.landing_at = landing_layout(u.shape, self.compute_dtype)[0]
         u.aliases = [alias(u.buffer.data, u.group_of[id(p)].buffer_offset + p.offset, p.shape) for p in u.params]

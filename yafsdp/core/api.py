@@ -57,6 +57,12 @@ class YaFSDP(WrapperMethods, nn.Module):
       bytes of the gathered dtype; a positive int, else refused.
     - ``outsized_ratio`` (default 1.5): a unit larger than this times the typical unit gets its own
       buffer; a positive number, else refused.
+    - ``chunk_outsized_grads`` (default True): an outsized unit's gradient is reduced in chunks
+      through the regular grad buffers, not through a grad buffer of its own (docs/reduce.md, "Memory");
+      False keeps the own buffer (one collective per outsized unit). A bool, else refused.
+    - ``grad_chunks`` (default 1): the two grad buffers hold 1/grad_chunks of the largest regular unit's
+      gradient, and larger units' gradients are reduced in that many column chunks (docs/reduce.md,
+      "Memory"): less memory, more and smaller collectives. A positive int; refused above 1 with ``offload``.
     - ``quantize_frozen`` (default None): "nf4" stores frozen ``nn.Linear`` weights in 4-bit NormalFloat
       (QLoRA); other names refused; a warning when no weight qualifies.
     - ``offload`` (default None): "optimizer" keeps the fp32 master, grad shard and optimizer state in host
@@ -72,7 +78,8 @@ class YaFSDP(WrapperMethods, nn.Module):
     - ``reduce_accum_dtype`` (default None): ``torch.float32`` with a 16-bit ``reduce_dtype`` sends the
       pieces in ``reduce_dtype`` and sums them in fp32 (docs/reduce.md); refused with ``offload``.
     - ``config`` (default None): a ``yafsdp.EngineConfig`` (``yafsdp.build_config(...)``) standing for
-      every option from ``param_dtype`` to ``reduce_accum_dtype``; refused together with any of them.
+      every option from ``param_dtype`` to ``reduce_accum_dtype`` (and ``chunk_outsized_grads``, ``grad_chunks``); refused
+      together with any of them.
     """
 
     def __init__(
@@ -89,6 +96,8 @@ class YaFSDP(WrapperMethods, nn.Module):
         device: torch.device | str | None = None,
         align_bytes: int = 16,
         outsized_ratio: float = 1.5,
+        chunk_outsized_grads: bool = True,
+        grad_chunks: int = 1,
         quantize_frozen: str | None = None,
         offload: str | None = None,
         gather_dtype: str | None = None,
@@ -100,7 +109,8 @@ class YaFSDP(WrapperMethods, nn.Module):
         cfg = build_config(config, param_dtype=param_dtype, reduce_dtype=reduce_dtype, zero_stage=zero_stage,
                            align_bytes=align_bytes, outsized_ratio=outsized_ratio, quantize_frozen=quantize_frozen,
                            offload=offload, gather_dtype=gather_dtype, gather_exclude=gather_exclude,
-                           reduce_accum_dtype=reduce_accum_dtype)
+                           reduce_accum_dtype=reduce_accum_dtype, chunk_outsized_grads=chunk_outsized_grads,
+                           grad_chunks=grad_chunks)
         quantize_frozen, offload, gather_dtype = cfg.quantize_frozen, cfg.offload_what, cfg.gather_dtype
         param_dtype, reduce_dtype, zero_stage = cfg.param_dtype, cfg.reduce_dtype, cfg.zero_stage
         reduce_accum_dtype = cfg.reduce_accum_dtype  # See [Note: narrow reduce, fp32 accumulation]

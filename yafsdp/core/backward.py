@@ -18,7 +18,7 @@ from ..tools.trace import span
 from .unit import Phase, Unit, current_task
 
 
-__all__ = ["BackwardSteps", "BackwardUse"]
+__all__ = ["BackwardSteps", "BackwardUse", "copy_columns"]
 
 
 class BackwardUse:
@@ -125,6 +125,9 @@ class BackwardSteps:
         self.use_done(unit, use)
         lay = unit.layout
         self._note_used(unit, pidx, grads)
+        if unit.grad_chunk:  # See [Note: chunked outsized gradients] in plan/sizing.py
+            self._reduce_chunked(unit, pidx, grads)
+            return
         buf = unit.grad_buffer.begin_write(lay.padded_numel)
         with torch.no_grad(), span("grads", unit.name):
             if len(pidx) == len(lay.params):
@@ -151,26 +154,62 @@ class BackwardSteps:
                 unit.used[lay.index[id(unit.params[i])]] = 1
 
     def _reduce(self, unit: Unit) -> None:
+        target, fresh = self._grad_target(unit)
+        self.placement.reduce(self, unit, self._fold(unit, target, fresh, unit.grad_buffer.accum))
+
+    def _reduce_chunked(self, unit: Unit, pidx, grads) -> None:
+        """The unit's gradient reduced in column chunks through the grad pair. See [Note: chunked
+        outsized gradients] in plan/sizing.py."""
+        lay = unit.layout
+        world, shard, width = lay.world_size, lay.shard_numel, unit.grad_chunk
+        target, fresh = self._grad_target(unit)
+        # (flat offset, 1-D gradient); reshape is a view for the contiguous gradients autograd makes
+        sources = [(unit.params[i].offset, g.reshape(-1)) for i, g in zip(pidx, grads) if g is not None]
+        sources = [(off, src if src.stride(0) == 1 else src.contiguous()) for off, src in sources]
+        covered = sum(src.numel() for _, src in sources) == lay.padded_numel
+        starts = range(0, shard, width)
+        pair = unit.chunk_buffers
+        for k, lo in enumerate(starts):
+            hi = min(lo + width, shard)
+            gb = pair[k % len(pair)]
+            last = k == len(starts) - 1
+            if last and k:  # every earlier chunk folded before the last one's fold (HSDP)
+                pair[(k - 1) % len(pair)].finish()
+            buf = gb.begin_write(world * (hi - lo)).view(world, hi - lo)
+            with torch.no_grad(), span("grads", unit.name):
+                if not covered:  # padding, or parameters this backward gave no gradient
+                    buf.zero_()
+                for off, src in sources:
+                    copy_columns(buf, src, off, shard, lo)
+            gb.reduce(unit.name, buf.numel(), hi - lo,
+                      self._fold(unit, target, fresh, gb.accum, lo, hi, first=k == 0, last=last))
+
+    def _grad_target(self, unit: Unit) -> tuple[torch.Tensor, bool]:
+        """The unit's fp32 grad shard, and whether this backward's reduce is its first contribution."""
         p = unit.flat_param
         fresh = p.grad is None
         if fresh:  # See [Note: shard gradients that know they are shards] in shard_grad.py
             p.grad = grad_view(unit, self)
-        target = plain(p.grad)
+        return plain(p.grad), fresh
+
+    def _fold(self, unit: Unit, target: torch.Tensor, fresh: bool, accum: torch.Tensor, lo: int = 0,
+              hi: int | None = None, first: bool = True, last: bool = True):
+        """``fold(reduced)``: elements [lo, hi) of the grad shard ``target`` (+)= the reduced sum / world.
+        ``first`` / ``last``: the unit's first / last fold of this use (a chunked reduce folds in parts)."""
         # The one post-divide: by every rank of the world (HSDP: shard size x replicas, so that
         # the SUM all-reduce across replicas gives DDP's average).
         scale = 1.0 / (self.world_size * self.replicas)
-
-        accum = unit.grad_buffer.accum
+        part = target if lo == 0 and hi is None else target[lo:hi]
 
         def fold_local(reduced: torch.Tensor) -> None:
             """grad shard (+)= reduced sum / world."""
             with torch.no_grad():
                 if reduced.dim() == 2:  # every rank's piece: [Note: narrow reduce, fp32 accumulation]
-                    fold_pieces_(target, reduced, scale, not fresh, accum[:target.numel()])
+                    fold_pieces_(part, reduced, scale, not fresh, accum[:part.numel()])
                 elif fresh:
-                    kernels.cast_(target, reduced, scale)  # scaled in fp32, rounded once
+                    kernels.cast_(part, reduced, scale)  # scaled in fp32, rounded once
                 else:
-                    kernels.accumulate_(target, reduced, scale)
+                    kernels.accumulate_(part, reduced, scale)
 
         sync = self.replica_sync
         if not self.replica_begun:
@@ -181,9 +220,9 @@ class BackwardSteps:
 
         def fold(reduced: torch.Tensor) -> None:  # HSDP: see [Note: the cross-replica all-reduce] in hsdp.py
             with torch.no_grad():
-                sync.fold(unit, target, fresh, lambda: fold_local(reduced))
+                sync.fold(unit, target, fresh, lambda: fold_local(reduced), first=first, last=last)
 
-        self.placement.reduce(self, unit, fold)  # offload: via the host landing (placement.py)
+        return fold  # the placement's reduce runs it (offload: via the host landing, placement.py)
 
     def finish_host_folds(self) -> None:
         """offload: every reduced grad shard that went to the host is folded there (host sync)."""
@@ -215,3 +254,27 @@ class BackwardSteps:
         contributions (a no-op otherwise, and for a flat engine); True when it all-reduced."""
         self.recover()
         return self.replica_sync.sync()
+
+
+def copy_columns(dst: torch.Tensor, src: torch.Tensor, offset: int, shard: int, lo: int) -> None:
+    """``dst`` (world x w) <- columns [lo, lo + w) of a flat unit viewed as (world x shard), where
+    ``src`` (1-D) holds the unit's elements [offset, offset + src.numel()); columns outside ``src``
+    are left alone. At most three copies: the rows ``src`` covers whole (one strided view), the
+    partial first and last rows."""
+    world, w = dst.shape
+    end = offset + src.numel()
+    r_first, r_last = max(0, offset // shard), min(world - 1, (end - 1) // shard)
+    if r_first > r_last or src.numel() == 0:
+        return
+    full_lo = max(r_first, -(-(offset - lo) // shard))  # first row with offset <= r * shard + lo
+    full_hi = min(r_last, (end - lo - w) // shard)  # last row with r * shard + lo + w <= end
+    if full_lo <= full_hi:
+        start = full_lo * shard + lo - offset
+        dst[full_lo:full_hi + 1].copy_(
+            src.as_strided((full_hi - full_lo + 1, w), (shard, 1), src.storage_offset() + start))
+    for r in {r_first, r_last}:
+        if full_lo <= r <= full_hi:
+            continue
+        a, b = max(offset, r * shard + lo), min(end, r * shard + lo + w)
+        if a < b:
+            dst[r, a - r * shard - lo:b - r * shard - lo].copy_(src[a - offset:b - offset])

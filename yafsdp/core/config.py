@@ -73,6 +73,12 @@ class EngineConfig:
     outsized_ratio: float = 1.5
     quantize_frozen: str | None = None
     gather_exclude: tuple[str, ...] | None = None
+    # outsized units' gradients reduced in chunks through the grad pair instead of a grad buffer of
+    # their own: see [Note: chunked outsized gradients] in plan/sizing.py
+    chunk_outsized_grads: bool = True
+    # the grad pair holds 1/grad_chunks of the largest regular unit; larger units' gradients are
+    # reduced in that many chunks (the same note)
+    grad_chunks: int = 1
 
     # The flat names the rest of the engine reads.
     @property
@@ -105,7 +111,8 @@ class EngineConfig:
         return dict(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype, zero_stage=self.zero_stage,
                     align_bytes=self.align_bytes, outsized_ratio=self.outsized_ratio,
                     quantize_frozen=self.quantize_frozen, offload=self.offload_what, gather_dtype=self.gather_dtype,
-                    gather_exclude=self.gather_exclude, reduce_accum_dtype=self.reduce_accum_dtype)
+                    gather_exclude=self.gather_exclude, reduce_accum_dtype=self.reduce_accum_dtype,
+                    chunk_outsized_grads=self.chunk_outsized_grads, grad_chunks=self.grad_chunks)
 
 
 def check_offload(offload) -> str | None:
@@ -139,7 +146,7 @@ def _as(who: str, check, value):
 def build_config(config: EngineConfig | None = None, *, who: str = "yafsdp.YaFSDP", **options) -> EngineConfig:
     """The one place options are checked: ``YaFSDP``'s keyword arguments (``param_dtype``,
     ``reduce_dtype``, ``zero_stage``, ``align_bytes``, ``outsized_ratio``, ``quantize_frozen``,
-    ``offload``, ``gather_dtype``, ``gather_exclude``, ``reduce_accum_dtype``) or a ``config`` to re-check (not both; an
+    ``offload``, ``gather_dtype``, ``gather_exclude``, ``reduce_accum_dtype``, ``chunk_outsized_grads``, ``grad_chunks``) or a ``config`` to re-check (not both; an
     option left at its default may accompany a config). Every refusal names the value and what to
     pass instead; ``who`` opens the message. No combination depends on the process groups (HSDP
     takes every option), so the plan checks exactly what ``YaFSDP`` checks."""
@@ -172,6 +179,17 @@ def build_config(config: EngineConfig | None = None, *, who: str = "yafsdp.YaFSD
     if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not ratio > 0:
         raise ValueError(f"{who}: outsized_ratio={ratio!r} is not a positive number (a unit larger than this times "
                          "the typical unit gets its own buffer; 1.5 is the default)")
+    chunk = o["chunk_outsized_grads"]
+    if not isinstance(chunk, bool):
+        raise ValueError(f"{who}: chunk_outsized_grads={chunk!r} is not a bool (True, the default: an outsized unit's "
+                         "gradient is reduced in chunks through the grad pair; False: it gets a grad buffer of its own)")
+    grad_chunks = o["grad_chunks"]
+    if not isinstance(grad_chunks, int) or isinstance(grad_chunks, bool) or grad_chunks < 1:
+        raise ValueError(f"{who}: grad_chunks={grad_chunks!r} is not a positive int (the grad buffers hold 1/grad_chunks "
+                         "of the largest unit's gradient, reduced in that many chunks; 1 is the default)")
+    if grad_chunks > 1 and offload is not None:
+        raise ValueError(f"{who}: grad_chunks={grad_chunks} with offload={offload!r} is not supported (an offloaded "
+                         "reduce goes through the host landing whole); use grad_chunks=1")
     exclude = o["gather_exclude"]
     if exclude is not None:
         if isinstance(exclude, str) or not all(isinstance(n, str) for n in exclude):
@@ -180,9 +198,11 @@ def build_config(config: EngineConfig | None = None, *, who: str = "yafsdp.YaFSD
     return EngineConfig(
         mixed_precision=MixedPrecision(param_dtype, reduce_dtype, gather_dtype, reduce_accum_dtype),
         offload=Offload(offload) if offload is not None else None, zero_stage=zero_stage, align_bytes=align_bytes,
-        outsized_ratio=ratio, quantize_frozen=quantize_frozen, gather_exclude=exclude)
+        outsized_ratio=ratio, quantize_frozen=quantize_frozen, gather_exclude=exclude, chunk_outsized_grads=chunk,
+        grad_chunks=grad_chunks)
 
 
 _DEFAULTS = dict(param_dtype=None, reduce_dtype=torch.float32, zero_stage=3, align_bytes=16, outsized_ratio=1.5,
-                 quantize_frozen=None, offload=None, gather_dtype=None, gather_exclude=None, reduce_accum_dtype=None)
+                 quantize_frozen=None, offload=None, gather_dtype=None, gather_exclude=None, reduce_accum_dtype=None,
+                 chunk_outsized_grads=True, grad_chunks=1)
 

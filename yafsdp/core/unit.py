@@ -150,6 +150,10 @@ class Unit:
         self.group_of = {id(p): g for g in groups for p in g.params}
         self.buffer = None  # the WeightBuffer its gathered weights go to
         self.grad_buffer = None  # the GradBuffer its gradients go to
+        # outsized units: columns per chunk when its gradient is reduced in chunks through the pair
+        # (chunk_buffers), else 0. See [Note: chunked outsized gradients] in plan/sizing.py
+        self.grad_chunk = 0
+        self.chunk_buffers: list = []
         self.aliases: list[torch.Tensor] = []  # per parameter, over buffer.data: see [Note: buffer aliases]
         self.anchor: torch.Tensor | None = None  # 0-element leaf, input of the gate: makes its backward run
         # holds on its weight buffer taken by backward calls now running (a use's pre-backward, a

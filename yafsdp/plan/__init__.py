@@ -16,8 +16,10 @@ What the engine allocates per rank (Psi parameters, N ranks, every count padded 
 - grad buffers: two in reduce_dtype, each with a shard-sized reduce-scatter staging area
 - the small group (all 1-D parameters): its own weight and grad buffer
 - outsized units (not a repeated block, padded size > outsized_ratio x the largest block; see
-  [Note: outsized units]; a 128k-vocab embedding or head): one weight and one grad buffer they
-  share, so they do not set the size of the pair
+  [Note: outsized units]; a 128k-vocab embedding or head): one weight buffer they share, so they
+  do not set the size of the pair; their gradients go through the grad pair in chunks ([Note:
+  chunked outsized gradients] in sizing.py; ``chunk_outsized_grads=False`` or offload: one grad
+  buffer they share)
 Outside the engine and estimated here: optimizer state (AdamW: fp32 m and v, 8 bytes per shard
 element) and activations.
 
@@ -46,7 +48,8 @@ from .choose import (
     parse_bytes,
 )
 from .cli import main
-from .report import ActivationEstimate, MemoryPlan, UnitRow, memory_plan
+from .build import memory_plan
+from .report import ActivationEstimate, MemoryPlan, UnitRow
 from .sizing import OPTIMIZER_BYTES, BufferPlan, BufferSpec, plan_buffers, repeated_blocks, unit_align
 
 __all__ = ["ActivationEstimate", "ActivationTrace", "BufferPlan", "BufferSpec", "CheckpointChoice", "MemoryPlan",

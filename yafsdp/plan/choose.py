@@ -136,7 +136,7 @@ def choose_checkpointing(model: nn.Module, *, budget=None, batch: int, seq: int,
     ``memory_plan``'s options (``world_size=``, ``param_dtype=``, ``attention=``, ...) in
     ``plan_options``. The returned ``plan`` is ``memory_plan(..., checkpointing=choice.indices)``."""
     from .activations import estimate_from_trace
-    from .report import memory_plan
+    from .build import memory_plan
 
     if budget is None:
         dev = device if device is not None else getattr(model, "device", None)

@@ -5,7 +5,8 @@ import argparse
 import json
 
 from .. import formats
-from .report import MemoryPlan, memory_plan
+from .build import memory_plan
+from .report import MemoryPlan
 from .sizing import OPTIMIZER_BYTES
 
 def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:

@@ -59,6 +59,10 @@ class BufferPlan:
     weight_of: list[int]  # per flat unit (units in order, the small group last): index into weight
     grad_of: list[int]  # likewise into grad
     outsized: list[bool]  # per unit (small group excluded)
+    # per flat unit (as weight_of): columns of the unit's (world x shard) gradient per reduce when
+    # it is reduced in chunks through the grad pair (see [Note: chunked outsized gradients]); 0: whole
+    grad_chunk: list[int] = None
+    chunk_slots: list[int] = None  # the grad slots the chunks alternate over (the pair), else empty
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -91,6 +95,28 @@ def repeated_blocks(names: list[str]) -> list[bool]:
 # back to ``outsized_ratio`` x the median unit. (The median alone misfires on small models: with
 # vocab 256, hidden 64 and 2 layers the embedding and head are half the units, so the median is
 # the embedding and both decoder layers would be outsized.)
+# [Note: chunked outsized gradients]
+# An outsized unit's gradient needs no grad buffer of its own (``chunk_outsized``, the default
+# ``chunk_outsized_grads=True``). Its flat gradient, viewed as ``world x shard`` (row r: what rank r
+# receives), is reduced in column chunks of the pair's shard width: chunk k copies columns
+# [k w, (k+1) w) of every row from the autograd gradients into one of the pair's grad buffers (a
+# ``world x w`` block, as large as a regular unit's gradient), reduce-scatters (or, with fp32
+# accumulation, all-to-alls) it, and folds the result into columns [k w, (k+1) w) of the grad shard.
+# The chunks alternate over the pair, so chunk k + 2 waits for chunk k's reduce as a regular unit
+# waits for the one two units back; the last chunk also waits for the one before it, so that every
+# fold of the unit has run before its last (HSDP all-reduces a shard after its last fold). Every
+# element is summed over the same ranks, in the same dtypes, and scaled and folded by the same kernels
+# as by one reduce of the whole unit: the values are the same (bit for bit where the collective's
+# per-element summation order does not depend on the tensor's length: gloo at world 2, the fake
+# process group). What it saves: the outsized grad buffer (with Llama-3.2-1B's tied 128k embedding,
+# 1.1 GiB per rank in fp32, at every world). What it costs: ``ceil(shard / w)`` collectives instead of
+# one for the unit (about its size over a decoder layer's, 5 for Llama-3.2-1B), each as large as a
+# layer's, and a strided copy instead of a contiguous one. With offload (the reduce goes through
+# the host landing) the unit keeps its own buffer; so does a model with no regular unit.
+# ``grad_chunks=K`` (default 1) applies the same to the regular units: the pair is sized for 1/K
+# of the largest of them (16-element aligned columns), and every unit larger than that is reduced
+# in chunks through it. Its cost is overlap: a unit's first chunk waits for the previous unit's
+# first chunk, one unit back instead of two.
 @dataclass(frozen=True)
 class UnitShape:
     """A unit's flat groups as laid out in its weight buffer: the trainable group first (it alone
@@ -217,6 +243,8 @@ def plan_buffers(
     outsized_ratio: float,
     offload_frozen: bool = False,
     accumulate_fp32: bool = False,
+    chunk_outsized: bool = False,
+    grad_chunks: int = 1,
 ) -> BufferPlan:
     """The weight and grad buffers for units with ``layouts`` (and the small group): pure, no
     allocation. See [Note: one plan, one allocator]."""
@@ -252,11 +280,30 @@ def plan_buffers(
     # Grad buffers serve the units with a trainable group; a unit that is all frozen has none.
     regular_t = [i for i in regular if layouts[i].trainable is not None]
     big_t = [i for i in big if layouts[i].trainable is not None]
-    if regular_t:
+    grad_chunk = [0] * n_all
+    chunk_slots: list[int] = []
+    width = max((layouts[i].trainable.shard_numel for i in regular_t), default=0)  # the pair's shard
+    if regular_t and grad_chunks > 1:  # See [Note: chunked outsized gradients]: the pair holds 1/grad_chunks
+        width = -(-width // grad_chunks // 16) * 16  # of the largest unit; 16-element aligned columns
+        world = layouts[regular_t[0]].trainable.world_size
+        for k in range(min(2, len(regular_t))):
+            grad.append(BufferSpec(f"grad{k}", "grad", world * width, world * width if accumulate_fp32 else width,
+                                   reduce_dtype, "buffers", accum_capacity=width if accumulate_fp32 else 0))
+        pair = list(range(len(grad) - min(2, len(regular_t)), len(grad)))
+        chunk_slots = pair
+        for j, i in enumerate(regular_t):
+            grad_of[i] = pair[j % len(pair)]
+            if layouts[i].trainable.shard_numel > width:
+                grad_of[i], grad_chunk[i] = pair[0], width
+    elif regular_t:
         pair = [grad_slot(f"grad{k}", regular_t, "buffers") for k in range(min(2, len(regular_t)))]
         for j, i in enumerate(regular_t):
             grad_of[i] = pair[j % len(pair)]
-    if big_t:
+    if big_t and chunk_outsized and regular_t:  # See [Note: chunked outsized gradients]
+        chunk_slots = pair
+        for i in big_t:
+            grad_of[i], grad_chunk[i] = pair[0], width
+    elif big_t:
         g = grad_slot("grad_outsized", big_t, "outsized")
         for i in big_t:
             grad_of[i] = g
@@ -283,7 +330,7 @@ def plan_buffers(
             weight_of[i] = weight_slot(f"weight_{name}", [i], "buffers")
     if small is not None:
         weight_of[len(layouts)] = weight_slot("weight_small", [len(layouts)], "small")
-    return BufferPlan(weight, grad, weight_of, grad_of, outsized)
+    return BufferPlan(weight, grad, weight_of, grad_of, outsized, grad_chunk, chunk_slots)
 
 
 def dtype_name(dt: torch.dtype) -> str:

@@ -1,0 +1,172 @@
+"""Building the memory plan of a model (``memory_plan``): unit discovery and the flat layouts, the
+buffer sizing the allocator uses (sizing.py), placement, staging and the activation estimate, into a
+:class:`~yafsdp.plan.report.MemoryPlan` (report.py holds the plan and how it is shown)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..formats import fp8_codec as fp8
+from ..core.config import EngineConfig, build_config
+from ..core.units import discover, weight_free_backward
+from .activations import activation_estimate
+from .staging import persistent_buffer_bytes, staging_bytes
+from .sizing import OPTIMIZER_BYTES, as_dtype, dtype_name, itemsize, plan_buffers, unit_align, unit_shape
+from .report import MemoryPlan, UnitRow
+
+
+def _gather_bytes(lay, cbytes: int) -> int:
+    """Bytes one gather of a unit (``sizing.UnitShape``) brings to each rank."""
+    plain = (lay.trainable.padded_numel if lay.trainable is not None and not lay.gather_record else 0) + (
+        lay.frozen.padded_numel if lay.frozen is not None else 0)
+    return plain * cbytes + lay.staging_bytes
+
+
+def _grad_slot_name(slots, i: int, lay) -> str:
+    """The grad slot(s) unit ``i`` reduces through, as the plan prints them."""
+    if slots.grad_of[i] < 0:
+        return "-"
+    width = slots.grad_chunk[i] if slots.grad_chunk else 0
+    if not width:
+        return slots.grad[slots.grad_of[i]].name
+    n = -(-lay.trainable_shard // width)  # See [Note: chunked outsized gradients] in sizing.py
+    return f"{'/'.join(slots.grad[k].name for k in slots.chunk_slots)} in {n} chunks"
+
+
+def memory_plan(
+    model: nn.Module,
+    *,
+    world_size: int | None = None,
+    rank: int = 0,
+    units: list[nn.Module] | None = None,
+    param_dtype=None,
+    reduce_dtype=torch.float32,
+    zero_stage: int = 3,
+    align_bytes: int = 16,
+    outsized_ratio: float = 1.5,
+    optimizer: str | int = "adamw",
+    batch: int | None = None,
+    seq: int | None = None,
+    checkpointing: bool = False,
+    attention: str = "fused",
+    inputs_fn=None,
+    quantize_frozen: str | None = None,
+    offload: str | None = None,
+    gather_dtype: str | None = None,
+    gather_exclude=None,
+    async_save: bool = False,
+    reduce_accum_dtype=None,
+    chunk_outsized_grads: bool = True,
+    grad_chunks: int = 1,
+    config=None,
+) -> MemoryPlan:
+    """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
+    or a plain module (any device, meta included; nothing is allocated) with the engine options
+    given here. ``async_save=True`` adds the host memory of an asynchronous save's staging copy
+    (``yafsdp.checkpoint.AsyncSaver``, the jobs' ``--async-save``). ``batch`` and ``seq`` add the activation estimate (HF causal LMs, or any model
+    with ``inputs_fn(batch, seq, device) -> kwargs``). ``optimizer``: a name in
+    ``OPTIMIZER_BYTES`` or bytes of state per shard element. The engine options are checked by
+    ``yafsdp.core.config.build_config``, as ``YaFSDP(...)`` checks them (``config=``: an ``EngineConfig``
+    instead of the options)."""
+    if isinstance(getattr(model, "engine_config", None), EngineConfig):  # a wrapped YaFSDP
+        eng = model
+        names = [u.name for u in eng.units]
+        layouts = [u.shape for u in eng.units]
+        small = eng.small.shape if eng.small is not None else None
+        slots = eng.buffer_plan
+        weight_free = [u.weight_free_bw for u in eng.units]
+        world_size, rank = eng.world_size, eng.rank
+        compute_dtype, reduce_dtype, zero_stage = eng.compute_dtype, eng.reduce_dtype, eng.zero_stage
+        accum = eng.reduce_accum_dtype
+        param_dtype = eng.param_dtype
+        quantize_frozen = eng.quantize_frozen
+        offload = eng.offload
+        gather_dtype = eng.gather_dtype
+        module = eng.module
+        num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
+    else:
+        if world_size is None:
+            raise ValueError("yafsdp.plan.memory_plan: world_size= is required for a model that is not wrapped")
+        if config is None:  # the plan also takes dtype names ("bf16"), as its CLI does
+            param_dtype, reduce_dtype = as_dtype(param_dtype), as_dtype(reduce_dtype)
+        cfg = build_config(config, who="yafsdp.plan.memory_plan", param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                           zero_stage=zero_stage, align_bytes=align_bytes, outsized_ratio=outsized_ratio,
+                           quantize_frozen=quantize_frozen, offload=offload, gather_dtype=gather_dtype,
+                           gather_exclude=gather_exclude, reduce_accum_dtype=as_dtype(reduce_accum_dtype),
+                           chunk_outsized_grads=chunk_outsized_grads, grad_chunks=grad_chunks)
+        param_dtype, reduce_dtype, compute_dtype = cfg.param_dtype, cfg.reduce_dtype, cfg.compute_dtype
+        quantize_frozen, offload, gather_dtype = cfg.quantize_frozen, cfg.offload_what, cfg.gather_dtype
+        zero_stage, align_bytes, outsized_ratio = cfg.zero_stage, cfg.align_bytes, cfg.outsized_ratio
+        exclude = fp8.default_exclude(model) if cfg.gather_exclude is None else cfg.gather_exclude
+        quantize = compute_dtype if quantize_frozen else None
+        align = unit_align(compute_dtype, reduce_dtype, align_bytes)
+        specs, small_params = discover(model, units)
+        names = [s.name for s in specs]
+        weight_free = [weight_free_backward(s) for s in specs]
+        layouts = [unit_shape(s.params, world_size, rank, align, quantize, gather_dtype, exclude) for s in specs]
+        small = (unit_shape(small_params, world_size, rank, align, quantize, gather_dtype, exclude)
+                 if small_params else None)
+        accum = cfg.reduce_accum_dtype
+        slots = plan_buffers(
+            names, layouts, small, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
+            zero_stage=zero_stage, outsized_ratio=outsized_ratio, offload_frozen=offload == "all",
+            accumulate_fp32=accum is not None, chunk_outsized=cfg.chunk_outsized_grads and offload is None,
+            grad_chunks=cfg.grad_chunks,
+        )
+        module = model
+        num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
+
+    all_layouts = layouts + ([small] if small is not None else [])
+    shard = sum(lay.trainable_shard for lay in all_layouts)
+    frozen_shard = sum(lay.frozen_shard for lay in all_layouts)
+    nf4_shard = sum(lay.nf4_shard for lay in all_layouts)
+    nf4_bytes = sum(lay.nf4_record for lay in all_layouts)
+    record_bytes = sum(lay.gather_record for lay in all_layouts)
+    compute_shard = sum(lay.compute_shard for lay in all_layouts)
+    cbytes = itemsize(compute_dtype)
+    opt_bytes = optimizer if isinstance(optimizer, int) else OPTIMIZER_BYTES[optimizer]
+    slot_list = slots.weight + slots.grad
+    rows = [
+        UnitRow(
+            names[i], lay.numel, lay.weight_numel, lay.trainable_shard + lay.frozen_shard + lay.nf4_shard,
+            slots.weight[slots.weight_of[i]].name,
+            _grad_slot_name(slots, i, lay), slots.outsized[i], weight_free[i],
+            _gather_bytes(lay, cbytes), lay.gather.name if lay.gather_record else None,
+        )
+        for i, lay in enumerate(layouts)
+    ]
+    regular = [lay.weight_numel for lay, o in zip(layouts, slots.outsized) if not o]
+    plan = MemoryPlan(
+        world_size=world_size, rank=rank, zero_stage=zero_stage,
+        param_dtype=dtype_name(compute_dtype), reduce_dtype=dtype_name(reduce_dtype),
+        optimizer=str(optimizer), num_params=num_params, shard_numel=shard + frozen_shard + nf4_shard,
+        largest_unit=max(regular) if regular else 0, units=rows, slots=slot_list,
+        master=4 * shard, grad=4 * shard,
+        compute_copy=0 if compute_dtype == torch.float32 and offload is None else cbytes * compute_shard,
+        optimizer_state=opt_bytes * shard, frozen=cbytes * frozen_shard, nf4=nf4_bytes,
+        quantize_frozen=quantize_frozen, offload=offload, records=record_bytes, gather_dtype=gather_dtype,
+        reduce_accum_dtype=dtype_name(accum) if accum is not None else None,
+        compute_host=cbytes * shard if offload is not None and compute_dtype != torch.float32 else 0,
+        grad_landing=itemsize(reduce_dtype) * shard if offload is not None else 0,
+        export_unit=max((4 * (lay.trainable.padded_numel if lay.trainable is not None else 0)
+                         + cbytes * sum(g.padded_numel for g in (lay.frozen, lay.nf4) if g is not None)
+                         for lay in all_layouts), default=0),
+        gather_host=record_bytes if offload is not None else 0,
+    )
+    if async_save:
+        plan.checkpoint_staging = staging_bytes(
+            all_layouts, rank=rank, compute_dtype=compute_dtype, optimizer_bytes=opt_bytes,
+            buffer_bytes=persistent_buffer_bytes(module))
+    from ..integrations.hf_stream import load_host_bytes
+
+    plan.load_host = load_host_bytes(all_layouts, cbytes)
+    if batch is not None and seq is not None:
+        largest_unit_grads = max((lay.trainable.numel for lay in layouts if lay.trainable is not None),
+                                 default=0) * cbytes
+        plan.activations = activation_estimate(
+            module, batch=batch, seq=seq, checkpointing=checkpointing, dtype=compute_dtype,
+            attention=attention, inputs_fn=inputs_fn, unit_grad_bytes=largest_unit_grads,
+        )
+        if plan.activations is None:
+            plan.notes.append("activations not estimated: not an HF model and no inputs_fn given")
+    return plan
