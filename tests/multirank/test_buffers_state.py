@@ -52,7 +52,8 @@ def _invariants(rank, world, zero_stage, vocab, param_dtype):
     return dict(
         slots=[(s.name, s.capacity, str(s.data.dtype)) for s in model.weight_buffers],
         grad_buffers=[(s.name, s.capacity, str(s.data.dtype)) for s in model.grad_buffers],
-        units=[(u.name, u.layout.padded_numel, u.buffer.name, u.grad_buffer.name, u.outsized) for u in model.flat_units],
+        units=[(u.name, u.layout.padded_numel, u.buffer.name, u.grad_buffer.name, u.outsized, u.grad_chunk)
+               for u in model.flat_units],
         ptrs=ptrs, seen=seen, bytes=model.allocated_bytes(),
     )
 
@@ -81,7 +82,11 @@ def test_buffer_invariants(zero_stage, vocab, dtype):
             assert dict((s[0], s[1]) for s in weight)["weight_outsized"] == units["lm_head"][1]
     else:
         assert len(weight) == len(units) - 1  # ZeRO-2: every unit keeps its own gathered weights
-    assert len([s for s in grads if s[0] in ("grad0", "grad1")]) == 2 and len(grads) == 2 + outsized
+    # No grad buffer of their own for the outsized units: their gradients go through the pair in column chunks
+    # (chunk_outsized_grads=True, the default; docs/reduce.md "Memory").
+    assert len([s for s in grads if s[0] in ("grad0", "grad1")]) == 2 and len(grads) == 2
+    assert (units["model.embed_tokens"][5] > 0) == outsized and (units["lm_head"][5] > 0) == outsized
+    assert not any(u[5] for u in layers)
     assert all(s[2] == "torch.float32" for s in r["grad_buffers"])  # reduce_dtype
     if dtype is not None:
         assert all(s[2] == "torch.bfloat16" for s in r["slots"])
