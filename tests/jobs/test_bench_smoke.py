@@ -168,15 +168,20 @@ def test_bench_hsdp_and_the_byte_model(tmp_path):
     once per step of 2 backward passes, overlapped (one per unit) and deferred (one), the same elements;
     none for full sharding. And benchmarks/model_scaling.py's per-step bytes (gathers, reduce-scatters, the all-reduce across
     replicas) equal what the engine put into its collectives in that run, on every rank."""
+    from concurrent.futures import ThreadPoolExecutor
+
     j = tmp_path / "h.json"
-    text = _run("bench_hsdp.py", *TINY, "--accum", "2", "--warmup", "1", "--steps", "1", "--json", str(j))
+    with ThreadPoolExecutor(1) as pool:  # the prediction (one process) runs beside the measured run
+        scaling = pool.submit(_run, "model_scaling.py", "--preset", "tiny", "--param-dtype", "fp32", "--grad-accum", "2",
+                              "--bytes", "2x2,1x4")
+        text = _run("bench_hsdp.py", *TINY, "--accum", "2", "--warmup", "1", "--steps", "1", "--json", str(j))
+        scaling = scaling.result()
     r = json.loads(j.read_text())
     assert r["table"] in text
     full, over, deferred = (r["per_step"][k][0] for k in ("full", "hsdp", "hsdp-deferred"))
     assert full["all_reduces"] == 0 and deferred["all_reduces"] == 1 and over["all_reduces"] > 1
     assert over["elements"] == deferred["elements"] > 0
-    predicted = json.loads(_run("model_scaling.py", "--preset", "tiny", "--param-dtype", "fp32", "--grad-accum", "2",
-                                "--bytes", "2x2,1x4").strip().splitlines()[-1])
+    predicted = json.loads(scaling.strip().splitlines()[-1])
     for rank, counted in enumerate(r["bytes"]):
         assert counted["full"] == predicted["1x4"]["overlapped"], (rank, counted, predicted)
         assert counted["hsdp"] == predicted["2x2"]["overlapped"], (rank, counted, predicted)

@@ -313,20 +313,23 @@ def test_export_only_generate_and_special_tokens(runs, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     cfg = json.load(open(os.path.join(hf, "config.json")))
     assert (cfg["pad_token_id"], cfg["bos_token_id"], cfg["eos_token_id"]) == (258, 256, 257)  # <pad>, <bos>, <eos>
-    bad = subprocess.run([sys.executable, JOB, *FAST, "--export-only", "--out", str(tmp_path / "none"),
-                          "--export-hf", str(tmp_path / "hf3")], capture_output=True, text=True, env=env(), timeout=120)
-    assert bad.returncode == 2 and "--export-only: nothing to export, no complete checkpoint in" in bad.stderr
-    # Sampling (temperature 1, top-k 50): the same ids from the checkpoint and from the export.
+    # four one-process runs at once (each is mostly an interpreter importing torch): the refused export, the
+    # sampling from the checkpoint and from the export (temperature 1, top-k 50: the same ids), a missing source
     flags = ["--temperature", "1", "--top-k", "50", "--seed", "3", "--tokens", "30", "--json"]
-    outs = [subprocess.run([sys.executable, GENERATE, src, *flags], capture_output=True, text=True, env=env(),
-                           timeout=120) for src in (run, hf)]
+    cmds = [[JOB, *FAST, "--export-only", "--out", str(tmp_path / "none"), "--export-hf", str(tmp_path / "hf3")],
+            [GENERATE, run, *flags], [GENERATE, hf, *flags], [GENERATE, str(tmp_path)]]
+    procs = [subprocess.Popen([sys.executable, *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+             for c in cmds]
+    bad, *outs, missing = [subprocess.CompletedProcess(pr.args, 0, *pr.communicate(timeout=120)) for pr in procs]
+    for r, pr in zip([bad, *outs, missing], procs):
+        r.returncode = pr.returncode
+    assert bad.returncode == 2 and "--export-only: nothing to export, no complete checkpoint in" in bad.stderr
     for o in outs:
         assert o.returncode == 0, o.stderr[-3000:]
     got = [json.loads(o.stdout) for o in outs]
     assert "checkpoint" in outs[0].stderr and "step_00000012" in outs[0].stderr and "HF export" in outs[1].stderr
     assert got[0]["ids"] == got[1]["ids"] and len(got[0]["ids"]) == 30 and len(set(got[0]["ids"])) > 3
     assert got[0]["text"].startswith("We the People") and got[0]["text"] == got[1]["text"]
-    missing = subprocess.run([sys.executable, GENERATE, str(tmp_path)], capture_output=True, text=True, env=env())
     assert missing.returncode == 2 and "is neither an HF export (config.json), a checkpoint" in missing.stderr
 
 
@@ -396,9 +399,14 @@ def test_overwrite_says_what_it_discarded(runs, tmp_path):
 
 def test_compile_flag_trains_like_eager(tmp_path):
     """--compile: each unit's modules compiled on their own; the same losses as the eager run."""
+    from concurrent.futures import ThreadPoolExecutor
+
     eager, comp = str(tmp_path / "eager"), str(tmp_path / "compiled")
-    run_job(["--steps", "2", "--save-every", "0", "--out", eager], nproc=0)
-    p = run_job(["--steps", "2", "--save-every", "0", "--out", comp, "--compile"], nproc=0)
+    with ThreadPoolExecutor(2) as pool:  # two one-process jobs side by side
+        e = pool.submit(run_job, ["--steps", "2", "--save-every", "0", "--out", eager], nproc=0)
+        c = pool.submit(run_job, ["--steps", "2", "--save-every", "0", "--out", comp, "--compile"], nproc=0)
+        e.result()
+        p = c.result()
     flags = next(line for line in p.stdout.splitlines() if line.startswith("flags    ")).split()
     assert "--compile" in flags
     assert close(losses(comp), losses(eager), rel=1e-4), (losses(comp), losses(eager))

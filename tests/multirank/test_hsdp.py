@@ -409,10 +409,11 @@ def test_job_hsdp_matches_full_sharding(tmp_path):
 
     hs, flat = str(tmp_path / "hsdp"), str(tmp_path / "flat")
     args = ["--steps", "2", "--save-every", "2", "--grad-accum", "2"]
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(3) as pool:  # the refused run (below) starts alongside: it stops before any rank
         a = pool.submit(run_job, args + ["--out", hs, "--hsdp", "2"], 4)
         b = pool.submit(run_job, args + ["--out", flat], 4)
-        p, _ = a.result(), b.result()
+        c = pool.submit(run_job, ["--steps", "1", "--out", str(tmp_path / "bad"), "--hsdp", "2"], 0, check=False)
+        p, _, bad = a.result(), b.result(), c.result()
     assert "HSDP 2 replicas x 2 shard ranks" in p.stdout
     assert close(losses(hs), losses(flat), rel=1e-4), (losses(hs), losses(flat))
     # replica 0 wrote the checkpoints (2 DCP files: its shard group); the manifest records the world
@@ -422,7 +423,6 @@ def test_job_hsdp_matches_full_sharding(tmp_path):
     with open(os.path.join(step2, "checkpoint.json")) as f:
         manifest = json.load(f)
     assert manifest["world_size"] == 4 and manifest["mesh"] == [2, 2]
-    bad = run_job(["--steps", "1", "--out", str(tmp_path / "bad"), "--hsdp", "2"], 0, check=False)
     assert bad.returncode == 2 and "--hsdp 2 does not divide the world size 1" in bad.stderr, bad.stderr[-2000:]
     assert not os.path.exists(tmp_path / "bad")
 

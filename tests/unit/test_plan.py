@@ -341,14 +341,20 @@ def test_plan_cli_takes_every_preset_helps_every_flag_and_does_not_warn():
     assert set(next(a for a in ap._actions if a.dest == "preset").choices) == set(PRESETS)
     assert [a.dest for a in ap._actions if not a.help] == []
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for cmd in (["-m", "yafsdp.plan"], ["-m", "yafsdp", "plan"]):
-        p = subprocess.run([sys.executable, *cmd, "--preset", DEFAULT_PRESET, "--world-size", "2", "--json"],
-                           capture_output=True, text=True, timeout=120, env=env, cwd=root)
-        assert p.returncode == 0 and p.stderr == "", (cmd, p.stderr)
-        d = json.loads(p.stdout)
+    def start(*args):  # the three interpreters run at once (each is mostly torch's import)
+        return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, cwd=root)
+
+    runs = [(cmd, start(*cmd, "--preset", DEFAULT_PRESET, "--world-size", "2", "--json"))
+            for cmd in (["-m", "yafsdp.plan"], ["-m", "yafsdp", "plan"])]
+    nope = start("-m", "yafsdp", "nope")
+    for cmd, proc in runs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and err == "", (cmd, err)
+        d = json.loads(out)
         assert d["preset"] == "cpu-4x128" and d["num_params"] == 869_504  # the job's 0.87 M model
-    p = subprocess.run([sys.executable, "-m", "yafsdp", "nope"], capture_output=True, text=True, env=env, cwd=root)
-    assert p.returncode == 2 and "unknown command 'nope'; choose one of: plan" in p.stderr
+    _, err = nope.communicate(timeout=120)
+    assert nope.returncode == 2 and "unknown command 'nope'; choose one of: plan" in err
 
 
 def test_repeated_blocks_are_never_outsized():
