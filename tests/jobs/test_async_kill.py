@@ -382,25 +382,32 @@ def test_a_failed_background_write_reports_the_synchronous_message(driver):
         assert x["left"] == kept, (phase, x)
 
 
-# The job, SIGTERM'd while its background save is in flight: the writer is held in its checksums
-# (a wrapper patches yafsdp.checkpoint.crc32 in the job's process, marks the moment with a file and
-# holds the writer until the test, having seen the job say it waits, creates "<mark>.release"; a fixed
-# 2 s hold lost the race on a loaded CI machine: the save had finished before the job saw SIGTERM).
+# The job, SIGTERM'd while its background save is in flight. The job sends the signal to itself right after
+# its save of step 3 returned (the write then in flight on the writer thread), and the writer is held in its
+# checksums until the test, having seen the job say it waits, creates "<mark>.release" (bounded). Sending the
+# signal from outside when the writer reached its checksums raced: on a fast step the main thread was already
+# blocked in the save of step 6 (waiting for step 3's write) when the signal came, and never said it waits.
 _SLOW_WRITER = """
-import os, runpy, sys, threading, time
+import os, runpy, signal, sys, threading, time
 job = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path.insert(0, os.path.dirname(job))
 import yafsdp.checkpoint as C
 real, mark = C.files.crc32, os.environ["ASYNC_KILL_MARK"]
 def crc32(path, *a):
-    if threading.current_thread().name.startswith("yafsdp-ckpt") and not os.path.exists(mark):
-        open(mark, "w").close()
+    if threading.current_thread().name.startswith("yafsdp-ckpt"):
         t0 = time.monotonic()  # held until the test saw the job wait for it (bounded)
         while not os.path.exists(mark + ".release") and time.monotonic() - t0 < 120:
             time.sleep(0.01)
     return real(path, *a)
 C.files.crc32 = crc32
+real_save = C.AsyncSaver.save
+def save(self, root, step, **kw):
+    staged = real_save(self, root, step, **kw)
+    if step == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return staged
+C.AsyncSaver.save = save
 runpy.run_path(job, run_name="__main__")
 """
 
@@ -414,11 +421,6 @@ def test_job_sigterm_waits_for_the_background_save(tmp_path):
     e = dict(env(), ASYNC_KILL_MARK=mark)
     a = subprocess.Popen([sys.executable, "-c", _SLOW_WRITER, JOB, *FAST, "--steps", "100000", "--save-every", "3",
                           "--async-save", "--out", out], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    t0 = time.monotonic()
-    while not os.path.exists(mark):
-        assert a.poll() is None and time.monotonic() - t0 < 180, a.communicate()
-        time.sleep(0.02)
-    a.send_signal(signal.SIGTERM)
     lines = []
     for line in a.stdout:  # the writer is held until the job says it waits for it
         lines.append(line)
