@@ -67,11 +67,11 @@ def _install(phase: str, act, when=_on_writer):
     import torch.distributed.checkpoint.filesystem as fs
 
     import yafsdp.checkpoint as C
-    from yafsdp.checkpoint import contents, files
+    from yafsdp.checkpoint import background, contents, files, write
 
     kill = getattr(act, "kills", False)
     if phase == "staging":
-        owner, name = contents, "stage"
+        owner, name = background, "stage"  # where AsyncSaver looks it up
 
         def hook(*a, **k):
             real(*a, **k)
@@ -92,14 +92,14 @@ def _install(phase: str, act, when=_on_writer):
                 act(phase)
             return real(self, *a, **k)
     elif phase == "checksums":
-        owner, name = files, "crc32"
+        owner, name = write, "crc32"
 
         def hook(path, *a):
             if when():
                 act(phase)
             return real(path, *a)
     elif phase == "manifest":
-        owner, name = files, "write_json_atomic"
+        owner, name = write, "write_json_atomic"
 
         def hook(path, obj):
             if when():
@@ -109,7 +109,7 @@ def _install(phase: str, act, when=_on_writer):
                 act(phase)
             return real(path, obj)
     elif phase == "rename":
-        owner, name = files, "publish_checkpoint"
+        owner, name = write, "publish_checkpoint"
 
         def hook(*a):
             if when():
@@ -228,7 +228,7 @@ def _driver(base: str) -> dict:
 
     # A synchronous save into the root of a background save in flight: it waits for it.
     root = os.path.join(base, "in_flight")
-    real_crc, entered, events = C.files.crc32, threading.Event(), []
+    real_crc, entered, events = C.write.crc32, threading.Event(), []
 
     def slow_crc32(path, *a):
         if threading.current_thread().name.startswith("yafsdp-ckpt") and not entered.is_set():
@@ -237,7 +237,7 @@ def _driver(base: str) -> dict:
             events.append("writer checksummed")
         return real_crc(path, *a)
 
-    C.files.crc32 = slow_crc32
+    C.write.crc32 = slow_crc32
     saver = C.AsyncSaver(model, opt)
     saver.save(root, 5, state={"step": 5})
     assert entered.wait(60)
@@ -249,7 +249,7 @@ def _driver(base: str) -> dict:
         out["in_flight_wait"] = saver.wait()
     except C.CheckpointError as e:
         out["in_flight_wait"] = f"error: {e}"
-    C.files.crc32 = real_crc
+    C.write.crc32 = real_crc
     out["in_flight_events"] = events
     out["in_flight_notes"] = [str(w.message) for w in notes if issubclass(w.category, C.CheckpointWarning)]
     out["in_flight_list"] = [s for s, _ in C.list_checkpoints(root)]
@@ -267,7 +267,7 @@ def _driver(base: str) -> dict:
             raise OSError(errno.EIO, "injected I/O error", path)
         return real_crc(path, *a)
 
-    C.files.crc32 = failing_crc32
+    C.write.crc32 = failing_crc32
     other = C.AsyncSaver(model, opt)
     saver.save(root, 5)
     assert entered.wait(60)
@@ -280,7 +280,7 @@ def _driver(base: str) -> dict:
         out["other_first"] = None
     except C.CheckpointError as e:
         out["other_first"] = str(e)
-    C.files.crc32 = real_crc
+    C.write.crc32 = real_crc
     out["other_notes"] = [str(w.message) for w in notes if issubclass(w.category, C.CheckpointWarning)]
     out["other_left"] = sorted(os.listdir(root))
 
@@ -393,14 +393,14 @@ job = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path.insert(0, os.path.dirname(job))
 import yafsdp.checkpoint as C
-real, mark = C.files.crc32, os.environ["ASYNC_KILL_MARK"]
+real, mark = C.write.crc32, os.environ["ASYNC_KILL_MARK"]
 def crc32(path, *a):
     if threading.current_thread().name.startswith("yafsdp-ckpt"):
         t0 = time.monotonic()  # held until the test saw the job wait for it (bounded)
         while not os.path.exists(mark + ".release") and time.monotonic() - t0 < 120:
             time.sleep(0.01)
     return real(path, *a)
-C.files.crc32 = crc32
+C.write.crc32 = crc32
 real_save = C.AsyncSaver.save
 def save(self, root, step, **kw):
     staged = real_save(self, root, step, **kw)

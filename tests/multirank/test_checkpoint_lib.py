@@ -233,19 +233,19 @@ def _world2(rank, world, base):
                 fails[case] = None
             except ckpt.CheckpointError as e:
                 fails[case] = str(e)
-    real = ckpt.files.write_json_atomic
+    real = ckpt.write.write_json_atomic
 
     def no_space(path, obj):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
-    ckpt.files.write_json_atomic = no_space
+    ckpt.write.write_json_atomic = no_space
     try:
         ckpt.save_checkpoint(root, 7, model, opt)
         fails["manifest"] = None
     except ckpt.CheckpointError as e:
         fails["manifest"] = str(e)
     finally:
-        ckpt.files.write_json_atomic = real
+        ckpt.write.write_json_atomic = real
     out["disk_full"] = fails
     out["after_disk_full"] = (ckpt.latest_checkpoint(root), ckpt.incomplete_checkpoints(root))
 

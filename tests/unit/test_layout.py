@@ -28,6 +28,10 @@ def _resolve(mod: str, is_pkg: bool, node: ast.ImportFrom, files) -> list[str]:
     if all(a.name in ("_C", "_C_cuda") for a in node.names):
         return []  # the compiled extension (loaded at kernels' import, inside a try)
     subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in files]
+    if node.level and node.module is None and target != "yafsdp" and target in files:
+        # ``from . import x`` inside a subpackage names the subpackage itself (its __init__ first): when
+        # that __init__ imports this module back, it is a cycle even though x is a leaf
+        return subs + [target]
     return subs or ([target] if target in files else [])
 
 

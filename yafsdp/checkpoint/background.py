@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from . import contents
+from .contents import collect, stage
 from .files import CheckpointError, CheckpointWarning, checkpoint_dir
 from .write import _save
 
@@ -126,8 +126,8 @@ class AsyncSaver:
         self.model.check_idle("AsyncSaver.save")
         t1 = time.perf_counter()
         rank = dist.get_rank(self.model.process_group)
-        collected = contents.collect(self.model, self.optimizer, state, {rank: rank_state})
-        entries, nbytes = contents.stage(collected[0], self._buffers)
+        collected = collect(self.model, self.optimizer, state, {rank: rank_state})
+        entries, nbytes = stage(collected[0], self._buffers)
         self.staging_bytes = nbytes
         staged = time.perf_counter() - t1
 

@@ -2,8 +2,8 @@
 the DCP write into ``root/.tmp.step_N``, checksums, the manifest, the atomic rename, rotation, and a
 failure's verdict agreed across the writer group ([Note: atomic saves] in ``checkpoint/__init__.py``).
 Its own module so that background.py needs nothing from the package it is part of (no import cycle).
-Its file operations go through ``files`` by module (``files.crc32``, ``files.write_json_atomic``,
-``files.publish_checkpoint``), so a test that replaces one there reaches every save."""
+A test that replaces one of its file operations (``crc32``, ``write_json_atomic``, ``publish_checkpoint``)
+replaces it here, in ``yafsdp.checkpoint.write``, where the save looks it up."""
 from __future__ import annotations
 
 import os
@@ -17,10 +17,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..comm.groups import gather_object, raise_together
-from . import contents, space
-from . import files as _files
-from .contents import _units
+from .contents import _units, collect, describe_buffers, needed_bytes, settings
 from .dcp_glue import SavePlanner
+from .space import free_bytes, is_out_of_space, space_problem
 from .files import (
     FORMAT,
     MANIFEST,
@@ -29,12 +28,15 @@ from .files import (
     CheckpointError,
     CheckpointWarning,
     checkpoint_dir,
+    crc32,
     describe_os_error,
     foreign_dirs,
+    publish_checkpoint,
     remove_checkpoint,
     remove_trash,
     rotate_checkpoints,
     unfinished_saves,
+    write_json_atomic,
 )
 
 
@@ -53,12 +55,12 @@ def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, wo
     rank, world = _group_info(group)
     if collected is None:
         model.check_idle("save_checkpoint")
-        collected = contents.collect(model, optimizer, state, rank_states)
+        collected = collect(model, optimizer, state, rank_states)
     entries, opt_desc = collected
-    needed = contents.needed_bytes(model, entries)
+    needed = needed_bytes(model, entries)
     final = checkpoint_dir(root, step)
     tmp = os.path.join(root, f"{TMP_PREFIX}{PREFIX}{step:08d}")
-    free = space.free_bytes(root)  # before this save writes (see [Note: a full disk])
+    free = free_bytes(root)  # before this save writes (see [Note: a full disk])
 
     problem = None
     if rank == 0:
@@ -74,15 +76,15 @@ def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, wo
                     break
                 warnings.warn(f"{other!r} has no {MANIFEST}: not a complete checkpoint, skipped and left in place",
                               CheckpointWarning, stacklevel=2)
-            free = space.free_bytes(root)  # after removing killed saves
+            free = free_bytes(root)  # after removing killed saves
             if problem is None and free is not None and free < needed:
-                problem = f"step {step} was not saved: {space.space_problem(root, free, needed)}; nothing was written"
+                problem = f"step {step} was not saved: {space_problem(root, free, needed)}; nothing was written"
             if problem is None:
                 os.makedirs(tmp)
         except OSError as e:
             problem = f"cannot prepare checkpoint directory {tmp!r}: {describe_os_error(e)}"
-            if space.is_out_of_space(e, root):
-                problem += f"; {space.space_problem(root, free, needed)}"
+            if is_out_of_space(e, root):
+                problem += f"; {space_problem(root, free, needed)}"
     raise_together(problem, group, CheckpointError)
 
     problem = None
@@ -91,13 +93,13 @@ def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, wo
                  process_group=group)
         # Checksums: each rank a share of the files (the directory is shared).
         files = sorted(f for f in os.listdir(tmp) if f != MANIFEST)
-        mine = {f: dict(bytes=os.path.getsize(os.path.join(tmp, f)), crc32=_files.crc32(os.path.join(tmp, f)))
+        mine = {f: dict(bytes=os.path.getsize(os.path.join(tmp, f)), crc32=crc32(os.path.join(tmp, f)))
                 for f in files[rank::world]}
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         who = _failing_rank(e, rank)
         problem = f"saving checkpoint into {tmp!r} failed on rank {who}: {_root_cause(e)}"
-        if space.is_out_of_space(e, tmp):  # checked before the partial save is removed
-            problem = f"{space.space_problem(root, free, needed)} (saving into {tmp!r} failed on rank {who}: " \
+        if is_out_of_space(e, tmp):  # checked before the partial save is removed
+            problem = f"{space_problem(root, free, needed)} (saving into {tmp!r} failed on rank {who}: " \
                       f"{_root_cause(e)})"
         mine = {}
     # Every rank reaches this gather, failed or not (DCP raises on every rank together; a failed
@@ -120,18 +122,18 @@ def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, wo
             format=FORMAT, step=int(step), world_size=world_record or world,
             mesh=list(getattr(model, "mesh_shape", (1, world))), saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
             torch=torch.__version__, units=_units(model), optimizer=opt_desc,
-            buffers=contents.describe_buffers(model), settings=contents.settings(model, world_record or world),
+            buffers=describe_buffers(model), settings=settings(model, world_record or world),
             meta=meta or {}, files=sums,
         )
         try:
-            _files.write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
-            _files.publish_checkpoint(tmp, final, root)  # see [Note: replacing a checkpoint]
+            write_json_atomic(os.path.join(tmp, MANIFEST), manifest)
+            publish_checkpoint(tmp, final, root)  # see [Note: replacing a checkpoint]
             if keep is not None and keep > 0:
                 rotate_checkpoints(root, step, keep)
         except OSError as e:
             problem = f"finishing checkpoint {final!r} failed: {describe_os_error(e)}"
-            if space.is_out_of_space(e, tmp):
-                problem = f"{space.space_problem(root, free, needed)} ({problem})"
+            if is_out_of_space(e, tmp):
+                problem = f"{space_problem(root, free, needed)} ({problem})"
             if os.path.isdir(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)
                 problem += "; the partial save was removed"

@@ -16,7 +16,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from .collectives import all_gather, broadcast
 
 __all__ = ["source_rank", "raise_together", "raise_if_any", "broadcast_object", "gather_object",
            "CollectiveError", "debug_sync", "check_collective"]
@@ -50,9 +50,9 @@ def broadcast_object(obj, group=None):
     mine = dist.get_rank(group) == 0
     data = pickle.dumps(obj) if mine else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-    collectives.broadcast(size, src, group)
+    broadcast(size, src, group)
     buf = _bytes(data, dev) if mine else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-    collectives.broadcast(buf, src, group)
+    broadcast(buf, src, group)
     return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
 
 
@@ -64,13 +64,13 @@ def gather_object(obj, group=None) -> list:
     dev = _object_device(group)
     data = pickle.dumps(obj)
     sizes = torch.empty(world, dtype=torch.int64, device=dev)
-    collectives.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=dev), group, async_op=False)
+    all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=dev), group, async_op=False)
     n = sizes.tolist()
     width = max(n)
     buf = torch.zeros(width, dtype=torch.uint8, device=dev)
     buf[:len(data)] = _bytes(data, dev)
     out = torch.empty(world * width, dtype=torch.uint8, device=dev)
-    collectives.all_gather(out, buf, group, async_op=False)
+    all_gather(out, buf, group, async_op=False)
     raw = out.cpu().numpy().tobytes()
     return [pickle.loads(raw[r * width:r * width + n[r]]) for r in range(world)]
 

@@ -236,14 +236,20 @@ class BackwardSteps:
         if not self.tasks:
             self.finalize_backward()
 
-    def finalize_backward(self) -> None:
-        """End of backward: every reduce folded, every hold dropped."""
+    def complete_reduces(self) -> None:
+        """Every reduce issued is completed and folded (the host folds too), and HSDP's all-reduce across
+        replicas that this backward began is finished. The end of a backward, and the recovery from an
+        aborted one (``Runtime.recover``)."""
         for gs in self.grad_buffers:
             gs.finish()
         self.finish_host_folds()
         if self.replica_begun:
             self.replica_sync.finish_backward()
         self.replica_begun = False
+
+    def finalize_backward(self) -> None:
+        """End of backward: every reduce folded, every hold dropped."""
+        self.complete_reduces()
         for s in self.weight_buffers:
             s.drop_deferred()
         self.phase = Phase.IDLE

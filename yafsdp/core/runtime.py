@@ -253,12 +253,7 @@ class Runtime(BackwardSteps):
         call ``opt.zero_grad()`` before the next step. Returns True when it recovered."""
         if self.phase is not Phase.BACKWARD or in_backward():
             return False
-        for gs in self.grad_buffers:
-            gs.finish()
-        self.finish_host_folds()
-        if self.replica_begun:
-            self.replica_sync.finish_backward()
-        self.replica_begun = False
+        self.complete_reduces()
         for u in self.all:
             u.bw_holds = 0
         self.tasks.clear()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from . import fp8_codec as fp8
+from .fp8_codec import BLOCK, eligible_param
+from .fp8_codec import record_bytes as fp8_record_bytes
 from .. import kernels
 from .base import Format
 
@@ -19,16 +20,16 @@ __all__ = ["FP8", "FP8_FORMAT"]
 class FP8(Format):
     name = "fp8"
     compact = True
-    block = fp8.BLOCK
+    block = BLOCK
     aliases = ("e4m3", "float8_e4m3fn", torch.float8_e4m3fn)
     summary = "float8 e4m3 codes + a float32 scale per 128 values"
     label = "e4m3 codes + fp32 scale per 128"
 
     def record_bytes(self, shard_numel: int, dtype: torch.dtype) -> int:
-        return fp8.record_bytes(shard_numel)
+        return fp8_record_bytes(shard_numel)
 
     def eligible(self, info) -> bool:
-        return fp8.eligible_param(info)
+        return eligible_param(info)
 
     def encode_(self, record: torch.Tensor, values: torch.Tensor, *, twin: bool = False) -> torch.Tensor:
         return (kernels.fp8_quantize_reference if twin else kernels.fp8_quantize_)(record, values)

@@ -12,7 +12,9 @@ import math
 import torch
 
 from .. import kernels
-from . import nf4_codec as nf4
+from .nf4_codec import BLOCK, ZERO_INDEX, codebook, split_record
+from .nf4_codec import eligible as eligible_unit, quantize_into
+from .nf4_codec import record_bytes as nf4_record_bytes, shard_align as nf4_shard_align
 from .base import Format
 
 __all__ = ["NF4", "NF4_FORMAT"]
@@ -22,43 +24,43 @@ class NF4(Format):
     name = "nf4"
     compact = True
     stored = True
-    block = nf4.BLOCK
+    block = BLOCK
     summary = "4-bit NormalFloat codes + a param_dtype absmax per 64 values (frozen nn.Linear weights)"
 
     def shard_align(self, align: int, dtype: torch.dtype) -> int:
         # whole blocks per rank, each rank's record whole 16-byte lines: see [Note: NF4 frozen groups]
-        step = nf4.shard_align(dtype)
+        step = nf4_shard_align(dtype)
         return step * align // math.gcd(step, align)
 
     def record_bytes(self, shard_numel: int, dtype: torch.dtype) -> int:
-        return nf4.record_bytes(shard_numel, dtype)
+        return nf4_record_bytes(shard_numel, dtype)
 
     def eligible(self, info) -> bool:
-        return nf4.eligible(info)
+        return eligible_unit(info)
 
     def encode_(self, record: torch.Tensor, values: torch.Tensor, *, twin: bool = False) -> torch.Tensor:
         """``values``: the shard's values in the dtype they expand to (``param_dtype``)."""
-        nf4.quantize_into(record, values)  # bumps the record's version
+        quantize_into(record, values)  # bumps the record's version
         return record
 
     def expand_(self, out: torch.Tensor, staging: torch.Tensor, shard_numel: int) -> torch.Tensor:
-        return kernels.nf4_expand_(out, staging, nf4.codebook(out.dtype, out.device), shard_numel)
+        return kernels.nf4_expand_(out, staging, codebook(out.dtype, out.device), shard_numel)
 
     def expand_reference(self, out: torch.Tensor, staging: torch.Tensor, shard_numel: int) -> torch.Tensor:
-        return kernels.nf4_expand_reference(out, staging, nf4.codebook(out.dtype, out.device), shard_numel)
+        return kernels.nf4_expand_reference(out, staging, codebook(out.dtype, out.device), shard_numel)
 
     def checkpoint_entries(self, info, record: torch.Tensor) -> dict[str, tuple[torch.Tensor, int, int]]:
         """The packed codes (``""``: numel/2 bytes) and the scales (``".scales"``: numel/64), both laid
         out alike for every world size (blocks start at the group's start)."""
-        data, scales = nf4.split_record(record, info.shard_numel, info.values_dtype)
+        data, scales = split_record(record, info.shard_numel, info.values_dtype)
         valid = max(0, min(info.shard_numel, info.numel - info.shard_start))
         start = min(info.shard_start, info.numel)
         return {"": (data[:valid // 2], start // 2, info.numel // 2),
-                ".scales": (scales[:valid // nf4.BLOCK], start // nf4.BLOCK, info.numel // nf4.BLOCK)}
+                ".scales": (scales[:valid // BLOCK], start // BLOCK, info.numel // BLOCK)}
 
     def checkpoint_loaded_(self, info, record: torch.Tensor, loaded: dict[str, int]) -> None:
-        data, scales = nf4.split_record(record, info.shard_numel, info.values_dtype)
-        data[loaded[""]:].fill_(nf4.ZERO_INDEX << 4 | nf4.ZERO_INDEX)
+        data, scales = split_record(record, info.shard_numel, info.values_dtype)
+        data[loaded[""]:].fill_(ZERO_INDEX << 4 | ZERO_INDEX)
         scales[loaded[".scales"]:].zero_()
 
 
