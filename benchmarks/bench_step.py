@@ -188,7 +188,7 @@ def run_real(a):
                     reduced[name] = reduce_bytes(e.model) / (a.warmup + a.steps)
                 free_engine(e)
     # A step's time is its slowest rank's.
-    local = torch.tensor([times[n] for n in a.engines], dtype=torch.float64)
+    local = torch.tensor([times[n] for n in a.engines], dtype=torch.float64, device=dev)  # NCCL: on the device
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
     times = {n: local[i].tolist() for i, n in enumerate(a.engines)}
     mems = [None] * world

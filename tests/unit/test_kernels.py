@@ -446,3 +446,12 @@ def test_cuda_kernels_match_cpu_kernels(n):
 def test_opcheck_cuda(case):
     op, args = _opcheck_cases("cuda")[case]
     torch.library.opcheck(op, args)
+
+
+def test_extension_lookup_names_the_top_package():
+    """The compiled modules sit in ``yafsdp`` beside the ``kernels`` subpackage: looked up as
+    ``yafsdp.kernels._C_cuda`` after the layout move, the CUDA kernels were never found on a GPU (every
+    CUDA op ran the twins, with only a warning)."""
+    spec = kernels.extension_spec("_C")
+    assert spec is not None and spec.name == "yafsdp._C"
+    assert kernels.extension_spec("_C_does_not_exist") is None

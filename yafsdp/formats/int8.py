@@ -44,7 +44,10 @@ def quantize(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"yafsdp.formats.int8.quantize: expected 1-D values of a multiple of {BLOCK} elements, "
                          f"got shape {tuple(values.shape)}")
     blocks = values.to(torch.float32).view(-1, BLOCK)
-    scales = blocks.abs().amax(dim=1) / QMAX
+    amax = blocks.abs().amax(dim=1)
+    # divided by a tensor on the device: CUDA turns a division by a Python number into a product with
+    # its reciprocal (one rounding more), and the codes on a GPU would differ from the CPU's
+    scales = amax / amax.new_full((), QMAX)
     q = (blocks / scales.unsqueeze(1)).clamp_(-QMAX, QMAX)
     q = q.masked_fill_((scales == 0).unsqueeze(1), 0.0)  # a zero block: scale 0, codes 0
     return q.round_().to(torch.int8).reshape(-1), scales

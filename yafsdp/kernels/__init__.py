@@ -86,6 +86,14 @@ class ExtensionMissingError(RuntimeError):
     """The compiled kernels were asked for explicitly but are not available."""
 
 
+def extension_spec(name: str):
+    """The import spec of the compiled module ``yafsdp.<name>`` (``_C``, ``_C_cuda``), None when it is not
+    built. The extensions sit in the top package, beside this subpackage: its own name is not theirs."""
+    import importlib.util
+
+    return importlib.util.find_spec(f"{__package__.rpartition('.')[0]}.{name}")
+
+
 def _load():
     """Import the extensions once. Returns (cpu module, cuda module, reason or None, reason the
     CUDA module is missing or None)."""
@@ -95,6 +103,8 @@ def _load():
     if mode == "torch":
         return None, None, "YAFSDP_KERNELS=torch", "YAFSDP_KERNELS=torch"
     try:
+        if extension_spec("_C") is None:  # (else Python's message blames a "partially initialized" yafsdp)
+            raise ImportError("no compiled module for this Python")
         from .. import _C  # registers torch.ops.yafsdp.* and their CPU kernels
     except ImportError as e:
         if mode == "extension":
@@ -103,9 +113,7 @@ def _load():
                 f"Build it with: {INSTALL_COMMAND}"
             ) from e
         return None, None, f"yafsdp._C is not built ({e})", f"yafsdp._C is not built ({e})"
-    import importlib.util
-
-    if importlib.util.find_spec(f"{__package__}._C_cuda") is None:
+    if extension_spec("_C_cuda") is None:
         return _C, None, None, "yafsdp._C_cuda is not built"
     try:
         from .. import _C_cuda  # registers the CUDA kernels of the same ops

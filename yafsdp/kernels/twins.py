@@ -131,7 +131,8 @@ def fp8_codes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 values (1-D, a multiple of 128) -> (codes as uint8, float32 scales): the twin's arithmetic,
     with torch's own ``float8_e4m3fn`` cast (round to nearest even)."""
     blocks = values.to(torch.float32).view(-1, FP8_BLOCK)
-    scales = blocks.abs().amax(dim=1) / FP8_MAX
+    amax = blocks.abs().amax(dim=1)
+    scales = amax / amax.new_full((), FP8_MAX)  # a true division on CUDA too (see formats/int8.quantize)
     q = (blocks / scales.unsqueeze(1)).clamp_(-FP8_MAX, FP8_MAX)
     q = q.masked_fill_((scales == 0).unsqueeze(1), 0.0)  # a zero block: scale 0, codes 0 (not 0/0)
     return q.to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1), scales
