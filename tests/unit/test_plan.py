@@ -88,11 +88,25 @@ def _check(name, rank, res):
     assert sum(allocated.values()) > 0
 
 
+def _check_staging(name, allocated, in_place):
+    """[Note: reduce-scatter in place]: a grad buffer has a reduce staging on gloo, none where the
+    backend reduces in place (NCCL; the fake process group stands for it); fp32 accumulation keeps
+    its landing either way."""
+    grads = [k[:-len("_staging")] for k in allocated if k.startswith("grad") and k.endswith("_staging")]
+    assert grads, allocated
+    for g in grads:
+        if "accum" in name:
+            assert allocated[g + "_staging"] == allocated[g], (name, g, allocated)
+        else:
+            assert (allocated[g + "_staging"] == 0) == in_place, (name, g, in_place, allocated)
+
+
 def test_plan_equals_allocated_bytes_gloo_world3():
     """Every rank of a real gloo world of 3 (uneven: padding differs from a power of two)."""
     for rank, res in enumerate(run_ranks(_compare, 3)):
         for name, r in res.items():
             _check(name, rank, r)
+            _check_staging(name, r[2], in_place=False)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -102,6 +116,7 @@ def test_plan_equals_allocated_bytes_worlds(world):
     for rank, res in enumerate(_fake_results()["alloc"][world]):
         for name, r in res.items():
             _check(name, rank, r)
+            _check_staging(name, r[2], in_place=True)
 
 
 def test_plan_buffers_pure_rules():
@@ -514,3 +529,48 @@ def test_plan_cli_refuses_with_usage_not_a_traceback(argv, says, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2, err
     assert err.startswith("usage: python -m yafsdp plan") and f"python -m yafsdp plan: error: {says}" in err, err
+
+
+def test_plan_backend_decides_the_reduce_staging():
+    """A plain module's plan follows the backend it is given (the CLI's --backend; default: the
+    initialized group's, else NCCL with CUDA and gloo without): NCCL reduces in place, so the two
+    plans differ by exactly the grad buffers' staging shards."""
+    meta = build_llama("cpu-6x256", device="meta")
+    nccl = memory_plan(meta, world_size=8, param_dtype="bf16", backend="nccl")
+    gloo = memory_plan(meta, world_size=8, param_dtype="bf16", backend="gloo")
+    staging = sum(s.shard_capacity * 4 for s in gloo.slots if s.kind == "grad")
+    assert staging > 0 and all(s.shard_capacity == 0 for s in nccl.slots if s.kind == "grad")
+    assert gloo.total - nccl.total == staging
+    acc = [memory_plan(meta, world_size=8, param_dtype="bf16", reduce_dtype="bf16", reduce_accum_dtype="fp32",
+                       backend=b).total for b in ("nccl", "gloo")]
+    assert acc[0] == acc[1]  # the all-to-all's landing is needed on every backend
+
+
+def test_grad_buffer_reduces_into_its_own_slice():
+    """In place, the reduce's output is this rank's slice of the buffer (NCCL's in-place form:
+    output = input + rank x count) and no staging is allocated; otherwise the staging shard."""
+    from yafsdp.core.buffers import GradBuffer
+
+    class Recording:
+        def __init__(self):
+            self.calls = []
+
+        def grad_sync(self):
+            return None
+
+        def reduce(self, sync, out, full, unit, fold, host_fold=None, pieces=False):
+            self.calls.append((out, full))
+            fold()
+
+    for rank in (0, 2, 3):
+        sched = Recording()
+        gb = GradBuffer("grad0", 64, 0, torch.float32, torch.device("cpu"), sched, in_place_rank=rank)
+        folded = []
+        gb.reduce("u", 40, 10, folded.append)
+        out, full = sched.calls[0]
+        assert gb.staging.numel() == 0 and full.data_ptr() == gb.data.data_ptr() and full.numel() == 40
+        assert out.data_ptr() == gb.data[rank * 10:].data_ptr() and out.numel() == 10 and folded[0] is out
+    sched = Recording()
+    gb = GradBuffer("grad0", 64, 16, torch.float32, torch.device("cpu"), sched)
+    gb.reduce("u", 40, 10, lambda r: None)
+    assert sched.calls[0][0].data_ptr() == gb.staging.data_ptr()

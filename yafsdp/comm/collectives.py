@@ -309,6 +309,19 @@ def all_to_all(output: torch.Tensor, full: torch.Tensor, group, async_op: bool =
     return dist.all_to_all_single(output, full, group=group, async_op=async_op)
 
 
+# [Note: reduce-scatter in place]
+# NCCL reduces in place when the output is the caller's own slice of the input (``recvbuff ==
+# sendbuff + rank * recvcount``, NCCL's documented in-place form): a grad buffer then needs no
+# shard-sized staging for the reduce's output (GradBuffer.reduce; the plan sizes the buffers by the
+# same rule). On gloo the output must not alias the input: the world-2 exchange receives the peer's
+# contribution into ``shard_out`` before it adds the local slice, and gloo's own list form gives no
+# such promise. World 1 on gloo is a local copy (a copy onto itself is nothing) and so is in place.
+# The fake process group (memory emulation) stands for NCCL.
+def reduces_in_place(backend: str, world: int) -> bool:
+    """Whether a reduce-scatter on ``backend`` may write this rank's slice of its own input."""
+    return str(backend).lower() != "gloo" or world == 1
+
+
 def reduce_scatter(shard_out: torch.Tensor, full: torch.Tensor, group, async_op: bool = True, local: bool = False):
     """shard_out <- this rank's slice of the elementwise SUM over ranks of ``full``. ``local``: at
     world 1 on gloo, a local copy (see the module note).

@@ -33,9 +33,11 @@ import weakref
 from dataclasses import dataclass, field, fields
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import shards
+from ..comm.collectives import reduces_in_place
 from .buffers import GradBuffer, WeightBuffer
 from .flat import alias
 from ..plan.sizing import landing_layout, plan_buffers
@@ -170,6 +172,8 @@ def allocate(self, outsized_ratio: float) -> "Storage":
 
     # Buffer sizes come from the plan, so yafsdp.plan can report them without allocating.
     # See [Note: one plan, one allocator] in yafsdp/plan/__init__.py.
+    # See [Note: reduce-scatter in place] in comm/collectives.py.
+    in_place = reduces_in_place(dist.get_backend(self.group), self.world_size)
     st.buffer_plan = plan = plan_buffers(
         [u.name for u in self.units], [u.shape for u in self.units],
         self.small.shape if self.small is not None else None,
@@ -178,9 +182,12 @@ def allocate(self, outsized_ratio: float) -> "Storage":
         accumulate_fp32=self.reduce_accum_dtype is not None,
         chunk_outsized=self.config.chunk_outsized_grads and place.offload is None,
         grad_chunks=self.config.grad_chunks,
+        reduce_in_place=in_place,
     )
+    rank = dist.get_rank(self.group) if in_place else None
     st.grad_buffers: list[GradBuffer] = [
-        GradBuffer(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule, s.accum_capacity)
+        GradBuffer(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule, s.accum_capacity,
+                   in_place_rank=rank)
         for s in plan.grad
     ]
     st.weight_buffers: list[WeightBuffer] = [

@@ -138,18 +138,23 @@ class WeightBuffer:
 
 
 class GradBuffer:
-    """One grad buffer (1-D, ``reduce_dtype``) plus the shard-sized reduce-scatter output (with
-    fp32 accumulation: the all-to-all's landing and an fp32 accumulator)."""
+    """One grad buffer (1-D, ``reduce_dtype``) plus the shard-sized reduce-scatter output (none when
+    the backend reduces in place; with fp32 accumulation: the all-to-all's landing and an fp32
+    accumulator)."""
 
     def __init__(self, name: str, capacity: int, shard_capacity: int, dtype: torch.dtype, device: torch.device,
-                 schedule, accum_capacity: int = 0):
+                 schedule, accum_capacity: int = 0, in_place_rank: int | None = None):
         self.name = name
         # Unit gradients, written by the unit's backward gate, read by the reduce-scatter.
         self.data = torch.zeros(capacity, dtype=dtype, device=device)
-        # Reduce-scatter output, accumulated (scaled by 1/world) into the fp32 grad shard. With fp32
-        # accumulation (accum_capacity > 0): the all-to-all's landing, every rank's piece of this
-        # rank's shard (world x shard, rank order). See [Note: narrow reduce, fp32 accumulation].
+        # Reduce-scatter output, accumulated (scaled by 1/world) into the fp32 grad shard; empty
+        # when the reduce runs in place (in_place_rank: this rank's index in the shard group; the
+        # output is then its own slice of ``data``, see [Note: reduce-scatter in place] in
+        # comm/collectives.py). With fp32 accumulation (accum_capacity > 0): the all-to-all's
+        # landing, every rank's piece of this rank's shard (world x shard, rank order). See [Note:
+        # narrow reduce, fp32 accumulation].
         self.staging = torch.zeros(shard_capacity, dtype=dtype, device=device)
+        self.in_place_rank = in_place_rank if accum_capacity == 0 else None
         # 1-D fp32, one shard: the scaled fp32 sum of the pieces when it is added to a grad shard
         # (fp32 accumulation only; else empty).
         self.accum = torch.zeros(accum_capacity, dtype=torch.float32, device=device)
@@ -176,7 +181,11 @@ class GradBuffer:
             self.schedule.reduce(self.sync, pieces, self.data[:numel], unit,
                                  lambda: fold(pieces.view(-1, shard_numel)), host_fold, pieces=True)
             return
-        staging = self.staging[:shard_numel]
+        if self.in_place_rank is not None:
+            r = self.in_place_rank
+            staging = self.data[r * shard_numel:(r + 1) * shard_numel]
+        else:
+            staging = self.staging[:shard_numel]
         self.schedule.reduce(self.sync, staging, self.data[:numel], unit, lambda: fold(staging), host_fold)
 
     def finish(self) -> None:

@@ -13,7 +13,8 @@ engine allocates, byte for byte (tests/unit/test_plan.py checks it against ``all
 What the engine allocates per rank (Psi parameters, N ranks, every count padded as the engine pads):
 - master shard (fp32) 4 Psi/N, grad shard (fp32) 4 Psi/N, compute copy (param_dtype; none in fp32)
 - weight buffers: two in param_dtype holding the largest regular unit each (ZeRO-2: one per unit)
-- grad buffers: two in reduce_dtype, each with a shard-sized reduce-scatter staging area
+- grad buffers: two in reduce_dtype, each with a shard-sized reduce-scatter staging area on gloo
+  (none on NCCL, which reduces in place: [Note: reduce-scatter in place] in comm/collectives.py)
 - the small group (all 1-D parameters): its own weight and grad buffer
 - outsized units (not a repeated block, padded size > outsized_ratio x the largest block; see
   [Note: outsized units]; a 128k-vocab embedding or head): one weight buffer they share, so they

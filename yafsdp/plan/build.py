@@ -4,8 +4,10 @@ buffer sizing the allocator uses (sizing.py), placement, staging and the activat
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..comm.collectives import reduces_in_place
 from ..formats import fp8_codec as fp8
 from ..core.config import EngineConfig, build_config
 from ..core.units import discover, weight_free_backward
@@ -33,6 +35,15 @@ def _grad_slot_name(slots, i: int, lay) -> str:
     return f"{'/'.join(slots.grad[k].name for k in slots.chunk_slots)} in {n} chunks"
 
 
+def plan_backend(backend: str | None) -> str:
+    """The backend a plan of a plain module assumes (see ``memory_plan``)."""
+    if backend is not None:
+        return str(backend)
+    if dist.is_available() and dist.is_initialized():
+        return str(dist.get_backend())
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def memory_plan(
     model: nn.Module,
     *,
@@ -58,6 +69,7 @@ def memory_plan(
     reduce_accum_dtype=None,
     chunk_outsized_grads: bool = True,
     grad_chunks: int = 1,
+    backend: str | None = None,
     config=None,
 ) -> MemoryPlan:
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
@@ -67,7 +79,10 @@ def memory_plan(
     with ``inputs_fn(batch, seq, device) -> kwargs``). ``optimizer``: a name in
     ``OPTIMIZER_BYTES`` or bytes of state per shard element. The engine options are checked by
     ``yafsdp.core.config.build_config``, as ``YaFSDP(...)`` checks them (``config=``: an ``EngineConfig``
-    instead of the options)."""
+    instead of the options). ``backend`` (a plain module): the process group's backend the engine
+    would run on, which decides whether grad buffers need a reduce staging ([Note: reduce-scatter in
+    place] in comm/collectives.py); default: the initialized default group's, else "nccl" when CUDA
+    is available and "gloo" when not."""
     if isinstance(getattr(model, "engine_config", None), EngineConfig):  # a wrapped YaFSDP
         eng = model
         names = [u.name for u in eng.units]
@@ -111,7 +126,7 @@ def memory_plan(
             names, layouts, small, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
             zero_stage=zero_stage, outsized_ratio=outsized_ratio, offload_frozen=offload == "all",
             accumulate_fp32=accum is not None, chunk_outsized=cfg.chunk_outsized_grads and offload is None,
-            grad_chunks=cfg.grad_chunks,
+            grad_chunks=cfg.grad_chunks, reduce_in_place=reduces_in_place(plan_backend(backend), world_size),
         )
         module = model
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)

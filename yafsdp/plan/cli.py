@@ -66,6 +66,9 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
     ap.add_argument("--async-save", action="store_true",
                     help="add the host memory of an asynchronous save's staging copy (the jobs' --async-save, "
                     "yafsdp.checkpoint.AsyncSaver): this rank's part of a checkpoint, kept between saves")
+    ap.add_argument("--backend", default="nccl", choices=["nccl", "gloo"],
+                    help="the process group's backend: NCCL reduces in place, gloo through a staging shard per "
+                    "grad buffer")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return ap
 
@@ -98,7 +101,7 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
         quantize_frozen="nf4" if a.frozen_base == "nf4" else None,
         offload=None if a.offload == "none" else a.offload,
         gather_dtype=None if a.gather_dtype == "param" else a.gather_dtype, async_save=a.async_save,
-        **({"budget": a.budget} if a.budget else {}),
+        backend=a.backend, **({"budget": a.budget} if a.budget else {}),
     )
     choice = getattr(plan, "choice", None)
     if a.json:

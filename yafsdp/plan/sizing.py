@@ -2,7 +2,6 @@
 layouts. See [Note: one plan, one allocator] in ``yafsdp/plan/__init__.py``."""
 from __future__ import annotations
 
-import math
 import re
 import statistics
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ class BufferSpec:
     name: str  # the engine's slot name (also its key in ``allocated_bytes()``)
     kind: str  # "weight" | "grad"
     capacity: int  # elements: one gathered flat unit
-    shard_capacity: int  # grad slots: elements of the reduce-scatter staging; weight slots: 0
+    shard_capacity: int  # grad slots: elements of the reduce-scatter staging (0: reduced in place); weight slots: 0
     dtype: torch.dtype
     role: str  # "buffers" (the alternating pair; ZeRO-2: per unit) | "outsized" | "small"
     # weight slots: bytes of the staging area compact (NF4) gathers land in before their expand
@@ -245,9 +244,13 @@ def plan_buffers(
     accumulate_fp32: bool = False,
     chunk_outsized: bool = False,
     grad_chunks: int = 1,
+    reduce_in_place: bool = False,
 ) -> BufferPlan:
     """The weight and grad buffers for units with ``layouts`` (and the small group): pure, no
-    allocation. See [Note: one plan, one allocator]."""
+    allocation. See [Note: one plan, one allocator]. ``reduce_in_place``: the backend reduce-scatters
+    into the input's own slice, so grad slots have no staging ([Note: reduce-scatter in place] in
+    comm/collectives.py; fp32 accumulation keeps its landing)."""
+    staged = accumulate_fp32 or not reduce_in_place
     sizes = [lay.weight_numel for lay in layouts]
     outsized = [False] * len(layouts)
     repeated = repeated_blocks(names)
@@ -273,7 +276,8 @@ def plan_buffers(
         shard = max(lay(i).trainable.shard_numel for i in members)
         # fp32 accumulation (accumulate_fp32): the staging is the all-to-all's landing (every rank's
         # piece of the shard: as large as the buffer), plus one fp32 shard to sum into.
-        grad.append(BufferSpec(name, "grad", capacity, capacity if accumulate_fp32 else shard, reduce_dtype, role,
+        grad.append(BufferSpec(name, "grad", capacity, (capacity if accumulate_fp32 else shard) if staged else 0,
+                               reduce_dtype, role,
                                accum_capacity=shard if accumulate_fp32 else 0))
         return len(grad) - 1
 
@@ -287,7 +291,8 @@ def plan_buffers(
         width = -(-width // grad_chunks // 16) * 16  # of the largest unit; 16-element aligned columns
         world = layouts[regular_t[0]].trainable.world_size
         for k in range(min(2, len(regular_t))):
-            grad.append(BufferSpec(f"grad{k}", "grad", world * width, world * width if accumulate_fp32 else width,
+            grad.append(BufferSpec(f"grad{k}", "grad", world * width,
+                                   (world * width if accumulate_fp32 else width) if staged else 0,
                                    reduce_dtype, "buffers", accum_capacity=width if accumulate_fp32 else 0))
         pair = list(range(len(grad) - min(2, len(regular_t)), len(grad)))
         chunk_slots = pair
