@@ -28,7 +28,6 @@ import weakref
 import zlib
 
 import torch
-import torch.distributed as dist
 
 from ..comm import collectives
 from . import shards
