@@ -153,6 +153,21 @@ class OutLock:
         except (OSError, ValueError):
             return {}
 
+    def _holder(self, fd: int, wait_s: float = 2.0) -> dict:
+        """The locked file's holder. The holder writes its name right after it took the lock, so a
+        job refused in between reads an empty file (or the stale name of a killed job, not yet
+        overwritten): read again for up to ``wait_s`` until it names a live job (on this host) or
+        another host's. Seen with two jobs started at once on a new --out ("pid ? on host ?")."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            holder = self._read(fd)
+            pid = holder.get("pid")
+            if pid is not None and (holder.get("host") != self.me["host"] or _pid_alive(int(pid))):
+                return holder
+            if time.monotonic() >= deadline:
+                return holder
+            time.sleep(0.02)
+
     def acquire(self) -> None:
         """Take the lock or raise JobError naming the holder (pid/host) and the lock file."""
         try:
@@ -164,7 +179,7 @@ class OutLock:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    holder = self._read(fd)
+                    holder = self._holder(fd)
                     os.close(fd)
                     raise JobError(f"--out {self.out!r} is in use by another job ({self._describe(holder)}; lock "
                                    f"file {self.path!r}); wait for it to end or choose another --out") from None

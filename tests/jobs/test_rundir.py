@@ -323,6 +323,31 @@ def test_the_lock_makes_a_new_out_and_a_refused_job_leaves_none(tmp_path):
     assert os.listdir(out) == ["metrics.jsonl"]
 
 
+def test_a_refused_job_names_a_holder_that_has_not_written_its_name_yet(tmp_path):
+    """A job refused between the holder's flock and its write of the lock file's contents used to
+    read an empty file and say "pid ? on host ?" (seen in CI with two jobs started at once); it reads
+    again until the holder's name is there."""
+    import fcntl
+    import threading
+
+    from pretrain.ops import OutLock
+
+    out = str(tmp_path / "new")
+    os.makedirs(out)
+    path = os.path.join(out, OutLock.NAME)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked, still empty: the holder's window
+    me = OutLock(out).me
+    late = threading.Timer(0.3, lambda: os.write(fd, json.dumps(me).encode()))
+    late.start()
+    try:
+        with pytest.raises(R.JobError, match=f"in use by another job \\(pid {os.getpid()} on host"):
+            OutLock(out).acquire()
+    finally:
+        late.join()
+        os.close(fd)
+
+
 # ----------------------------------------------------------------------- job: rewind and settings
 def test_rewind_sets_the_continuation_aside_and_settings_are_checked(tmp_path):
     """The issue's run: checkpoints 4, 6, 8. `--resume step_4` alone is refused (it would abandon
