@@ -149,13 +149,18 @@ def scatter(out: torch.Tensor, chunks: list | None, src: int, group) -> None:
         retain(out, *(chunks or ()))
 
 
+def _is_gloo_backend(backend) -> bool:
+    """A backend name (``dist.get_backend``) that takes the gloo paths of this module."""
+    return str(backend).lower() == "gloo"
+
+
 class _GroupInfo:
     """What the collectives ask of a group on every call, looked up once per group (torch's
     registry lookups cost more than the small collectives of a tiny unit): a group's backend, size
     and ranks never change."""
 
     def __init__(self, group):
-        self.gloo = str(dist.get_backend(group)).lower() == "gloo"
+        self.gloo = _is_gloo_backend(dist.get_backend(group))
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         order = [(self.rank + k) % self.world for k in range(1, self.world)]  # staggered: not all to rank 0 first
@@ -319,7 +324,7 @@ def all_to_all(output: torch.Tensor, full: torch.Tensor, group, async_op: bool =
 # The fake process group (memory emulation) stands for NCCL.
 def reduces_in_place(backend: str, world: int) -> bool:
     """Whether a reduce-scatter on ``backend`` may write this rank's slice of its own input."""
-    return str(backend).lower() != "gloo" or world == 1
+    return not _is_gloo_backend(backend) or world == 1
 
 
 def reduce_scatter(shard_out: torch.Tensor, full: torch.Tensor, group, async_op: bool = True, local: bool = False):

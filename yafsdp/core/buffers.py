@@ -154,7 +154,7 @@ class GradBuffer:
         # landing, every rank's piece of this rank's shard (world x shard, rank order). See [Note:
         # narrow reduce, fp32 accumulation].
         self.staging = torch.zeros(shard_capacity, dtype=dtype, device=device)
-        self.in_place_rank = in_place_rank if accum_capacity == 0 else None
+        self.in_place_rank = in_place_rank  # (fp32 accumulation: unused, its pieces land in the staging)
         # 1-D fp32, one shard: the scaled fp32 sum of the pieces when it is added to a grad shard
         # (fp32 accumulation only; else empty).
         self.accum = torch.zeros(accum_capacity, dtype=torch.float32, device=device)
