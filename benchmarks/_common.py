@@ -153,13 +153,19 @@ class Engine:
     device: torch.device = torch.device("cpu")
     info: dict = field(default_factory=dict)
 
-    def step(self, batch: dict) -> float:
+    def step(self, batch: dict, mark=None) -> float:
+        """One training step; ``mark()``, if given, is called after the forward and after the
+        backward (bench_step's ``--phases``)."""
         if self.autocast is not None:
             with torch.autocast(self.device.type, dtype=self.autocast):
                 loss = self.model(**batch).loss
         else:
             loss = self.model(**batch).loss
+        if mark is not None:
+            mark()
         loss.backward()
+        if mark is not None:
+            mark()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss.detach()

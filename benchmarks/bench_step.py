@@ -68,6 +68,9 @@ def parse(argv=None):
                     help="default: step on CPU, round on GPU")
     ap.add_argument("--rounds", type=int, default=2, help="round mode: engine rounds")
     ap.add_argument("--mem-steps", type=int, default=3, help="steps in the memory phase (0: skip it)")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time forward, backward and optimizer step apart (each phase's slowest rank; on "
+                    "CUDA a device sync at each phase boundary, which perturbs the step time)")
     ap.add_argument("--fake-world", default=None, help="comma-separated world sizes to emulate (fake process group)")
     ap.add_argument("--json", default="runs/bench_step.json")
     ap.add_argument("--md", default=None, help="also write a markdown report here (benchmarks/results/...)")
@@ -114,14 +117,25 @@ class Runner:
     def step(self, engine, i: int) -> float:
         return float(engine.step(self.batch(i)))
 
-    def timed_step(self, engine, i: int) -> tuple[float, float]:
+    def timed_step(self, engine, i: int, phases: list | None = None) -> tuple[float, float]:
+        """(step seconds, loss); with ``phases`` (a list), appends [forward, backward, optimizer]
+        seconds to it."""
         b = self.batch(i)
         _sync(self.dev)
         dist.barrier()
-        t0 = time.perf_counter()
-        loss = engine.step(b)
+        marks = [time.perf_counter()]
+
+        def mark():
+            _sync(self.dev)
+            marks.append(time.perf_counter())
+
+        loss = engine.step(b, mark if phases is not None else None)
         _sync(self.dev)
-        return time.perf_counter() - t0, float(loss)
+        t1 = time.perf_counter()
+        if phases is not None:
+            marks.append(t1)
+            phases.append([t - s for s, t in zip(marks, marks[1:])])
+        return t1 - marks[0], float(loss)
 
     def plan(self, name: str):
         """yafsdp's memory plan for engine ``name``, computed from a meta-device model (the test
@@ -155,6 +169,7 @@ def run_real(a):
             plans[name] = r.plan(name)
             memory[name] = measure_memory(lambda name=name: r.build(name), r.step, a.mem_steps, dev)
     times = {n: [] for n in a.engines}
+    phases = {n: [] for n in a.engines} if a.phases else None  # [forward, backward, optimizer] per measured step
     losses = {n: [] for n in a.engines}
     gathered = {}  # yafsdp engines: bytes each rank receives from all-gathers per step (the engine's count)
     reduced = {}  # yafsdp engines: bytes each rank puts into its reduces per step (the engine's count)
@@ -164,10 +179,13 @@ def run_real(a):
         for it in range(a.warmup + a.steps):
             k = it % len(order)
             for name in order[k:] + order[:k]:
-                dt, loss = r.timed_step(engines[name], it)
+                ph = [] if phases is not None and it >= a.warmup else None
+                dt, loss = r.timed_step(engines[name], it, ph)
                 losses[name].append(loss)
                 if it >= a.warmup:
                     times[name].append(dt)
+                    if ph is not None:
+                        phases[name] += ph
         gathered = {n: sum(e.model.schedule.gathered.values()) / (a.warmup + a.steps)
                     for n, e in engines.items() if n.startswith("yafsdp")}
         reduced = {n: reduce_bytes(e.model) / (a.warmup + a.steps) for n, e in engines.items() if n.startswith("yafsdp")}
@@ -178,11 +196,14 @@ def run_real(a):
             for name in (a.engines if rnd % 2 == 0 else a.engines[::-1]):
                 e = r.build(name)
                 for it in range(a.warmup + a.steps):
-                    dt, loss = r.timed_step(e, it)
+                    ph = [] if phases is not None and it >= a.warmup else None
+                    dt, loss = r.timed_step(e, it, ph)
                     if rnd == 0:
                         losses[name].append(loss)
                     if it >= a.warmup:
                         times[name].append(dt)
+                        if ph is not None:
+                            phases[name] += ph
                 if name.startswith("yafsdp"):
                     gathered[name] = sum(e.model.schedule.gathered.values()) / (a.warmup + a.steps)
                     reduced[name] = reduce_bytes(e.model) / (a.warmup + a.steps)
@@ -191,10 +212,14 @@ def run_real(a):
     local = torch.tensor([times[n] for n in a.engines], dtype=torch.float64, device=dev)  # NCCL: on the device
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
     times = {n: local[i].tolist() for i, n in enumerate(a.engines)}
+    if phases is not None:  # each phase's slowest rank, step by step
+        local = torch.tensor([phases[n] for n in a.engines], dtype=torch.float64, device=dev)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        phases = {n: local[i].tolist() for i, n in enumerate(a.engines)}
     mems = [None] * world
     dist.all_gather_object(mems, memory)
     if rank == 0:
-        report_real(a, dev, world, times, losses, mems, plans, gathered, reduced)
+        report_real(a, dev, world, times, losses, mems, plans, gathered, reduced, phases)
     finish_distributed()
 
 
@@ -204,7 +229,7 @@ def reduce_bytes(model) -> int:
     return sum(v for (kind, _), v in model.schedule.counted.items() if kind == "reduce")
 
 
-def report_real(a, dev, world, times, losses, mems, plans, gathered=None, reduced=None):
+def report_real(a, dev, world, times, losses, mems, plans, gathered=None, reduced=None, phases=None):
     tokens = a.batch * a.seq * world
     med = {n: median_min_max(ts)[0] for n, ts in times.items()}
     rows, out_rows = [], []
@@ -263,18 +288,35 @@ def report_real(a, dev, world, times, losses, mems, plans, gathered=None, reduce
     noise_lines, noise = noise_report(times, goals, a.interleave == "step", a.load_before, os.cpu_count() or 1,
                                       competitors=COMPETITORS)
     lines += noise_lines
+    if phases:
+        lines += ["", phase_table(phases, a.engines)]
     for s in a.skipped:
         lines.append(f"skipped {s}")
     text = "\n".join(lines)
     print(text, flush=True)
     result = dict(kind="bench_step", command=a.argv, setup=setup, versions=versions(dev), rows=out_rows,
                   goals=goals, loss_spread=loss_spread, memory_how=mem_how, skipped=a.skipped, table=table,
-                  noise=noise)
+                  noise=noise, phases=phases)
     if a.json:
         write_json(a.json, result)
     if a.md:
         write_md(a.md, result, text)
     return result
+
+
+def phase_table(phases: dict, engines: list) -> str:
+    """Where the step goes: each phase's median over the measured steps (the slowest rank's time
+    in each step), and its difference from DDP's where DDP ran."""
+    names = ["forward", "backward", "optimizer"]
+    med = {n: [median_min_max([s[k] for s in phases[n]])[0] * 1e3 for k in range(3)] for n in engines}
+    header = ["engine"] + [f"{p} ms" for p in names] + (["vs DDP ms: " + "/".join(names)] if "ddp" in med else [])
+    rows = []
+    for n in engines:
+        row = [n] + med[n]
+        if "ddp" in med:
+            row.append(" / ".join(f"{m - d:+.0f}" for m, d in zip(med[n], med["ddp"])))
+        rows.append(row)
+    return "phases (medians over the measured steps, slowest rank per step):\n" + md_table(header, rows)
 
 
 # ---------------------------------------------------------------------------- fake worlds

@@ -24,7 +24,7 @@ def _run(script, *args, timeout=300, env=None):
 
 def test_bench_step_cpu(tmp_path):
     j, md = tmp_path / "step.json", tmp_path / "step.md"
-    text = _run("bench_step.py", *TINY, "--warmup", "0", "--steps", "3", "--mem-steps", "2", "--json", str(j),
+    text = _run("bench_step.py", *TINY, "--warmup", "0", "--steps", "3", "--mem-steps", "2", "--phases", "--json", str(j),
                 "--md", str(md))
     assert "x FSDP2" in text and md.read_text().count("|") > 20
     r = json.loads(j.read_text())
@@ -50,6 +50,13 @@ def test_bench_step_cpu(tmp_path):
     sp = r["noise"]["ratios"]["yafsdp-z3/ddp"]
     assert sp["min"] <= sp["median"] <= sp["max"] and sp["steps"] == 3
     assert ("NOISE WARNING" in text) == r["noise"]["busy"]
+    # --phases: forward, backward and optimizer per measured step; on one rank they add up to its step
+    # time, so the sum of each phase's slowest rank is at least the step's slowest rank.
+    assert "phases (medians over the measured steps" in text
+    for name, row in rows.items():
+        ph = r["phases"][name]
+        assert len(ph) == 3 and all(len(s) == 3 and min(s) > 0 for s in ph)
+        assert all(sum(s) >= 1e-3 * t - 1e-9 for s, t in zip(ph, row["times_ms"]))
 
 
 def test_bench_ckpt_cpu(tmp_path):
