@@ -108,3 +108,85 @@ def _not_peft(rank, world, out_dir):
 def test_save_adapter_refuses_a_model_without_adapters(tmp_path):
     for msg in run_ranks(_not_peft, 2, str(tmp_path / "x")):
         assert msg and "has no PEFT adapter 'default'" in msg and "peft.get_peft_model" in msg
+
+
+def _bf16_base(seed_adapters: bool = True):
+    """A bf16 base with PEFT's default fp32 adapters (``autocast_adapter_dtype=True``): the mix that needs
+    separate wrapping in other engines (LlamaFactory #10157)."""
+    model = peft.get_peft_model(tiny_llama().to(torch.bfloat16), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name and seed_adapters:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model
+
+
+def _mixed_sharded(rank, world):
+    model = _bf16_base()
+    dtypes = sorted({(("lora_" in n), str(p.dtype)) for n, p in model.named_parameters()})
+    wrapped = yafsdp.YaFSDP(model, param_dtype=torch.bfloat16)
+    opt = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-2, foreach=False)
+    losses = []
+    for step in range(STEPS):
+        loss = loss_of(wrapped, "llama", batch("llama", step, 0, rank))
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    sd = wrapped.full_state_dict()
+    return dict(dtypes=dtypes, losses=losses, sd={k: v for k, v in sd.items() if "lora_" in k},
+                sd_dtypes=sorted({(("lora_" in k), str(v.dtype)) for k, v in sd.items()}))
+
+
+def _mixed_reference(world):
+    """The engine's arithmetic written out unsharded: fp32 masters of the adapters, bf16 compute copies of
+    them in the forward, each rank's bf16 gradients summed in fp32 and divided by the world, AdamW on the
+    masters. Returns (per step, per rank losses), the masters."""
+    model = _bf16_base()
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in adapters.items()}
+    for p in adapters.values():
+        p.data = p.data.to(torch.bfloat16)
+    opt = torch.optim.AdamW(list(masters.values()), lr=1e-2, foreach=False)
+    losses = []
+    for step in range(STEPS):
+        with torch.no_grad():
+            for n, p in adapters.items():
+                p.copy_(masters[n])
+        total = {n: torch.zeros_like(m) for n, m in masters.items()}
+        per_rank = []
+        for r in range(world):
+            loss = loss_of(model, "llama", batch("llama", step, 0, r))
+            loss.backward()
+            per_rank.append(loss.item())
+            for n, p in adapters.items():
+                total[n] += p.grad.float()
+                p.grad = None
+        for n, m in masters.items():
+            m.grad = total[n] / world
+        losses.append(per_rank)
+        opt.step()
+        opt.zero_grad()
+    return losses, {n: m.detach() for n, m in masters.items()}
+
+
+def test_fp32_adapters_over_a_bf16_base():
+    """PEFT's fp32 adapters on a bf16 base wrap as one model (no per-dtype wrapping): the adapters get fp32
+    masters and bf16 compute copies (``param_dtype``), the base stays a bf16 frozen group, and the training
+    is the unsharded model's with the same rounding: the same losses on every rank and the same adapters."""
+    world = 2
+    per_rank = run_ranks(_mixed_sharded, world)
+    ref_losses, ref_masters = _mixed_reference(world)
+    assert per_rank[0]["dtypes"] == [(False, "torch.bfloat16"), (True, "torch.float32")]
+    for rank, r in enumerate(per_rank):
+        got, want = r["losses"], [step[rank] for step in ref_losses]
+        assert rel_seq(got, want) < 1e-6, (rank, got, want)
+    sd = per_rank[0]["sd"]
+    # the exported state keeps each parameter's own dtype: fp32 adapters, a bf16 base
+    assert per_rank[0]["sd_dtypes"] == [(False, "torch.bfloat16"), (True, "torch.float32")]
+    names = {k.replace(".default", "").replace("base_model.model.", ""): k for k in sd}
+    for n, m in ref_masters.items():
+        key = names[n.replace(".default", "").replace("base_model.model.", "")]
+        assert torch.equal(sd[key], m), (n, (sd[key] - m).abs().max())

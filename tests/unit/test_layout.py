@@ -156,3 +156,20 @@ def test_design_md_names_every_module_once():
     named = re.findall(r"^(yafsdp/\S+\.py)\s", table, flags=re.M)
     files = sorted(str(p.relative_to(ROOT.parent)) for p in ROOT.rglob("*.py"))
     assert sorted(named) == files, (sorted(set(files) - set(named)), sorted(set(named) - set(files)))
+
+
+def test_no_record_stream_and_no_device_wide_sync_in_the_engine():
+    """Two rules of the buffer design, read from the source: no ``Tensor.record_stream`` (buffers are
+    preallocated and ordered by events; record_stream is what makes FSDP2 over-allocate, pytorch #147168)
+    and no device-wide ``torch.cuda.synchronize`` outside the tools (the engine orders its streams by
+    events; offload's host waits are on its own event and stream, in comm/cuda.py)."""
+    calls = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT.parent)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "record_stream":
+                calls.append(f"{rel}:{node.lineno}: record_stream")
+            if (isinstance(node, ast.Attribute) and node.attr == "synchronize" and rel.parts[1] != "tools"
+                    and isinstance(node.value, ast.Attribute) and node.value.attr == "cuda"):
+                calls.append(f"{rel}:{node.lineno}: torch.cuda.synchronize")
+    assert not calls, calls
