@@ -220,10 +220,11 @@ def test_fused_true_requires_extension(monkeypatch):
     monkeypatch.setattr(kernels, "_WHY_NOT", "yafsdp._C is not built (test)")
     with pytest.raises(kernels.ExtensionMissingError, match="pip install --no-build-isolation"):
         FusedAdamW([nn.Parameter(torch.zeros(3))], fused=True)
-    # fused=None falls back to the twin and still trains like torch.
+    # fused=None falls back to the twin, says so (with the build command), and still trains like torch.
     ours, ref = _model(), _model()
     opt, ref_opt = FusedAdamW(ours.parameters()), torch.optim.AdamW(ref.parameters(), foreach=False)
-    _train(ours, opt, 5, seed=2)
+    with pytest.warns(RuntimeWarning, match="pure-PyTorch fallback.*is not built \\(test\\).*fused=False"):
+        _train(ours, opt, 5, seed=2)
     _train(ref, ref_opt, 5, seed=2)
     for p, q in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, **PARAM_TOL)
