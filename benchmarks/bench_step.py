@@ -277,7 +277,9 @@ def report_real(a, dev, world, times, losses, mems, plans, gathered=None, reduce
              f"seq {a.seq} per rank ({tokens:,} tokens/step), {'bf16 compute + fp32 reduce' if dev.type == 'cuda' or a.bf16 else 'fp32'}, "
              f"{a.warmup} warm-up + {a.steps} measured steps, interleave={a.interleave}"
              f"{f' x {a.rounds} rounds' if a.interleave == 'round' else ''}")
-    lines = [f"bench_step: {setup}", f"memory: {mem_how}; peak over steps 2..{a.mem_steps}, max over ranks", "",
+    mem_line = (f"memory: {mem_how}; peak over steps 2..{a.mem_steps}, max over ranks" if mems[0]
+                else "memory: not measured (--mem-steps 0)")
+    lines = [f"bench_step: {setup}", mem_line, "",
              table, ""]
     if loss_spread is not None:
         lines.append(f"first-step losses agree across engines to {loss_spread:.1e} (relative; +fp8 engines compute "
