@@ -110,7 +110,7 @@ def test_save_adapter_refuses_a_model_without_adapters(tmp_path):
         assert msg and "has no PEFT adapter 'default'" in msg and "peft.get_peft_model" in msg
 
 
-def _bf16_base(seed_adapters: bool = True):
+def _bf16_base():
     """A bf16 base with PEFT's default fp32 adapters (``autocast_adapter_dtype=True``): the mix that needs
     separate wrapping in other engines (LlamaFactory #10157)."""
     model = peft.get_peft_model(tiny_llama().to(torch.bfloat16), peft.LoraConfig(
@@ -118,7 +118,7 @@ def _bf16_base(seed_adapters: bool = True):
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_B" in name and seed_adapters:
+            if "lora_B" in name:  # B starts at zero in PEFT
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
     return model
 
