@@ -303,3 +303,42 @@ def test_copy_columns_is_the_column_block_of_the_flat_unit():
         want = flat.view(world, shard)[:, lo:hi].clone()
         pad = torch.arange(world * shard).view(world, shard)[:, lo:hi] >= cuts[-1]
         assert torch.equal(dst, torch.where(pad, torch.zeros(()), want)), (lo, hi)
+
+
+def _direct_vs_chunks(rank, world):
+    """An untied Llama (1000-word vocabulary: the embedding and the head are outsized one-parameter
+    units), 2 steps of 2 micro-batches each (the first reduce of a step fresh, the second accumulating),
+    AdamW: the direct exchange against the chunks and against an outsized grad buffer of its own."""
+    from yafsdp.core.backward import BackwardSteps
+
+    out = {}
+    for name in ("direct", "chunks", "own"):
+        model = yafsdp.YaFSDP(tiny_llama(vocab=1000, layers=2), chunk_outsized_grads=name != "own")
+        calls = []
+        sched = model._rt.schedule
+        real = sched.reduce_rows_into
+        sched.reduce_rows_into = lambda *a, **k: (calls.append(a[-1]), real(*a, **k))
+        if name == "chunks":
+            model._rt._exchanges_directly = lambda unit: False
+        opt = _optimizer(model.parameters())
+        for step in range(2):
+            for micro in range(2):
+                (loss_of(model, "llama", batch("llama", step, micro, rank)) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = (model.full_state_dict(), calls, [u.grad_chunk for u in model._rt.units])
+    return out
+
+
+def test_direct_exchange_of_outsized_gradients_equals_the_chunks():
+    """[Note: the direct exchange of an outsized gradient]: at world 2 on gloo the first reduce of each
+    step of the untied embedding and head goes straight from the autograd gradient into the grad shard;
+    the trained weights are bit for bit those of the chunked reduce and of an own outsized grad buffer."""
+    for r in run_ranks(_direct_vs_chunks, 2):
+        (sd, calls, chunks), (sd_c, calls_c, _), (sd_o, calls_o, _) = r["direct"], r["chunks"], r["own"]
+        assert sum(1 for c in chunks if c) == 2, chunks  # the embedding and the head are chunked units
+        assert sorted(calls) == sorted(["model.embed_tokens", "lm_head"] * 2), calls  # fresh reduces only
+        assert calls_c == [] and calls_o == []
+        if sd:  # the full state dict is rank 0's
+            assert rel_l2(sd, dict(tiny_llama(vocab=1000, layers=2).state_dict())) > 1e-4  # it trained
+            assert all(torch.equal(sd[k], sd_c[k]) for k in sd) and all(torch.equal(sd[k], sd_o[k]) for k in sd)

@@ -111,7 +111,9 @@ def repeated_blocks(names: list[str]) -> list[bool]:
 # 1.1 GiB per rank in fp32, at every world). What it costs: ``ceil(shard / w)`` collectives instead of
 # one for the unit (about its size over a decoder layer's, 5 for Llama-3.2-1B), each as large as a
 # layer's, and a strided copy instead of a contiguous one. With offload (the reduce goes through
-# the host landing) the unit keeps its own buffer; so does a model with no regular unit.
+# the host landing) the unit keeps its own buffer; so does a model with no regular unit. (On gloo at
+# world 2 a fresh fp32 one-parameter unit skips the chunks: [Note: the direct exchange of an outsized
+# gradient] in core/backward.py.)
 # ``grad_chunks=K`` (default 1) applies the same to the regular units: the pair is sized for 1/K
 # of the largest of them (16-element aligned columns), and every unit larger than that is reduced
 # in chunks through it. Its cost is overlap: a unit's first chunk waits for the previous unit's
