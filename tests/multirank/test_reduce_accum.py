@@ -309,8 +309,6 @@ def _direct_vs_chunks(rank, world):
     """An untied Llama (1000-word vocabulary: the embedding and the head are outsized one-parameter
     units), 2 steps of 2 micro-batches each (the first reduce of a step fresh, the second accumulating),
     AdamW: the direct exchange against the chunks and against an outsized grad buffer of its own."""
-    from yafsdp.core.backward import BackwardSteps
-
     out = {}
     for name in ("direct", "chunks", "own"):
         model = yafsdp.YaFSDP(tiny_llama(vocab=1000, layers=2), chunk_outsized_grads=name != "own")

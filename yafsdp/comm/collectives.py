@@ -263,21 +263,6 @@ def _gloo_reduce_scatter_pair(shard_out: torch.Tensor, full: torch.Tensor, group
     return work
 
 
-def exchange_pair(out: torch.Tensor, rows: torch.Tensor, group) -> P2PWork:
-    """gloo, world 2: ``out`` <- the peer's row ``rank`` of its ``rows`` (2 x n) + this rank's own
-    row ``rank``, the sum added at ``wait()``. The peer's row goes out straight from ``rows`` (no copy);
-    ``rows`` must stay unchanged until ``wait()`` returns. (The reduce-scatter of the module note with
-    the output taken as the landing.)"""
-    _, rank, [(p, gp)] = _peers(group)
-    if rows.dim() != 2 or rows.shape[0] != 2 or out.shape != rows[rank].shape or not rows.is_contiguous():
-        raise ValueError(f"yafsdp exchange_pair: rows {tuple(rows.shape)} must be a contiguous (2, n) tensor and "
-                         f"out ({tuple(out.shape)}) one row")
-    tag = _next_tag(group)
-    own = rows[rank]
-    return P2PWork([dist.irecv(out, gp, group=group, tag=tag), dist.isend(rows[p], gp, group=group, tag=tag)],
-                   finish=lambda: out.add_(own))
-
-
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True, local: bool = False):
     """output (world * shard.numel(),) <- concatenation of every rank's ``shard``. ``local``: at
     world 1 on gloo, a local copy (see the module note)."""

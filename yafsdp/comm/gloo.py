@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .collectives import _info, all_gather, all_reduce, all_to_all, exchange_pair, reduce_scatter
+from .collectives import _info, all_gather, all_reduce, all_to_all, reduce_scatter
 from ..tools.trace import span
 from .schedule import Schedule, _GradSync, _WeightSync, _then, _wait
 
@@ -68,19 +68,19 @@ class HandleSchedule(Schedule):
                 rec.comm("reduce", unit, work, issued=t)
 
     def reduce_rows_ok(self) -> bool:
-        """Whether :meth:`reduce_rows_into` may run: a gloo group of two ranks (not the fake group)."""
+        """A gloo group of two ranks (not the fake group): :meth:`reduce_rows_into` may run."""
         info = _info(self.group)
         return info.gloo and info.world == 2
 
-    def reduce_rows_into(self, target, rows, unit):
-        """World 2: ``target`` <- row ``rank`` of ``rows`` (world x shard, a unit's whole gradient) summed
-        over both ranks, done when this returns. See [Note: the direct exchange of an outsized gradient]
-        in core/backward.py."""
+    def reduce_rows_into(self, target, full, unit):
+        """``target`` <- this rank's slice of ``full`` (a unit's whole gradient) summed over the ranks,
+        done when this returns: the reduce-scatter of :meth:`reduce` with the grad shard as its output,
+        waited at once. See [Note: the direct exchange of an outsized gradient] in core/backward.py."""
         rec = self.recorder
         with span("reduce", unit):
             t = rec.now() if rec else None
-            work = exchange_pair(target, rows, self.group)
-            self._count("reduce", unit, rows)
+            work = reduce_scatter(target, full, self.group, async_op=True)
+            self._count("reduce", unit, full)
             if rec:
                 rec.comm("reduce", unit, work, issued=t)
             _wait(work, "reduce-scatter", unit)

@@ -232,6 +232,12 @@ class Schedule:
         """A reduce from this grad buffer has been issued and not yet waited for (host view)."""
         return False
 
+    def reduce_rows_ok(self) -> bool:
+        """Whether ``reduce_rows_into(target, full, unit)`` (a reduce into the grad shard, complete on
+        return) is offered: gloo at world 2 only. See [Note: the direct exchange of an outsized
+        gradient] in core/backward.py."""
+        return False
+
     # HSDP: the all-reduce of grad shards across replicas. See [Note: the cross-replica
     # all-reduce] in hsdp.py.
     def replicate_in_fold(self, grad: torch.Tensor, unit: str) -> None:

@@ -165,8 +165,7 @@ class BackwardSteps:
             target, fresh = self._grad_target(unit)
             g = grads[0] if len(pidx) == 1 else None
             src = torch.zeros(lay.padded_numel, dtype=target.dtype, device=target.device) if g is None else g
-            rows = src.reshape(2, lay.shard_numel)
-            self.schedule.reduce_rows_into(target, rows if rows.is_contiguous() else rows.contiguous(), unit.name)
+            self.schedule.reduce_rows_into(target, src.contiguous().view(-1), unit.name)
             self._fold(unit, target, fresh, unit.chunk_buffers[0].accum)(target)
             return
         world, shard, width = lay.world_size, lay.shard_numel, unit.grad_chunk
@@ -196,7 +195,8 @@ class BackwardSteps:
     # On gloo at world 2 (the CPU schedule, no replicas), a chunked unit's first reduce of a step in fp32
     # that is one parameter without padding (an untied embedding or head) skips the chunks: its
     # autograd gradient, viewed as 2 x shard, is already the reduce-scatter's input, and the fresh fp32
-    # grad shard can be its output. One exchange -- the peer's row sent straight from the gradient, the
+    # grad shard can be its output. One reduce-scatter (``collectives.reduce_scatter``, at gloo world 2 one
+# exchange) -- the peer's row sent straight from the gradient, the
     # peer's contribution received into the grad shard, the own row added, then the fold scales it in
     # place -- replaces ``ceil(shard / w)`` chunk copies and exchanges that each wait for the one two
     # back with no compute to hide behind (on 2 cores the chunks' sends were ~10 ms of a 450 ms step at the
@@ -208,8 +208,7 @@ class BackwardSteps:
     # fp32 accumulation, HSDP and other worlds keep the chunks.
     def _exchanges_directly(self, unit: Unit) -> bool:
         lay = unit.layout
-        direct = getattr(self.schedule, "reduce_rows_into", None)
-        return (direct is not None and lay.world_size == 2 and self.replicas == 1
+        return (lay.world_size == 2 and self.replicas == 1
                 and len(lay.params) == 1 and lay.numel == lay.padded_numel
                 and self.compute_dtype == torch.float32 and self.reduce_dtype == torch.float32
                 and not unit.chunk_buffers[0].pieces and unit.flat_param.grad is None
