@@ -29,8 +29,10 @@ ENGINES = ("yafsdp-z3", "yafsdp-z2", "yafsdp-z3+FusedAdamW", "yafsdp-z3+fp8", "y
 # "+owngrad": chunk_outsized_grads=False, an outsized unit's gradient in a grad buffer of its own (the
 # layout before chunked outsized gradients, docs/reduce.md "Memory").
 # "+gradchunks2": grad_chunks=2, grad buffers half a decoder layer, each layer reduced in 2 chunks.
+# "+gathered": sharded_lookup=False, the untied embedding gathered and reduce-scattered like any unit
+# (the layout before the sharded lookup, docs/reduce.md "The sharded lookup of an embedding").
 REDUCE_ENGINES = ("yafsdp-z3+bf16reduce", "yafsdp-z3+bf16reduce+fp32acc", "yafsdp-z3+owngrad",
-                  "yafsdp-z3+gradchunks2")
+                  "yafsdp-z3+gradchunks2", "yafsdp-z3+gathered")
 
 
 # ---------------------------------------------------------------------------- launching
@@ -244,6 +246,8 @@ def build_engine(name: str, preset: str, device: torch.device, mixed: bool, *, l
 def reduce_options(name: str) -> dict:
     """The reduce options of a yafsdp engine name: fp32, or one of REDUCE_ENGINES'."""
     own = dict(chunk_outsized_grads=False) if "+owngrad" in name else {}
+    if "+gathered" in name:
+        own["sharded_lookup"] = False
     if "+gradchunks" in name:  # "+gradchunks2": grad_chunks=2
         own["grad_chunks"] = int(name.split("+gradchunks")[1].split("+")[0])
     if "+bf16reduce" not in name:

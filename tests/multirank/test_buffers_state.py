@@ -277,7 +277,9 @@ def test_weight_free_backward_units():
 
 def _weight_free_run(rank, world, weight_free: bool):
     torch.manual_seed(0)
-    model = yafsdp.YaFSDP(tiny_llama(vocab=1000))  # embedding and head are outsized: they share a buffer
+    # embedding and head are outsized: they share a buffer (the embedding gathered, not looked up
+    # from its shards: that is the path under test; the lookup's own tests are in test_lookup.py)
+    model = yafsdp.YaFSDP(tiny_llama(vocab=1000), sharded_lookup=False)
     if not weight_free:
         for u in model.units:
             u.weight_free_bw = False

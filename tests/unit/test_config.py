@@ -23,6 +23,7 @@ BAD = {  # options -> words every entry's message must hold
     "ratio": (dict(outsized_ratio=-1.0), ["outsized_ratio=-1.0 is not a positive number"]),
     "exclude": (dict(gather_exclude="lm_head"), ["gather_exclude='lm_head' is not a list of module names"]),
     "chunk": (dict(chunk_outsized_grads="yes"), ["chunk_outsized_grads='yes' is not a bool"]),
+    "lookup": (dict(sharded_lookup=1), ["sharded_lookup=1 is not a bool"]),
     "gradchunks": (dict(grad_chunks=0), ["grad_chunks=0 is not a positive int"]),
     "gradchunks_offload": (dict(grad_chunks=2, offload="optimizer"), ["grad_chunks=2 with offload='optimizer'"]),
 }

@@ -39,6 +39,14 @@ class CheckedSchedule:
         check_collective(f"{'all-to-all' if pieces else 'reduce-scatter'} of unit {unit!r}", self.group)
         self.inner.reduce(sync, out, full, unit, fold, host_fold, pieces)
 
+    def reduce_rows_into(self, target, full, unit):
+        check_collective(f"reduce-scatter of unit {unit!r}", self.group)
+        self.inner.reduce_rows_into(target, full, unit)
+
+    def gather_rows_into(self, out, shard, unit):
+        check_collective(f"gather of unit {unit!r}", self.group)
+        self.inner.gather_rows_into(out, shard, unit)
+
     def replicate(self, grad, unit):
         check_collective(f"all-reduce across replicas of {unit!r}", self.inner.replicate_group)
         self.inner.replicate(grad, unit)

@@ -76,14 +76,24 @@ class HandleSchedule(Schedule):
         """``target`` <- this rank's slice of ``full`` (a unit's whole gradient) summed over the ranks,
         done when this returns: the reduce-scatter of :meth:`reduce` with the grad shard as its output,
         waited at once. See [Note: the direct exchange of an outsized gradient] in core/backward.py."""
+        self._now("reduce", "reduce-scatter", reduce_scatter, target, full, full, unit)
+
+    def gather_rows_into(self, out, shard, unit):
+        """``out`` <- every rank's ``shard`` end to end, done when this returns: the all-gather of
+        :meth:`gather` into a tensor of the caller's, waited at once (the small exchanges of
+        [Note: the sharded lookup of an embedding] in core/lookup.py)."""
+        self._now("gather", "gather", all_gather, out, shard, out, unit)
+
+    def _now(self, kind, what, collective, out, inp, counted, unit):
+        """``collective(out, inp)`` on the group, recorded and counted as ``kind``, waited at once."""
         rec = self.recorder
-        with span("reduce", unit):
+        with span(kind, unit):
             t = rec.now() if rec else None
-            work = reduce_scatter(target, full, self.group, async_op=True)
-            self._count("reduce", unit, full)
+            work = collective(out, inp, self.group, async_op=True)
+            self._count(kind, unit, counted)
             if rec:
-                rec.comm("reduce", unit, work, issued=t)
-            _wait(work, "reduce-scatter", unit)
+                rec.comm(kind, unit, work, issued=t)
+            _wait(work, what, unit)
 
     def wait_reduced(self, sync):
         if sync.pending is not None:

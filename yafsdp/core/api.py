@@ -63,6 +63,11 @@ class YaFSDP(WrapperMethods, nn.Module):
     - ``grad_chunks`` (default 1): the two grad buffers hold 1/grad_chunks of the largest regular unit's
       gradient, and larger units' gradients are reduced in that many column chunks (docs/reduce.md,
       "Memory"): less memory, more and smaller collectives. A positive int; refused above 1 with ``offload``.
+    - ``sharded_lookup`` (default True): on gloo at world 2 (fp32, ZeRO-3, no offload, no replicas), an untied
+      plain ``nn.Embedding`` larger than ``outsized_ratio`` times the typical unit is looked up from the shards — the ranks exchange their token ids and the rows
+      they own — instead of gathered, and its gradient rows are added where they are owned instead of
+      reduce-scattered (bit for bit the same values; docs/reduce.md, "The sharded lookup"). False always
+      gathers it. A bool, else refused.
     - ``quantize_frozen`` (default None): "nf4" stores frozen ``nn.Linear`` weights in 4-bit NormalFloat
       (QLoRA); other names refused; a warning when no weight qualifies.
     - ``offload`` (default None): "optimizer" keeps the fp32 master, grad shard and optimizer state in host
@@ -78,7 +83,7 @@ class YaFSDP(WrapperMethods, nn.Module):
     - ``reduce_accum_dtype`` (default None): ``torch.float32`` with a 16-bit ``reduce_dtype`` sends the
       pieces in ``reduce_dtype`` and sums them in fp32 (docs/reduce.md); refused with ``offload``.
     - ``config`` (default None): a ``yafsdp.EngineConfig`` (``yafsdp.build_config(...)``) standing for
-      every option from ``param_dtype`` to ``reduce_accum_dtype`` (and ``chunk_outsized_grads``, ``grad_chunks``); refused
+      every option from ``param_dtype`` to ``reduce_accum_dtype`` (and ``chunk_outsized_grads``, ``grad_chunks``, ``sharded_lookup``); refused
       together with any of them.
     """
 
@@ -98,6 +103,7 @@ class YaFSDP(WrapperMethods, nn.Module):
         outsized_ratio: float = 1.5,
         chunk_outsized_grads: bool = True,
         grad_chunks: int = 1,
+        sharded_lookup: bool = True,
         quantize_frozen: str | None = None,
         offload: str | None = None,
         gather_dtype: str | None = None,
@@ -110,7 +116,7 @@ class YaFSDP(WrapperMethods, nn.Module):
                            align_bytes=align_bytes, outsized_ratio=outsized_ratio, quantize_frozen=quantize_frozen,
                            offload=offload, gather_dtype=gather_dtype, gather_exclude=gather_exclude,
                            reduce_accum_dtype=reduce_accum_dtype, chunk_outsized_grads=chunk_outsized_grads,
-                           grad_chunks=grad_chunks)
+                           grad_chunks=grad_chunks, sharded_lookup=sharded_lookup)
         quantize_frozen, offload, gather_dtype = cfg.quantize_frozen, cfg.offload_what, cfg.gather_dtype
         param_dtype, reduce_dtype, zero_stage = cfg.param_dtype, cfg.reduce_dtype, cfg.zero_stage
         reduce_accum_dtype = cfg.reduce_accum_dtype  # See [Note: narrow reduce, fp32 accumulation]

@@ -6,7 +6,7 @@ every gradient with respect to the unit's weights has been computed (autograd ru
 of its outputs' gradients are in), whatever the unit's inputs and keyword arguments are: it is the
 reliable "unit backward done" point. There the grads are written into the grad buffer and the
 reduce-scatter is issued. Its input is the unit's flat shard, so that ``torch.autograd.grad`` with
-respect to a shard reaches it (and is refused there, see ``_captured``); it returns no gradient
+respect to a shard reaches it (and is refused there, see ``unit.refuse_captured``); it returns no gradient
 for it (the engine's reduce fills ``.grad``). Autograd then calls the shard's accumulation node
 with no gradient, and with it any hook a user put on the shard; so a shard with a hook is not the
 gate's input (the unit's empty anchor is): the engine calls such hooks itself with the final
@@ -81,8 +81,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import orig_params
+from .lookup import install_lookup, lookup_now, lookup_unit
 from .runtime import BackwardUse, Runtime, in_backward
-from .unit import Unit
+from .unit import Unit, refuse_captured
 from .units import Member
 
 __all__ = ["in_backward", "install_hooks", "gate_small_group", "rest_small_group"]
@@ -110,22 +111,6 @@ def _ends(use: BackwardUse) -> int:
     return sum(1 for ref in use.ends if (node := ref()) is not None and torch._C._will_engine_execute_node(node))
 
 
-def _captured(ctx) -> bool:
-    """The running call is ``torch.autograd.grad`` with the gate's input (a flat shard) among its
-    ``inputs``: the engine asks autograd about the shard's accumulation node, which autograd
-    refuses for exactly that case."""
-    acc = ctx.next_functions[0][0]
-    if acc is None:
-        return False
-    try:
-        torch._C._will_engine_execute_node(acc)
-    except RuntimeError as e:
-        if "autograd.grad" in str(e):
-            return True
-        raise
-    return False
-
-
 class _Gate(torch.autograd.Function):
     """See [Note: the backward gate]."""
 
@@ -140,13 +125,7 @@ class _Gate(torch.autograd.Function):
         rt, unit = _deref(ctx)  # See [Note: weak references from autograd nodes]
         if rt is None or unit is None:
             return (None, None, None, None, None) + (None,) * len(grads)
-        if _captured(ctx):
-            raise RuntimeError(
-                f"yafsdp: torch.autograd.grad(..., inputs=...) with the flat shard of unit {unit.name!r} among the "
-                "inputs is not supported: the model's parameters are this rank's shards, whose gradients the engine "
-                "reduce-scatters into .grad. Call loss.backward() (or loss.backward(inputs=[...shards])) and read "
-                ".grad; torch.autograd.grad with respect to input or activation tensors is supported"
-            )
+        refuse_captured(ctx, unit)
         rt.enter_backward()
         if rt.schedule.recorder is not None and unit.bw_interval is not None:
             rt.schedule.recorder.compute_end(unit.bw_interval)
@@ -374,11 +353,19 @@ def _small_slots(rt: Runtime, module: nn.Module) -> list[tuple[nn.Module, str, i
 def _pre_hook(rt: Runtime, unit: Unit, index: _MemberIndex, uses: list, small_slots: list):
     def pre_hook(module, args, kwargs):
         if in_backward():  # activation-checkpoint recompute: weights must be there, nothing else
+            if unit.lookup_hooks is not None and lookup_now(unit, module):  # the recompute looks up too
+                unit.lookup_armed = True
+                return None
             rt.unit_recompute(unit)
             for owner, attr, pos in index.slots:  # See [Note: recomputed weights]
                 owner.__dict__[attr] = _recomputed(unit.aliases[index.pidx[pos]], pos in index.trainable, unit.name)
             for owner, attr, i in small_slots:
                 owner.__dict__[attr] = _recomputed(rt.small.aliases[i], not rt.small.params[i].frozen, unit.name)
+            return None
+        if unit.lookup_hooks is not None and lookup_now(unit, module):  # See [Note: the sharded lookup of an embedding]
+            rt.unit_forward(unit, gather=False)
+            unit.lookup_armed = True  # the module's forward (lookup.LookupForward) takes it
+            uses.append((_LOOKUP, []))
             return None
         rt.unit_forward(unit)
         if rt.root_depth == 0 and rt.small is not None:  # a unit run on its own: its norms and biases too
@@ -410,6 +397,10 @@ def _post_hook(rt: Runtime, unit: Unit, index: "_MemberIndex", uses: list):
         orig_params.rest(index.slots)
         if in_backward():
             return None
+        if uses and uses[-1][0] is _LOOKUP:  # a sharded lookup: nothing gathered, nothing to release
+            uses.pop()
+            unit.lookup_armed = False
+            return None
         if rt.root_depth == 0 and rt.small is not None:
             rest_small_group(rt)
         if rt.schedule.recorder is not None and unit.fw_interval is not None:
@@ -425,8 +416,12 @@ def _post_hook(rt: Runtime, unit: Unit, index: "_MemberIndex", uses: list):
     return post_hook
 
 
+_LOOKUP = object()  # a member call's entry in ``uses`` when it is a sharded lookup (lookup.py)
+
+
 def install_hooks(rt: Runtime) -> None:
-    """A forward pre-hook and post-hook on every member module of every unit."""
+    """A forward pre-hook and post-hook on every member module of every unit; the forward of an
+    embedding looked up from its shards ([Note: the sharded lookup of an embedding] in lookup.py)."""
     for u in rt.units:
         for m in u.members:
             # per call of the member running now (calls nest): its BackwardUse (None without grad) and
@@ -436,3 +431,5 @@ def install_hooks(rt: Runtime) -> None:
             m.module.register_forward_pre_hook(_pre_hook(rt, u, index, uses, _small_slots(rt, m.module)),
                                                with_kwargs=True)
             m.module.register_forward_hook(_post_hook(rt, u, index, uses), with_kwargs=True)
+        if lookup_unit(rt, u):
+            install_lookup(rt, u)

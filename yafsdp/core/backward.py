@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from .lookup import fold_rows, lookup_rows
 from .orig_params import run_grad_hooks
 from ..comm.reduce_accum import fold_pieces_
 from .shard_grad import grad_view, plain
@@ -213,6 +214,21 @@ class BackwardSteps:
                 and self.compute_dtype == torch.float32 and self.reduce_dtype == torch.float32
                 and not unit.chunk_buffers[0].pieces and unit.flat_param.grad is None
                 and self.schedule.reduce_rows_ok())
+
+    def lookup_fold(self, unit: Unit, every, every_grad, lo: int, rows: int, padding_idx) -> None:
+        """The backward of a sharded lookup: every rank's output gradients (``every_grad``, for the
+        token ids ``every``) folded into this rank's rows of the grad shard. See [Note: the sharded
+        lookup of an embedding] in lookup.py."""
+        self._check_unchanged(unit)
+        self._note_used(unit, [0], [every_grad])
+        touched, total = lookup_rows(every, every_grad, lo, rows, padding_idx)
+        target, fresh = self._grad_target(unit)
+        if not self.replica_begun:  # as in _fold
+            self.replica_begun = True
+            self.replica_sync.begin_backward()
+        scale = 1.0 / (self.world_size * self.replicas)
+        self.replica_sync.fold(unit, target, fresh,
+                               lambda: fold_rows(target.view(rows, -1), touched, total, scale, fresh))
 
     def _grad_target(self, unit: Unit) -> tuple[torch.Tensor, bool]:
         """The unit's fp32 grad shard, and whether this backward's reduce is its first contribution."""

@@ -79,6 +79,9 @@ class EngineConfig:
     # the grad pair holds 1/grad_chunks of the largest regular unit; larger units' gradients are
     # reduced in that many chunks (the same note)
     grad_chunks: int = 1
+    # an untied embedding looked up from the shards instead of gathered (gloo, world 2): see [Note: the
+    # sharded lookup of an embedding] in core/lookup.py
+    sharded_lookup: bool = True
 
     # The flat names the rest of the engine reads.
     @property
@@ -112,7 +115,8 @@ class EngineConfig:
                     align_bytes=self.align_bytes, outsized_ratio=self.outsized_ratio,
                     quantize_frozen=self.quantize_frozen, offload=self.offload_what, gather_dtype=self.gather_dtype,
                     gather_exclude=self.gather_exclude, reduce_accum_dtype=self.reduce_accum_dtype,
-                    chunk_outsized_grads=self.chunk_outsized_grads, grad_chunks=self.grad_chunks)
+                    chunk_outsized_grads=self.chunk_outsized_grads, grad_chunks=self.grad_chunks,
+                    sharded_lookup=self.sharded_lookup)
 
 
 def check_offload(offload) -> str | None:
@@ -146,7 +150,7 @@ def _as(who: str, check, value):
 def build_config(config: EngineConfig | None = None, *, who: str = "yafsdp.YaFSDP", **options) -> EngineConfig:
     """The one place options are checked: ``YaFSDP``'s keyword arguments (``param_dtype``,
     ``reduce_dtype``, ``zero_stage``, ``align_bytes``, ``outsized_ratio``, ``quantize_frozen``,
-    ``offload``, ``gather_dtype``, ``gather_exclude``, ``reduce_accum_dtype``, ``chunk_outsized_grads``, ``grad_chunks``) or a ``config`` to re-check (not both; an
+    ``offload``, ``gather_dtype``, ``gather_exclude``, ``reduce_accum_dtype``, ``chunk_outsized_grads``, ``grad_chunks``, ``sharded_lookup``) or a ``config`` to re-check (not both; an
     option left at its default may accompany a config). Every refusal names the value and what to
     pass instead; ``who`` opens the message. No combination depends on the process groups (HSDP
     takes every option), so the plan checks exactly what ``YaFSDP`` checks."""
@@ -190,6 +194,11 @@ def build_config(config: EngineConfig | None = None, *, who: str = "yafsdp.YaFSD
     if grad_chunks > 1 and offload is not None:
         raise ValueError(f"{who}: grad_chunks={grad_chunks} with offload={offload!r} is not supported (an offloaded "
                          "reduce goes through the host landing whole); use grad_chunks=1")
+    lookup = o["sharded_lookup"]
+    if not isinstance(lookup, bool):
+        raise ValueError(f"{who}: sharded_lookup={lookup!r} is not a bool (True, the default: an untied embedding is "
+                         "looked up from the shards instead of gathered where the engine can, gloo at world 2; False: "
+                         "always gathered)")
     exclude = o["gather_exclude"]
     if exclude is not None:
         if isinstance(exclude, str) or not all(isinstance(n, str) for n in exclude):
@@ -199,10 +208,10 @@ def build_config(config: EngineConfig | None = None, *, who: str = "yafsdp.YaFSD
         mixed_precision=MixedPrecision(param_dtype, reduce_dtype, gather_dtype, reduce_accum_dtype),
         offload=Offload(offload) if offload is not None else None, zero_stage=zero_stage, align_bytes=align_bytes,
         outsized_ratio=ratio, quantize_frozen=quantize_frozen, gather_exclude=exclude, chunk_outsized_grads=chunk,
-        grad_chunks=grad_chunks)
+        grad_chunks=grad_chunks, sharded_lookup=lookup)
 
 
 _DEFAULTS = dict(param_dtype=None, reduce_dtype=torch.float32, zero_stage=3, align_bytes=16, outsized_ratio=1.5,
                  quantize_frozen=None, offload=None, gather_dtype=None, gather_exclude=None, reduce_accum_dtype=None,
-                 chunk_outsized_grads=True, grad_chunks=1)
+                 chunk_outsized_grads=True, grad_chunks=1, sharded_lookup=True)
 

@@ -283,7 +283,10 @@ class Runtime(BackwardSteps):
         if not small.buffer.holds(small):
             small.buffer.gather(small)
         if self.order:  # the first unit's gather goes out before the wait for the (tiny) small group
-            self.order[0].buffer.prefetch(self.order[0])
+            # (the first one gathered: an embedding looked up from its shards is not, see lookup.py)
+            first = next((u for u in self.order if u.lookup_hooks is None), None)
+            if first is not None:
+                first.buffer.prefetch(first)
         small.buffer.wait()
         small.forward_versions = small.shard_versions()
         return small.aliases
@@ -327,10 +330,15 @@ class Runtime(BackwardSteps):
         self.copies_changed = False
         self.schedule.copies_written()
 
-    def unit_forward(self, unit: Unit) -> None:
-        """Before a unit's forward: its weights gathered (the next unit's gather issued first)."""
+    def unit_forward(self, unit: Unit, gather: bool = True) -> None:
+        """Before a unit's forward: its weights gathered (the next unit's gather issued first).
+        ``gather=False``: a sharded lookup, which reads the shard itself (lookup.py)."""
         self.recover()
         self.ensure_step_ready()
+        if not gather:
+            self._trace_and_prefetch(unit)
+            unit.forward_versions = unit.shard_versions()
+            return
         small = self.small
         if self.root_depth == 0 and small is not None and not small.buffer.holds(small):
             # A unit run on its own, outside any forward of the wrapped module: the norms and
@@ -338,13 +346,17 @@ class Runtime(BackwardSteps):
             small.buffer.gather(small)
             small.buffer.wait()
         unit.buffer.acquire(unit)
+        self._trace_and_prefetch(unit)
+        unit.buffer.wait()
+        unit.forward_versions = unit.shard_versions()
+
+    def _trace_and_prefetch(self, unit: Unit) -> None:
+        """``unit`` joins this forward's trace; the unit after it in the last forward's order is prefetched."""
         self.trace.append(unit)
         pos = len(self.trace)
         if self.order and pos < len(self.order) and self.order[pos - 1] is unit:
             nxt = self.order[pos]
             nxt.buffer.prefetch(nxt)
-        unit.buffer.wait()
-        unit.forward_versions = unit.shard_versions()
 
     def unit_recompute(self, unit: Unit) -> None:
         """An activation-checkpoint recompute inside backward: the weights must be there. A unit no

@@ -129,6 +129,34 @@ def current_task() -> int:
     return torch._C._current_graph_task_id()
 
 
+def _captured(ctx) -> bool:
+    """The running call is ``torch.autograd.grad`` with the gate's input (a flat shard) among its
+    ``inputs``: the engine asks autograd about the shard's accumulation node, which autograd
+    refuses for exactly that case."""
+    acc = ctx.next_functions[0][0]
+    if acc is None:
+        return False
+    try:
+        torch._C._will_engine_execute_node(acc)
+    except RuntimeError as e:
+        if "autograd.grad" in str(e):
+            return True
+        raise
+    return False
+
+
+def refuse_captured(ctx, unit: "Unit") -> None:
+    """Refuse ``torch.autograd.grad`` with respect to the unit's shard (the first tensor input of the
+    node ``ctx`` belongs to: a gate, a sharded lookup): see :func:`_captured`."""
+    if _captured(ctx):
+        raise RuntimeError(
+            f"yafsdp: torch.autograd.grad(..., inputs=...) with the flat shard of unit {unit.name!r} among the "
+            "inputs is not supported: the model's parameters are this rank's shards, whose gradients the engine "
+            "reduce-scatters into .grad. Call loss.backward() (or loss.backward(inputs=[...shards])) and read "
+            ".grad; torch.autograd.grad with respect to input or activation tensors is supported"
+        )
+
+
 class Phase(enum.Enum):
     """Where the engine is in a step (one value for the whole engine)."""
 
@@ -171,6 +199,12 @@ class Unit:
         # param index -> the gated weight of this unit's latest grad-enabled use (a view of its buffer whose
         # grad_fn is that use's gate): a reentrant recompute's weight reads go through the gate
         self.last_gated: dict[int, torch.Tensor] = {}
+        # (pre-hooks, hooks) on its embedding module once the engine's are on, when its forward is the
+        # sharded lookup, else None; whether the pre-hook armed the lookup for the running call. See
+        # [Note: the sharded lookup of an embedding] in lookup.py
+        self.lookup_hooks: tuple[int, int] | None = None
+        self.lookup_armed = False
+        self.lookup_room = 0  # token ids per rank the lookup's first exchange has room for (agreed by every rank)
 
     @property
     def trainable(self) -> FlatGroup | None:

@@ -69,6 +69,7 @@ def memory_plan(
     reduce_accum_dtype=None,
     chunk_outsized_grads: bool = True,
     grad_chunks: int = 1,
+    sharded_lookup: bool = True,
     backend: str | None = None,
     config=None,
 ) -> MemoryPlan:
@@ -77,7 +78,8 @@ def memory_plan(
     given here. ``async_save=True`` adds the host memory of an asynchronous save's staging copy
     (``yafsdp.checkpoint.AsyncSaver``, the jobs' ``--async-save``). ``batch`` and ``seq`` add the activation estimate (HF causal LMs, or any model
     with ``inputs_fn(batch, seq, device) -> kwargs``). ``optimizer``: a name in
-    ``OPTIMIZER_BYTES`` or bytes of state per shard element. The engine options are checked by
+    ``OPTIMIZER_BYTES`` or bytes of state per shard element. ``sharded_lookup`` is checked and changes
+    no byte (the lookup's exchanges are the size of an activation). The engine options are checked by
     ``yafsdp.core.config.build_config``, as ``YaFSDP(...)`` checks them (``config=``: an ``EngineConfig``
     instead of the options). ``backend`` (a plain module): the process group's backend the engine
     would run on, which decides whether grad buffers need a reduce staging ([Note: reduce-scatter in
@@ -108,7 +110,8 @@ def memory_plan(
                            zero_stage=zero_stage, align_bytes=align_bytes, outsized_ratio=outsized_ratio,
                            quantize_frozen=quantize_frozen, offload=offload, gather_dtype=gather_dtype,
                            gather_exclude=gather_exclude, reduce_accum_dtype=as_dtype(reduce_accum_dtype),
-                           chunk_outsized_grads=chunk_outsized_grads, grad_chunks=grad_chunks)
+                           chunk_outsized_grads=chunk_outsized_grads, grad_chunks=grad_chunks,
+                           sharded_lookup=sharded_lookup)
         param_dtype, reduce_dtype, compute_dtype = cfg.param_dtype, cfg.reduce_dtype, cfg.compute_dtype
         quantize_frozen, offload, gather_dtype = cfg.quantize_frozen, cfg.offload_what, cfg.gather_dtype
         zero_stage, align_bytes, outsized_ratio = cfg.zero_stage, cfg.align_bytes, cfg.outsized_ratio
