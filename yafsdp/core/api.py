@@ -328,7 +328,9 @@ class YaFSDP(WrapperMethods, nn.Module):
         """Compile each unit's modules on their own, the torchtitan way: ``torch.compile`` of every
         member module's ``forward`` (the decoder layers, the embedding, the head), while the engine's
         gathers, gates and hooks stay outside the compiled regions (they run in the module's
-        ``__call__``). ``compile_options`` go to ``torch.compile`` (e.g. ``mode=``, ``dynamic=``).
+        ``__call__``). An embedding looked up from its shards (``sharded_lookup``) stays uncompiled: its
+        forward is the lookup's exchanges (collectives dynamo does not trace) around a row copy.
+        ``compile_options`` go to ``torch.compile`` (e.g. ``mode=``, ``dynamic=``).
         Call it once, after wrapping and before the first step; returns the model."""
         if getattr(self, "_compiled_units", False):
             raise RuntimeError("yafsdp.YaFSDP.compile_units() was already called on this model")
@@ -343,6 +345,8 @@ class YaFSDP(WrapperMethods, nn.Module):
             )
         seen: set[int] = set()
         for u in self._rt.units:
+            if u.lookup_hooks is not None:  # See [Note: the sharded lookup of an embedding] in lookup.py
+                continue
             for m in u.members:
                 mod = m.module
                 if id(mod) in seen:
