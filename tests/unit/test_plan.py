@@ -471,13 +471,13 @@ def test_llama2_70b_qlora_offload_plan_on_2_gpus():
 
 def _qlora_8b_fake(rank, world):
     """Fake process group, one process: a QLoRA Llama-3-8B (its shapes: hidden 4096, intermediate
-    14336, vocab 128256; 2 of its 32 layers, to keep the CPU step short) with offload, planned and
+    14336, vocab 128256; 2 of its 32 layers and 16 tokens, to keep the CPU step short) with offload, planned and
     measured (exact torch CPU allocations: host and device are both the CPU here)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.destroy_process_group()
-    w, b, s = 8, 1, 64
+    w, b, s = 8, 1, 16
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=w)
 
     def build():
