@@ -196,9 +196,9 @@ class BackwardSteps:
     # On gloo at world 2 (the CPU schedule, no replicas), a chunked unit's first reduce of a step in fp32
     # that is one parameter without padding (an untied embedding or head) skips the chunks: its
     # autograd gradient, viewed as 2 x shard, is already the reduce-scatter's input, and the fresh fp32
-    # grad shard can be its output. One reduce-scatter (``collectives.reduce_scatter``, at gloo world 2 one
-# exchange) -- the peer's row sent straight from the gradient, the
-    # peer's contribution received into the grad shard, the own row added, then the fold scales it in
+    # grad shard can be its output. One reduce-scatter (``collectives.reduce_scatter``, at gloo world 2
+    # one exchange) -- the peer's row sent straight from the gradient, the peer's contribution received
+    # into the grad shard, the own row added, then the fold scales it in
     # place -- replaces ``ceil(shard / w)`` chunk copies and exchanges that each wait for the one two
     # back with no compute to hide behind (on 2 cores the chunks' sends were ~10 ms of a 450 ms step at the
     # CPU preset). The arithmetic is the chunks' (received + own, then x 1/world, in fp32), so the values
@@ -223,12 +223,9 @@ class BackwardSteps:
         self._note_used(unit, [0], [every_grad])
         touched, total = lookup_rows(every, every_grad, lo, rows, padding_idx)
         target, fresh = self._grad_target(unit)
-        if not self.replica_begun:  # as in _fold
-            self.replica_begun = True
-            self.replica_sync.begin_backward()
         scale = 1.0 / (self.world_size * self.replicas)
-        self.replica_sync.fold(unit, target, fresh,
-                               lambda: fold_rows(target.view(rows, -1), touched, total, scale, fresh))
+        self._replicas_begun().fold(unit, target, fresh,
+                                    lambda: fold_rows(target.view(rows, -1), touched, total, scale, fresh))
 
     def _grad_target(self, unit: Unit) -> tuple[torch.Tensor, bool]:
         """The unit's fp32 grad shard, and whether this backward's reduce is its first contribution."""
@@ -257,18 +254,22 @@ class BackwardSteps:
                 else:
                     kernels.accumulate_(part, reduced, scale)
 
-        sync = self.replica_sync
-        if not self.replica_begun:
-            # a backward call counts for the cross-replica prediction when it reduces (a call
-            # that runs no gate, e.g. torch.autograd.grad of an input, does not)
-            self.replica_begun = True
-            sync.begin_backward()
+        sync = self._replicas_begun()
 
         def fold(reduced: torch.Tensor) -> None:  # HSDP: see [Note: the cross-replica all-reduce] in hsdp.py
             with torch.no_grad():
                 sync.fold(unit, target, fresh, lambda: fold_local(reduced), first=first, last=last)
 
         return fold  # the placement's reduce runs it (offload: via the host landing, placement.py)
+
+    def _replicas_begun(self):
+        """The replica sync, told once per backward that this backward reduces: a backward call counts for
+        the cross-replica prediction when it reduces (a call that runs no gate, e.g. torch.autograd.grad of
+        an input, does not)."""
+        if not self.replica_begun:
+            self.replica_begun = True
+            self.replica_sync.begin_backward()
+        return self.replica_sync
 
     def finish_host_folds(self) -> None:
         """offload: every reduced grad shard that went to the host is folded there (host sync)."""
