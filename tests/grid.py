@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 import yafsdp
-from models import batch, loss_of, tiny_llama
+from models import VOCAB, batch, loss_of, tiny_llama
 
 STEPS = 3
 RESUME_AT = 2  # resume rows: save after this many optimizer steps, reload with other settings, go on
@@ -66,6 +66,7 @@ HOOK_SCALE = 0.5  # the "param" hook (_hook): even rows of its parameter's gradi
 HOOKED = "layers.1.self_attn.o_proj"  # its parameter: the first trainable one under this module
 SCALE = 2.0 ** 19  # fp16 rows' initial loss scale: tiny Llama's largest gradients (~0.3) overflow there
 SPLIT = 0.25  # backward="two": the first loss's share
+LARGE_VOCAB = 1000  # vocab="large": the embedding and the head are outsized units (4x a decoder layer)
 
 
 # ----------------------------------------------------------------------------- the generator
@@ -151,6 +152,7 @@ class Recipe:
     between: bool = False  # a no-grad forward of another batch between each forward and its backward
     backward: str = "one"  # "two": two losses, two backward calls; "grad": autograd.grad first, see BACKWARD
     grad_hook: bool = False  # a register_hook on one original trainable parameter: see _hook
+    vocab: int = VOCAB  # the embedding's and the head's rows; the batches' ids are drawn from all of them
 
 
 def engine(**kw):
@@ -250,13 +252,16 @@ def frozen_in_dtype(model, dtype):
 
 
 def nf4_round_trip(model, dtype):
-    """Frozen nn.Linear weights of whole 64-blocks: NF4 quantize-dequantize of their param_dtype values."""
+    """Frozen nn.Linear weights of whole 64-blocks: NF4 quantize-dequantize of their param_dtype values
+    (not a head tied to an embedding: a weight some other module also holds stays in param_dtype)."""
     from yafsdp.formats import nf4_codec as nf4
 
+    elsewhere = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
     with torch.no_grad():
         for mod in model.modules():
             w = getattr(mod, "weight", None)
-            if isinstance(mod, nn.Linear) and not w.requires_grad and w.numel() % nf4.BLOCK == 0:
+            if (isinstance(mod, nn.Linear) and not w.requires_grad and w.numel() % nf4.BLOCK == 0
+                    and id(w) not in elsewhere):
                 packed, scales = nf4.quantize(w.detach().reshape(-1).to(dtype))
                 values = nf4.dequantize_record(torch.cat([packed, scales.view(torch.uint8)]), w.numel(), dtype)
                 w.copy_(values.view_as(w))
@@ -323,6 +328,7 @@ DIMS: dict[str, dict[Any, Callable]] = {
     "backward": {"one": nothing, "two": sets(backward="two"), "grad": sets(backward="grad")},
     "after_wrap": {"none": nothing, "reinit": after(reinit)},
     "hook": {"none": nothing, "param": sets(grad_hook=True)},
+    "vocab": {"small": nothing, "large": sets(vocab=LARGE_VOCAB)},
 }
 # fp16 rows: torch.amp.GradScaler("cpu", init_scale=SCALE, backoff_factor=0.25, growth_interval=1) on both sides (unscale_
 # before clipping, step, update); the scale after every update is compared exactly (the same steps skipped).
@@ -383,11 +389,24 @@ def refusal_rows() -> list[dict]:
     return rows
 
 
+LOOKUP = dict(vocab="large", world=2, mesh="flat", zero=3, offload="none", gather="none", param_dtype="fp32",
+              trainable="full", tie="untied")
+
+
+def looks_up(row: dict) -> bool:
+    """Whether the row's first engine looks its embedding up from the shards (every condition of LOOKUP)."""
+    return all(row[k] == v for k, v in LOOKUP.items())
+
+
 # Combinations of more than two values every grid must hold (each completed into a row): the
 # reproductions of bugs found where three features meet, so they stay covered when the table changes.
 SEEDS = [
     dict(trainable="qlora", mesh="hsdp", resume="weights"),  # issue 21.1
     dict(trainable="qlora", mesh="hsdp", offload="all"),  # issue 23.4: QLoRA, host base shards, on a mesh
+    # the sharded lookup of an embedding (yafsdp/core/lookup.py) takes only rows that hold all of these (an
+    # outsized, trainable, untied embedding; gloo world 2, flat, ZeRO-3, fp32, gathered as is, kept on the
+    # device); three rows of it, completed with different values of the other dimensions by the generator
+    *[LOOKUP] * 3,
 ]
 
 
@@ -414,7 +433,7 @@ def row_name(row: dict) -> str:
 
 
 def build(r: Recipe, seed: int = 0):
-    model = tiny_llama(layers=2, seed=seed, tie=r.tie)
+    model = tiny_llama(layers=2, seed=seed, tie=r.tie, vocab=r.vocab)
     for fn in r.edits:
         model = fn(model, seed)
     model.train()
@@ -576,6 +595,7 @@ def train_sharded(rank: int, world: int, row: dict, ctx: Ctx, index: int) -> dic
     out["info"]["fp8_units"] = sorted(u.name for u in model.flat_units
                                       if any(g.kind.gather_format in ("fp8", "int8") for g in u.groups))
     out["info"]["nf4"] = sum(1 for i in model.shard_info() if i.kind == "nf4")
+    out["info"]["lookups"] = sorted(u.name for u in model.units if u.lookup_hooks is not None)
     group, ranks = None, world
     for s in range(STEPS):
         if r.resume != "none" and s == RESUME_AT:
@@ -589,8 +609,8 @@ def train_sharded(rank: int, world: int, row: dict, ctx: Ctx, index: int) -> dic
             ranks = dist.get_world_size(group) if group is not None else world
         total = 0.0
         for micro in range(r.accum):
-            loss, aux, untouched = forward_backward(r, model, batch("llama", s, micro, rank),
-                                                    batch("llama", s + STEPS, micro, rank), scaler)
+            loss, aux, untouched = forward_backward(r, model, batch("llama", s, micro, rank, vocab=r.vocab),
+                                                    batch("llama", s + STEPS, micro, rank, vocab=r.vocab), scaler)
             total += loss / r.accum
             if aux is not None:
                 out["aux"].append(aux)
@@ -670,8 +690,8 @@ def train_reference(row: dict, compute: torch.dtype | None = None, worlds: list[
             fn(model, low, dt)
         total = 0.0
         for micro in range(r.accum):
-            parts = [batch("llama", s, micro, k) for k in range(world)]
-            others = [batch("llama", s + STEPS, micro, k) for k in range(world)]
+            parts = [batch("llama", s, micro, k, vocab=r.vocab) for k in range(world)]
+            others = [batch("llama", s + STEPS, micro, k, vocab=r.vocab) for k in range(world)]
             if per_rank:
                 summed: list[dict] = []  # per backward call: each use's gradient summed over the ranks
 

@@ -59,11 +59,11 @@ class Stack(nn.Module):
         return ((out - target) ** 2).mean() if target is not None else out
 
 
-def batch(kind: str, step: int, micro: int, rank: int, n: int = 2, seq: int = 9):
-    """Deterministic per-(step, micro, rank) inputs."""
+def batch(kind: str, step: int, micro: int, rank: int, n: int = 2, seq: int = 9, vocab: int = VOCAB):
+    """Deterministic per-(step, micro, rank) inputs (llama: ids drawn from the whole ``vocab``)."""
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
     if kind == "llama":
-        ids = torch.randint(0, VOCAB, (n, seq), generator=g)
+        ids = torch.randint(0, vocab, (n, seq), generator=g)
         return {"input_ids": ids, "labels": ids}
     return {"x": torch.randn(n, 7, generator=g), "target": torch.randn(n, 5, generator=g)}
 

@@ -273,6 +273,19 @@ def test_weight_free_backward_units():
     hooked = nn.Embedding(10, 8)
     hooked.register_forward_hook(lambda m, a, out: out * m.weight.sum())
     assert flags(Model(hooked))["emb"] is False
+    # A hook that only switches its output's requires_grad on reads no weight: Hugging Face's, which
+    # gradient_checkpointing_enable puts on the input embedding since transformers 5 (the embedding was
+    # re-gathered for backward, and never looked up, in every checkpointed HF model before that was seen).
+    ckpt = tiny_llama()
+    ckpt.gradient_checkpointing_enable()
+    assert flags(ckpt)["model.embed_tokens"] is True
+    switched = nn.Embedding(10, 8)
+    switched.register_forward_hook(lambda m, a, out: out.requires_grad_(True))
+    assert flags(Model(switched))["emb"] is True
+    for hook in (lambda m, a, out: m.requires_grad_(True), lambda m, a, out: a[0].requires_grad_() or out):
+        other = nn.Embedding(10, 8)  # anything else that hook touches rules it out, as before
+        other.register_forward_hook(hook)
+        assert flags(Model(other))["emb"] is False
 
 
 def _weight_free_run(rank, world, weight_free: bool):

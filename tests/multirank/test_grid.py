@@ -142,6 +142,7 @@ def test_row_trains_like_the_reference(index, row, root):
     want_fp8 = grid.fp8_layers(ref_model) if row["gather"] in ("fp8", "int8") else []
     assert len(res["info"]["fp8_units"]) == len(want_fp8), (name, res["info"]["fp8_units"], want_fp8)
     assert (res["info"]["nf4"] > 0) == (row["trainable"] == "qlora"), (name, res["info"])
+    assert len(res["info"]["lookups"]) == grid.looks_up(row), (name, res["info"]["lookups"])  # one embedding or none
     for k in ("replicas_agree", "replicas_agree_before_resume"):
         assert res["info"].get(k, True), f"row {name}: the replicas' master shards differ ({k})"
     assert rel_l2(sd, init, trainable) > 1e-3, f"row {name}: the trainable weights did not move"

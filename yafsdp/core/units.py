@@ -13,6 +13,8 @@ Rules (see docs/api.md, "Arguments": units):
 """
 from __future__ import annotations
 
+import dis
+import inspect
 import weakref
 
 from dataclasses import dataclass, field
@@ -254,8 +256,28 @@ def _reads_base_layer(module: nn.Module) -> bool:
 def _plain_embedding(module: nn.Module) -> bool:
     return (
         isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
-        and not module.sparse and not module._forward_hooks and not module._forward_pre_hooks
+        and not module.sparse and all(_grad_switch(h) for h in module._forward_hooks.values())
+        and not module._forward_pre_hooks
     )
+
+
+def _grad_switch(hook) -> bool:
+    """A forward hook that does nothing but ``output.requires_grad_(...)``: what Hugging Face's
+    ``enable_input_require_grads`` puts on the input embedding (and ``gradient_checkpointing_enable``
+    calls it since transformers 5), and PEFT's ``prepare_model_for_kbit_training`` likewise. It
+    reads no weight, so the embedding's backward stays weight-free. Judged by its code: a plain
+    function whose only loads are of its third argument and whose only name is ``requires_grad_``."""
+    code = getattr(hook, "__code__", None)
+    if code is None or not inspect.isfunction(hook) or code.co_argcount != 3 or code.co_freevars:
+        return False
+    if code.co_names != ("requires_grad_",):
+        return False
+    out = code.co_varnames[2]
+    loads = set()
+    for ins in dis.get_instructions(code):
+        if ins.opname.startswith(("LOAD_FAST", "STORE_FAST", "DELETE_FAST", "LOAD_DEREF", "LOAD_CLOSURE")):
+            loads.update(ins.argval if isinstance(ins.argval, tuple) else (ins.argval,))
+    return loads <= {out}
 
 
 def weight_free_backward(spec: UnitSpec) -> bool:
@@ -264,7 +286,9 @@ def weight_free_backward(spec: UnitSpec) -> bool:
     That holds when every module using the unit's parameters is a plain dense ``nn.Embedding``:
     its weight gradient is built from the indices and the output gradient alone, and its integer
     input has no gradient. A tied head (a member that is a ``Linear``), a subclass with its own
-    ``forward``, sparse gradients or user forward hooks (which could read the weight) rule it out."""
+    ``forward``, sparse gradients or user forward hooks (which could read the weight) rule it out; a
+    hook that only switches its output's ``requires_grad`` on (:func:`_grad_switch`, Hugging Face's with
+    gradient checkpointing) does not."""
     mods = [m.module for m in spec.members] + [owner for p in spec.params for owner, _ in p.owners]
     return bool(mods) and all(_plain_embedding(m) for m in mods)
 
