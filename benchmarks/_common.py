@@ -119,9 +119,18 @@ def resolve_run(a) -> bool:
 
 # ---------------------------------------------------------------------------- model and data
 def make_model(preset: str, device: torch.device, seed: int = 0, layers: int | None = None, meta_init: bool = False,
-               vocab: int | None = None):
+               vocab: int | None = None, hf_checkpointing: bool = False):
     """The benchmark model: HF LlamaForCausalLM from ``preset``, same weights on every rank and for
-    every engine (HF init under a fixed seed, on ``device``); ``layers``/``vocab`` override the preset's."""
+    every engine (HF init under a fixed seed, on ``device``); ``layers``/``vocab`` override the preset's.
+    ``hf_checkpointing``: HF's own activation checkpointing of every decoder layer (non-reentrant), as a
+    user turns it on before wrapping."""
+    model = _make_model(preset, device, seed, layers, meta_init, vocab)
+    if hf_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _make_model(preset, device, seed, layers, meta_init, vocab):
     over = {"num_hidden_layers": layers} if layers else {}
     if vocab:
         over["vocab_size"] = vocab
@@ -186,11 +195,12 @@ def _adamw(params, lr: float, device: torch.device):
 
 
 def build_engine(name: str, preset: str, device: torch.device, mixed: bool, *, lr: float = 3e-4, seed: int = 0,
-                 layers: int | None = None, meta_init: bool = False, vocab: int | None = None) -> Engine:
+                 layers: int | None = None, meta_init: bool = False, vocab: int | None = None,
+                 hf_checkpointing: bool = False) -> Engine:
     """``name`` in ENGINES, wrapped around a fresh model from ``preset``. ``mixed``: bf16 compute
-    and fp32 reduce (GPU); otherwise fp32 throughout."""
+    and fp32 reduce (GPU); otherwise fp32 throughout. ``hf_checkpointing``: see :func:`make_model`."""
     bf16 = torch.bfloat16 if mixed else None
-    model = make_model(preset, device, seed, layers, meta_init=meta_init, vocab=vocab)
+    model = make_model(preset, device, seed, layers, meta_init=meta_init, vocab=vocab, hf_checkpointing=hf_checkpointing)
     if name.startswith("yafsdp"):
         zero = 2 if name.startswith("yafsdp-z2") else 3
         wrapped = yafsdp.YaFSDP(model, param_dtype=bf16, zero_stage=zero, device=device,

@@ -53,6 +53,8 @@ def parse(argv=None):
     ap.add_argument("--preset", default=None, help="yafsdp.presets name (default: cpu-6x256 on CPU, llama3-1b on GPU)")
     ap.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
     ap.add_argument("--vocab", type=int, default=None, help="override the preset's vocabulary size")
+    ap.add_argument("--hf-checkpointing", action="store_true",
+                    help="every engine's model with HF's gradient_checkpointing_enable() (non-reentrant) before wrapping")
     ap.add_argument("--batch", type=int, default=None, help="micro-batch per rank (default 2)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default 128 CPU, 2048 GPU)")
     ap.add_argument("--bf16", action="store_true",
@@ -109,7 +111,7 @@ class Runner:
 
     def build(self, name: str):
         return build_engine(name, self.a.preset, self.dev, self.mixed, layers=self.a.layers, meta_init=self.meta_init,
-                            vocab=self.a.vocab)
+                            vocab=self.a.vocab, hf_checkpointing=self.a.hf_checkpointing)
 
     def batch(self, step: int) -> dict:
         return make_batch(step, self.rank, self.a.batch, self.a.seq, self.vocab, self.dev)
@@ -273,7 +275,8 @@ def report_real(a, dev, world, times, losses, mems, plans, gathered=None, reduce
                               met=mine <= theirs))
     mem_how = mems[0][a.engines[0]]["how"] if mems[0] else "not measured"
     setup = (f"preset {a.preset}{f' ({a.layers} layers)' if a.layers else ''}"
-             f"{f' (vocab {a.vocab})' if a.vocab else ''}, world {world}, batch {a.batch} x "
+             f"{f' (vocab {a.vocab})' if a.vocab else ''}{', HF gradient checkpointing' if a.hf_checkpointing else ''}"
+             f", world {world}, batch {a.batch} x "
              f"seq {a.seq} per rank ({tokens:,} tokens/step), {'bf16 compute + fp32 reduce' if dev.type == 'cuda' or a.bf16 else 'fp32'}, "
              f"{a.warmup} warm-up + {a.steps} measured steps, interleave={a.interleave}"
              f"{f' x {a.rounds} rounds' if a.interleave == 'round' else ''}")
