@@ -87,9 +87,22 @@ PLAN = {1: ["embed_z3", "qk_norm_z3_accum"], 2: list(CASES), 3: ["qk_norm_z3_acc
         4: ["embed_z3", "qk_z2", "head_z3"]}
 
 
+def _world2(rank, world, root):
+    """The world-2 runs of this file in one spawn."""
+    return dict(sharded=_sharded(rank, world, PLAN[2]), memory=_memory_and_refusals(rank, world),
+                ckpt=_checkpoint_roundtrip(rank, world, root))
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return run_ranks(_world2, 2, str(tmp_path_factory.mktemp("frozen2")))
+
+
 @pytest.fixture(scope="module", params=sorted(PLAN))
 def world_results(request):
     world = request.param
+    if world == 2:
+        return world, request.getfixturevalue("world2")[0]["sharded"]
     return world, run_ranks(_sharded, world, PLAN[world])[0]
 
 
@@ -148,8 +161,8 @@ def _memory_and_refusals(rank, world):
     return out
 
 
-def test_frozen_memory_plan_and_refusals():
-    for r in run_ranks(_memory_and_refusals, 2):
+def test_frozen_memory_plan_and_refusals(world2):
+    for r in (per_rank["memory"] for per_rank in world2):
         for dtype, itemsize in (("None", 4), ("torch.bfloat16", 2)):
             m = r[dtype]
             assert m["plan"] == m["alloc"], (dtype, m["plan"], m["alloc"])
@@ -188,7 +201,7 @@ def _checkpoint_roundtrip(rank, world, root):
                 keys=sorted(ckpt.read_manifest(path)["files"]) and [u["name"] for u in ckpt.read_manifest(path)["units"]])
 
 
-def test_frozen_groups_in_checkpoints(tmp_path):
-    for r in run_ranks(_checkpoint_roundtrip, 2, str(tmp_path)):
+def test_frozen_groups_in_checkpoints(world2):
+    for r in (per_rank["ckpt"] for per_rank in world2):
         assert r["same"] and r["logits"], r
         assert "lm_head.frozen" in r["keys"] and "model.layers.0" in r["keys"] and "model.layers.0.frozen" in r["keys"]

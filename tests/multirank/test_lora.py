@@ -2,6 +2,8 @@
 adapters train exactly like the unsharded PEFT model, and the adapter saved by
 ``YaFSDP.save_adapter`` loads with ``peft.PeftModel.from_pretrained`` and gives the same logits."""
 
+import os
+
 import pytest
 import torch
 
@@ -66,10 +68,26 @@ def _sharded(rank, world, out_dir):
                 trainable=sum(i.numel for i in wrapped.shard_info() if i.kind == "trainable"))
 
 
+def _world2(rank, world, root):
+    """The world-2 runs of this file in one spawn."""
+    return dict(sharded=_sharded(rank, world, os.path.join(root, "adapter")),
+                not_peft=_not_peft(rank, world, os.path.join(root, "x")), mixed=_mixed_sharded(rank, world))
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("lora2"))
+    return root, run_ranks(_world2, 2, root)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_lora_parity_and_adapter_round_trip(world, tmp_path):
-    out = str(tmp_path / "adapter")
-    r = run_ranks(_sharded, world, out)[0]
+def test_lora_parity_and_adapter_round_trip(world, tmp_path, request):
+    if world == 2:  # its spawn is shared with the other world-2 tests of this file
+        root, per_rank = request.getfixturevalue("world2")
+        r, out = per_rank[0]["sharded"], os.path.join(root, "adapter")
+    else:
+        out = str(tmp_path / "adapter")
+        r = run_ranks(_sharded, world, out)[0]
     ref = _lora_model()
     ref_losses, ref_norms = _train(ref, 0, world, False)
     assert rel_seq(r["losses"], ref_losses) < 1e-5, (r["losses"], ref_losses)
@@ -105,8 +123,8 @@ def _not_peft(rank, world, out_dir):
     return None
 
 
-def test_save_adapter_refuses_a_model_without_adapters(tmp_path):
-    for msg in run_ranks(_not_peft, 2, str(tmp_path / "x")):
+def test_save_adapter_refuses_a_model_without_adapters(world2):
+    for msg in (per_rank["not_peft"] for per_rank in world2[1]):
         assert msg and "has no PEFT adapter 'default'" in msg and "peft.get_peft_model" in msg
 
 
@@ -172,12 +190,12 @@ def _mixed_reference(world):
     return losses, {n: m.detach() for n, m in masters.items()}
 
 
-def test_fp32_adapters_over_a_bf16_base():
+def test_fp32_adapters_over_a_bf16_base(request):
     """PEFT's fp32 adapters on a bf16 base wrap as one model (no per-dtype wrapping): the adapters get fp32
     masters and bf16 compute copies (``param_dtype``), the base stays a bf16 frozen group, and the training
     is the unsharded model's with the same rounding: the same losses on every rank and the same adapters."""
     world = 2
-    per_rank = run_ranks(_mixed_sharded, world)
+    per_rank = [r["mixed"] for r in request.getfixturevalue("world2")[1]]
     ref_losses, ref_masters = _mixed_reference(world)
     assert per_rank[0]["dtypes"] == [(False, "torch.bfloat16"), (True, "torch.float32")]
     for rank, r in enumerate(per_rank):

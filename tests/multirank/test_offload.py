@@ -81,8 +81,10 @@ def _parity(rank, world):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_offload_is_bit_identical(world):
-    for rank, res in enumerate(run_ranks(_parity, world)):
+def test_offload_is_bit_identical(world, request):
+    per_rank = ([r["parity"] for r in request.getfixturevalue("world2")] if world == 2  # its spawn is shared
+                else run_ranks(_parity, world))
+    for rank, res in enumerate(per_rank):
         for name, r in res.items():
             a, sd_a, st_a, g_a = r[None]
             for off in [k for k in r if k is not None]:
@@ -177,8 +179,19 @@ def _placement_and_collectives(rank, world, out_dir):
     return out
 
 
-def test_collectives_see_only_device_tensors_and_placement(tmp_path):
-    for r in run_ranks(_placement_and_collectives, 2, str(tmp_path)):
+def _world2(rank, world, out_dir):
+    """The world-2 runs of this file in one spawn (each restores what it patched)."""
+    return dict(parity=_parity(rank, world), placement=_placement_and_collectives(rank, world, out_dir),
+                hsdp=_hsdp_offload(rank, world), fp8=_fp8(rank, world))
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return run_ranks(_world2, 2, str(tmp_path_factory.mktemp("offload2")))
+
+
+def test_collectives_see_only_device_tensors_and_placement(world2):
+    for r in (per_rank["placement"] for per_rank in world2):
         for dt, o in r.items():
             assert o["calls"] > 0 and o["bad"] == [], (dt, o["bad"])
             assert o["fault_seen"], dt
@@ -251,10 +264,10 @@ def _hsdp_offload(rank, world):
     return out
 
 
-def test_offload_with_hsdp_is_bit_identical():
+def test_offload_with_hsdp_is_bit_identical(world2):
     """offload x HSDP (refused before): the same losses, norms, weights and optimizer state as HSDP
     without offload, bit for bit; no collective saw a host tensor; the plan equals the allocations."""
-    for rank, res in enumerate(run_ranks(_hsdp_offload, 2)):
+    for rank, res in enumerate(per_rank["hsdp"] for per_rank in world2):
         for name, r in res.items():
             a = r[None]
             for off in [k for k in r if k is not None]:
@@ -286,10 +299,10 @@ def _fp8(rank, world):
     return out
 
 
-def test_offload_with_fp8_gathers_is_bit_identical():
+def test_offload_with_fp8_gathers_is_bit_identical(world2):
     """The FP8 records' host side (fp8_host) is what the optimizer and the quantize pass write, then
     uploaded: the same losses, norms, weights and optimizer state as fp8 gathers without offload."""
-    for rank, res in enumerate(run_ranks(_fp8, 2)):
+    for rank, res in enumerate(per_rank["fp8"] for per_rank in world2):
         for name, r in res.items():
             a, b = r[None], r["optimizer"]
             assert a["trace"] == b["trace"], (name, a["trace"], b["trace"])

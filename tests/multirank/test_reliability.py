@@ -56,9 +56,22 @@ def _aborted_backward(rank, world, zero_stage):
                 warned=any("backward raised before it finished" in str(w.message) for w in caught))
 
 
+def _world2(rank, world):
+    """The world-2 runs of this file that leave the process group as they found it, in one spawn."""
+    return dict(aborted2=_aborted_backward(rank, world, 2), aborted3=_aborted_backward(rank, world, 3),
+                paths=_paths_and_misuse(rank, world), unused=_unused(rank, world), moe=_moe_run(rank, world))
+
+
+@pytest.fixture(scope="module")
+def world2():
+    import dist_utils
+
+    return dist_utils.run_ranks(_world2, 2)
+
+
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_aborted_backward_then_training_is_as_if_the_batch_was_skipped(zero_stage, run_ranks):
-    for r in run_ranks(_aborted_backward, 2, zero_stage):
+def test_aborted_backward_then_training_is_as_if_the_batch_was_skipped(zero_stage, world2):
+    for r in (per_rank[f"aborted{zero_stage}"] for per_rank in world2):
         assert r["la"] == r["lb"] and r["same"], r
         assert r["warned"]
 
@@ -139,8 +152,8 @@ def _paths_and_misuse(rank, world):
     return out
 
 
-def test_forward_paths_generate_and_refusals(run_ranks):
-    for r in run_ranks(_paths_and_misuse, 2):
+def test_forward_paths_generate_and_refusals(world2):
+    for r in (per_rank["paths"] for per_rank in world2):
         for path in ("wrapper", "module", "kept_ref", "layer"):
             assert r[path] < 1e-5, (path, r[path])
         assert r["generate"][0] == r["generate"][1]
@@ -268,13 +281,13 @@ def _unused(rank, world):
     return before, after, grads, dict_diff, refused
 
 
-def test_parameters_no_rank_uses_and_container_blocks():
+def test_parameters_no_rank_uses_and_container_blocks(world2):
     """README "Gradients are DDP's": a parameter of a unit that ran but that no rank used is left
     untouched by the step (DDP: its .grad stays None), though AdamW's weight decay would move a zero
     gradient; a unit no rank ran keeps .grad None and is untouched. Blocks that are ModuleDicts
     (whose forward never runs) are not units: their children are, and train exactly like the
     unwrapped model."""
-    before, after, grads, dict_diff, refused = run_ranks(_unused, 2)[0]
+    before, after, grads, dict_diff, refused = world2[0]["unused"]
     assert grads["spare"] is None
     assert torch.equal(after["spare.weight"], before["spare.weight"])
     for i in range(2):
@@ -376,12 +389,12 @@ def _moe_run(rank, world):
     return out
 
 
-def test_unused_parameters_untouched_like_ddp():
+def test_unused_parameters_untouched_like_ddp(world2):
     """[Note: parameters no rank used]: experts no rank reached are left untouched by the step —
     values and per-element optimizer state — with torch AdamW (ZeRO-3), torch fused AdamW (ZeRO-2),
     SGD with momentum and yafsdp.FusedAdamW; experts some ranks used train with DDP's average. The
     whole run equals the unsharded model stepped with DDP's gradients (None where no rank used)."""
-    res = run_ranks(_moe_run, 2)[0]
+    res = world2[0]["moe"]
     init = _MoE().state_dict()
     for kind in ("adamw", "torch_fused", "sgd", "fused_adamw"):
         ref = _moe_ddp_reference(kind, 2)
