@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -235,9 +236,12 @@ def test_the_job_ends_its_gloo_threads_before_exit(tmp_path):
 
     script = tmp_path / "job_then_count.py"
     script.write_text(_THREADS_AFTER_MAIN.format(root=ROOT))
-    for extra, code in ((["--steps", "2"], 0), (["--lr", "1e6", "--steps", "30", "--max-skipped-steps", "2"], 3)):
-        cmd = torchrun_cmd(2)[:-1] + [str(script)] + FAST + extra + ["--out", str(tmp_path / f"run{code}")]
-        p = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=240)
+    cases = ((["--steps", "2"], 0), (["--lr", "1e6", "--steps", "30", "--max-skipped-steps", "2"], 3))
+    cmds = [torchrun_cmd(2)[:-1] + [str(script)] + FAST + extra + ["--out", str(tmp_path / f"run{code}")]
+            for extra, code in cases]
+    with ThreadPoolExecutor(2) as pool:  # two jobs, two --out: side by side
+        runs = list(pool.map(lambda c: subprocess.run(c, env=env(), capture_output=True, text=True, timeout=240), cmds))
+    for (extra, code), p in zip(cases, runs):
         counts = [line for line in p.stderr.splitlines() if "threads after main:" in line]
         assert len(counts) == 2, (p.returncode, p.stderr[-3000:])
         assert all(line.endswith("threads after main: 1") for line in counts), counts
