@@ -7,7 +7,8 @@ Effects are built from four helpers and combined with ``both``:
 
 - ``engine(**kw)``     keyword arguments of ``YaFSDP(...)`` (the reference ignores them);
 - ``sets(**kw)``       fields of the ``Recipe`` the runs read: ``accum``, ``clip``, ``optimizer``,
-                       ``resume``, ``world``, ``mesh``, ``compute_dtype``, ``tie``, ``set_to_none``, ``tol``;
+                       ``resume``, ``world``, ``mesh``, ``compute_dtype``, ``tie``, ``set_to_none``, ``tol``,
+                       ``vocab``;
 - ``edit(fn)``         ``fn(model, seed) -> model`` applied to the freshly built model, on both sides,
                        in the order of ``DIMS`` (a PEFT wrap before the checkpointing switch);
 - ``after(fn)``        ``fn(model)`` on the wrapped model right after wrapping (the engine writes it
