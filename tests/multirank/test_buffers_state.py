@@ -59,18 +59,21 @@ def _invariants(rank, world, zero_stage, vocab, param_dtype):
 
 
 INVARIANT_CASES = [(3, VOCAB, None), (3, 1000, torch.bfloat16), (2, 1000, None)]
-_invariant_results: list = []
 
 
 def _every_invariant(rank, world):
     return [_invariants(rank, world, *case) for case in INVARIANT_CASES]
 
 
+@pytest.fixture(scope="module")
+def invariants():
+    """The three cases in one spawn of 2 ranks (rank 0's results, in INVARIANT_CASES' order)."""
+    return run_ranks(_every_invariant, 2)[0]
+
+
 @pytest.mark.parametrize("zero_stage,vocab,dtype", INVARIANT_CASES)
-def test_buffer_invariants(zero_stage, vocab, dtype):
-    if not _invariant_results:  # the three cases in one spawn of 2 ranks
-        _invariant_results.extend(run_ranks(_every_invariant, 2)[0])
-    r = _invariant_results[INVARIANT_CASES.index((zero_stage, vocab, dtype))]
+def test_buffer_invariants(zero_stage, vocab, dtype, invariants):
+    r = invariants[INVARIANT_CASES.index((zero_stage, vocab, dtype))]
     # Storages never change after step 1.
     assert r["ptrs"][0] == r["ptrs"][1] == r["ptrs"][2]
     weight = [s for s in r["slots"] if s[0] != "weight_small"]

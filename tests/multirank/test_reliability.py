@@ -64,9 +64,7 @@ def _world2(rank, world):
 
 @pytest.fixture(scope="module")
 def world2():
-    import dist_utils
-
-    return dist_utils.run_ranks(_world2, 2)
+    return run_ranks(_world2, 2)
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])

@@ -293,32 +293,32 @@ def _every_fault(rank, world):
     return out
 
 
-_fault_results: dict = {}
+@pytest.fixture(scope="module")
+def fault_races():
+    """name -> the races of that faulty run; a run that raised fails the test that asks for it."""
+    every = run_ranks(_every_fault, 1)[0]
 
-
-def _fault_races(name: str) -> list[str]:
-    if not _fault_results:
-        _fault_results.update(run_ranks(_every_fault, 1)[0])
-    races = _fault_results[name]
-    assert isinstance(races, list), f"{name}: the faulty run raised: {races}"
+    def races(name: str) -> list[str]:
+        assert isinstance(every[name], list), f"{name}: the faulty run raised: {every[name]}"
+        return every[name]
     return races
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
-def test_checker_reports_a_dropped_edge(fault):
-    races = _fault_races(fault)
+def test_checker_reports_a_dropped_edge(fault, fault_races):
+    races = fault_races(fault)
     _, tensor, ops = FAULTS[fault]
     assert races, f"dropping {fault!r} went unnoticed"
     assert any(r.startswith(f"race on '{tensor}") and all(op in r for op in ops) for r in races), races
 
 
-def test_faults_leave_the_schedule_as_it_was():
+def test_faults_leave_the_schedule_as_it_was(fault_races):
     """The fault runs share one process: after the last, a schedule case is race-free again."""
-    assert _fault_races("clean") == []
+    assert fault_races("clean") == []
 
 
-def test_checker_reports_the_fused_adamw_race_under_zero2():
-    races = _fault_races("zero2_bug")
+def test_checker_reports_the_fused_adamw_race_under_zero2(fault_races):
+    races = fault_races("zero2_bug")
     # ZeRO-2 re-gathers every unit after a step with nothing but the copies-ready point to wait on.
     assert len({r.split(" in yafsdp.gather ")[1].split(" ")[0] for r in races if " in yafsdp.gather " in r}) >= 3, races
 

@@ -273,11 +273,11 @@ def _grad_switch(hook) -> bool:
     if code.co_names != ("requires_grad_",):
         return False
     out = code.co_varnames[2]
-    loads = set()
+    used = set()  # the local variables the code loads, stores or deletes
     for ins in dis.get_instructions(code):
         if ins.opname.startswith(("LOAD_FAST", "STORE_FAST", "DELETE_FAST", "LOAD_DEREF", "LOAD_CLOSURE")):
-            loads.update(ins.argval if isinstance(ins.argval, tuple) else (ins.argval,))
-    return loads <= {out}
+            used.update(ins.argval if isinstance(ins.argval, tuple) else (ins.argval,))
+    return used <= {out}
 
 
 def weight_free_backward(spec: UnitSpec) -> bool:
