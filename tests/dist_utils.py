@@ -8,6 +8,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -37,11 +38,33 @@ def _entry(rank, world, port, fn, args, outdir, backend="gloo", timeout_s=300.0)
         with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
         if dist.is_initialized():
+            _leave_together(rank, world)
             dist.destroy_process_group()
     # Skip interpreter teardown: the result is on disk, and it saves time. (It is no longer needed
     # for the engine's collectives -- [Note: gloo work and interpreter exit] in yafsdp/comm/collectives.py --
     # but a test may have run torch's own gloo collectives, e.g. DCP's, which the exit hook cannot see.)
     os._exit(0)
+
+
+def _leave_together(rank: int, world: int, wait_s: float = 60.0) -> None:
+    """Rank 0 leaves only after every rank has finished its function (or ``wait_s`` passed).
+
+    Rank 0 hosts the TCPStore through which every later group is built (``dist.new_group``
+    rendezvous there): a rank 0 done early took the store down while other ranks were still
+    building a subgroup among themselves ("Failed to recv, got 0 bytes" in gloo's rendezvous). The
+    count goes through the store itself, not a collective, so a test that left its groups broken
+    on purpose (a desync, a hung collective) cannot hang here; a rank that never comes back only
+    costs rank 0 the wait, which ``run_ranks``' join spends waiting for that rank anyway."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        key = "dist_utils/finished"
+        store.add(key, 1)
+        if rank == 0:
+            deadline = time.monotonic() + wait_s
+            while store.add(key, 0) < world and time.monotonic() < deadline:
+                time.sleep(0.005)
+    except Exception:  # a store already gone (the function re-initialised the default group): nothing to wait for
+        pass
 
 
 def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 300.0):

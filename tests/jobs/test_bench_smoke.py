@@ -170,6 +170,22 @@ def test_host_overhead():
     assert "ms/step (best of 1 rounds of 2; 5 flat units)" in text and os.path.join(ROOT, "yafsdp") in text
 
 
+def test_cpu_gap(tmp_path):
+    """benchmarks/cpu_gap.py: every engine with its collectives and with local stand-ins; the waits it
+    times are the engine's (nonzero with a peer, nothing to wait for without one)."""
+    j = tmp_path / "gap.json"
+    text = _run("cpu_gap.py", *TINY, "--warmup", "1", "--steps", "2", "--engines", "yafsdp-z3,ddp", "--json", str(j))
+    assert "yafsdp-z3 against ddp: wall" in text and "communication (comm - local wall)" in text
+    rows = json.loads(j.read_text())["rows"]
+    y, d = rows["yafsdp-z3"], rows["ddp"]
+    assert y["comm"]["waited_gather_ms"] > 0 and y["comm"]["waited_reduce_ms"] > 0
+    assert y["local"]["waited_gather_ms"] < y["comm"]["waited_gather_ms"]
+    assert y["local"]["waited_reduce_ms"] < y["comm"]["waited_reduce_ms"]
+    for r in (y["comm"], y["local"], d["comm"], d["local"]):
+        assert r["wall_ms"] > 0 and 0 < r["main_thread_cpu_ms"] <= r["process_cpu_ms"] + 1e-6
+    assert d["comm"]["waited_gather_ms"] == 0 and y["comm"]["waited_exchange_ms"] >= 0  # DDP waits on none of them
+
+
 def test_bench_hsdp_and_the_byte_model(tmp_path):
     """benchmarks/bench_hsdp.py at world 4 (full sharding 1 x 4, HSDP 2 x 2): the all-reduce across replicas
     once per step of 2 backward passes, overlapped (one per unit) and deferred (one), the same elements;
