@@ -5,7 +5,8 @@ forked from a server that has imported torch and transformers once per test sess
 (multiprocessing's "forkserver" with a preload): a world-2 start takes ~0.3 s instead of the ~6 s of
 two interpreters importing both. Each rank gets the caller's environment as it is at the call (a
 forkserver's children would otherwise have the server's) and its own torch seed state is whatever
-the test sets (as with spawn, nothing is seeded for it). ``YAFSDP_TEST_START=spawn`` starts every rank
+the test sets (as with spawn, nothing is seeded for it). NCCL ranks (the GPU tests) are always new
+interpreters: CUDA does not survive a fork after the driver was touched. ``YAFSDP_TEST_START=spawn`` starts every rank
 as a new interpreter instead, to rule the server out when a test misbehaves.
 """
 from __future__ import annotations
@@ -32,10 +33,12 @@ def free_port() -> int:
 _PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama", "peft"]
 
 
-def _start_method() -> str:
+def _start_method(backend: str) -> str:
     method = os.environ.get("YAFSDP_TEST_START", "forkserver")
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"YAFSDP_TEST_START={method!r}: use 'forkserver' (the default) or 'spawn'")
+    if backend == "nccl":  # CUDA ranks start as new interpreters: an import in the server that touched the
+        return "spawn"     # driver (a device count) would leave forked children unable to use CUDA
     if method == "forkserver":
         mp.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first call); a missing module is skipped
     return method
@@ -95,7 +98,7 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout_s: float = 3
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(
             _entry, args=(world, free_port(), fn, args, d, backend, timeout_s, dict(os.environ)), nprocs=world,
-            join=True, start_method=_start_method(),
+            join=True, start_method=_start_method(backend),
         )
         results = []
         for r in range(world):
