@@ -15,7 +15,6 @@ import os
 import pickle
 import socket
 import tempfile
-import time
 import traceback
 from datetime import timedelta
 
@@ -76,18 +75,15 @@ def _leave_together(rank: int, world: int, wait_s: float = 60.0) -> None:
     Rank 0 hosts the TCPStore through which every later group is built (``dist.new_group``
     rendezvous there): a rank 0 done early took the store down while other ranks were still
     building a subgroup among themselves ("Failed to recv, got 0 bytes" in gloo's rendezvous). The
-    count goes through the store itself, not a collective, so a test that left its groups broken
+    ranks mark their end in the store itself (rank 0 waits for the keys), not by a collective, so a test that left its groups broken
     on purpose (a desync, a hung collective) cannot hang here; a rank that never comes back only
     costs rank 0 the wait, which ``run_ranks``' join spends waiting for that rank anyway."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        key = "dist_utils/finished"
-        store.add(key, 1)
+        store.set(f"dist_utils/finished/{rank}", "1")
         if rank == 0:
-            deadline = time.monotonic() + wait_s
-            while store.add(key, 0) < world and time.monotonic() < deadline:
-                time.sleep(0.005)
-    except Exception:  # a store already gone (the function re-initialised the default group): nothing to wait for
+            store.wait([f"dist_utils/finished/{r}" for r in range(world)], timedelta(seconds=wait_s))
+    except Exception:  # a wait timed out, or the store is gone (the function re-initialised the default group)
         pass
 
 
