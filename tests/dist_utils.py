@@ -74,10 +74,11 @@ def _leave_together(rank: int, world: int, wait_s: float = 60.0) -> None:
 
     Rank 0 hosts the TCPStore through which every later group is built (``dist.new_group``
     rendezvous there): a rank 0 done early took the store down while other ranks were still
-    building a subgroup among themselves ("Failed to recv, got 0 bytes" in gloo's rendezvous). The
-    ranks mark their end in the store itself (rank 0 waits for the keys), not by a collective, so a test that left its groups broken
-    on purpose (a desync, a hung collective) cannot hang here; a rank that never comes back only
-    costs rank 0 the wait, which ``run_ranks``' join spends waiting for that rank anyway."""
+    building a subgroup among themselves ("Failed to recv, got 0 bytes" in gloo's rendezvous). Each
+    rank marks its end with a key in the store and rank 0 waits for every key -- no collective, so a
+    test that left its groups broken on purpose (a desync, a hung collective) cannot hang here; a rank
+    that never comes back only costs rank 0 the wait, which ``run_ranks``' join spends waiting for
+    that rank anyway."""
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(f"dist_utils/finished/{rank}", "1")
