@@ -14,11 +14,12 @@ made at once; the table gives the medians over the measured steps, averaged over
 decomposition is clean only where the engine makes no exchange at once (e.g. ``--vocab 2048``, where the
 embedding and the head are not outsized); elsewhere the local runs still wait for those, and say so.
 
-Reading it (docs/benchmarks.md, "CPU findings"): the local rows' main-thread CPU difference is the
-engine's own work against DDP's (hooks, the copy of the gradients into the grad buffer, the folds, its own
-rows copied into a gathered buffer); the difference between an engine's two rows is what its communication costs it, in wall time. On 2 cores
-with one compute thread per rank no core is idle for gloo's threads, so communication is not hidden
-behind compute: it shows as wall time (waits) and as CPU time taken from the other rank.
+Reading it (docs/benchmarks.md, "CPU findings"): the local rows' main-thread CPU difference is the engine's
+own work against DDP's (hooks, the copy of the gradients into the grad buffer, the folds, its own rows
+copied into a gathered buffer); the difference between an engine's two rows is what its communication costs
+it, in wall time. On 2 cores with one compute thread per rank no core is idle for gloo's threads, so
+communication is not hidden behind compute: it shows as wall time (waits) and as CPU time taken from the
+other rank.
 
 A diagnostic, not a goal check: ``bench_step.py`` measures the goals.
 """
@@ -38,6 +39,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
     build_engine, finish_distributed, init_distributed, launch, make_batch, md_table, versions, write_json,
 )
+
+
+# What each measured step records (seconds per step; the report prints milliseconds).
+FIELDS = ("wall", "main_cpu", "process_cpu", "waited_gather", "waited_reduce", "waited_exchange",
+          "forward_cpu", "backward_cpu", "optimizer_cpu")
 
 
 def parse(argv=None):
@@ -114,12 +120,7 @@ def _timed_waits(waits: Counter):
     weight gathers and gradient reduces, "exchange" for the exchanges waited for at once (the whole call)."""
     import yafsdp.comm.gloo as gloo
 
-    for name in ("_wait", "all_gather", "reduce_scatter", "all_to_all"):  # what this tool swaps must exist
-        if not hasattr(gloo, name):
-            raise SystemExit(f"cpu_gap: yafsdp.comm.gloo has no {name!r} any more; update this tool")
-    if not hasattr(gloo.HandleSchedule, "_now"):
-        raise SystemExit("cpu_gap: yafsdp.comm.gloo.HandleSchedule has no '_now' any more; update this tool")
-    original, now = gloo._wait, gloo.HandleSchedule._now
+    original, now = gloo._wait, gloo.HandleSchedule._now  # (every name this tool swaps is read first: a rename fails)
     inside = []
 
     def timed(work, what, unit):
@@ -166,16 +167,19 @@ def run(a):
                 ctx = _no_comm(e) if mode == "local" else contextlib.nullcontext()
                 dist.barrier()
                 waits.clear()
-                marks = []
-                w, m, p = time.perf_counter(), time.thread_time(), time.process_time()
+                w0, m0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+                marks = [m0]
                 with ctx:
                     e.step(batch, lambda: marks.append(time.thread_time()))  # after forward, after backward
-                w, m, p, end = time.perf_counter() - w, time.thread_time() - m, time.process_time() - p, time.thread_time()
+                w1, m1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
+                marks.append(m1)
                 if i >= a.warmup:
-                    fwd, bwd = marks[0] - (end - m), marks[1] - marks[0]
-                    rows[(n, mode)].append((w, m, p, waits.get("gather", 0.0), waits.get("reduce-scatter", 0.0),
-                                            waits.get("exchange", 0.0), fwd, bwd, m - fwd - bwd))
-    med = {k: [1e3 * statistics.median(r[j] for r in v) for j in range(9)] for k, v in rows.items()}
+                    rows[(n, mode)].append(dict(
+                        wall=w1 - w0, main_cpu=m1 - m0, process_cpu=p1 - p0, waited_gather=waits["gather"],
+                        waited_reduce=waits["reduce-scatter"], waited_exchange=waits["exchange"],
+                        forward_cpu=marks[1] - marks[0], backward_cpu=marks[2] - marks[1],
+                        optimizer_cpu=marks[3] - marks[2]))
+    med = {k: {f: 1e3 * statistics.median(r[f] for r in v) for f in FIELDS} for k, v in rows.items()}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, med)
     if rank == 0:
@@ -186,7 +190,7 @@ def run(a):
 
 def report(a, every, names, vocab):
     world = len(every)
-    mean = {k: [sum(r[k][j] for r in every) / world for j in range(9)] for k in every[0]}
+    mean = {k: {f: sum(r[k][f] for r in every) / world for f in FIELDS} for k in every[0]}
     print(f"cpu_gap: preset {a.preset} (vocab {vocab}), world {world}, batch {a.batch} x seq {a.seq} per rank, fp32, "
           f"{a.warmup} warm-up + {a.steps} measured steps; load average before {os.getloadavg()[0]:.2f} on "
           f"{os.cpu_count()} cores")
@@ -194,33 +198,36 @@ def report(a, every, names, vocab):
     table = []
     for n in names:
         for mode in ("comm", "local"):
-            w, m, p, g, r, x, f, b, o = mean[(n, mode)]
-            waited = "" if n == "ddp" else f"{g:.1f} / {r:.1f} / {x:.1f}"
-            table.append([n, mode, f"{w:.1f}", f"{m:.1f}", f"{f:.1f} / {b:.1f} / {o:.1f}", f"{p:.1f}", f"{p - m:.1f}",
-                          waited])
+            r = mean[(n, mode)]
+            waited = "" if n == "ddp" else " / ".join(f"{r[f]:.1f}" for f in ("waited_gather", "waited_reduce",
+                                                                           "waited_exchange"))
+            table.append([n, mode, f"{r['wall']:.1f}", f"{r['main_cpu']:.1f}",
+                          f"{r['forward_cpu']:.1f} / {r['backward_cpu']:.1f} / {r['optimizer_cpu']:.1f}",
+                          f"{r['process_cpu']:.1f}", f"{r['process_cpu'] - r['main_cpu']:.1f}", waited])
     print(md_table(["engine", "collectives", "wall", "main-thread CPU", "of it: forward / backward / optimizer",
                     "process CPU", "other threads CPU", "waited: gathers / reduces / exchanges"], table))
     if a.json:
-        fields = ("wall_ms", "main_thread_cpu_ms", "process_cpu_ms", "waited_gather_ms", "waited_reduce_ms",
-                  "waited_exchange_ms", "forward_cpu_ms", "backward_cpu_ms", "optimizer_cpu_ms")
         write_json(a.json, {"args": vars(a), "vocab": vocab, "world": world, "versions": versions(),
-                            "load_before": os.getloadavg()[0],
-                            "rows": {n: {m: dict(zip(fields, mean[(n, m)])) for m in ("comm", "local")} for n in names}})
+                            "load_before": os.getloadavg()[0], "unit": "ms per step",
+                            "rows": {n: {m: mean[(n, m)] for m in ("comm", "local")} for n in names}})
     if "ddp" in names:
         d, dl = mean[("ddp", "comm")], mean[("ddp", "local")]
         for n in names:
             if n == "ddp":
                 continue
             y, yl = mean[(n, "comm")], mean[(n, "local")]
-            print(f"\n{n} against ddp: wall {y[0] - d[0]:+.1f} ms ({y[0] / d[0]:.3f}x); of it")
-            print(f"  the engine's own work (local main-thread CPU):   {yl[1] - dl[1]:+.1f} ms "
-                  f"(forward {yl[6] - dl[6]:+.1f}, backward {yl[7] - dl[7]:+.1f}, optimizer {yl[8] - dl[8]:+.1f})")
-            print(f"  local wall beyond that (skew, sync points):      {(yl[0] - dl[0]) - (yl[1] - dl[1]):+.1f} ms")
-            print(f"  communication (comm - local wall): {y[0] - yl[0]:.1f} ms against ddp's {d[0] - dl[0]:.1f}: "
-                  f"{(y[0] - yl[0]) - (d[0] - dl[0]):+.1f} ms")
-            if yl[5] > 0.05:
-                print(f"  (its local run still waited {yl[5]:.1f} ms in exchanges made at once -- the sharded lookup's, "
-                      "the direct exchange of an outsized gradient --, which the lines above count as the engine's)")
+            own = {f: yl[f] - dl[f] for f in FIELDS}  # the local rows' differences
+            print(f"\n{n} against ddp: wall {y['wall'] - d['wall']:+.1f} ms ({y['wall'] / d['wall']:.3f}x); of it")
+            print(f"  the engine's own work (local main-thread CPU):   {own['main_cpu']:+.1f} ms "
+                  f"(forward {own['forward_cpu']:+.1f}, backward {own['backward_cpu']:+.1f}, "
+                  f"optimizer {own['optimizer_cpu']:+.1f})")
+            print(f"  local wall beyond that (skew, sync points):      {own['wall'] - own['main_cpu']:+.1f} ms")
+            print(f"  communication (comm - local wall): {y['wall'] - yl['wall']:.1f} ms against ddp's "
+                  f"{d['wall'] - dl['wall']:.1f}: {(y['wall'] - yl['wall']) - (d['wall'] - dl['wall']):+.1f} ms")
+            if yl["waited_exchange"] > 0.05:
+                print(f"  (its local run still waited {yl['waited_exchange']:.1f} ms in exchanges made at once -- the "
+                      "sharded lookup's, the direct exchange of an outsized gradient --, which the lines above "
+                      "count as the engine's)")
 
 
 def main(argv=None):
