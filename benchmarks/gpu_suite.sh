@@ -135,14 +135,20 @@ run_part2() {
   # World 1 under NCCL, a ~1B Llama in bf16: step time and peak (allocated, reserved) against FSDP2 and DDP,
   # and the reduce precisions (docs/reduce.md): fp32, bf16 summed in bf16, bf16 summed in fp32 (the all-to-all
   # and the fp32 fold run; nothing crosses a link at world 1: the bytes column is each reduce's input).
-  step step-bench 145 "$PY" -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_step.py --device cuda \
+  # Two rounds: with one, the engine measured first ran 1.09x DDP on 2026-11-27 and 1.00x in a three-round rerun.
+  step step-bench 110 "$PY" -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_step.py --device cuda \
     --preset llama3-1b --batch 2 --seq 2048 \
     --engines yafsdp-z3,yafsdp-z3+FusedAdamW,yafsdp-z3+bf16reduce,yafsdp-z3+bf16reduce+fp32acc,fsdp2,ddp \
-    --warmup 2 --steps 5 --rounds 1 --mem-steps 2 --md "$RES/bench_step_${GPU}_${DATE}.md" \
+    --warmup 2 --steps 5 --rounds 2 --mem-steps 2 --md "$RES/bench_step_${GPU}_${DATE}.md" \
     --json "$RES/bench_step_${GPU}_${DATE}.json"
+  # Where each engine's step goes: forward, backward and optimizer against DDP's (synchronised at each mark).
+  step step-phases 70 "$PY" -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_step.py --device cuda \
+    --preset llama3-1b --batch 2 --seq 2048 --engines yafsdp-z3,fsdp2,ddp --phases \
+    --warmup 2 --steps 5 --rounds 2 --mem-steps 0 --md "$RES/bench_step_phases_${GPU}_${DATE}.md" \
+    --json "$RES/bench_step_phases_${GPU}_${DATE}.json"
   # Activation checkpointing chosen by the plan at world 1 with the GPU's budgets: predicted vs measured
   # peak, step time of each choice against every block and no block checkpointed.
-  step ckpt-auto 95 "$PY" benchmarks/bench_ckpt_auto.py --device cuda --preset llama3-1b --vocab 0 --batch 2 \
+  step ckpt-auto 60 "$PY" benchmarks/bench_ckpt_auto.py --device cuda --preset llama3-1b --vocab 0 --batch 2 \
     --seq 2048 --bf16 --points 3 --steps 3 --rounds 2 --md "$RES/ckpt_auto_${GPU}_${DATE}.md" \
     --png "$RES/ckpt_auto_${GPU}_${DATE}.png"
   # FusedAdamW's CUDA kernel against torch's AdamW (foreach, fused) and the copy bandwidth.
