@@ -5,6 +5,7 @@ every flag (and engine, preset) it is given; its pytest step runs every file tha
 import glob
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -134,3 +135,15 @@ def test_docs_table_names_real_tests_cases_and_steps(parts):
     steps = {n for v in parts.values() for n, _, _ in v["steps"]}
     for s in re.findall(r"part[12] `([\w-]+)`", section):
         assert s in steps, f"docs/testing.md names the step {s}, which gpu_suite.sh does not have"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+def test_cuda_launch_shapes_compiles(tmp_path):
+    """benchmarks/cuda_launch_shapes.cu (the kernels' launch shapes, timed without torch) still compiles
+    against csrc/'s headers: it is only run on a lent GPU, so a header change would otherwise break it
+    unseen."""
+    proc = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-I", os.path.join(ROOT, "csrc"),
+                           "-o", str(tmp_path / "launch_shapes"),
+                           os.path.join(ROOT, "benchmarks", "cuda_launch_shapes.cu")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
