@@ -5,8 +5,11 @@ Inputs:
 - per-unit forward/backward compute time: measured on this device (``--compute measure``: the
   plain model, one process, per-unit timing hooks; CUDA events on GPU), loaded from an earlier
   measurement (``--compute json --compute-json F``), or estimated from FLOPs at an assumed
-  model-FLOPs utilisation (``--compute flops --peak-tflops 989 --mfu 0.45``: the stand-in until a
-  GPU measurement is committed);
+  model-FLOPs utilisation (``--compute flops --peak-tflops 989 --mfu 0.45``). The default
+  (``--compute auto``) takes a committed GPU measurement of the preset at the same micro-batch and
+  sequence length where there is one (Llama-3-8B and -70B at 1 x 8192, measured on an H200:
+  ``benchmarks/results/gpu_2026-11-27/compute_*_h200.json``) and FLOPs otherwise; the header line of
+  every result says which;
 - communication per step: exact, from the engine's own plan (``yafsdp.plan``: every unit's padded
   size, the buffer each one uses, and so which gathers the schedule issues and which it skips
   because a buffer still holds the unit), in ``param_dtype`` for gathers and ``reduce_dtype`` for
@@ -50,7 +53,7 @@ Assumptions (all flags):
 - ignored for both: kernel-launch gaps, the small group (1-D parameters: a few MB), contention of
   the comm kernels for SMs, stragglers.
 
-    python benchmarks/model_scaling.py                                   # llama3-8b, FLOP-based compute
+    python benchmarks/model_scaling.py                                   # llama3-8b, the committed H200 compute
     python benchmarks/model_scaling.py --preset llama3-70b                # HSDP rows: shard group sized by memory
     python benchmarks/model_scaling.py --compute measure --preset cpu-6x256   # compute measured here
     python benchmarks/model_scaling.py --compute measure --device cuda --preset llama3-8b --layers 4 \\
@@ -81,7 +84,9 @@ def parse(argv=None):
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--param-dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--reduce-dtype", default="fp32", choices=["bf16", "fp32"])
-    ap.add_argument("--compute", default="flops", choices=["flops", "measure", "json"])
+    ap.add_argument("--compute", default="auto", choices=["auto", "flops", "measure", "json"],
+                    help="auto: a committed GPU measurement of this preset, batch and seq "
+                    "(benchmarks/results/gpu_*/compute_*.json) where there is one, else flops")
     ap.add_argument("--compute-json", default=None)
     ap.add_argument("--save-compute", default=None)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -215,6 +220,30 @@ def measure_compute(a) -> dict:
     name = torch.cuda.get_device_name(dev) if cuda else "this CPU (1 process)"
     out["source"] = f"measured on {name}, {a.preset}, batch {a.batch} x seq {a.seq}"
     return out
+
+
+def load_compute(path: str) -> dict:
+    import json
+
+    with open(path) as f:
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items()}
+
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def committed_measurement(preset: str, batch: int, seq: int) -> str | None:
+    """The newest committed GPU measurement (``benchmarks/results/gpu_<date>/compute_*.json``, written by
+    ``--compute measure --device cuda --save-compute``) of this preset at this micro-batch and sequence
+    length, or None. Its "source" names them, as ``measure_compute`` writes it."""
+    import glob
+
+    wanted = f", {preset}, batch {batch} x seq {seq}"
+    for path in sorted(glob.glob(os.path.join(RESULTS, "gpu_*", "compute_*.json")), reverse=True):
+        src = load_compute(path).get("source", "")
+        if src.startswith("measured on") and "CPU" not in src and src.endswith(wanted):
+            return path
+    return None
 
 
 # ---------------------------------------------------------------------------- schedules
@@ -487,15 +516,15 @@ def main(argv=None):
         print(json.dumps(out))
         return out
     cfg = model.config
+    if a.compute == "auto":  # (the committed measurements are of bf16 compute)
+        a.compute_json = committed_measurement(a.preset, a.batch, a.seq) if a.param_dtype == "bf16" else None
+        a.compute = "json" if a.compute_json else "flops"
     if a.compute == "flops":
         cmp = flops_compute(a, cfg)
     elif a.compute == "measure":
         cmp = measure_compute(a)
     else:
-        import json
-
-        with open(a.compute_json) as f:
-            cmp = {k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items()}
+        cmp = load_compute(a.compute_json)
     if a.save_compute:
         write_json(a.save_compute, cmp)
     uses = [Use(name, *cmp[role], 0) for name, role, _ in unit_uses(model)]

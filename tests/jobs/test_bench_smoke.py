@@ -143,6 +143,9 @@ def test_model_scaling(tmp_path):
         assert h["step"] < y["step"] and h["step"] < hd["step"], (w, h["step"], hd["step"], y["step"])
     assert r["hsdp_table"] in text
     assert png.stat().st_size < 300_000
+    # The default compute is the committed H200 measurement of llama3-8b at 1 x 8192 (not FLOPs)
+    assert r["compute"]["source"].startswith("measured on NVIDIA"), r["compute"]["source"]
+    assert r["compute"]["source"].endswith(", llama3-8b, batch 1 x seq 8192")
     j2 = tmp_path / "m.json"
     _run("model_scaling.py", "--compute", "measure", *TINY, "--worlds", "8", "--json", str(j2), "--png", "")
     r = json.loads(j2.read_text())
@@ -242,3 +245,21 @@ def test_bench_io_small(tmp_path):
     assert r["checkpoint"]["files"] >= 3 and len(r["results"]["export"]) == 2
     assert all(m["seconds"] > 0 for m in r["results"]["load"])
     assert sorted(os.listdir(tmp_path / "io")) == ["ckpt_tiny", "result_load.json"]
+
+
+def test_model_scaling_finds_only_a_matching_measurement(monkeypatch):
+    """``--compute auto`` uses a committed GPU measurement only for its own preset, micro-batch and
+    sequence length (another shape's layer times would be silently wrong): FLOPs otherwise."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))  # its own imports (_common)
+    spec = importlib.util.spec_from_file_location("model_scaling", os.path.join(ROOT, "benchmarks", "model_scaling.py"))
+    ms = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "model_scaling", ms)  # (its dataclasses look themselves up there)
+    spec.loader.exec_module(ms)
+    for preset in ("llama3-8b", "llama3-70b"):
+        path = ms.committed_measurement(preset, 1, 8192)
+        assert path and ms.load_compute(path)["source"].endswith(f", {preset}, batch 1 x seq 8192"), path
+    assert ms.committed_measurement("llama3-8b", 1, 4096) is None
+    assert ms.committed_measurement("llama3-8b", 2, 8192) is None
+    assert ms.committed_measurement("llama3-1b", 1, 8192) is None
