@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/gpu_suite.sh part1    # build the CUDA extension, every test marked `gpu`     (<= 400 s)
 #   bash benchmarks/gpu_suite.sh part2    # the benchmarks: step time and memory against FSDP2/DDP,
-#                                         # the reduce precisions, fake-world memory, auto checkpointing (<= 320 s)
+#                                         # the reduce precisions, fake-world memory, auto checkpointing,
+#                                         # the kernels' launch shapes and bandwidth (<= 320 s)
 #   bash benchmarks/gpu_suite.sh all      # both, one after the other
 #   bash benchmarks/gpu_suite.sh part1 --dry-run   # print every step with its time limit, run none
 #
@@ -136,7 +137,7 @@ run_part2() {
   # and the reduce precisions (docs/reduce.md): fp32, bf16 summed in bf16, bf16 summed in fp32 (the all-to-all
   # and the fp32 fold run; nothing crosses a link at world 1: the bytes column is each reduce's input).
   # Two rounds: with one, the engine measured first ran 1.09x DDP on 2026-11-27 and 1.00x in a three-round rerun.
-  step step-bench 110 "$PY" -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_step.py --device cuda \
+  step step-bench 95 "$PY" -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_step.py --device cuda \
     --preset llama3-1b --batch 2 --seq 2048 \
     --engines yafsdp-z3,yafsdp-z3+FusedAdamW,yafsdp-z3+bf16reduce,yafsdp-z3+bf16reduce+fp32acc,fsdp2,ddp \
     --warmup 2 --steps 5 --rounds 2 --mem-steps 2 --md "$RES/bench_step_${GPU}_${DATE}.md" \
@@ -151,6 +152,10 @@ run_part2() {
   step ckpt-auto 60 "$PY" benchmarks/bench_ckpt_auto.py --device cuda --preset llama3-1b --vocab 0 --batch 2 \
     --seq 2048 --bf16 --points 3 --steps 3 --rounds 2 --md "$RES/ckpt_auto_${GPU}_${DATE}.md" \
     --png "$RES/ckpt_auto_${GPU}_${DATE}.png"
+  # The cast and AdamW kernels alone (no torch) in ten launch shapes and as FusedAdamW calls them: what the
+  # kernel-bench figures below lose outside the kernel (docs/kernels.md, "Benchmark").
+  step launch-shapes 15 bash -c "set -o pipefail; nvcc -std=c++17 -O3 -arch=sm_90 -Icsrc -o /tmp/launch_shapes \
+    benchmarks/cuda_launch_shapes.cu && /tmp/launch_shapes | tee '$RES/launch_shapes_${GPU}_${DATE}.txt'"
   # FusedAdamW's CUDA kernel against torch's AdamW (foreach, fused) and the copy bandwidth.
   step kernel-bench 20 "$PY" benchmarks/bench_optimizer.py --device cuda --numel 100000000 --rounds 5 \
     --md "$RES/optimizer_${GPU}_${DATE}.md"
