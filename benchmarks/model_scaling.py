@@ -238,12 +238,19 @@ def committed_measurement(preset: str, batch: int, seq: int) -> str | None:
     length, or None. Its "source" names them, as ``measure_compute`` writes it."""
     import glob
 
-    wanted = f", {preset}, batch {batch} x seq {seq}"
     for path in sorted(glob.glob(os.path.join(RESULTS, "gpu_*", "compute_*.json")), reverse=True):
         src = load_compute(path).get("source", "")
-        if src.startswith("measured on") and "CPU" not in src and src.endswith(wanted):
+        if "CPU" not in src and measured_shape(src) == (preset, batch, seq):
             return path
     return None
+
+
+def measured_shape(source: str) -> tuple[str, int, int] | None:
+    """(preset, micro-batch, sequence length) of a measurement's "source" line, None for FLOP estimates."""
+    import re
+
+    m = re.fullmatch(r"measured on .*, (\S+), batch (\d+) x seq (\d+)", source)
+    return (m.group(1), int(m.group(2)), int(m.group(3))) if m else None
 
 
 # ---------------------------------------------------------------------------- schedules
@@ -516,15 +523,26 @@ def main(argv=None):
         print(json.dumps(out))
         return out
     cfg = model.config
-    if a.compute == "auto":  # (the committed measurements are of bf16 compute)
+    if a.compute == "auto" and a.compute_json:  # a file named is the file used
+        a.compute = "json"
+    elif a.compute == "auto":  # (the committed measurements are of bf16 compute)
         a.compute_json = committed_measurement(a.preset, a.batch, a.seq) if a.param_dtype == "bf16" else None
         a.compute = "json" if a.compute_json else "flops"
+    elif a.compute == "json" and not a.compute_json:
+        raise SystemExit("model_scaling: --compute json needs --compute-json FILE (written by --save-compute)")
+    elif a.compute_json and a.compute != "json":
+        raise SystemExit(f"model_scaling: --compute-json is read only with --compute json or auto, not {a.compute}")
     if a.compute == "flops":
         cmp = flops_compute(a, cfg)
     elif a.compute == "measure":
         cmp = measure_compute(a)
     else:
         cmp = load_compute(a.compute_json)
+        shape = measured_shape(cmp.get("source", ""))
+        if shape and shape != (a.preset, a.batch, a.seq):  # per-unit times scale with the tokens and the shapes
+            raise SystemExit(f"model_scaling: {a.compute_json} was measured for {shape[0]} at batch {shape[1]} x seq "
+                             f"{shape[2]}, not {a.preset} at batch {a.batch} x seq {a.seq}: measure this shape "
+                             "(--compute measure --save-compute) or use --compute flops")
     if a.save_compute:
         write_json(a.save_compute, cmp)
     uses = [Use(name, *cmp[role], 0) for name, role, _ in unit_uses(model)]

@@ -263,3 +263,12 @@ def test_model_scaling_finds_only_a_matching_measurement(monkeypatch):
     assert ms.committed_measurement("llama3-8b", 1, 4096) is None
     assert ms.committed_measurement("llama3-8b", 2, 8192) is None
     assert ms.committed_measurement("llama3-1b", 1, 8192) is None
+    assert ms.measured_shape("measured on NVIDIA H200, llama3-8b, batch 1 x seq 8192") == ("llama3-8b", 1, 8192)
+    assert ms.measured_shape("FLOPs at 45% of 989 TFLOP/s") is None
+    # A file named on the command line is used, and refused where it was measured for another shape
+    path = ms.committed_measurement("llama3-8b", 1, 8192)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "model_scaling.py"), "--seq", "4096",
+                          "--compute-json", path, "--worlds", "8", "--png", "", "--json", os.devnull],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "was measured for llama3-8b at batch 1 x seq 8192, not llama3-8b at batch 1 x seq 4096" \
+        in out.stderr, out.stderr[-2000:]
