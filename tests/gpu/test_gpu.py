@@ -2,7 +2,8 @@
 synchronisation anywhere in the step, resume, and the fake process group; the narrow reduce with fp32
 accumulation, GradScaler and clipping on shard grads, asynchronous saves from device memory and auto
 checkpointing under NCCL at world 1 (one spawned rank for the four); int8 records and the fp32 fold on the
-device against their CPU twins. Skipped without a GPU (the same protocol is proven on the CPU by
+device against their CPU twins; with two GPUs, the parity and the race cases again at world 2 under NCCL.
+Skipped without a GPU (the same protocol is proven on the CPU by
 tests/multirank/test_streamcheck.py). docs/testing.md ("GPU suite") maps every CUDA path to its check here.
 
 Races between streams hide when the host cannot run ahead of the device. These tests keep the
@@ -28,6 +29,12 @@ pytestmark = [
 ]
 
 SLEEP = 2_000_000  # GPU cycles (~1 ms) before each collective and each optimizer step
+
+# World 2 under NCCL: a rank per GPU (tests/dist_utils.py sets the device by rank). Every rank reads the same
+# batches, so the averaged gradient is the single-process one and the unsharded reference stays exact; what
+# world 2 adds is NCCL across devices: the in-place reduce-scatter at rank > 0, the sums, the gathers' peers.
+needs_two_gpus = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                                    reason="needs two CUDA devices (NCCL refuses two ranks on one)")
 
 
 def _inputs(kind, steps, accum):
@@ -153,7 +160,8 @@ def _race_windows(rank, world, names):
                                      if case.get("reduce_accum") else {}))
             opt = _optimizer(case["opt"], model.parameters())
             torch.cuda.synchronize()
-            losses, mismatch = _loop(model, opt, "llama", inputs, sync_after_step=sync, check_buffers=True,
+            # (the buffer check reads a gathered unit as the own shard: world 1 only)
+            losses, mismatch = _loop(model, opt, "llama", inputs, sync_after_step=sync, check_buffers=world == 1,
                                      eval_inputs=evals)
             sd = model.full_state_dict()
             runs.append((losses.cpu(), int(mismatch), sd))
@@ -171,6 +179,16 @@ def test_widened_windows_match_the_synchronised_run_bit_for_bit():
         assert r["mismatch"] == (0, 0), (name, r)
         assert r["same_losses"] and r["same_weights"], (name, r)
         assert r["falls"], (name, r)
+
+
+@needs_two_gpus
+def test_widened_windows_world2_match_the_synchronised_run_bit_for_bit():
+    """The race cases on two GPUs: every rank's losses, and rank 0's full weights, bit for bit against the
+    run synchronised after every step."""
+    for rank, out in enumerate(run_ranks(_race_windows, 2, list(CASES), backend="nccl")):
+        for name, r in out.items():
+            assert r["same_losses"] and r["same_weights"], (rank, name, r)
+            assert r["falls"], (rank, name, r)
 
 
 def _gpu_parity(rank, world, zero_stage):
@@ -193,8 +211,9 @@ def _gpu_parity(rank, world, zero_stage):
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
             ref_opt.step()
             ref_opt.zero_grad()
-        sd = model.full_state_dict()
-        rel = {k: ((sd[k] - v.cpu()).norm() / v.norm().clamp_min(1e-12)).item() for k, v in ref.state_dict().items()}
+        sd = model.full_state_dict()  # rank 0's; {} elsewhere
+        rel = {k: ((sd[k] - v.cpu()).norm() / v.norm().clamp_min(1e-12)).item() for k, v in ref.state_dict().items()
+               } if rank == 0 else {}
         out[kind] = (losses.cpu(), torch.stack(ref_losses).cpu(), rel)
     return out
 
@@ -205,6 +224,18 @@ def test_nccl_world1_fp32_parity(zero_stage):
     for kind, (losses, ref_losses, rel) in out.items():
         assert ((losses - ref_losses).abs() / ref_losses.abs()).max() < 1e-4, kind
         assert max(rel.values()) < 1e-3, (kind, rel)
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_nccl_world2_fp32_parity(zero_stage):
+    """fp32 parity with the unsharded model on two GPUs (the same batches on both ranks: see needs_two_gpus)."""
+    outs = run_ranks(_gpu_parity, 2, zero_stage, backend="nccl")
+    for rank, out in enumerate(outs):
+        for kind, (losses, ref_losses, rel) in out.items():
+            assert ((losses - ref_losses).abs() / ref_losses.abs()).max() < 1e-4, (rank, kind)
+            if rank == 0:
+                assert max(rel.values()) < 1e-3, (kind, rel)
 
 
 def _bf16_stack_batch():
