@@ -2,7 +2,8 @@
 synchronisation anywhere in the step, resume, and the fake process group; the narrow reduce with fp32
 accumulation, GradScaler and clipping on shard grads, asynchronous saves from device memory and auto
 checkpointing under NCCL at world 1 (one spawned rank for the four); int8 records and the fp32 fold on the
-device against their CPU twins; with two GPUs, the parity and the race cases again at world 2 under NCCL.
+device against their CPU twins; with two GPUs, the parity (also HSDP as two replicas) and the race cases
+again at world 2 under NCCL.
 Skipped without a GPU (the same protocol is proven on the CPU by
 tests/multirank/test_streamcheck.py). docs/testing.md ("GPU suite") maps every CUDA path to its check here.
 
@@ -191,12 +192,21 @@ def test_widened_windows_world2_match_the_synchronised_run_bit_for_bit():
             assert r["falls"], (rank, name, r)
 
 
-def _gpu_parity(rank, world, zero_stage):
+def _gpu_parity(rank, world, zero_stage, hsdp_offload=None):
+    """``hsdp_offload``: None (full sharding), or HSDP over ``world`` replicas of one rank each with this
+    ``offload`` ("none" or "optimizer"): the replicas' all-reduce of the grad shards under NCCL."""
     out = {}
     for kind in ("llama", "stack"):
         base = tiny_llama(tie=True) if kind == "llama" else Stack()
         ref = copy.deepcopy(base).cuda()
-        model = yafsdp.YaFSDP(base, zero_stage=zero_stage)
+        extra = {}
+        if hsdp_offload is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            extra = dict(mesh=init_device_mesh("cuda", (world, 1), mesh_dim_names=("replicate", "shard")),
+                         offload=None if hsdp_offload == "none" else hsdp_offload)
+        model = yafsdp.YaFSDP(base, zero_stage=zero_stage, **extra)
+        assert hsdp_offload is None or model.mesh_shape == (world, 1)
         assert model.device.type == "cuda" and model.schedule.comm.priority <= 0
         inputs = _inputs(kind, 3, 2)
         losses, _ = _loop(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), kind, inputs,
@@ -224,6 +234,20 @@ def test_nccl_world1_fp32_parity(zero_stage):
     for kind, (losses, ref_losses, rel) in out.items():
         assert ((losses - ref_losses).abs() / ref_losses.abs()).max() < 1e-4, kind
         assert max(rel.values()) < 1e-3, (kind, rel)
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("offload", ["none", "optimizer"])
+def test_nccl_world2_hsdp_fp32_parity(offload):
+    """HSDP over two GPUs as two replicas of one rank each (mesh (2, 1)): the grad shards all-reduced across
+    the replicas under NCCL (overlapped from the second step; with offload through the device, deferred), fp32
+    parity with the unsharded model. Shard groups of two or more need four GPUs."""
+    outs = run_ranks(_gpu_parity, 2, 3, offload, backend="nccl")
+    for rank, out in enumerate(outs):
+        for kind, (losses, ref_losses, rel) in out.items():
+            assert ((losses - ref_losses).abs() / ref_losses.abs()).max() < 1e-4, (rank, kind)
+            if rank == 0:
+                assert max(rel.values()) < 1e-3, (kind, rel)
 
 
 @needs_two_gpus
