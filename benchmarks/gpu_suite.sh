@@ -111,13 +111,13 @@ BUILD=(env YAFSDP_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="9.0" MAX_JOBS=16 "$PY" setu
 HAVE_CUDA_EXT="import yafsdp.kernels as k; print(k.describe()); assert k.backend('cuda') == 'extension', k.fallback_reason('cuda')"
 
 run_part1() {
-  step build 100 "${BUILD[@]}"
+  step build 80 "${BUILD[@]}"
   step kernels-check 20 "$PY" -c "$HAVE_CUDA_EXT"
   # Every test marked gpu: kernels against their twins bit for bit, the NCCL engine at world 1 with the
   # stream windows widened, offload, the narrow reduce, int8/fp8/NF4 gathers, GradScaler, async saves,
   # auto checkpointing, the benchmarks' smoke runs. -v: each test's outcome is in the log as it happens.
   # shellcheck disable=SC2086
-  step gpu-tests 260 env YAFSDP_REQUIRE_EXT=1 "$PY" -m pytest -v -rfEs -p no:cacheprovider -m gpu \
+  step gpu-tests 280 env YAFSDP_REQUIRE_EXT=1 "$PY" -m pytest -v -rfEs -p no:cacheprovider -m gpu \
     --junitxml="$RES/gpu_tests.xml" $GPU_TESTS
 }
 
