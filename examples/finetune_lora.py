@@ -88,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "--merge-export DIR, the merged model")
     if args.lora_r < 1:
         p.error(f"--lora-r must be >= 1, got {args.lora_r}")
+    if args.lora_alpha <= 0:
+        p.error(f"--lora-alpha must be > 0, got {args.lora_alpha}")
     if not 0 <= args.lora_dropout < 1:
         p.error(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     if args.base_steps < 1:

@@ -29,12 +29,13 @@ from .comm.groups import CollectiveError
 from .core import ema, shards
 from .integrations import adapters, export, hf, init, peft_load, trainer
 from .tools import measure, presets, streamcheck, trace
+from .tools.watchdog import EXIT_HANG, Watchdog
 
 for _m in (ema, shards, adapters, export, hf, init, peft_load, trainer, measure, presets, streamcheck, trace):
     _sys.modules[f"{__name__}.{_m.__name__.rpartition('.')[2]}"] = _m
 del _m
 
 __all__ = ["YaFSDP", "EngineConfig", "MixedPrecision", "Offload", "build_config", "FusedAdamW", "WrapError",
-           "CollectiveError", "adapters", "hf", "init", "presets", "trainer", "peft_load", "export", "ema", "shards",
+           "CollectiveError", "Watchdog", "EXIT_HANG", "adapters", "hf", "init", "presets", "trainer", "peft_load", "export", "ema", "shards",
            "trace", "measure", "streamcheck"]
 __version__ = "0.1.0"

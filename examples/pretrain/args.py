@@ -138,6 +138,21 @@ def build_parser(prog: str = "pretrain_llama.py",
                    help="tokens sampled at the end (0: none; default: 120 below 1 B parameters, else 0)")
     g.add_argument("--prompt", default="We the People", help="prompt of the closing sample")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (metrics and summary only)")
+    g = p.add_argument_group("faults (docs/errors.md)")
+    g.add_argument("--hang-timeout", type=float, default=120.0, metavar="S",
+                   help="after the first step: a rank without progress for S seconds is named with what every "
+                   "rank was doing, and the job exits with status 4 (torchrun --max-restarts then restarts it)")
+    g.add_argument("--init-timeout", type=float, default=600.0, metavar="S",
+                   help="the same deadline before the first step (start-up, loading), and the process group's "
+                   "timeout")
+    g.add_argument("--save-timeout", type=float, default=1800.0, metavar="S",
+                   help="the deadline while a checkpoint or an export is written")
+    g.add_argument("--loss-spike", type=float, default=3.0, metavar="K",
+                   help="a step whose loss exceeds K x the median of the last 20 good steps is a spike "
+                   "(0: no check)")
+    g.add_argument("--on-spike", default="skip", choices=["skip", "stop", "warn"],
+                   help="skip: no optimizer step, counted with the non-finite steps towards --max-skipped-steps; "
+                   "stop: exit 3 at once; warn: say so and go on")
     return p
 
 
@@ -157,6 +172,20 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
                  "hsdp"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name, value in sorted(vars(args).items()):  # every float flag: NaN and inf are never meant
+        if isinstance(value, float) and not math.isfinite(value):
+            p.error(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    for name, low, high in (("min_lr_ratio", 0.0, 1.0), ("weight_decay", 0.0, None), ("grad_clip", 0.0, None)):
+        value = getattr(args, name)
+        if value < low or (high is not None and value > high):
+            within = f"in [{low:g}, {high:g}]" if high is not None else f">= {low:g}"
+            p.error(f"--{name.replace('_', '-')} must be {within}, got {value}")
+    for name in ("hang_timeout", "init_timeout", "save_timeout"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
+    if args.loss_spike and args.loss_spike <= 1:
+        p.error(f"--loss-spike must be 0 (no check) or > 1 (a multiple of the recent median loss), got "
+                f"{args.loss_spike}")
     if not 0 <= args.val_fraction < 0.5:
         p.error(f"--val-fraction must be in [0, 0.5), got {args.val_fraction}")
     if args.lr <= 0:

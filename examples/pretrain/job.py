@@ -6,6 +6,7 @@ checkpoints), ``rundir.py`` (the run directory), ``data.py``, ``progress.py``, `
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -15,12 +16,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pretrain import faults as F
 from pretrain import outputs as O  # examples/pretrain (the job script's directory is on sys.path)
 from pretrain import progress as P
 from pretrain import rundir as R
 from pretrain import saving as S
 from pretrain.args import build_parser, check_args, lr_at, parse_args, shard_size  # noqa: F401 - their home was here
 from pretrain.ops import Diverged, JobError, OutLock, StopSignal, init_distributed, shutdown_distributed
+from yafsdp.comm.progress import POSITION
 from pretrain.rundir import describe_run, plan_output  # noqa: F401 - their home was here
 from pretrain.saving import get_rng_state, set_rng_state  # noqa: F401 - their home was here
 from pretrain.setup import SHAPE_KEYS, Setup, causal_lm_loss, make_optimizer, model_config  # noqa: F401
@@ -44,6 +47,23 @@ class Job(Setup):
         self.main = env.rank == 0
         self.lock = OutLock(args.out) if self.main else None  # rank 0 holds it for the job
         self.reported: set[str] = set()  # checkpoint notes already printed
+        self.wd = None  # the watchdog (faults.attach), set by main
+        self.in_step = False  # inside train_step: step_now() is the step being taken
+        self.step = 0
+        self.faults = F.Faults(os.environ.get("YAFSDP_JOB_FAULT"), env.rank, env.restart_count)
+        self.guard = F.LossGuard(args.loss_spike, action=args.on_spike)
+        self.stragglers = F.Stragglers(env.world)
+        self.pinned: list[str] = []  # checkpoints kept beyond --keep (the newest before a streak or spike)
+
+    def mark(self, phase: str, timeout: float | None = None) -> None:
+        """This rank enters ``phase`` (the watchdog's report; [Note: fault injection])."""
+        if self.wd is not None:
+            self.wd.set_phase(phase, timeout)
+        self.faults.at(self.step_now(), phase)
+
+    def step_now(self) -> int:
+        """The step being taken (inside ``train_step``), else the last one taken (its save, its eval)."""
+        return self.step + 1 if self.in_step else self.step
 
     def take_lock(self) -> None:
         """Collective: rank 0 locks --out (once); a job already there stops every rank."""
@@ -79,6 +99,7 @@ class Job(Setup):
             self.train_time, self.trained_steps, self.step_times = 0.0, 0, []
             self.last_checkpoint = self.plan["resume_path"]
             return
+        self.guard.uniform = math.log(self.shape["vocab_size"])  # [Note: loss spikes] in faults.py
         stop = StopSignal().install()
         bar = P.Bar(self.main and not a.no_progress, a.steps, self.step)
         self.first_loss = self.last_loss = None
@@ -91,6 +112,7 @@ class Job(Setup):
         self.session_losses = []
         self.skipped_steps = 0
         self.skipped_in_row = 0  # consecutive non-finite steps
+        self.spikes_seen = 0
         self.losses_before = [r["loss"] for r in P.read_jsonl(self.metrics_path)] if self.main else []
         if self.main:
             kind = "resume" if self.plan["resume_path"] else "start"
@@ -103,8 +125,12 @@ class Job(Setup):
             while self.step < a.steps:
                 t0 = time.perf_counter()
                 lr = lr_at(a, self.step + 1)
+                self.in_step = True  # (left set by an exception: its report names the step being taken)
                 outcome = self.train_step(lr, stop)
                 self.step += 1
+                self.in_step = False
+                if self.wd is not None:
+                    self.wd.step(self.step)
                 self.cursor += a.batch_size * self.world * a.grad_accum
                 self.tokens_seen += self.tokens_per_step
                 dt = time.perf_counter() - t0
@@ -118,8 +144,13 @@ class Job(Setup):
                     self.stopped_by = stop.name or "a signal on another rank"
                     break
                 if a.save_every and self.step % a.save_every == 0 and self.step < a.steps:
-                    self.save(bar)
-                    last_saved = self.step
+                    if self.skipped_in_row:  # [Note: loss spikes]: never a checkpoint of a skip streak
+                        self.note(bar, f"not saved step {self.step}: inside a streak of {self.skipped_in_row} "
+                                       f"skipped step(s); the last checkpoint stays {self.last_good()}",
+                                  dict(event="save_deferred", step=self.step, skipped_in_row=self.skipped_in_row))
+                    else:
+                        self.save(bar)
+                        last_saved = self.step
                 S.poll(self, bar)
         except BaseException:
             S.drain(self, bar, quiet=True)  # the write in flight ends before the exception goes on
@@ -135,7 +166,12 @@ class Job(Setup):
         if self.stopped_by and self.main:
             self.events.write(dict(event="signal", signal=self.stopped_by, step=self.step))
         if self.step != last_saved and (self.trained_steps > 0 or not self.plan["resume_path"]):
-            self.save(None)
+            if self.skipped_in_row:  # stopped by a signal inside a skip streak: the last good one stays
+                self.note(None, f"not saved step {self.step}: inside a streak of {self.skipped_in_row} skipped "
+                                f"step(s); the last checkpoint stays {self.last_good()}",
+                          dict(event="save_deferred", step=self.step, skipped_in_row=self.skipped_in_row))
+            else:
+                self.save(None)
 
     def train_step(self, lr: float, stop: StopSignal) -> "StepOutcome":
         """One optimizer step at learning rate ``lr``: forward and backward of ``--grad-accum``
@@ -145,15 +181,28 @@ class Job(Setup):
         for group in opt.param_groups:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
+        t0, data_s, comm0 = time.perf_counter(), 0.0, POSITION.comm_wait_s
         for micro in range(a.grad_accum):
-            x = self.batches.micro_batch(self.cursor, micro, self.rank, self.world, a.batch_size)
+            self.mark("data")
+            td = time.perf_counter()
+            x = self.faults.corrupt(self.batches.micro_batch(self.cursor, micro, self.rank, self.world, a.batch_size),
+                                    self.shape["vocab_size"])
             if int(x.max()) >= self.shape["vocab_size"]:
-                raise JobError(f"--data holds token id {int(x.max())} >= vocab {self.shape['vocab_size']}")
+                raise JobError(f"--data holds token id {int(x.max())} >= vocab {self.shape['vocab_size']} "
+                               f"(micro-batch {micro} of step {self.step + 1} on rank {self.rank}; wrong "
+                               "--tokenizer or --data-dtype, or a damaged file?)")
+            data_s += time.perf_counter() - td
+            self.mark("forward")
             loss = self.loss(x.to(self.device, non_blocking=True))
+            self.mark("backward")
             (loss / a.grad_accum).backward()
             total += loss.detach().float()
+        self.mark("optimizer")
         norm = self.model.clip_grad_norm_(a.grad_clip if a.grad_clip > 0 else float("inf"))
-        outcome = agree_on_step(total / a.grad_accum, norm, stop, self.world, self.device)
+        comm_s = POSITION.comm_wait_s - comm0
+        timing = (data_s, time.perf_counter() - t0 - data_s - comm_s, comm_s)
+        outcome = agree_on_step(total / a.grad_accum, norm, stop, self.world, self.device, timing=timing,
+                                rank=self.rank, guard=self.guard)
         if not outcome.skipped:
             opt.step()
         opt.zero_grad(set_to_none=True)
@@ -164,6 +213,11 @@ class Job(Setup):
         the summary reports."""
         a = self.args
         row, (mem, tok_s_dev, mfu) = O.metrics_row(self, lr, outcome, dt)
+        self.check_timing(bar, outcome, row)
+        if outcome.spike and not outcome.skipped:
+            self.note(bar, f"spike    step {self.step}: loss {outcome.loss:.4g}, {outcome.spike} (--on-spike warn: "
+                           "trained on)",
+                      dict(event="spike", step=self.step, loss=outcome.loss, median=outcome.median))
         if not outcome.skipped:
             if self.first_loss is None:
                 self.first_loss = outcome.loss
@@ -176,6 +230,27 @@ class Job(Setup):
             self.tb.write(row)
         bar.update(outcome.loss, self.tokens_per_step / dt, dt, mem, tok_s_dev, mfu)
 
+    def check_timing(self, bar, outcome: "StepOutcome", row: dict) -> None:
+        """Every rank's data wait, compute and communication wait into the metrics row (up to 64
+        ranks; the slowest and the median beyond), and a straggler named ([Note: stragglers])."""
+        t = outcome.timing
+        busy = [d + c for d, c, _ in t]
+        if self.world <= 64:
+            row["rank_data_s"] = [round(d, 4) for d, _, _ in t]
+            row["rank_compute_s"] = [round(c, 4) for _, c, _ in t]
+            row["rank_comm_wait_s"] = [round(w, 4) for _, _, w in t]
+        else:
+            slow = max(range(self.world), key=busy.__getitem__)
+            row["slowest_rank"], row["slowest_busy_s"] = slow, round(busy[slow], 4)
+            row["median_busy_s"] = round(sorted(busy)[self.world // 2], 4)
+        for r in self.stragglers.check(busy):
+            med = sorted(busy)[self.world // 2]
+            self.note(bar, f"straggler rank {r}: data + compute {busy[r] * 1e3:.0f} ms/step vs the median "
+                           f"{med * 1e3:.0f} ms for {self.stragglers.patience} steps in a row (a slow host, "
+                           "throttling, or its data?)",
+                      dict(event="straggler", step=self.step, rank=r, busy_s=round(busy[r], 4),
+                           median_s=round(med, 4)))
+
     def on_skipped(self, bar, lr: float, outcome: "StepOutcome") -> None:
         """A non-finite step was skipped on every rank: count it, say so, and stop the run (exit 3)
         after --max-skipped-steps in a row ([Note: non-finite steps])."""
@@ -183,25 +258,63 @@ class Job(Setup):
         self.skipped_steps += 1
         self.skipped_in_row += 1
         in_row, loss_val, grad_norm = self.skipped_in_row, outcome.loss, outcome.grad_norm
-        last = getattr(self, "last_checkpoint", None) or "none yet"
+        self.spikes_seen += bool(outcome.spike)
+        if in_row == 1:
+            self.pin_last_good(bar, "spike" if outcome.spike else "non-finite")
+        why = f"a loss spike: {outcome.spike}" if outcome.spike else "not finite"
         if self.main:
-            self.events.write(dict(event="skipped", step=self.step, loss=loss_val, grad_norm=grad_norm))
-        if in_row >= a.max_skipped_steps:
+            self.events.write(dict(event="skipped", step=self.step, loss=loss_val, grad_norm=grad_norm,
+                                   reason="spike" if outcome.spike else "non-finite"))
+        if in_row >= a.max_skipped_steps or (outcome.spike and a.on_spike == "stop"):
             if self.main:
-                self.events.write(dict(event="diverged", step=self.step, skipped=in_row))
+                self.events.write(dict(event="diverged", step=self.step, skipped=in_row,
+                                       last_good=self.last_good()))
+            what = ("the loss or grad norm was NaN/inf or a spike" if self.spikes_seen else
+                    "the loss or grad norm was NaN/inf")
             raise Diverged(
-                f"training diverged: the loss or grad norm was NaN/inf for {in_row} steps in a row (steps "
+                f"training diverged: {what} for {in_row} steps in a row (steps "
                 f"{self.step - in_row + 1}-{self.step}, lr {lr:g}; last loss {loss_val}, grad norm "
                 f"{grad_norm}); the weights are those of step {self.step - in_row}, no checkpoint holds a "
-                f"non-finite value; last checkpoint: {last}. "
-                "Resume from it with a lower --lr or a longer --warmup (or raise --max-skipped-steps)")
-        msg = (f"skipped  step {self.step}: loss {loss_val:.4g}, grad norm {grad_norm:.4g} (not finite); "
+                f"non-finite value; last good checkpoint: {self.last_good()}. {self.rewind_hint()}")
+        msg = (f"skipped  step {self.step}: loss {loss_val:.4g}, grad norm {grad_norm:.4g} ({why}); "
                f"no optimizer step ({in_row} in a row, stop at {a.max_skipped_steps})")
         if self.main:
             bar.write(msg)
 
+    def last_good(self) -> str:
+        """The newest checkpoint written outside any skip streak (the pinned one during a streak)."""
+        return getattr(self, "last_checkpoint", None) or self.plan.get("resume_path") or "none yet"
+
+    def rewind_hint(self) -> str:
+        """The command line that goes back to the last good checkpoint."""
+        last = getattr(self, "last_checkpoint", None) or self.plan.get("resume_path")
+        if not last:
+            return "No checkpoint was written yet: start again with a lower --lr or a longer --warmup"
+        lower = self.args.lr / 2
+        return (f"Return to it with the same command plus: --resume {last} --rewind --lr {lower:g} (or a longer "
+                f"--warmup; raise --max-skipped-steps or --loss-spike to tolerate more)")
+
+    def pin_last_good(self, bar, reason: str) -> None:
+        """A skip streak begins: the newest checkpoint is pinned (never rotated out by --keep)."""
+        path = getattr(self, "last_checkpoint", None) or self.plan.get("resume_path")
+        if not path or path in self.pinned:
+            return
+        if self.main:
+            S.pin(self, path, f"newest checkpoint before the {reason} streak at step {self.step}")
+        self.pinned.append(path)
+        self.note(bar, f"pinned   {path}: the newest checkpoint before the skip streak at step {self.step} "
+                       "(--keep never deletes it)", dict(event="pinned", step=self.step, path=path, reason=reason))
+
+    def note(self, bar, msg: str, event: dict | None = None) -> None:
+        """One line of output (rank 0) and, where given, its events.jsonl record."""
+        if self.main:
+            bar.write(msg) if bar is not None else print(msg, flush=True)
+            if event is not None:
+                self.events.write(event)
+
     def save(self, bar):
         """Collective: this step's checkpoint (see saving.checkpoint)."""
+        self.mark("save", self.args.save_timeout)
         S.checkpoint(self, bar)
 
     def check_finite(self) -> None:
@@ -210,6 +323,7 @@ class Job(Setup):
     @torch.no_grad()
     def evaluate(self) -> float:
         a = self.args
+        self.mark("eval")
         total = torch.zeros((), device=self.device)
         for i in range(a.eval_batches):
             x = self.val.micro_batch(0, i, self.rank, self.world, a.batch_size).to(self.device)
@@ -221,6 +335,7 @@ class Job(Setup):
     def sample(self, n_tokens: int) -> str:
         """Collective: sample ``n_tokens`` tokens after ``--prompt`` (temperature 0.8, seeded)."""
         a, tok = self.args, self.tokenizer
+        self.mark("sample")
         ids = torch.as_tensor(tok.encode(a.prompt).astype(np.int64), device=self.device).view(1, -1)
         g = torch.Generator(device="cpu").manual_seed(a.seed)
         start = ids.shape[1]
@@ -269,6 +384,7 @@ class Job(Setup):
 
     def export(self):
         """Collective: --export-hf (see outputs.export)."""
+        self.mark("export", self.args.save_timeout)
         return O.export(self)
 
     def summary(self, sample, exported):
@@ -282,25 +398,42 @@ class StepOutcome:
 
     loss: float  # the mean loss over every rank's micro-batches
     grad_norm: float  # the global grad norm (before clipping)
-    skipped: bool  # the loss or the grad norm was NaN/inf on some rank: no optimizer step
+    skipped: bool  # the loss or the grad norm was NaN/inf on some rank, or a loss spike: no optimizer step
     stop: bool  # a stop signal arrived on some rank
+    spike: str = ""  # why the loss is a spike, "" if it is not ([Note: loss spikes] in faults.py)
+    median: float | None = None  # that median
+    timing: list | None = None  # per rank (data, compute, comm wait) seconds ([Note: stragglers])
 
 
-def agree_on_step(mean: torch.Tensor, norm, stop: StopSignal, world: int, device) -> StepOutcome:
-    """Collective: the step's loss, grad norm, non-finite verdict and stop flag, the same on every rank.
+def agree_on_step(mean: torch.Tensor, norm, stop: StopSignal, world: int, device, timing=(0.0, 0.0, 0.0),
+                  rank: int = 0, guard: "F.LossGuard | None" = None) -> StepOutcome:
+    """Collective: the step's loss, grad norm, non-finite and spike verdicts, stop flag and every
+    rank's timing, the same on every rank.
 
     [Note: non-finite steps] One all-reduce (the step's only host sync) carries the loss, a stop
-    signal, "this rank's loss or the grad norm is NaN/inf" and the norm, and it comes before the
-    optimizer step: every rank skips a bad step together (no update, gradients dropped) instead of
-    writing NaN into the weights, the optimizer state and then every checkpoint. --max-skipped-steps
-    in a row stop the run (exit 3)."""
+    signal, "this rank's loss or the grad norm is NaN/inf", the norm and a slot per rank for its
+    step timing, and it comes before the optimizer step: every rank skips a bad step together (no
+    update, gradients dropped) instead of writing NaN into the weights, the optimizer state and then
+    every checkpoint. --max-skipped-steps in a row stop the run (exit 3). A loss spike (see
+    [Note: loss spikes] in faults.py) is judged on the agreed mean loss, so alike on every rank."""
     norm = torch.as_tensor(norm, device=device).detach().float()
     bad = torch.logical_not(torch.isfinite(mean) & torch.isfinite(norm)).float()
-    stats = torch.stack([mean, torch.tensor(float(stop.signum is not None), device=device), bad, norm])
+    slots = torch.zeros(3 * world, device=device)
+    slots[3 * rank: 3 * rank + 3] = torch.tensor(timing, dtype=torch.float32)
+    stats = torch.cat([torch.stack([mean, torch.tensor(float(stop.signum is not None), device=device), bad, norm]),
+                       slots])
     dist.all_reduce(stats)
-    loss_sum, n_stop, n_bad, norm_sum = stats.tolist()
-    return StepOutcome(loss=loss_sum / world, grad_norm=norm_sum / world,  # the same global norm on every rank
-                       skipped=n_bad > 0, stop=n_stop > 0)
+    values = stats.tolist()
+    loss_sum, n_stop, n_bad, norm_sum = values[:4]
+    loss = loss_sum / world
+    spike = guard.spike(loss) if n_bad == 0 and guard is not None else ""
+    median = guard.median() if guard is not None else None
+    skip = n_bad > 0 or (spike and guard.action != "warn")
+    if guard is not None and not skip:
+        guard.good(loss)
+    return StepOutcome(loss=loss, grad_norm=norm_sum / world,  # the same global norm on every rank
+                       skipped=skip, stop=n_stop > 0, spike=spike, median=median,
+                       timing=[values[4 + 3 * r: 7 + 3 * r] for r in range(world)])
 
 def main(argv=None, job_cls=Job) -> int:
     """Run ``job_cls`` through its stages; a JobError (every rank together) is one line on stderr
@@ -308,23 +441,38 @@ def main(argv=None, job_cls=Job) -> int:
     prog = f"{job_cls.name}.py"
     args = job_cls.parse_args(argv)
     try:
-        env = init_distributed(args.device)
+        env = init_distributed(args.device, args.init_timeout)
     except JobError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"{prog}: error: {e}", file=sys.stderr)
         return e.exit_code
     code = 0
     job = None
+    wd = F.start_watchdog(args, env)  # see [Note: the watchdog] in yafsdp/tools/watchdog.py
     try:
         job = job_cls(args, env)
+        F.attach(job, wd)
         job.run()
         dist.barrier()  # see [Note: teardown before exit]
-    except JobError as e:  # raised on every rank together (see agree); printed once
-        if env.rank == 0:
+    except BaseException as e:  # noqa: BLE001 - see [Note: one rank's error] in faults.py
+        if isinstance(e, (SystemExit, KeyboardInterrupt)) and env.world == 1:
+            raise
+        if not F.all_ranks_raised(wd, env.world):  # some rank is elsewhere: it must hear of this one
+            code = F.report_alone(prog, job, wd, e)
+            if job is not None and job.lock is not None:
+                job.lock.release()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            time.sleep(wd.poll + 0.5)  # the others' watchdogs read the error before a launcher tears them down
+            os._exit(code)  # the others may be blocked in a collective with us: no teardown to wait for
+        if not isinstance(e, JobError):
+            raise
+        if env.rank == 0:  # raised on every rank together (see agree); printed once
             print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         code = e.exit_code
         dist.barrier()  # every rank raises a JobError together; see [Note: teardown before exit]
     finally:
+        wd.stop()
         if job is not None and job.lock is not None:
             job.lock.release()
         job = None

@@ -9,6 +9,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device_arg: str) -> Env:
-    """torchrun's environment (env://), or a world of one when started with plain ``python``."""
+ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_launch_env(environ=os.environ) -> None:
+    """A launcher that sets some of torch's env:// variables but not all of them gets one line
+    naming the missing ones (torch's own error is a traceback about the store)."""
+    given = [k for k in ENV_VARS if environ.get(k)]
+    if given and len(given) < len(ENV_VARS):
+        missing = [k for k in ENV_VARS if not environ.get(k)]
+        raise JobError(f"the environment sets {', '.join(f'{k}={environ[k]}' for k in given)} but not "
+                       f"{', '.join(missing)}: launch with torchrun (it sets all four), set every one of "
+                       f"{', '.join(ENV_VARS)}, or unset {', '.join(given)} for a world of one")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+        v = environ.get(k)
+        if v is not None and not v.strip().isdigit():
+            raise JobError(f"the environment sets {k}={v!r}: a non-negative integer is needed")
+    if given and int(environ["RANK"]) >= int(environ["WORLD_SIZE"]):
+        raise JobError(f"the environment sets RANK={environ['RANK']} but WORLD_SIZE={environ['WORLD_SIZE']}: "
+                       "RANK must be below WORLD_SIZE")
+
+
+def init_distributed(device_arg: str, init_timeout: float = 600.0) -> Env:
+    """torchrun's environment (env://), or a world of one when started with plain ``python``.
+    ``init_timeout``: the process group's timeout (start-up and any collective the watchdog does
+    not end first; see [Note: the watchdog] in yafsdp/tools/watchdog.py)."""
+    check_launch_env()
+    timeout = timedelta(seconds=init_timeout)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -64,7 +90,7 @@ def init_distributed(device_arg: str) -> Env:
         # connection keys (gloo: "connectFullMesh ... Connection refused"). A prefix per attempt
         # keeps the attempts apart; with the c10d rendezvous it is harmless.
         base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                             timeout=dist.constants.default_pg_timeout)
+                             timeout=timeout)
         kw = dict(store=dist.PrefixStore(f"yafsdp_job/attempt_{restart}", base), rank=rank, world_size=world)
     if device_arg == "cuda":
         if not torch.cuda.is_available():
@@ -73,11 +99,15 @@ def init_distributed(device_arg: str) -> Env:
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         backend = "nccl"
-        dist.init_process_group(backend, device_id=device, **kw)
+        # torch's flight recorder: the last collectives of each group, dumped by the watchdog on a hang
+        # (examples/pretrain/faults.py) and by NCCL's own watchdog on its timeout.
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        dist.init_process_group(backend, device_id=device, timeout=timeout, **kw)
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        dist.init_process_group(backend, **kw)
+        dist.init_process_group(backend, timeout=timeout, **kw)
     return Env(rank, world, local_rank, local_world, max(1, world // max(1, local_world)), device, backend, restart)
 
 

@@ -48,15 +48,7 @@ def _open_run_files(job):
     os.makedirs(out, exist_ok=True)
     if job.plan["wipe"]:
         print(f"overwrite discarded the run in {out}: {job.plan['discarded']}", flush=True)
-        for name in ("metrics.jsonl", "events.jsonl", "loss.png", "run.json"):
-            if os.path.exists(os.path.join(out, name)):
-                os.remove(os.path.join(out, name))
-        # The run's checkpoints and killed saves; a step_* directory without a manifest is not
-        # the run's (see yafsdp.checkpoint.foreign_dirs) and stays.
-        for _, path in C.list_checkpoints(job.plan["ck_root"]):
-            shutil.rmtree(path)
-        for path in C.unfinished_saves(job.plan["ck_root"]):
-            shutil.rmtree(path, ignore_errors=True)
+        wipe_run(out, job.plan["ck_root"])
     if job.plan["resume_path"]:
         P.truncate_metrics(job.metrics_path, job.step)
     job.metrics = P.JsonLines(job.metrics_path)
@@ -67,6 +59,27 @@ def _open_run_files(job):
                        world=job.world, device=str(job.device), torch=torch.__version__,
                        yafsdp=yafsdp.__version__, optimizer=job.opt_name, model_shape=job.shape,
                        params=job.n_params), f, indent=1, default=str)
+
+
+def wipe_run(out: str, ck_root: str) -> None:
+    """--overwrite: the run's files, checkpoints and killed saves. Every path is listed and checked
+    first (nothing is deleted when one cannot be); a symbolic link is removed as a link, never
+    followed out of --out. A step_* directory without a manifest is not the run's (see
+    yafsdp.checkpoint.foreign_dirs) and stays."""
+    paths = [os.path.join(out, name) for name in ("metrics.jsonl", "events.jsonl", "loss.png", "run.json")]
+    paths = [p for p in paths if os.path.lexists(p)]
+    paths += [path for _, path in C.list_checkpoints(ck_root)] + C.unfinished_saves(ck_root)
+    if os.path.lexists(os.path.join(ck_root, C.PINS)):
+        paths.append(os.path.join(ck_root, C.PINS))
+    for p in paths:  # where a deletion would fail, fail before the first one
+        parent = os.path.dirname(p)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied (--overwrite deleted nothing)", parent)
+    for p in paths:
+        if os.path.islink(p) or not os.path.isdir(p):
+            os.remove(p)
+        else:
+            shutil.rmtree(p)
 
 
 def header(job):
@@ -230,6 +243,8 @@ def summary(job, sample, exported):
     if not a.export_only:
         job.say(f"files    {job.metrics_path}, {job.png_path}, "
                  f"{getattr(job, 'last_checkpoint', '(no checkpoint)')}")
+    for path in getattr(job, "pinned", []):  # [Note: loss spikes] in faults.py
+        job.say(f"pinned   {path}: the newest checkpoint before a skip streak; --keep leaves it (delete it by hand)")
 
 
 def close(job, sample, exported) -> None:

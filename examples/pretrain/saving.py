@@ -104,9 +104,12 @@ def checkpoint(job, bar) -> None:
     t0 = time.perf_counter()
     state = dict(step=job.step, cursor=job.cursor, tokens=job.tokens_seen,
                  elapsed=job.elapsed_before + time.perf_counter() - job.t_session,
-                 global_batch=a.batch_size * job.world * a.grad_accum, seq_len=a.seq_len, seed=a.seed)
+                 global_batch=a.batch_size * job.world * a.grad_accum, seq_len=a.seq_len, seed=a.seed,
+                 loss_history=list(job.guard.recent) if getattr(job, "guard", None) is not None else [])
     meta = dict(model_shape=job.shape, settings=job.settings, preset_args=describe_model_args(a),
                 optimizer=job.opt_name,
+                # what the run looked like when this was written ([Note: loss spikes] in faults.py)
+                loss=getattr(job, "last_loss", None), skipped_steps=getattr(job, "skipped_steps", 0),
                 tokenizer="bytes" if isinstance(job.tokenizer, D.ByteTokenizer) else job.tokenizer.name)
     check_finite(job)
     if a.async_save and bar is not None:  # periodic saves; the run's last one is synchronous
@@ -135,6 +138,15 @@ def checkpoint(job, bar) -> None:
         else:
             print(msg, flush=True)
     job.last_checkpoint = path
+
+
+def pin(job, path: str, reason: str) -> None:
+    """Rank 0: ``path`` is kept beyond --keep (see yafsdp.checkpoint.pin_checkpoint)."""
+    try:
+        meta = C.read_manifest(path).get("meta", {})
+    except C.CheckpointError:
+        meta = {}
+    C.pin_checkpoint(path, reason, step=job.step, loss=meta.get("loss"))
 
 
 @torch.no_grad()

@@ -4,6 +4,7 @@ checkpoint, a Hugging Face checkpoint or the seeded init. Nothing is written to 
 the lock, and a --rewind's setting aside)."""
 from __future__ import annotations
 
+import os
 import traceback
 
 import numpy as np
@@ -41,6 +42,12 @@ def model_config(args, tokenizer) -> tuple[dict, object]:
             raise JobError(f"the tokenizer has {tokenizer.vocab_size} ids but {args.init_from_hf!r} only "
                            f"{cfg.vocab_size} embeddings; pass its tokenizer with --tokenizer")
         cfg._attn_implementation = args.attn
+        limit = getattr(cfg, "max_position_embeddings", None)
+        if limit and args.seq_len > limit:
+            raise JobError(f"--seq-len {args.seq_len} exceeds max_position_embeddings {limit} of "
+                           f"{os.path.join(args.init_from_hf, 'config.json')!r}: the model was not trained on positions "
+                           f"past {limit}. Use --seq-len {limit} or less; for deliberate RoPE scaling, set rope_scaling "
+                           "and max_position_embeddings in that config.json first")
     else:
         kw = model_config_dict(args.preset_info, tokenizer.vocab_size, args.seq_len)
         kw.setdefault("bos_token_id", getattr(tokenizer, "bos_id", None))
@@ -206,6 +213,8 @@ class Setup:
             self.step, self.cursor = int(st["step"]), int(st["cursor"])
             self.tokens_seen, self.elapsed_before = int(st.get("tokens", 0)), float(st.get("elapsed", 0.0))
             self.resumed_from = (loaded.path, loaded.saved_world_size, st.get("global_batch"))
+            if getattr(self, "guard", None) is not None:  # the loss-spike guard's history ([Note: loss spikes])
+                self.guard.recent = [float(x) for x in st.get("loss_history", [])]
             set_rng_state(loaded.rank_state, a.seed, self.rank, self.step, self.device)
             self.init_desc = (f"resumed from {loaded.path} (step {self.step}, written by {loaded.saved_world_size} "
                               f"rank(s), loaded by {self.world})")

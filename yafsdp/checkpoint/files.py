@@ -13,7 +13,7 @@ import zlib
 __all__ = ["CheckpointError", "CheckpointWarning", "describe_os_error", "unfinished_saves", "foreign_dirs", "FORMAT", "MANIFEST", "PREFIX", "TMP_PREFIX", "TRASH_PREFIX", "checkpoint_dir",
            "list_checkpoints", "incomplete_checkpoints", "latest_checkpoint", "read_manifest", "crc32",
            "fsync_dir", "write_json_atomic", "remove_checkpoint", "publish_checkpoint", "rotate_checkpoints",
-           "OLD_PREFIX", "remove_trash"]
+           "OLD_PREFIX", "remove_trash", "PINS", "pin_checkpoint", "pinned_checkpoints"]
 
 FORMAT = "yafsdp-checkpoint/1"
 MANIFEST = "checkpoint.json"  # completion marker and manifest
@@ -21,6 +21,7 @@ PREFIX = "step_"
 TMP_PREFIX = ".tmp."
 TRASH_PREFIX = ".trash."
 OLD_PREFIX = ".old."  # a checkpoint being replaced by a new save of its step; see publish_checkpoint
+PINS = "pinned.json"  # checkpoints that rotation keeps beyond ``keep``: see pin_checkpoint
 _STEP_RE = re.compile(rf"^{PREFIX}(\d+)$")
 _OLD_RE = re.compile(rf"^{re.escape(OLD_PREFIX)}{PREFIX}(\d+)$")
 
@@ -156,18 +157,46 @@ def write_json_atomic(path: str, obj) -> None:
 
 
 def remove_checkpoint(path: str, root: str) -> None:
-    """Rename out of sight first (atomic), then delete: a half-deleted checkpoint is never visible."""
+    """Rename out of sight first (atomic), then delete: a half-deleted checkpoint is never visible.
+    A symbolic link is removed as a link: what it points to (possibly outside ``root``) is never
+    followed or deleted."""
     trash = os.path.join(root, f"{TRASH_PREFIX}{os.path.basename(path)}.{os.getpid()}")
     os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    _remove(trash)
     remove_trash(root)
 
 
+def _remove(path: str) -> None:
+    if os.path.islink(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def remove_trash(root: str) -> None:
-    """Delete the leftovers of removals a kill interrupted (``.trash.*``: never read)."""
+    """Delete the leftovers of removals a kill interrupted (``.trash.*``: never read; links unlinked)."""
     for name in os.listdir(root):
         if name.startswith(TRASH_PREFIX):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            _remove(os.path.join(root, name))
+
+
+def pinned_checkpoints(root: str) -> dict[str, dict]:
+    """The pinned checkpoints of ``root``: directory name -> why (``pin_checkpoint``)."""
+    try:
+        with open(os.path.join(root, PINS)) as f:
+            pins = json.load(f)
+        return pins if isinstance(pins, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def pin_checkpoint(path: str, reason: str, **info) -> None:
+    """Keep the complete checkpoint ``path`` whatever ``keep`` says (rotation skips it); ``reason``
+    and ``info`` are recorded in ``<root>/pinned.json``. Not collective: one process writes."""
+    root, name = os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.normpath(path))
+    pins = pinned_checkpoints(root)
+    pins[name] = dict(reason=reason, **info)
+    write_json_atomic(os.path.join(root, PINS), pins)
 
 
 
@@ -222,8 +251,10 @@ def rotate_checkpoints(root: str, step: int, keep: int) -> list[str]:
     the newest ``keep`` of them (the one just written counts and is never deleted). Checkpoints of
     later steps -- a continuation the caller went back from -- are not older than the new one and
     are left alone (the pretraining job sets them aside before it saves; see
-    examples/pretrain/rundir.py). Returns the deleted paths."""
-    older = [path for s, path in list_checkpoints(root) if s <= step]
+    examples/pretrain/rundir.py). Pinned checkpoints (``pin_checkpoint``) are neither deleted nor
+    counted. Returns the deleted paths."""
+    pins = pinned_checkpoints(root)
+    older = [path for s, path in list_checkpoints(root) if s <= step and os.path.basename(path) not in pins]
     gone = older[:-keep] if keep > 0 else []
     for path in gone:
         remove_checkpoint(path, root)

@@ -111,6 +111,7 @@ from typing import Callable
 import torch
 
 from .groups import CollectiveError
+from .progress import waiting
 
 __all__ = ["StreamAPI", "Schedule"]
 
@@ -271,7 +272,7 @@ def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[],
 # See [Note: collective mismatches] in comm/groups.py.
 def _wait(work, what: str, unit: str) -> None:
     try:
-        work.wait()
+        waiting(work, what, unit)  # the watchdog sees what is waited for (comm/progress.py)
     except RuntimeError as e:
         raise CollectiveError(
             f"yafsdp: the {what} of unit {unit!r} did not complete ({type(e).__name__}: {e}). The ranks are most "

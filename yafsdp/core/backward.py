@@ -13,6 +13,7 @@ from .. import kernels
 from .lookup import fold_rows, lookup_rows
 from .orig_params import run_grad_hooks
 from ..comm.reduce_accum import fold_pieces_
+from ..comm.progress import POSITION
 from .shard_grad import grad_view, plain
 from .shard_hooks import fire as fire_shard_hooks
 from ..tools.trace import span
@@ -90,6 +91,7 @@ class BackwardSteps:
                 "or compute the penalty without create_graph"
             )
         self._check_unchanged(unit)
+        POSITION.at("backward", unit.name)
         task = current_task()
         if use.task == task:
             return

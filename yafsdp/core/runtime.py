@@ -39,6 +39,7 @@ from .. import formats
 from .alloc import STORAGE_FIELDS, allocate
 from .backward import BackwardSteps, BackwardUse
 from ..comm.schedule import Schedule
+from ..comm.progress import POSITION
 from ..comm.hsdp import make_replicas
 from .placement import make_placement
 from .config import EngineConfig
@@ -333,6 +334,7 @@ class Runtime(BackwardSteps):
     def unit_forward(self, unit: Unit, gather: bool = True) -> None:
         """Before a unit's forward: its weights gathered (the next unit's gather issued first).
         ``gather=False``: a sharded lookup, which reads the shard itself (lookup.py)."""
+        POSITION.at("forward", unit.name)
         self.recover()
         self.ensure_step_ready()
         if not gather:

@@ -88,6 +88,10 @@ def _pread_into(fd: int, offset: int, dest: torch.Tensor, where: str) -> None:
         mv, offset = mv[got:], offset + got
 
 
+class NonFiniteWeights(ValueError):
+    """A tensor read from a checkpoint holds NaN or inf; the message names the file and the tensor."""
+
+
 class _File:
     """One safetensors file: its header parsed (8-byte little-endian length, then JSON), its tensors
     read by byte range with ``pread`` -- no mapping, so what the loader holds is what it allocated."""
@@ -124,13 +128,18 @@ class _File:
         where = f"{self.path!r}, tensor {key!r}"
         if out.dtype == dt and out.device.type == "cpu":
             _pread_into(self.fd, at + start * size, out, where)
-            return
-        step = max(1, scratch.numel() // size)
-        for i in range(start, stop, step):
-            j = min(stop, i + step)
-            part = scratch[:(j - i) * size]
-            _pread_into(self.fd, at + i * size, part, where)
-            out[i - start:j - start].copy_(part.view(dt))
+        else:
+            step = max(1, scratch.numel() // size)
+            for i in range(start, stop, step):
+                j = min(stop, i + step)
+                part = scratch[:(j - i) * size]
+                _pread_into(self.fd, at + i * size, part, where)
+                out[i - start:j - start].copy_(part.view(dt))
+        seg = out[:stop - start]
+        if seg.is_floating_point() and not bool(torch.isfinite(seg).all()):  # one pass over what was read
+            bad = torch.logical_not(torch.isfinite(seg)).nonzero()[0].item()
+            raise NonFiniteWeights(f"{where} holds NaN/inf (the first at element {start + bad} of the flattened "
+                                   "tensor)")
 
 
 class SafetensorsSource:
@@ -276,6 +285,32 @@ def load_streaming(model, sources: list, *, error: type[Exception] = ValueError,
         return g.shard.device.type == "cpu" and not g.kind.format.stored
 
     indirect = [s for s in rt.stored_shards() if not direct(s.group)]
+    try:
+        _fill_all(rt, by_param, scratch, direct, indirect, write_shard)
+        bad = None
+    except NonFiniteWeights as e:  # a rank's own slices only: every rank must hear of it
+        bad = str(e)
+    bad = _agree(bad, model)
+    if bad:
+        rt.invalidate_buffers()
+        raise error(f"{bad}: the model's weights are now partly overwritten; load again from finite weights")
+
+    def fill(key, b):
+        flat = LEDGER.hold(torch.empty(b.numel(), dtype=b.dtype))
+        buffers[key].read(0, b.numel(), flat, scratch)
+        b.copy_(flat.view(b.shape))
+
+    try:
+        load_buffers(rt, model._keys, fill)
+    except NonFiniteWeights as e:  # buffers are read whole, alike on every rank
+        raise error(str(e)) from None
+    del scratch
+    rt.invalidate_buffers()
+    model.mark_loaded()
+
+
+def _fill_all(rt, by_param, scratch, direct, indirect, write_shard) -> None:
+    """Every stored shard of ``rt`` from its sources (see load_streaming)."""
     slab = None
     for u, g, _, _ in rt.stored_shards():  # See [Note: stored shards] in unit.py
         lo, n = g.layout.shard_start, g.layout.shard_numel
@@ -295,16 +330,6 @@ def load_streaming(model, sources: list, *, error: type[Exception] = ValueError,
         _fill(g, lo, n, out, by_param, scratch)
         write_shard(rt, g, out.to(rt.device))  # consumed before the next group overwrites the slab
         del out
-
-    def fill(key, b):
-        flat = LEDGER.hold(torch.empty(b.numel(), dtype=b.dtype))
-        buffers[key].read(0, b.numel(), flat, scratch)
-        b.copy_(flat.view(b.shape))
-
-    load_buffers(rt, model._keys, fill)
-    del scratch, slab
-    rt.invalidate_buffers()
-    model.mark_loaded()
 
 
 def load_host_bytes(layouts, compute_itemsize: int) -> int:
