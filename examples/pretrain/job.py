@@ -473,6 +473,7 @@ def main(argv=None, job_cls=Job) -> int:
         dist.barrier()  # every rank raises a JobError together; see [Note: teardown before exit]
     finally:
         wd.stop()
+        wd.on_hang = wd.on_error = None  # they hold the job (its model, the process group): [Note: teardown before exit] in ops.py
         if job is not None and job.lock is not None:
             job.lock.release()
         job = None

@@ -128,6 +128,8 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._beats_thread: threading.Thread | None = None
         self.report: HangReport | None = None  # set when a hang was declared (exit=False)
+        self._claim = threading.Lock()  # one verdict per process: its own, or another rank's
+        self._claimed = False
         self.error: dict | None = None  # the run's first error as published (fail() or another rank's)
         self.host = socket.gethostname()
 
@@ -255,7 +257,18 @@ class Watchdog:
         raw = self.store.get("error")
         return json.loads(raw.decode() if isinstance(raw, bytes) else raw) if raw else None
 
+    def _take(self) -> bool:
+        """Claim this process's one verdict (a hang it declares, or one it heard of)."""
+        with self._claim:
+            first, self._claimed = not self._claimed, True
+            return first
+
     def _on_remote_error(self, err: dict) -> None:
+        if err.get("rank") == self.rank and err.get("kind") != "hang":
+            self.error = err
+            return  # our own error: the main thread handles it
+        if not self._take():
+            return
         self.error = err
         if err.get("kind") == "hang":  # another rank declared the hang: the same report, one line here too
             self.report = HangReport(err["report"])
@@ -264,8 +277,6 @@ class Watchdog:
                 _safely(self.on_hang, self.report)
             self._end(self.exit_code)
             return
-        if err.get("rank") == self.rank:
-            return  # our own error: the main thread handles it
         if self.on_error is not None:
             _safely(self.on_error, err)
         self._end(int(err.get("exit_code", 1)))
@@ -282,6 +293,8 @@ class Watchdog:
         return [json.loads(next(it)) if p else None for p in present], True
 
     def _declare_hang(self, idle: float) -> None:
+        if not self._take():
+            return
         reader = _Reader(self)
         reader.start()
         reader.join(timeout=self.poll * 3 + 12)
