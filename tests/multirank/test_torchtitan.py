@@ -171,84 +171,145 @@ def _batch(step, rank):
     return ids[:, :-1], ids[:, 1:]
 
 
-def _titan_ranks(rank, world, steps):
-    llama3, cfg = _titan_config()
-    from torch.nn.parallel import DistributedDataParallel
-    from torchtitan.config import TrainingConfig
-
-    from yafsdp.integrations.torchtitan import parallelize_yafsdp, yafsdp_model_spec
-
-    out = {}
-    spec = yafsdp_model_spec(llama3.model_registry("debugmodel", attn_backend="flex"))
-    out["spec"] = (spec.name, spec.parallelize_fn is parallelize_yafsdp, spec.pipelining_fn)
-    # torchtitan's Trainer: build on meta, parallelize_fn, to_empty, init_weights under no_grad
+def _titan_build(spec, cfg, training, ac=None, seed=1):
+    """torchtitan's Trainer flow: build on meta, parallelize_fn, to_empty, init_weights under no_grad."""
     with torch.device("meta"):
         meta = cfg.build()
-    model = spec.parallelize_fn(meta, training=TrainingConfig(mixed_precision_param="float32"))
+    model = spec.parallelize_fn(meta, training=training, ac_config=ac)
     model.to_empty(device="cpu")
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
+    return model
+
+
+def _reference(cfg, seed=1):
     ref = cfg.build()
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     with torch.no_grad():
         ref.init_weights(buffer_device=None)
+    return ref
+
+
+def _titan_ranks(rank, world, root):
+    llama3, cfg = _titan_config()
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.config import TrainingConfig
+    from torchtitan.distributed import utils as titan_dist
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    from yafsdp import checkpoint as ckpt
+    from yafsdp.integrations.torchtitan import parallelize_yafsdp, yafsdp_model_spec
+
+    max_norm = 0.05  # small enough that every step clips (the gradient norms are ~2)
+    out = {}
+    spec = yafsdp_model_spec(llama3.model_registry("debugmodel", attn_backend="flex"))
+    out["spec"] = (spec.name, spec.parallelize_fn is parallelize_yafsdp, spec.pipelining_fn)
+    training = TrainingConfig(mixed_precision_param="float32", max_norm=max_norm)
+    model = _titan_build(spec, cfg, training)
+    ref = _reference(cfg)
     out["units"] = [u.name for u in model._rt.units]
     out["needs_load"] = model.needs_load
     out["names"] = [n for n, _ in model.module.named_parameters()] == [n for n, _ in ref.named_parameters()]
-    full = model.full_state_dict()
-    want = ref.state_dict()
+    full, want = model.full_state_dict(), ref.state_dict()
     if rank == 0:
         out["init_keys"] = sorted(full) == sorted(want)
         out["init"] = max((full[k] - want[k]).abs().max().item() for k in want)
-    # torchtitan's Trainer flags: _skip_lm_head=False lands on the model; True (ChunkedLossWrapper) is refused
-    model._skip_lm_head = False
     try:
-        model._skip_lm_head = True
-        out["chunked"] = ""
+        model.state_dict()  # what torchtitan's checkpointer calls when the Trainer builds it
+        out["ckpt_refused"] = ""
     except RuntimeError as e:
-        out["chunked"] = str(e)
-    try:
-        model.state_dict()
-        out["ckpt"] = ""
-    except RuntimeError as e:
-        out["ckpt"] = str(e)
+        out["ckpt_refused"] = str(e)
+
+    def train(m, opt, steps, first=0, loss_fn=None, micro=1, reduce_by_hand=False):
+        """The Trainer's step: forward/backward per microbatch, its clip of parameters(), the optimizer."""
+        losses = []
+        for step in range(first, steps):
+            for k in range(micro):
+                x, y = _batch(10 * step + k, rank)
+                if loss_fn is None:
+                    loss = nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten()) / micro
+                else:
+                    loss, _ = loss_fn(m(x), y, torch.tensor(float(micro * y.numel())))
+                loss.backward()
+            if reduce_by_hand:  # DDP's average, for a loss DDP refuses (a backward per chunk marks lm_head twice)
+                for p in m.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+            if hasattr(m, "_rt"):  # the Trainer's clip, of what parallelize_fn returned
+                titan_dist.clip_grad_norm_(list(m.parameters()), max_norm, foreach=True)
+            else:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    # A: plain cross-entropy against DDP; a sharded checkpoint after step 2, resumed in a new model
+    # SGD: unlike Adam, its update scales with the gradient, so a clip by the wrong norm shows
+    sgd = dict(lr=0.5, momentum=0.9, weight_decay=0.01)
+    opt = torch.optim.SGD(model.parameters(), **sgd)
     ddp = DistributedDataParallel(ref)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.1)
-    losses = []
-    for step in range(steps):
-        x, y = _batch(step, rank)
-        pair = []
-        for m, o in ((model, opt), (ddp, ref_opt)):
-            loss = nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten())
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            pair.append(loss.item())
-        losses.append(pair)
-    out["losses"] = losses
-    full = model.full_state_dict()
+    ref_opt = torch.optim.SGD(ddp.parameters(), **sgd)
+    ours = train(model, opt, 2)
+    path = ckpt.save_checkpoint(root, 2, model, opt)
+    ours += train(model, opt, 3, first=2)
+    out["losses"] = list(zip(ours, train(ddp, ref_opt, 3)))
+    full, want = model.full_state_dict(), ref.state_dict()
     if rank == 0:
-        want = ref.state_dict()
-        out["weights"] = max(((full[k] - want[k]).norm() / want[k].norm().clamp_min(1e-12)).item() for k in want)
+        out["weights"] = max(((full[k] - want[k]).norm() / want[k].norm()).item() for k in want)
+    resumed = _titan_build(spec, cfg, TrainingConfig(mixed_precision_param="float32", max_norm=max_norm), seed=9)
+    opt2 = torch.optim.SGD(resumed.parameters(), **sgd)
+    ckpt.load_checkpoint(path, resumed, opt2)
+    out["resumed_loss"] = (train(resumed, opt2, 3, first=2)[0], ours[2])
+    again = resumed.full_state_dict()
+    if rank == 0:
+        out["resumed"] = max((again[k] - full[k]).abs().max().item() for k in full)
+
+    # B: torchtitan's chunked loss (the Trainer sets _skip_lm_head) and selective activation checkpointing,
+    # two microbatches, against the unsharded model with DDP's gradient average
+    training = TrainingConfig(mixed_precision_param="float32", max_norm=max_norm)
+    model = _titan_build(spec, cfg, training, ac=SelectiveAC.Config())
+    out["ac_units"] = [u.name for u in model._rt.units]
+    ref = _reference(cfg)
+    chunked = [ChunkedLossWrapper.Config(num_chunks=4, loss_fn=CrossEntropyLoss.Config()).build() for _ in range(2)]
+    chunked[0].set_lm_head(model.lm_head)
+    model._skip_lm_head = True  # as torchtitan's Trainer does: it lands on the wrapped model
+    chunked[1].set_lm_head(ref.lm_head)
+    ref._skip_lm_head = True
+    out["skip_flag"] = (model.module._skip_lm_head, "_skip_lm_head" in model.__dict__)
+    opt = torch.optim.SGD(model.parameters(), **sgd)
+    ref_opt = torch.optim.SGD(ref.parameters(), **sgd)
+    out["chunked_losses"] = list(zip(train(model, opt, 3, loss_fn=chunked[0], micro=2),
+                                     train(ref, ref_opt, 3, loss_fn=chunked[1], micro=2, reduce_by_hand=True)))
+    full, want = model.full_state_dict(), ref.state_dict()
+    if rank == 0:
+        out["chunked_keys"] = sorted(full) == sorted(want)
+        out["chunked_weights"] = max(((full[k] - want[k]).norm() / want[k].norm()).item() for k in want)
     return out
 
 
 @pytest.mark.skipif(_torchtitan_missing() is not None, reason=str(_torchtitan_missing()))
-def test_torchtitan_llama3_parallelize_fn_matches_ddp():
+def test_torchtitan_llama3_parallelize_fn_matches_ddp(tmp_path):
     """torchtitan's flow (meta build -> parallelize_fn -> to_empty -> init_weights) gives the reference
-    init on every rank; 3 AdamW steps match DDP on the unsharded model (losses, weights); the chunked
-    loss and torchtitan's checkpointer are refused naming what to use."""
-    res = run_ranks(_titan_ranks, 2, 3, timeout_s=240)
+    init on every rank; 3 SGD steps with the Trainer's clip (torchtitan's clip_grad_norm_ of the flat shards)
+    match DDP with torch's clip on the unsharded model (losses, weights); a yafsdp.checkpoint saved at step 2 resumes exactly; the chunked loss
+    with selective activation checkpointing and two microbatches matches too; torchtitan's checkpointer
+    is refused naming what to use."""
+    res = run_ranks(_titan_ranks, 2, str(tmp_path), timeout_s=300)
     for out in res:
         assert out["spec"] == ("llama3_yafsdp", True, None)
-        assert out["units"] == ["tok_embeddings", "layers.0", "layers.1", "lm_head"]
+        assert out["units"] == out["ac_units"] == ["tok_embeddings", "layers.0", "layers.1", "lm_head"]
         assert not out["needs_load"] and out["names"]
-        assert "lm_head.weight" in out["chunked"] and "CrossEntropyLoss" in out["chunked"]
-        assert "checkpoint.enable=False" in out["ckpt"] and "yafsdp.checkpoint" in out["ckpt"]
-        for ours, theirs in out["losses"]:
-            assert abs(ours - theirs) < 1e-5, out["losses"]
-    assert res[0]["init_keys"] and res[0]["init"] == 0.0
-    assert res[0]["weights"] < 1e-5, res[0]["weights"]
+        assert "checkpoint.enable=False" in out["ckpt_refused"] and "yafsdp.checkpoint" in out["ckpt_refused"]
+        assert out["skip_flag"] == (True, False)
+        for ours, theirs in out["losses"] + out["chunked_losses"]:
+            assert abs(ours - theirs) < 1e-5, (out["losses"], out["chunked_losses"])
+        assert out["resumed_loss"][0] == out["resumed_loss"][1]
+    r0 = res[0]
+    assert r0["init_keys"] and r0["init"] == 0.0 and r0["chunked_keys"]
+    assert r0["weights"] < 1e-5 and r0["chunked_weights"] < 1e-5, (r0["weights"], r0["chunked_weights"])
+    assert r0["resumed"] == 0.0

@@ -19,17 +19,25 @@ and builds the optimizers from its ``parameters()``. :func:`parallelize_yafsdp` 
 - ``parameters()`` are the flat shards: the optimizer steps them, as FSDP2's optimizer steps its
   DTensors;
 - the units: the embedding, each block of the ``layers`` ModuleDict ([Note: blocks in a ModuleDict]
-  in core/units.py) and the head; the fused QKV layer's state_dict hooks run around the gathered
-  values ([Note: state_dict hooks] in core/state_dict.py).
+  in core/units.py) and the head; the fused QKV layer's state_dict hooks (and those of the
+  activation-checkpoint wrappers) run around the gathered values ([Note: state_dict hooks] in
+  core/state_dict.py);
+- ``activation_checkpoint``: torchtitan's policy (full or selective) wraps each block before
+  the engine does, so the checkpoint wrappers are the units and recompute inside their backward;
+- gradient clipping: the Trainer's ``clip_grad_norm_`` over ``parameters()`` takes the model's norm:
+  the flat shards' gradients answer a norm with one all-reduce over the shard group ([Note: shard
+  gradients that know they are shards] in core/shard_grad.py), so every rank clips by the same factor, and the
+  ``grad_norm`` it logs is the model's;
+- the Trainer's ``_skip_lm_head`` flag (``ChunkedLossWrapper``) is set on the wrapped model,
+  whose forward reads it; the chunked loss then calls ``lm_head`` once per chunk after the
+  forward, each with its own backward: the head unit is gathered for each call, and the chunks'
+  gradients add up to the unchunked one (tested against the unsharded model).
 
 Not supported, refused when configured (naming the option): tensor, context, pipeline and expert
-parallelism and more than one data-parallel replica (HSDP has its own ``mesh=``); activation
-checkpointing through torchtitan's ``activation_checkpoint`` config; torchtitan's ``ChunkedLossWrapper``
-(it runs ``lm_head`` outside the model's forward, after the step's forward has ended, with a backward
-per chunk: use ``CrossEntropyLoss``); torchtitan's DCP checkpointer (it calls ``state_dict()``, which
-YaFSDP refuses: save with ``yafsdp.checkpoint.save_checkpoint`` / ``load_checkpoint``, or
-``model.full_state_dict()``, whose keys are those of the unwrapped model, fused QKV split as
-torchtitan saves it).
+parallelism and more than one data-parallel replica; torchtitan's DCP checkpointer (it calls
+``state_dict()``, which YaFSDP refuses): save with ``yafsdp.checkpoint.save_checkpoint`` /
+``load_checkpoint`` (sharded, resumable at another world size), or ``model.full_state_dict()``,
+whose keys are those of the unwrapped model (fused QKV split as torchtitan saves it).
 """
 from __future__ import annotations
 
@@ -40,25 +48,21 @@ import torch
 
 from ..core.api import YaFSDP
 
-__all__ = ["TitanYaFSDP", "parallelize_yafsdp", "yafsdp_model_spec", "yafsdp_trainer_config", "llama3_debugmodel"]
+__all__ = ["TitanYaFSDP", "parallelize_yafsdp", "yafsdp_model_spec", "yafsdp_trainer_config", "llama3_debugmodel",
+           "llama3_debugmodel_varlen_attn"]
 
 
 class TitanYaFSDP(YaFSDP):
     """The ``YaFSDP`` wrapper torchtitan's Trainer gets from :func:`parallelize_yafsdp`. It differs from
-    ``YaFSDP`` in two habits of torchtitan's Trainer: flags it sets on the model object go to the wrapped
-    model (whose forward reads them), and its checkpointer's ``state_dict()`` is refused with the way out."""
+    ``YaFSDP`` in two habits of torchtitan's Trainer: a flag it sets on the model object that the wrapped
+    model has (``_skip_lm_head``) is set there, where the forward reads it, and its checkpointer's
+    ``state_dict()`` is refused naming the way out."""
 
     def __setattr__(self, name, value):
         inner = self.__dict__.get("_modules", {}).get("module")
-        if name == "_skip_lm_head" and value:
-            raise RuntimeError(
-                "yafsdp.integrations.torchtitan: torchtitan's ChunkedLossWrapper is not supported: it calls the "
-                "model's lm_head (unit 'lm_head', parameter 'lm_head.weight') after the model's forward has ended, "
-                "one forward and backward per chunk, outside the step the engine runs. Use "
-                "loss=CrossEntropyLoss.Config(...) in the Trainer config (yafsdp_trainer_config does)")
-        if inner is not None and name not in self.__dict__ and not hasattr(type(self), name) and not isinstance(value, (torch.nn.Module, torch.Tensor)) \
-                and name in inner.__dict__:
-            setattr(inner, name, value)  # a flag of the model's own (torchtitan's _skip_lm_head = False ...)
+        if inner is not None and name not in self.__dict__ and not hasattr(type(self), name) and not isinstance(
+                value, (torch.nn.Module, torch.Tensor)) and hasattr(inner, name):
+            setattr(inner, name, value)  # a flag of the model's own, read by its forward (_skip_lm_head)
             return
         super().__setattr__(name, value)
 
@@ -73,7 +77,7 @@ class TitanYaFSDP(YaFSDP):
 def parallelize_yafsdp(model: torch.nn.Module, *, parallel_dims=None, training=None, parallelism=None,
                        compile_config=None, ac_config=None, dump_folder=None, **yafsdp_options) -> TitanYaFSDP:
     """torchtitan's ``parallelize_fn`` contract: shard ``model`` (built on the meta device or not) with
-    yafsdp over the world and return the wrapper. ``training.mixed_precision_param`` / ``_reduce`` become
+    yafsdp over the world and return the wrapper, after applying ``ac_config`` (activation checkpointing). ``training.mixed_precision_param`` / ``_reduce`` become
     ``param_dtype`` / ``reduce_dtype`` unless ``yafsdp_options`` name them; other ``yafsdp_options`` go to
     ``YaFSDP`` (``zero_stage=``, ``offload=``, ...). ``compile_config`` with "model" in its components
     compiles each unit (``compile_units``). What it cannot do is refused: [Note: the torchtitan seam]."""
@@ -86,11 +90,8 @@ def parallelize_yafsdp(model: torch.nn.Module, *, parallel_dims=None, training=N
                 raise ValueError(
                     f"yafsdp.integrations.torchtitan: parallelism.{what} > 1 is not supported with yafsdp (it shards "
                     "over the whole world, data parallel only); set it to 1")
-    if ac_config is not None:
-        raise ValueError(
-            f"yafsdp.integrations.torchtitan: activation_checkpoint ({type(ac_config).__qualname__}) is not supported "
-            "through torchtitan's config with yafsdp; set activation_checkpoint=None in the Trainer config "
-            "(yafsdp_trainer_config does)")
+    if ac_config is not None:  # each block wrapped for recompute; the wrappers become the units
+        ac_config.build(dump_folder=dump_folder or "").apply(model)
     if training is not None:
         from torchtitan.config import TORCH_DTYPE_MAP
 
@@ -111,15 +112,8 @@ def yafsdp_model_spec(spec, **yafsdp_options):
 
 def yafsdp_trainer_config(config, **yafsdp_options):
     """torchtitan ``Trainer.Config`` ``config`` set up for yafsdp, in place (and returned): its model spec
-    through :func:`yafsdp_model_spec`, the plain cross-entropy loss instead of the chunked one, no
-    activation checkpointing through torchtitan, and torchtitan's checkpointer off (save with
-    ``yafsdp.checkpoint``)."""
-    from torchtitan.components.loss import ChunkedLossWrapper
-
+    through :func:`yafsdp_model_spec` and torchtitan's checkpointer off (save with ``yafsdp.checkpoint``)."""
     config.model_spec = yafsdp_model_spec(config.model_spec, **yafsdp_options)
-    if isinstance(config.loss, ChunkedLossWrapper.Config):
-        config.loss = config.loss.loss_fn
-    config.activation_checkpoint = None
     config.checkpoint.enable = False
     return config
 
@@ -128,5 +122,12 @@ def llama3_debugmodel():
     """``--module yafsdp.integrations.torchtitan --config llama3_debugmodel``: torchtitan's llama3 debug
     model and training recipe, sharded by yafsdp."""
     from torchtitan.models.llama3.config_registry import llama3_debugmodel as base
+
+    return yafsdp_trainer_config(base())
+
+
+def llama3_debugmodel_varlen_attn():
+    """``--config llama3_debugmodel_varlen_attn``: the same with varlen attention (no flex compile; CUDA)."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel_varlen_attn as base
 
     return yafsdp_trainer_config(base())
