@@ -171,11 +171,19 @@ def _batch(step, rank):
     return ids[:, :-1], ids[:, 1:]
 
 
-def _titan_build(spec, cfg, training, ac=None, seed=1):
+def _dims(world, **degrees):
+    from torchtitan.distributed import ParallelDims
+
+    sizes = dict(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1)
+    sizes.update(degrees)
+    return ParallelDims(**sizes, world_size=world)
+
+
+def _titan_build(spec, cfg, training, ac=None, seed=1, dims=None):
     """torchtitan's Trainer flow: build on meta, parallelize_fn, to_empty, init_weights under no_grad."""
     with torch.device("meta"):
         meta = cfg.build()
-    model = spec.parallelize_fn(meta, training=training, ac_config=ac)
+    model = spec.parallelize_fn(meta, parallel_dims=dims, training=training, ac_config=ac)
     model.to_empty(device="cpu")
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -209,7 +217,14 @@ def _titan_ranks(rank, world, root):
     spec = yafsdp_model_spec(llama3.model_registry("debugmodel", attn_backend="flex"))
     out["spec"] = (spec.name, spec.parallelize_fn is parallelize_yafsdp, spec.pipelining_fn)
     training = TrainingConfig(mixed_precision_param="float32", max_norm=max_norm)
-    model = _titan_build(spec, cfg, training)
+    model = _titan_build(spec, cfg, training, dims=_dims(world))
+    out["refused"] = []
+    for degrees in (dict(dp_shard=1, tp=2), dict(dp_shard=1, dp_replicate=2), dict(dp_shard=1, cp=2)):
+        try:
+            _titan_build(spec, cfg, training, dims=_dims(world, **degrees))
+            out["refused"].append("")
+        except ValueError as e:
+            out["refused"].append(str(e))
     ref = _reference(cfg)
     out["units"] = [u.name for u in model._rt.units]
     out["needs_load"] = model.needs_load
@@ -304,6 +319,8 @@ def test_torchtitan_llama3_parallelize_fn_matches_ddp(tmp_path):
         assert out["spec"] == ("llama3_yafsdp", True, None)
         assert out["units"] == out["ac_units"] == ["tok_embeddings", "layers.0", "layers.1", "lm_head"]
         assert not out["needs_load"] and out["names"]
+        for what, msg in zip(("tensor_parallel", "data_parallel_replicate", "context_parallel"), out["refused"]):
+            assert f"parallelism.{what}_degree > 1 is not supported" in msg, out["refused"]
         assert "checkpoint.enable=False" in out["ckpt_refused"] and "yafsdp.checkpoint" in out["ckpt_refused"]
         assert out["skip_flag"] == (True, False)
         for ours, theirs in out["losses"] + out["chunked_losses"]:
