@@ -130,6 +130,18 @@ def _shaped_ranks(rank, world):
         streamed.update(piece)
     ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(3))
     out["logits"] = (model(ids) - ref(ids)).abs().max().item()
+
+    class Extra(nn.Linear):  # state_dict entries that are no tensor of the module: refused, naming it
+        def get_extra_state(self):
+            return {"scale": 1.0}
+
+    extra = TitanShaped()
+    extra.layers["1"].wo = Extra(D, D, bias=False)
+    try:
+        yafsdp.YaFSDP(extra)
+        out["extra"] = ""
+    except ValueError as e:
+        out["extra"] = str(e)
     if rank == 0:
         out["keys"] = (sorted(got), sorted(want), sorted(streamed))
         out["values"] = max((got[k] - want[k]).abs().max().item() for k in want)
@@ -146,6 +158,7 @@ def test_state_dict_hooks_and_module_dict_blocks():
         assert out["units"] == ["tok_embeddings", "layers.0", "layers.1", "lm_head"]
         assert "yafsdp_device_anchor" not in out["names"] and len(out["names"]) == len(set(out["names"]))
         assert out["logits"] < 1e-6
+        assert "'layers.1.wo._extra_state'" in out["extra"] and "module 'layers.1.wo'" in out["extra"], out["extra"]
     first = res[0]
     got, want, streamed = first["keys"]
     assert got == want == streamed and "layers.0.qkv.wq.weight" in want and "layers.0.qkv.wqkv.weight" not in want

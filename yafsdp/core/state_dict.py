@@ -66,8 +66,9 @@ class StateDictKeys:
                 owner = max((pf for pf, _ in named if key.startswith(pf)), key=len, default="")
                 raise WrapError(
                     f"state_dict key {key!r} is neither a parameter nor a buffer of the module: module "
-                    f"{owner[:-1] or '<root>'!r} writes its own state_dict (a _save_to_state_dict override), which "
-                    "the engine cannot map onto its shards; a state_dict post-hook is supported in its place")
+                    f"{owner[:-1] or '<root>'!r} writes entries of its own (get_extra_state or a _save_to_state_dict "
+                    "override), which the engine cannot map onto its shards; a state_dict post-hook (with a "
+                    "load_state_dict pre-hook) is supported in their place")
         hooked = {id(m) for m, _ in held}
         for pf, m in reversed(named):  # children before their parent (named is in pre-order)
             if id(m) in hooked:
