@@ -192,11 +192,12 @@ def _dims(world, **degrees):
     return ParallelDims(**sizes, world_size=world)
 
 
-def _titan_build(spec, cfg, training, ac=None, seed=1, dims=None):
+def _titan_build(spec, cfg, training, ac=None, seed=1, dims=None, compile_config=None):
     """torchtitan's Trainer flow: build on meta, parallelize_fn, to_empty, init_weights under no_grad."""
     with torch.device("meta"):
         meta = cfg.build()
-    model = spec.parallelize_fn(meta, parallel_dims=dims, training=training, ac_config=ac)
+    model = spec.parallelize_fn(meta, parallel_dims=dims, training=training, ac_config=ac,
+                                compile_config=compile_config)
     model.to_empty(device="cpu")
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -218,7 +219,7 @@ def _titan_ranks(rank, world, root):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.config import TrainingConfig
+    from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.distributed import utils as titan_dist
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
@@ -297,10 +298,13 @@ def _titan_ranks(rank, world, root):
     if rank == 0:
         out["resumed"] = max((again[k] - full[k]).abs().max().item() for k in full)
 
-    # B: torchtitan's chunked loss (the Trainer sets _skip_lm_head) and selective activation checkpointing,
-    # two microbatches, against the unsharded model with DDP's gradient average
+    # B: torchtitan's chunked loss (the Trainer sets _skip_lm_head), selective activation checkpointing and
+    # compile (the eager backend: dynamo traces each unit, nothing is code-generated), two microbatches, against
+    # the unsharded model with DDP's gradient average
     training = TrainingConfig(mixed_precision_param="float32", max_norm=max_norm)
-    model = _titan_build(spec, cfg, training, ac=SelectiveAC.Config())
+    compiled = CompileConfig(enable=True, components=["model"], backend="eager")
+    model = _titan_build(spec, cfg, training, ac=SelectiveAC.Config(), compile_config=compiled)
+    out["compiled"] = getattr(model, "_compiled_units", False)
     out["ac_units"] = [u.name for u in model._rt.units]
     ref = _reference(cfg)
     chunked = [ChunkedLossWrapper.Config(num_chunks=4, loss_fn=CrossEntropyLoss.Config()).build() for _ in range(2)]
@@ -325,7 +329,7 @@ def test_torchtitan_llama3_parallelize_fn_matches_ddp(tmp_path):
     """torchtitan's flow (meta build -> parallelize_fn -> to_empty -> init_weights) gives the reference
     init on every rank; 3 SGD steps with the Trainer's clip (torchtitan's clip_grad_norm_ of the flat shards)
     match DDP with torch's clip on the unsharded model (losses, weights); a yafsdp.checkpoint saved at step 2 resumes exactly; the chunked loss
-    with selective activation checkpointing and two microbatches matches too; torchtitan's checkpointer
+    with selective activation checkpointing, compiled units and two microbatches matches too; torchtitan's checkpointer
     is refused naming what to use."""
     res = run_ranks(_titan_ranks, 2, str(tmp_path), timeout_s=300)
     for out in res:
@@ -335,7 +339,7 @@ def test_torchtitan_llama3_parallelize_fn_matches_ddp(tmp_path):
         for what, msg in zip(("tensor_parallel", "data_parallel_replicate", "context_parallel"), out["refused"]):
             assert f"parallelism.{what}_degree > 1 is not supported" in msg, out["refused"]
         assert "checkpoint.enable=False" in out["ckpt_refused"] and "yafsdp.checkpoint" in out["ckpt_refused"]
-        assert out["skip_flag"] == (True, False)
+        assert out["skip_flag"] == (True, False) and out["compiled"]
         for ours, theirs in out["losses"] + out["chunked_losses"]:
             assert abs(ours - theirs) < 1e-5, (out["losses"], out["chunked_losses"])
         assert out["resumed_loss"][0] == out["resumed_loss"][1]

@@ -80,7 +80,7 @@ def parallelize_yafsdp(model: torch.nn.Module, *, parallel_dims=None, training=N
     yafsdp over the world and return the wrapper, after applying ``ac_config`` (activation checkpointing). ``training.mixed_precision_param`` / ``_reduce`` become
     ``param_dtype`` / ``reduce_dtype`` unless ``yafsdp_options`` name them; other ``yafsdp_options`` go to
     ``YaFSDP`` (``zero_stage=``, ``offload=``, ...). ``compile_config`` with "model" in its components
-    compiles each unit (``compile_units``). What it cannot do is refused: [Note: the torchtitan seam]."""
+    compiles each unit with its backend (``compile_units``). What it cannot do is refused: [Note: the torchtitan seam]."""
     if parallel_dims is not None:
         for what, on in (("tensor_parallel_degree", parallel_dims.tp_enabled), ("pipeline_parallel_degree",
                          parallel_dims.pp_enabled), ("context_parallel_degree", parallel_dims.cp_enabled),
@@ -99,7 +99,7 @@ def parallelize_yafsdp(model: torch.nn.Module, *, parallel_dims=None, training=N
         yafsdp_options.setdefault("reduce_dtype", TORCH_DTYPE_MAP[training.mixed_precision_reduce])
     wrapped = TitanYaFSDP(model, **yafsdp_options)
     if compile_config is not None and compile_config.enable and "model" in compile_config.components:
-        wrapped.compile_units()
+        wrapped.compile_units(backend=compile_config.backend)
     return wrapped
 
 
