@@ -219,7 +219,7 @@ def _titan_ranks(rank, world, root):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.config import CompileConfig, TrainingConfig
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import utils as titan_dist
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
@@ -233,6 +233,15 @@ def _titan_ranks(rank, world, root):
     training = TrainingConfig(mixed_precision_param="float32", max_norm=max_norm)
     model = _titan_build(spec, cfg, training, dims=_dims(world))
     out["refused"] = []
+    try:
+        _titan_build(spec, cfg, TrainingConfig(mixed_precision_param="float32", enable_cpu_offload=True))
+        out["offload_refused"] = ""
+    except ValueError as e:
+        out["offload_refused"] = str(e)
+    with torch.device("meta"):
+        meta = cfg.build()
+    out["zero_stage"] = spec.parallelize_fn(meta, parallelism=ParallelismConfig(fsdp_reshard_after_forward="never"),
+                                            training=training).zero_stage
     for degrees in (dict(dp_shard=1, tp=2), dict(dp_shard=1, dp_replicate=2), dict(dp_shard=1, cp=2)):
         try:
             _titan_build(spec, cfg, training, dims=_dims(world, **degrees))
@@ -336,6 +345,8 @@ def test_torchtitan_llama3_parallelize_fn_matches_ddp(tmp_path):
         assert out["spec"] == ("llama3_yafsdp", True, None)
         assert out["units"] == out["ac_units"] == ["tok_embeddings", "layers.0", "layers.1", "lm_head"]
         assert not out["needs_load"] and out["names"]
+        assert "enable_cpu_offload" in out["offload_refused"] and "offload='optimizer'" in out["offload_refused"]
+        assert out["zero_stage"] == 2
         for what, msg in zip(("tensor_parallel", "data_parallel_replicate", "context_parallel"), out["refused"]):
             assert f"parallelism.{what}_degree > 1 is not supported" in msg, out["refused"]
         assert "checkpoint.enable=False" in out["ckpt_refused"] and "yafsdp.checkpoint" in out["ckpt_refused"]

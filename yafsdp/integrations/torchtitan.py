@@ -34,7 +34,8 @@ and builds the optimizers from its ``parameters()``. :func:`parallelize_yafsdp` 
   gradients add up to the unchunked one (tested against the unsharded model).
 
 Not supported, refused when configured (naming the option): tensor, context, pipeline and expert
-parallelism and more than one data-parallel replica; torchtitan's DCP checkpointer (it calls
+parallelism and more than one data-parallel replica; ``training.enable_cpu_offload`` (yafsdp's
+``offload=`` instead); torchtitan's DCP checkpointer (it calls
 ``state_dict()``, which YaFSDP refuses): save with ``yafsdp.checkpoint.save_checkpoint`` /
 ``load_checkpoint`` (sharded, resumable at another world size), or ``model.full_state_dict()``,
 whose keys are those of the unwrapped model (fused QKV split as torchtitan saves it).
@@ -78,7 +79,8 @@ def parallelize_yafsdp(model: torch.nn.Module, *, parallel_dims=None, training=N
                        compile_config=None, ac_config=None, dump_folder=None, **yafsdp_options) -> TitanYaFSDP:
     """torchtitan's ``parallelize_fn`` contract: shard ``model`` (built on the meta device or not) with
     yafsdp over the world and return the wrapper, after applying ``ac_config`` (activation checkpointing). ``training.mixed_precision_param`` / ``_reduce`` become
-    ``param_dtype`` / ``reduce_dtype`` unless ``yafsdp_options`` name them; other ``yafsdp_options`` go to
+    ``param_dtype`` / ``reduce_dtype`` and ``parallelism.fsdp_reshard_after_forward="never"`` ``zero_stage=2``,
+    unless ``yafsdp_options`` name them; other ``yafsdp_options`` go to
     ``YaFSDP`` (``zero_stage=``, ``offload=``, ...). ``compile_config`` with "model" in its components
     compiles each unit with its backend (``compile_units``). What it cannot do is refused: [Note: the torchtitan seam]."""
     if parallel_dims is not None:
@@ -92,8 +94,16 @@ def parallelize_yafsdp(model: torch.nn.Module, *, parallel_dims=None, training=N
                     "over the whole world, data parallel only); set it to 1")
     if ac_config is not None:  # each block wrapped for recompute; the wrappers become the units
         ac_config.build(dump_folder=dump_folder or "").apply(model)
+    if parallelism is not None and parallelism.fsdp_reshard_after_forward == "never":
+        yafsdp_options.setdefault("zero_stage", 2)  # FSDP2's reshard_after_forward=False: keep the forward's gather
     if training is not None:
         from torchtitan.config import TORCH_DTYPE_MAP
+
+        if training.enable_cpu_offload:  # the Trainer would then to_empty() onto the CPU, away from the engine's device
+            raise ValueError(
+                "yafsdp.integrations.torchtitan: training.enable_cpu_offload is not supported with yafsdp (the Trainer "
+                "then moves the model to the CPU); set it to False and pass offload='optimizer' (or 'all') to "
+                "yafsdp_model_spec(spec, offload=...) / yafsdp_trainer_config(config, offload=...)")
 
         yafsdp_options.setdefault("param_dtype", TORCH_DTYPE_MAP[training.mixed_precision_param])
         yafsdp_options.setdefault("reduce_dtype", TORCH_DTYPE_MAP[training.mixed_precision_reduce])
