@@ -106,14 +106,15 @@ def test_module_dict_blocks_are_units():
     specs, _ = discover(TitanShaped(layers=3), None)
     assert [s.name for s in specs] == ["tok_embeddings", "layers.0", "layers.1", "layers.2", "lm_head"]
 
-    class Adapters(nn.Module):  # PEFT-like: {"default": Linear, "other": Linear} beside a base layer
+    class TokenLayer(nn.Module):  # PEFT's trainable-token layer: own weight, reads base_layer's, adapters in a dict
         def __init__(self):
             super().__init__()
-            self.base = nn.Linear(D, D)
-            self.lora_A = nn.ModuleDict({"default": nn.Linear(D, 2), "other": nn.Linear(D, 2)})
+            self.delta = nn.Parameter(torch.zeros(4, D))
+            self.base_layer = nn.Embedding(64, D)
+            self.adapters = nn.ModuleDict({"default": nn.Linear(D, 2), "other": nn.Linear(D, 2)})
 
-    root = nn.Sequential(Adapters(), Adapters())
-    assert [s.name for s in discover(root, None)[0]] == ["0", "1"]  # the two outer blocks, adapters inside
+    root = nn.Sequential(TokenLayer(), nn.Linear(D, 64))
+    assert [s.name for s in discover(root, None)[0]] == ["0", "1"]  # one unit with its whole subtree, then the head
 
 
 def _shaped_ranks(rank, world):
