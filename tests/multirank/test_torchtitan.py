@@ -228,14 +228,23 @@ def _titan_ranks(rank, world, root):
     from yafsdp.integrations.torchtitan import parallelize_yafsdp, yafsdp_model_spec
 
     max_norm = 0.05  # small enough that every step clips (the gradient norms are ~2)
+
+    def _training(**options):  # fp32 compute (the parity is fp32); no CUDA graphs, as yafsdp_trainer_config sets
+        return TrainingConfig(mixed_precision_param="float32", disable_cuda_graphs=True, **options)
+
     out = {}
     spec = yafsdp_model_spec(llama3.model_registry("debugmodel", attn_backend="flex"))
     out["spec"] = (spec.name, spec.parallelize_fn is parallelize_yafsdp, spec.pipelining_fn)
-    training = TrainingConfig(mixed_precision_param="float32", max_norm=max_norm)
+    training = _training(max_norm=max_norm)
     model = _titan_build(spec, cfg, training, dims=_dims(world))
     out["refused"] = []
     try:
-        _titan_build(spec, cfg, TrainingConfig(mixed_precision_param="float32", enable_cpu_offload=True))
+        _titan_build(spec, cfg, TrainingConfig(mixed_precision_param="float32"))  # torchtitan's default: CUDA graphs
+        out["graphs_refused"] = ""
+    except ValueError as e:
+        out["graphs_refused"] = str(e)
+    try:
+        _titan_build(spec, cfg, _training(enable_cpu_offload=True))
         out["offload_refused"] = ""
     except ValueError as e:
         out["offload_refused"] = str(e)
@@ -300,7 +309,7 @@ def _titan_ranks(rank, world, root):
     full, want = model.full_state_dict(), ref.state_dict()
     if rank == 0:
         out["weights"] = max(((full[k] - want[k]).norm() / want[k].norm()).item() for k in want)
-    resumed = _titan_build(spec, cfg, TrainingConfig(mixed_precision_param="float32", max_norm=max_norm), seed=9)
+    resumed = _titan_build(spec, cfg, _training(max_norm=max_norm), seed=9)
     opt2 = torch.optim.SGD(resumed.parameters(), **sgd)
     ckpt.load_checkpoint(path, resumed, opt2)
     out["resumed_loss"] = (train(resumed, opt2, 3, first=2)[0], ours[2])
@@ -311,7 +320,7 @@ def _titan_ranks(rank, world, root):
     # B: torchtitan's chunked loss (the Trainer sets _skip_lm_head), selective activation checkpointing and
     # compile (the eager backend: dynamo traces each unit, nothing is code-generated), two microbatches, against
     # the unsharded model with DDP's gradient average
-    training = TrainingConfig(mixed_precision_param="float32", max_norm=max_norm)
+    training = _training(max_norm=max_norm)
     compiled = CompileConfig(enable=True, components=["model"], backend="eager")
     model = _titan_build(spec, cfg, training, ac=SelectiveAC.Config(), compile_config=compiled)
     out["compiled"] = getattr(model, "_compiled_units", False)
@@ -337,10 +346,11 @@ def _titan_ranks(rank, world, root):
 @pytest.mark.skipif(_torchtitan_missing() is not None, reason=str(_torchtitan_missing()))
 def test_torchtitan_llama3_parallelize_fn_matches_ddp(tmp_path):
     """torchtitan's flow (meta build -> parallelize_fn -> to_empty -> init_weights) gives the reference
-    init on every rank; 3 SGD steps with the Trainer's clip (torchtitan's clip_grad_norm_ of the flat shards)
-    match DDP with torch's clip on the unsharded model (losses, weights); a yafsdp.checkpoint saved at step 2 resumes exactly; the chunked loss
-    with selective activation checkpointing, compiled units and two microbatches matches too; torchtitan's checkpointer
-    is refused naming what to use."""
+    init on every rank; 3 SGD steps with the Trainer's clip (torchtitan's clip_grad_norm_ of the flat
+    shards) match DDP with torch's clip on the unsharded model (losses, weights); a yafsdp.checkpoint
+    saved at step 2 resumes exactly; the chunked loss with selective activation checkpointing, compiled
+    units and two microbatches matches too; what the engine cannot do (other parallelisms, CUDA graphs,
+    torchtitan's CPU offload and checkpointer) is refused naming what to use."""
     res = run_ranks(_titan_ranks, 2, str(tmp_path), timeout_s=300)
     for out in res:
         assert out["spec"] == ("llama3_yafsdp", True, None)
@@ -348,6 +358,7 @@ def test_torchtitan_llama3_parallelize_fn_matches_ddp(tmp_path):
         assert not out["needs_load"] and out["names"]
         assert "enable_cpu_offload" in out["offload_refused"] and "offload='optimizer'" in out["offload_refused"]
         assert out["zero_stage"] == 2
+        assert "training.disable_cuda_graphs=True" in out["graphs_refused"], out["graphs_refused"]
         for what, msg in zip(("tensor_parallel", "data_parallel_replicate", "context_parallel"), out["refused"]):
             assert f"parallelism.{what}_degree > 1 is not supported" in msg, out["refused"]
         assert "checkpoint.enable=False" in out["ckpt_refused"] and "yafsdp.checkpoint" in out["ckpt_refused"]

@@ -2,10 +2,11 @@
 
 Rules (see docs/api.md, "Arguments": units):
 - ``units=None``: every block of each of the model's repeated block lists (each run of two or more
-  same-class, parameter-holding children of a ``ModuleList``/``Sequential``, or of a ``ModuleDict`` when
-  they are composite; HF decoders: ``model.model.layers``; T5: ``encoder.block`` and ``decoder.block``;
-  torchtitan: ``layers``, a ModuleDict) is a unit. Every other module that directly holds a >=2-D parameter becomes a unit of its own (the
-  embedding before the blocks, the head after them).
+  same-class, parameter-holding children of a ``ModuleList``/``Sequential``, or of a ``ModuleDict``
+  when they are composite; HF decoders: ``model.model.layers``; T5: ``encoder.block`` and
+  ``decoder.block``; torchtitan: ``layers``, a ModuleDict) is a unit. Every other module that
+  directly holds a >=2-D parameter becomes a unit of its own (the embedding before the blocks, the
+  head after them).
 - ``units=[...]``: exactly those modules; every parameter must fall inside one of them.
 - Every 1-D parameter (norm weights, biases) goes to the small group, whatever its unit.
 - A parameter reachable from two units (tied embeddings) is placed in the first; a module of a
@@ -84,10 +85,11 @@ def _already_wrapped(root: nn.Module) -> str | None:
 
 def find_block_lists(root: nn.Module) -> list[list[nn.Module]]:
     """Every repeated block list of ``root``, in module order: each maximal run of two or more
-    same-class, parameter-holding children of a ``ModuleList``/``Sequential`` (or composite ones of a
-    ``ModuleDict``: [Note: blocks in a ModuleDict]) that is not inside a block already found. A decoder-only model has one (HF: ``model.model.layers``); an
-    encoder-decoder has two (T5: ``encoder.block`` and ``decoder.block``); lists nested inside a
-    block (e.g. a block's experts) stay part of that block."""
+    same-class, parameter-holding children of a ``ModuleList``/``Sequential`` (or composite ones of
+    a ``ModuleDict``: [Note: blocks in a ModuleDict]) that is not inside a block already found. A
+    decoder-only model has one (HF: ``model.model.layers``); an encoder-decoder has two (T5:
+    ``encoder.block`` and ``decoder.block``); lists nested inside a block (e.g. a block's experts)
+    stay part of that block."""
     lists: list[list[nn.Module]] = []
     inside: set[int] = set()  # every module in the subtree of a block found so far
     for m in root.modules():  # pre-order: an outer list is seen before anything inside it

@@ -34,7 +34,9 @@ and builds the optimizers from its ``parameters()``. :func:`parallelize_yafsdp` 
   gradients add up to the unchunked one (tested against the unsharded model).
 
 Not supported, refused when configured (naming the option): tensor, context, pipeline and expert
-parallelism and more than one data-parallel replica; ``training.enable_cpu_offload`` (yafsdp's
+parallelism and more than one data-parallel replica; the Trainer's CUDA graph of the forward and
+backward (on by default in torchtitan 0.3: a replay would skip the engine's Python side, so
+``training.disable_cuda_graphs`` must be True); ``training.enable_cpu_offload`` (yafsdp's
 ``offload=`` instead); torchtitan's DCP checkpointer (it calls
 ``state_dict()``, which YaFSDP refuses): save with ``yafsdp.checkpoint.save_checkpoint`` /
 ``load_checkpoint`` (sharded, resumable at another world size), or ``model.full_state_dict()``,
@@ -78,11 +80,12 @@ class TitanYaFSDP(YaFSDP):
 def parallelize_yafsdp(model: torch.nn.Module, *, parallel_dims=None, training=None, parallelism=None,
                        compile_config=None, ac_config=None, dump_folder=None, **yafsdp_options) -> TitanYaFSDP:
     """torchtitan's ``parallelize_fn`` contract: shard ``model`` (built on the meta device or not) with
-    yafsdp over the world and return the wrapper, after applying ``ac_config`` (activation checkpointing). ``training.mixed_precision_param`` / ``_reduce`` become
-    ``param_dtype`` / ``reduce_dtype`` and ``parallelism.fsdp_reshard_after_forward="never"`` ``zero_stage=2``,
-    unless ``yafsdp_options`` name them; other ``yafsdp_options`` go to
-    ``YaFSDP`` (``zero_stage=``, ``offload=``, ...). ``compile_config`` with "model" in its components
-    compiles each unit with its backend (``compile_units``). What it cannot do is refused: [Note: the torchtitan seam]."""
+    yafsdp over the world and return the wrapper, after applying ``ac_config`` (activation
+    checkpointing). ``training.mixed_precision_param`` / ``_reduce`` become ``param_dtype`` /
+    ``reduce_dtype`` and ``parallelism.fsdp_reshard_after_forward="never"`` ``zero_stage=2``, unless
+    ``yafsdp_options`` name them; other ``yafsdp_options`` go to ``YaFSDP`` (``zero_stage=``,
+    ``offload=``, ...). ``compile_config`` with "model" in its components compiles each unit with
+    its backend (``compile_units``). What it cannot do is refused: [Note: the torchtitan seam]."""
     if parallel_dims is not None:
         for what, on in (("tensor_parallel_degree", parallel_dims.tp_enabled), ("pipeline_parallel_degree",
                          parallel_dims.pp_enabled), ("context_parallel_degree", parallel_dims.cp_enabled),
@@ -99,6 +102,12 @@ def parallelize_yafsdp(model: torch.nn.Module, *, parallel_dims=None, training=N
     if training is not None:
         from torchtitan.config import TORCH_DTYPE_MAP
 
+        if not training.disable_cuda_graphs:  # See [Note: the torchtitan seam]
+            raise ValueError(
+                "yafsdp.integrations.torchtitan: torchtitan's CUDA graph of the forward and backward is not supported "
+                "with yafsdp: a replay would run the recorded kernels without the engine's gathers, buffer hand-offs "
+                "and reduces deciding anew. Set training.disable_cuda_graphs=True (--training.disable_cuda_graphs; "
+                "yafsdp_trainer_config sets it)")
         if training.enable_cpu_offload:  # the Trainer would then to_empty() onto the CPU, away from the engine's device
             raise ValueError(
                 "yafsdp.integrations.torchtitan: training.enable_cpu_offload is not supported with yafsdp (the Trainer "
@@ -122,9 +131,11 @@ def yafsdp_model_spec(spec, **yafsdp_options):
 
 def yafsdp_trainer_config(config, **yafsdp_options):
     """torchtitan ``Trainer.Config`` ``config`` set up for yafsdp, in place (and returned): its model spec
-    through :func:`yafsdp_model_spec` and torchtitan's checkpointer off (save with ``yafsdp.checkpoint``)."""
+    through :func:`yafsdp_model_spec`, torchtitan's checkpointer off (save with ``yafsdp.checkpoint``) and
+    its CUDA graphs off."""
     config.model_spec = yafsdp_model_spec(config.model_spec, **yafsdp_options)
     config.checkpoint.enable = False
+    config.training.disable_cuda_graphs = True
     return config
 
 
