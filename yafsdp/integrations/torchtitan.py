@@ -95,8 +95,6 @@ def parallelize_yafsdp(model: torch.nn.Module, *, parallel_dims=None, training=N
                 raise ValueError(
                     f"yafsdp.integrations.torchtitan: parallelism.{what} > 1 is not supported with yafsdp (it shards "
                     "over the whole world, data parallel only); set it to 1")
-    if ac_config is not None:  # each block wrapped for recompute; the wrappers become the units
-        ac_config.build(dump_folder=dump_folder or "").apply(model)
     if parallelism is not None and parallelism.fsdp_reshard_after_forward == "never":
         yafsdp_options.setdefault("zero_stage", 2)  # FSDP2's reshard_after_forward=False: keep the forward's gather
     if training is not None:
@@ -116,6 +114,8 @@ def parallelize_yafsdp(model: torch.nn.Module, *, parallel_dims=None, training=N
 
         yafsdp_options.setdefault("param_dtype", TORCH_DTYPE_MAP[training.mixed_precision_param])
         yafsdp_options.setdefault("reduce_dtype", TORCH_DTYPE_MAP[training.mixed_precision_reduce])
+    if ac_config is not None:  # each block wrapped for recompute; the wrappers become the units
+        ac_config.build(dump_folder=dump_folder or "").apply(model)
     wrapped = TitanYaFSDP(model, **yafsdp_options)
     if compile_config is not None and compile_config.enable and "model" in compile_config.components:
         wrapped.compile_units(backend=compile_config.backend)
