@@ -49,7 +49,7 @@ else
 fi
 # Part time limits (seconds). Their sum plus the machine's start (~150 s) stays under a session's 900 s:
 # tests/test_gpu_suite.py checks it, and that the steps of each part fit it.
-declare -A PART_LIMIT=([part1]=400 [part2]=320)
+declare -A PART_LIMIT=([part1]=400 [part2]=350)
 # A session with less device time left may shorten a part: PART_LIMIT_S=250 bash benchmarks/gpu_suite.sh part2
 # (its later steps are then reported as not run, and the summary is still written).
 if [ -n "${PART_LIMIT_S:-}" ] && [ "$PART" != all ]; then PART_LIMIT[$PART]=$PART_LIMIT_S; fi
@@ -159,6 +159,18 @@ run_part2() {
   # FusedAdamW's CUDA kernel against torch's AdamW (foreach, fused) and the copy bandwidth.
   step kernel-bench 20 "$PY" benchmarks/bench_optimizer.py --device cuda --numel 100000000 --rounds 5 \
     --md "$RES/optimizer_${GPU}_${DATE}.md"
+  # torchtitan's own Trainer with yafsdp as its parallelize_fn (docs/frameworks.md, "torchtitan"): the llama3
+  # debug model, varlen attention, 5 steps at world 1 under NCCL. Needs torchtitan==0.3.0 and its Trainer's
+  # imports (tensorboard, torchdata, torch_checkpointing, einops) on the machine, and a torchtitan checkout's
+  # tests/assets (its tokenizer and c4_test data) in TORCHTITAN_DIR: it fails saying so where they are missing.
+  local tt_out
+  tt_out=$(cd "$RES" 2>/dev/null && pwd || echo "$RES")  # absolute: the step runs in the checkout
+  step torchtitan-trainer 30 bash -c "set -eo pipefail; test -d \"\${TORCHTITAN_DIR:-}/tests/assets/c4_test\" || {
+    echo 'torchtitan-trainer: set TORCHTITAN_DIR to a torchtitan v0.3.0 checkout (its tests/assets)' >&2; exit 3; }
+    cd \"\$TORCHTITAN_DIR\" && '$PY' -m torch.distributed.run --nproc-per-node 1 -m torchtitan.train \
+    --module yafsdp.integrations.torchtitan --config llama3_debugmodel_varlen_attn --training.steps 5 \
+    --training.seq_len 512 --training.local_batch_size 2 --dump_folder '$tt_out/torchtitan' 2>&1 \
+    | tee '$tt_out/torchtitan_trainer_${GPU}_${DATE}.log'"
 }
 
 summary() {  # summary PART: <part>_summary.md with the command, the versions and each step's status

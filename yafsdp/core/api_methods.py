@@ -164,9 +164,15 @@ class WrapperMethods:
         self.check_idle("iter_full_state_dict")
         if self.replica != 0:
             return
+        from ..integrations.export import stream_order
+
+        self._keys.check_stream([{key for key, _, _ in piece} for piece in stream_order(self._rt, self._keys)],
+                                "iter_full_state_dict()")
         dtype_of = {key: ref.dtype for key, kind, ref in self._keys.entries if kind == "param"}
         for unit in iter_units(self._rt, self._keys, self.process_group, self.rank):
-            yield {k: v.to("cpu", dtype_of.get(k, v.dtype), copy=True) for k, v in unit.items()} if unit else {}
+            # See [Note: state_dict hooks] in state_dict.py
+            yield self._keys.module_keys({k: v.to("cpu", dtype_of.get(k, v.dtype), copy=True)
+                                          for k, v in unit.items()}, partial=True) if unit else {}
             del unit
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor] | None):

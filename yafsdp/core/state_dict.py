@@ -12,6 +12,7 @@ module buffers are broadcast from rank 0 (``broadcast_buffers``).
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from contextlib import contextmanager
 
 import torch
@@ -44,13 +45,80 @@ class StateDictKeys:
             for bname, b in m._buffers.items():
                 if b is not None:
                     buf_owner.setdefault(id(b), (m, bname))
-        for key, t in module.state_dict(keep_vars=True).items():
+        # See [Note: state_dict hooks]: the keys are the tensors' own names, the hooks run around them.
+        named = [(prefix, m) for prefix, m in _prefixed_modules(module)]
+        self.save_hooks: list[tuple[str, nn.Module, frozenset[str]]] = []  # post-order, as state_dict() runs them
+        self.load_hooks: list[tuple[str, nn.Module]] = [(pf, m) for pf, m in named if m._load_state_dict_pre_hooks]
+        held = [(m, m._state_dict_hooks) for _, m in named if m._state_dict_hooks]
+        try:
+            for m, _ in held:
+                m._state_dict_hooks = type(m._state_dict_hooks)()
+            raw = module.state_dict(keep_vars=True)
+        finally:
+            for m, hooks in held:
+                m._state_dict_hooks = hooks
+        for key, t in raw.items():
             if id(t) in key_of:
                 self.entries.append((key, "param", key_of[id(t)]))
             elif id(t) in buf_owner:
                 self.entries.append((key, "buffer", buf_owner[id(t)]))
-            else:  # pragma: no cover - a module with a custom state_dict
-                raise WrapError(f"state_dict key {key!r} is neither a parameter nor a buffer of the module")
+            else:
+                owner = max((pf for pf, _ in named if key.startswith(pf)), key=len, default="")
+                raise WrapError(
+                    f"state_dict key {key!r} is neither a parameter nor a buffer of the module: module "
+                    f"{owner[:-1] or '<root>'!r} writes entries of its own (get_extra_state or a _save_to_state_dict "
+                    "override), which the engine cannot map onto its shards; a state_dict post-hook (with a "
+                    "load_state_dict pre-hook) is supported in their place")
+        hooked = {id(m) for m, _ in held}
+        for pf, m in reversed(named):  # children before their parent (named is in pre-order)
+            if id(m) in hooked:
+                self.save_hooks.append((pf, m, frozenset(k for k, _, _ in self.entries if k.startswith(pf))))
+
+    def module_keys(self, raw: dict, partial: bool = False) -> dict:
+        """``raw`` (the entries' keys) as the original module's ``state_dict()`` has it: the modules'
+        state_dict post-hooks applied, children first. ``partial``: ``raw`` is one unit of a stream
+        (:meth:`check_stream` first); the hooks of the modules whose keys it holds run."""
+        if not self.save_hooks:
+            return raw
+        sd = OrderedDict(raw)
+        sd._metadata = OrderedDict()  # type: ignore[attr-defined]
+        for pf, m, keys in self.save_hooks:
+            if partial and not keys & sd.keys():
+                continue
+            meta = {"version": m._version}
+            for hook in m._state_dict_hooks.values():
+                out = hook(m, sd, pf, meta)
+                if out is not None and not getattr(hook, "_from_public_api", False):
+                    sd = out
+        return sd
+
+    def check_stream(self, units: list[set[str]], what: str) -> None:
+        """Refuse a per-unit stream (``units``: the keys of each streamed piece) when a hooked module's
+        keys are split over several pieces: its hook could not see them together. Not collective: every
+        rank decides the same from the same layout."""
+        for pf, _, keys in self.save_hooks:
+            if keys and not any(keys <= u for u in units):
+                raise RuntimeError(
+                    f"yafsdp: {what}: module {pf[:-1] or '<root>'!r} has a state_dict post-hook and its parameters "
+                    "and buffers are in more than one unit, so a per-unit stream cannot apply it; use "
+                    "model.full_state_dict() (collective), which applies it to the whole dict")
+
+    def param_keys(self, sd: dict) -> dict:
+        """The inverse of :meth:`module_keys` for a load: a copy of ``sd`` (keys of the original
+        module's ``state_dict()``) with the modules' load_state_dict pre-hooks applied, parents first,
+        as ``load_state_dict`` runs them. ``sd`` itself is not changed."""
+        if not self.load_hooks or not isinstance(sd, dict):
+            return sd
+        out = OrderedDict(sd)
+        meta = getattr(sd, "_metadata", {})
+        out._metadata = meta  # type: ignore[attr-defined]
+        errors: list[str] = []
+        for pf, m in self.load_hooks:
+            for hook in m._load_state_dict_pre_hooks.values():
+                hook(out, pf, meta.get(pf[:-1], {}), True, [], [], errors)
+        if errors:
+            raise ValueError("; ".join(errors))
+        return out
 
     def validate(self, sd) -> str | None:
         """None when ``sd`` has exactly the expected keys and shapes, else what is wrong."""
@@ -86,6 +154,28 @@ class StateDictKeys:
         if shape_bad:
             msgs.append("; ".join(shape_bad[:10]))
         return "; ".join(msgs) if msgs else None
+
+
+# [Note: state_dict hooks]
+# A module may reshape its state_dict through hooks: torchtitan's ``FusedQKVLinear`` stores one
+# fused ``wqkv.weight`` but saves it as the stock ``wq``/``wk``/``wv`` weights (a state_dict
+# post-hook splitting it) and merges them back on load (a load_state_dict pre-hook). The keys such a
+# hook writes are new tensors, not the module's parameters, so they cannot be mapped onto the shards.
+# The entries are therefore the keys of the module's state_dict *without* its post-hooks (each
+# parameter and buffer under its own name); ``full_state_dict()`` gathers those and then runs the
+# modules' post-hooks on the result (``module_keys``: the keys and values the unwrapped module's
+# ``state_dict()`` gives), and ``load_full_state_dict(sd)`` runs the load pre-hooks on a copy of
+# ``sd`` first (``param_keys``). ``iter_full_state_dict()`` applies a module's hooks within the unit
+# holding its parameters (and refuses a hooked module whose parameters span units). The sharded
+# checkpoints and the HF export/streaming loads work on the parameters' own names.
+
+
+def _prefixed_modules(module: nn.Module, prefix: str = ""):
+    """(prefix, module) in pre-order, as ``state_dict()`` visits them (shared modules once per path)."""
+    yield prefix, module
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _prefixed_modules(child, prefix + name + ".")
 
 
 def scatter_group(rt: Runtime, g: FlatGroup, full: torch.Tensor | None, group, rank: int, world: int) -> None:
@@ -164,15 +254,21 @@ def gather_full(rt: Runtime, keys: StateDictKeys, group, rank: int) -> dict[str,
         del unit
     if rank != 0:
         return {}
-    return {key: values[id(ref) if kind == "param" else key] for key, kind, ref in keys.entries}
+    return keys.module_keys({key: values[id(ref) if kind == "param" else key] for key, kind, ref in keys.entries})
 
 
 @torch.no_grad()
 def load_full(rt: Runtime, keys: StateDictKeys, state_dict, group, rank: int, world: int) -> None:
     """Collective inverse of :func:`gather_full`; checked on rank 0 first, nothing modified on error."""
     check_collective("load_full_state_dict()", group)
-    raise_together(keys.validate(state_dict) if rank == 0 else None, group, ValueError,
-                   "yafsdp.YaFSDP.load_full_state_dict: ")
+    problem = None
+    if rank == 0:  # See [Note: state_dict hooks]
+        try:
+            state_dict = keys.param_keys(state_dict)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            problem = f"a module's load_state_dict pre-hook failed on the given dict: {type(e).__name__}: {e}"
+        problem = problem or keys.validate(state_dict)
+    raise_together(problem, group, ValueError, "yafsdp.YaFSDP.load_full_state_dict: ")
     by_param: dict[int, torch.Tensor] = {}
     if rank == 0:
         for key, kind, ref in keys.entries:

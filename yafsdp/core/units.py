@@ -2,9 +2,11 @@
 
 Rules (see docs/api.md, "Arguments": units):
 - ``units=None``: every block of each of the model's repeated block lists (each run of two or more
-  same-class, parameter-holding children of a ``ModuleList``/``Sequential``; HF decoders:
-  ``model.model.layers``; T5: ``encoder.block`` and ``decoder.block``) is a unit. Every other module that directly holds a >=2-D parameter becomes a unit of its own (the
-  embedding before the blocks, the head after them).
+  same-class, parameter-holding children of a ``ModuleList``/``Sequential``, or of a ``ModuleDict``
+  when they are composite; HF decoders: ``model.model.layers``; T5: ``encoder.block`` and
+  ``decoder.block``; torchtitan: ``layers``, a ModuleDict) is a unit. Every other module that
+  directly holds a >=2-D parameter becomes a unit of its own (the embedding before the blocks, the
+  head after them).
 - ``units=[...]``: exactly those modules; every parameter must fall inside one of them.
 - Every 1-D parameter (norm weights, biases) goes to the small group, whatever its unit.
 - A parameter reachable from two units (tied embeddings) is placed in the first; a module of a
@@ -83,21 +85,23 @@ def _already_wrapped(root: nn.Module) -> str | None:
 
 def find_block_lists(root: nn.Module) -> list[list[nn.Module]]:
     """Every repeated block list of ``root``, in module order: each maximal run of two or more
-    same-class, parameter-holding children of a ``ModuleList``/``Sequential`` that is not inside a
-    block already found. A decoder-only model has one (HF: ``model.model.layers``); an
-    encoder-decoder has two (T5: ``encoder.block`` and ``decoder.block``); lists nested inside a
-    block (e.g. a block's experts) stay part of that block."""
+    same-class, parameter-holding children of a ``ModuleList``/``Sequential`` (or composite ones of
+    a ``ModuleDict``: [Note: blocks in a ModuleDict]) that is not inside a block already found. A
+    decoder-only model has one (HF: ``model.model.layers``); an encoder-decoder has two (T5:
+    ``encoder.block`` and ``decoder.block``); lists nested inside a block (e.g. a block's experts)
+    stay part of that block."""
     lists: list[list[nn.Module]] = []
     inside: set[int] = set()  # every module in the subtree of a block found so far
     for m in root.modules():  # pre-order: an outer list is seen before anything inside it
-        if id(m) in inside or not isinstance(m, (nn.ModuleList, nn.Sequential)):
+        if id(m) in inside or not isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             continue
         runs: list[list[nn.Module]] = []
         run: list[nn.Module] = []
         for child in m.children():
             # A container (ModuleDict, ...) is never called: its children are, and they are found
-            # as units (or lists) of their own.
-            has_params = not isinstance(child, _CONTAINERS) and any(True for _ in child.parameters())
+            # as units (or lists) of their own. See [Note: blocks in a ModuleDict].
+            has_params = (not isinstance(child, _CONTAINERS) and any(True for _ in child.parameters())
+                          and (not isinstance(m, nn.ModuleDict) or _composite(child)))
             if run and has_params and type(child) is type(run[0]):
                 run.append(child)
             else:
@@ -108,6 +112,22 @@ def find_block_lists(root: nn.Module) -> list[list[nn.Module]]:
                 lists.append(run)
                 inside.update(id(sub) for b in run for sub in b.modules())
     return lists
+
+
+# [Note: blocks in a ModuleDict]
+# torchtitan keeps its decoder blocks in an ``nn.ModuleDict`` keyed "0", "1", ... (so that pipeline
+# stages can drop some and keep the others' names) and runs them as ``for layer in
+# self.layers.values()``: in insertion order, which is the dict's module order. Its same-class
+# children are therefore a block list like a ``ModuleList``'s. Only *composite* children count
+# (modules with submodules holding parameters): PEFT keeps one leaf layer per adapter in
+# ``ModuleDict``s (``lora_A = {"default": Linear, "other": Linear}``) -- alternatives, not a
+# sequence of blocks -- and those stay units of their own or part of the block around them, as
+# before. (Nothing depends on the dict order being the call order: the prefetch plan is the order
+# the previous forward ran the units in, runtime.py.)
+
+
+def _composite(module: nn.Module) -> bool:
+    return any(any(True for _ in c.parameters()) for c in module.children())
 
 
 def find_blocks(root: nn.Module) -> list[nn.Module]:
