@@ -26,6 +26,7 @@ from .core.config import EngineConfig, MixedPrecision, Offload, build_config
 from .core.optim import FusedAdamW
 from .core.units import WrapError
 from .comm.groups import CollectiveError
+from .core.ddp_guard import WrappedTwiceError
 from .core import ema, shards
 from .integrations import adapters, export, hf, init, peft_load, trainer
 from .tools import measure, presets, streamcheck, trace
@@ -35,6 +36,6 @@ for _m in (ema, shards, adapters, export, hf, init, peft_load, trainer, measure,
 del _m
 
 __all__ = ["YaFSDP", "EngineConfig", "MixedPrecision", "Offload", "build_config", "FusedAdamW", "WrapError",
-           "CollectiveError", "adapters", "hf", "init", "presets", "trainer", "peft_load", "export", "ema", "shards",
+           "WrappedTwiceError", "CollectiveError", "adapters", "hf", "init", "presets", "trainer", "peft_load", "export", "ema", "shards",
            "trace", "measure", "streamcheck"]
 __version__ = "0.1.0"

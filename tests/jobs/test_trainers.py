@@ -151,6 +151,9 @@ def _trainer_cases(rank, world, tmp):
         "ddp_around": lambda: YaFSDPTrainer(
             model=torch.nn.parallel.DistributedDataParallel(yafsdp.YaFSDP(tiny_llama(layers=1))),
             args=_args(f"{tmp}/x"), train_dataset=train),
+        "parent_around": lambda: YaFSDPTrainer(
+            model=torch.nn.ModuleDict({"lm": yafsdp.YaFSDP(tiny_llama(layers=1))}),
+            args=_args(f"{tmp}/x"), train_dataset=train),
         "fp16_cpu": lambda: YaFSDPTrainer(model=yafsdp.YaFSDP(tiny_llama(layers=1), param_dtype=torch.float16),
                                           args=_args(f"{tmp}/x", fp16=True), train_dataset=train),
         "fp16_no_scaler": lambda: YaFSDPTrainer(model=yafsdp.YaFSDP(tiny_llama(layers=1), param_dtype=torch.float16),
@@ -244,7 +247,9 @@ def test_trainer_fused_checkpointing_bf16_and_refusals(trainer_run):
     ref = r["refusals"]
     assert "param_dtype=None" in ref["bf16_mismatch"] and "param_dtype=torch.bfloat16" in ref["bf16_mismatch"]
     assert "not a yafsdp.YaFSDP model" in ref["plain_model"]
-    assert "wrapped twice" in ref["ddp_around"]
+    # DDP's own constructor refuses it (yafsdp/core/ddp_guard.py), with the trainer's words
+    assert ref["ddp_around"].startswith("WrappedTwiceError") and "wrapped twice" in ref["ddp_around"], ref["ddp_around"]
+    assert "wrapped twice" in ref["parent_around"] and "ModuleDict" in ref["parent_around"], ref["parent_around"]
     assert "compile_units" in ref["compile"]
     assert "accelerate made no GradScaler" in ref["fp16_cpu"], ref["fp16_cpu"]
     assert "fp16=False" in ref["fp16_no_scaler"], ref["fp16_no_scaler"]

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.api import YaFSDP
+from ..core.ddp_guard import find_wrapped, wrapped_twice_message
 
 __all__ = ["YaFSDPTrainerMixin", "YaFSDPTrainer", "YaFSDPSFTTrainer", "with_yafsdp", "decay_parameter_names",
            "TrainerSetupError"]
@@ -334,11 +335,12 @@ def check_model(model) -> None:
     """Refuse a model these trainers cannot train: not a ``yafsdp.YaFSDP``, or wrapped again."""
     if isinstance(model, YaFSDP):
         return
-    inner = getattr(model, "module", None)
-    if isinstance(inner, YaFSDP):
+    # The engine's own check and words (DistributedDataParallel's constructor refuses the same way):
+    # see [Note: DDP around a sharded model] in core/ddp_guard.py.
+    if isinstance(model, torch.nn.Module) and find_wrapped(model) is not None:
         raise TrainerSetupError(
-            f"yafsdp.trainer: the model is a {type(model).__name__} around a yafsdp.YaFSDP model (wrapped twice); pass "
-            "the yafsdp.YaFSDP model itself: it needs no DDP/FSDP wrapper")
+            wrapped_twice_message(f"the model passed to the trainer is a {type(model).__name__}") +
+            ". Pass the yafsdp.YaFSDP model itself")
     raise TrainerSetupError(
         f"yafsdp.trainer: the model is a {type(model).__name__}, not a yafsdp.YaFSDP model; wrap it first: "
         "model = yafsdp.YaFSDP(model, param_dtype=...) (a PEFT model: wrap peft.get_peft_model(base, config)). "
