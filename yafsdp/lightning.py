@@ -174,7 +174,7 @@ def _outside(root: nn.Module) -> list[str]:
 
 def _wrap(module: nn.Module, options: dict, dtype, device, what: str) -> YaFSDP:
     opts = dict(options)
-    if "param_dtype" in opts and opts["param_dtype"] != dtype:
+    if "param_dtype" in opts and (opts["param_dtype"] or torch.float32) != (dtype or torch.float32):
         raise StrategySetupError(
             f"yafsdp.lightning: the strategy was given param_dtype={opts['param_dtype']} but the precision asks for "
             f"{dtype} (fp32 when None); drop param_dtype= and choose the precision, or make them agree")
@@ -187,7 +187,7 @@ def _wrap(module: nn.Module, options: dict, dtype, device, what: str) -> YaFSDP:
 
 
 def _check_engine(model: YaFSDP, dtype, what: str) -> None:
-    if model.param_dtype != (dtype or torch.float32) and not (dtype is None and model.param_dtype is None):
+    if (model.param_dtype or torch.float32) != (dtype or torch.float32):
         raise StrategySetupError(
             f"yafsdp.lightning: {what} was wrapped with param_dtype={model.param_dtype} but the precision plugin asks "
             f"for {dtype or torch.float32}; the engine's param_dtype is the compute dtype: make them agree (wrap with "
@@ -271,14 +271,20 @@ def _save_sharded(path: Path, step: int, model: YaFSDP, optimizer, metadata: dic
     dist.barrier(group=model.process_group)
 
 
-def _load_sharded(path: Path, model: YaFSDP, optimizer) -> dict:
+def _load_file(path: Path, weights_only) -> dict:
+    # memory-mapped: every rank reads the non-tensor state, only rank 0's tensors are loaded into the shards.
+    # weights_only=None: Lightning's default for its own checkpoints (they hold its loops' and callbacks' objects)
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=bool(weights_only))
+
+
+def _load_sharded(path: Path, model: YaFSDP, optimizer, weights_only=None) -> dict:
     from . import checkpoint as ckpt
 
     found = ckpt.latest_checkpoint(str(path))
     if found is None:
         raise FileNotFoundError(f"yafsdp.lightning: {str(path)!r} holds {_METADATA} but no complete yafsdp checkpoint")
     ckpt.load_checkpoint(found, model, optimizer)
-    return torch.load(path / _METADATA, map_location="cpu", weights_only=False)
+    return torch.load(path / _METADATA, map_location="cpu", weights_only=bool(weights_only))
 
 
 def _prefixed(sd: dict, prefix: str) -> dict:
@@ -536,8 +542,8 @@ class YaFSDPStrategy(PLParallelStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         opt = _raw(self.optimizers[0]) if self.optimizers and fitting else None
         if _is_sharded(path):
-            return _load_sharded(path, self.engine, opt)
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+            return _load_sharded(path, self.engine, opt, weights_only)
+        checkpoint = _load_file(path, weights_only)
         self.engine.load_full_state_dict(_unprefixed(checkpoint["state_dict"], self._engine_name + ".", str(path)))
         states = checkpoint.get("optimizer_states")
         if opt is not None and states:
@@ -721,10 +727,10 @@ class YaFSDPFabricStrategy(FabricParallelStrategy):
             raise ValueError("yafsdp.lightning: load_checkpoint needs state={'model': model, ...}")
         (mkey, model), (okey, opt), rest = self._split(state)
         if _is_sharded(path):
-            meta = _load_sharded(path, model, opt)
+            meta = _load_sharded(path, model, opt, weights_only)
             meta.pop("yafsdp.keys", None)
         else:
-            meta = torch.load(path, map_location="cpu", weights_only=False)
+            meta = _load_file(path, weights_only)
             model.load_full_state_dict(meta.pop(mkey))
             if okey is not None:
                 model.load_full_optim_state_dict(opt, meta.pop(okey))
@@ -745,8 +751,7 @@ class YaFSDPFabricStrategy(FabricParallelStrategy):
         model = obj
         if not isinstance(model, YaFSDP):
             raise TypeError(f"yafsdp.lightning: load_raw into {type(obj).__name__}: pass the set-up module")
-        sd = torch.load(Path(path), map_location="cpu", weights_only=False)
-        model.load_full_state_dict(sd)
+        model.load_full_state_dict(_load_file(Path(path), True if weights_only is None else weights_only))
 
     @classmethod
     def register_strategies(cls, registry) -> None:

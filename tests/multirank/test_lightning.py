@@ -8,6 +8,7 @@ DDP on the unsharded model, gloo at world 2, one spawn:
   ``max_steps`` stopped does not, under Lightning's DDP either: the loops restart the epoch);
   ``strategy="ddp"`` around a model wrapped in ``configure_model`` is refused naming yafsdp and the
   setting; ``precision="16-true"`` and a disagreeing ``param_dtype`` are refused naming both;
+  ``trainer.init_module(empty_init=True)`` gives ``reset_parameters()``'s values;
   ``"bf16-true"`` wraps with ``param_dtype=torch.bfloat16`` over fp32 shards.
 - Fabric: the same parity with ``fabric.clip_gradients``; ``fabric.save`` / ``fabric.load`` (sharded
   and full) resume exactly; ``fabric.load_raw`` of an unsharded state dict; ``init_module(empty_init=True)``
@@ -99,6 +100,15 @@ def _refused(fn) -> str:
     return "not refused"
 
 
+def _reset_reference(seed: int) -> dict:
+    """The unsharded Stack's state dict after every module's reset_parameters() from ``seed``, in
+    ``nn.Module.apply``'s order (what the strategy runs on a meta-built model after wrapping)."""
+    ref = Stack(seed=1)
+    torch.manual_seed(seed)
+    ref.apply(lambda m: m.reset_parameters() if any(True for _ in m.parameters(recurse=False)) else None)
+    return ref.state_dict()
+
+
 def _trainer_cases(rank, tmp):
     import yafsdp
     import yafsdp.lightning as yl
@@ -144,6 +154,16 @@ def _trainer_cases(rank, tmp):
     out["fp16_true"] = _refused(lambda: _trainer("yafsdp", 1, precision="16-true").fit(LM(), _data()))
     out["dtype_clash"] = _refused(lambda: _trainer(yl.YaFSDPStrategy(param_dtype=torch.float32), 1,
                                                    precision="bf16-true").fit(LM(), _data()))
+    # trainer.init_module(empty_init=True): built on meta, reset_parameters() after wrapping
+    tr = _trainer("yafsdp", 0)
+    with tr.init_module(empty_init=True):
+        meta = LM()
+    out["trainer_meta_built"] = meta.model.inp.weight.is_meta
+    torch.manual_seed(5)
+    tr.fit(meta, _data())
+    expect = _reset_reference(5)
+    full = meta.model.full_state_dict()
+    out["trainer_meta_init"] = rank != 0 or all(torch.equal(full[k], v) for k, v in expect.items())
     bf16 = LM()
     _trainer("yafsdp", 1, precision="bf16-true").fit(bf16, _data())
     out["bf16"] = (bf16.model.param_dtype, {p.dtype for p in bf16.model.parameters()}, bf16.losses)
@@ -237,10 +257,7 @@ def _fabric_cases(rank, tmp):
     out["meta_built"] = meta.inp.weight.is_meta
     torch.manual_seed(11)
     model = f.setup_module(meta)
-    expect = Stack(seed=1)
-    torch.manual_seed(11)
-    expect = expect.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") and
-                                 any(True for _ in m.parameters(recurse=False)) else None).state_dict()
+    expect = _reset_reference(11)
     full = model._forward_module.full_state_dict()
     out["meta_init"] = rank != 0 or all(torch.equal(full[k], v) for k, v in expect.items())
     return out
@@ -295,6 +312,7 @@ def test_trainer_refusals_and_bf16(runs):
     assert "WrappedTwiceError" in t["ddp_around"] and 'strategy="yafsdp"' in t["ddp_around"], t["ddp_around"]
     assert "16-true" in t["fp16_true"] and "bf16-mixed" in t["fp16_true"], t["fp16_true"]
     assert "param_dtype=torch.float32" in t["dtype_clash"] and "torch.bfloat16" in t["dtype_clash"], t["dtype_clash"]
+    assert t["trainer_meta_built"] and t["trainer_meta_init"]
     dtype, shard_dtypes, losses = t["bf16"]
     assert dtype == torch.bfloat16 and shard_dtypes == {torch.float32} and len(losses) == 1
 
