@@ -11,6 +11,7 @@ The package is laid out by role (docs/design.md has one line per module):
 - ``yafsdp.plan``          the memory plan, the sizing the allocator uses, ``python -m yafsdp plan``
 - ``yafsdp.checkpoint``    sharded checkpoints (DCP), background saves
 - ``yafsdp.integrations``  Hugging Face load/export, PEFT, meta init, transformers.Trainer / TRL
+- ``yafsdp.lightning``     Lightning Trainer / Fabric ``strategy="yafsdp"`` (imported on demand: needs lightning)
 - ``yafsdp.tools``         tracing, measuring, the stream checker, model presets
 
 The paths users import keep working: ``yafsdp.YaFSDP``, ``yafsdp.FusedAdamW``, ``yafsdp.hf``,
