@@ -55,7 +55,6 @@ Lightning is patched. The differences from FSDP, each for a reason:
 from __future__ import annotations
 
 import contextlib
-import os
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -239,7 +238,8 @@ def _adopt_optimizer(opt, engine: YaFSDP, model_name: str) -> None:
     if len(groups) == 1 and flat <= {id(p) for p in groups[0]["params"]} and not opt.state:
         # the engine's device anchor (empty; [Note: the device anchor] in core/anchor.py) goes with them
         anchor = engine.__dict__.get("_device_param")
-        groups[0]["params"] = [p for p in groups[0]["params"] if not isinstance(p, ShardedParameter) and p is not anchor]
+        groups[0]["params"] = [p for p in groups[0]["params"]
+                               if not isinstance(p, ShardedParameter) and p is not anchor]
         return
     raise StrategySetupError(
         f"yafsdp.lightning: the optimizer holds original parameter {originals[0]._yafsdp_name!r}, which after "
@@ -304,7 +304,8 @@ class _NoSync(_BackwardSyncControl):
             return nullcontext()
         engine = module if isinstance(module, YaFSDP) else next((e for _, e in _engines(module)), None)
         if engine is None:
-            raise TypeError(f"yafsdp.lightning: no_backward_sync on {type(module).__name__}, which holds no yafsdp.YaFSDP")
+            raise TypeError(
+                f"yafsdp.lightning: no_backward_sync on {type(module).__name__}, which holds no yafsdp.YaFSDP")
         return engine.no_sync()
 
 
@@ -653,7 +654,8 @@ class YaFSDPFabricStrategy(FabricParallelStrategy):
         raise StrategySetupError(
             "yafsdp.lightning: fabric.setup(model, optimizer) would keep an optimizer over the original parameters, "
             "which wrapping leaves without storage; set up the model first and build the optimizer over its flat "
-            "shards: model = fabric.setup_module(model); optimizer = fabric.setup_optimizers(AdamW(model.parameters()))")
+            "shards: model = fabric.setup_module(model); "
+            "optimizer = fabric.setup_optimizers(AdamW(model.parameters()))")
 
     def setup_optimizer(self, optimizer):
         engines = {id(p): m for m in self._engines_set_up for p in m.parameters()}

@@ -185,7 +185,8 @@ def _fabric_steps(fabric, model, opt, steps, start=0, clip=True):
         x, y = torch.randn(8, 7, generator=g), torch.randn(8, 5, generator=g)
         if step < start:
             continue
-        x, y = x[4 * fabric.global_rank:4 * fabric.global_rank + 4], y[4 * fabric.global_rank:4 * fabric.global_rank + 4]
+        mine = slice(4 * fabric.global_rank, 4 * fabric.global_rank + 4)
+        x, y = x[mine], y[mine]
         opt.zero_grad()
         loss = model(x, y)
         fabric.backward(loss)

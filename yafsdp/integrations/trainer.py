@@ -102,7 +102,8 @@ class YaFSDPTrainerMixin:
         from accelerate.utils import DistributedType
 
         dt = self.accelerator.distributed_type
-        launched = check_launch(dist.get_world_size() if dist.is_initialized() else 1)  # See [Note: accelerate's launchers]
+        # See [Note: accelerate's launchers]
+        launched = check_launch(dist.get_world_size() if dist.is_initialized() else 1)
         if self.is_fsdp_enabled or self.is_deepspeed_enabled or args.fsdp or args.deepspeed or launched or dt in (
                 DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
             dt = launched or dt
