@@ -2,7 +2,7 @@
 DDP on the unsharded model, gloo at world 2, one spawn:
 
 - Trainer: losses, per-parameter gradient norms (before clipping) and weights equal DDP's over 4 steps
-  with ``gradient_clip_val``; ModelSummary counts the unsharded model; a checkpoint written in the
+  with ``gradient_clip_val``, and with ``accumulate_grad_batches=2``; ModelSummary counts the unsharded model; a checkpoint written in the
   middle of the run (``trainer.save_checkpoint`` at step 2, "full" and "sharded") resumed with
   ``fit(ckpt_path=...)`` continues exactly as the uninterrupted run (a checkpoint saved after a fit that
   ``max_steps`` stopped does not, under Lightning's DDP either: the loops restart the epoch);
@@ -144,6 +144,14 @@ def _trainer_cases(rank, tmp):
     summary = next(cb for cb in tr.callbacks if isinstance(cb, ModelSummary))._summary(tr, ours)
     out["summary"] = (summary.total_parameters, summary.trainable_parameters, summary.param_nums)
     out["numel"] = sum(p.numel() for p in Stack().parameters())
+
+    # gradient accumulation over 2 micro-batches
+    acc = {}
+    for strat in ("ddp", "yafsdp"):
+        lm = LM()
+        _trainer(strat, 2, accumulate_grad_batches=2).fit(lm, _data())
+        acc[strat] = (lm.losses, _weights(lm))
+    out["accumulate"] = acc
 
     # model wrapped in configure_model: strategy="ddp" refused by DDP's constructor; "yafsdp" trains
     wrapped = LM(wrap_in_configure=True)
@@ -295,6 +303,14 @@ def test_trainer_matches_ddp_with_clipping_and_summary(runs):
         assert total == trainable == t["numel"] and per_layer == [t["numel"]], t["summary"]
         assert t["configure_model"] == pytest.approx(l_ddp, rel=1e-6, abs=1e-7)
         assert t["yafsdp_sharded"][0] == l_us
+
+
+def test_trainer_accumulation_matches_ddp(runs):
+    for rank, r in enumerate(runs):
+        acc = r["trainer"]["accumulate"]
+        assert len(acc["yafsdp"][0]) == 4 and acc["yafsdp"][0] == pytest.approx(acc["ddp"][0], rel=1e-6, abs=1e-7)
+        if rank == 0:
+            _same_weights(acc["ddp"][1], acc["yafsdp"][1])
 
 
 def test_trainer_resumes_exactly(runs):
