@@ -15,7 +15,9 @@ A local HF Llama and its tokenizer, QLoRA (the frozen base's linear weights in N
 
 Continue a run from its newest checkpoint (--out/checkpoint-N, yafsdp's sharded checkpoint plus
 Trainer's state): add --resume. Also runs as plain ``python`` (one rank). The recipe, how it relates
-to ``accelerate launch`` and what is refused: docs/trainers.md.
+to ``accelerate launch`` and what is refused: docs/trainers.md. Under ``accelerate launch`` on CPU use a config with
+``distributed_type: MULTI_GPU`` and ``use_cpu: true`` (torchrun underneath); a MULTI_CPU config starts one process
+and is refused.
 """
 from __future__ import annotations
 
@@ -51,13 +53,20 @@ def parse_args(argv=None):
 
 
 def init_distributed():
-    if "RANK" not in os.environ:  # plain python: one rank
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
     cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    if "RANK" not in os.environ:  # plain python (or accelerate's one-process launcher): one rank
+        # accelerate asked for several processes but started this one alone: refused, naming the launch to use
+        from yafsdp.trainer import check_launch
+
+        check_launch(world_size=1)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        port = os.environ.get("MASTER_PORT", "29517")  # MASTER_ADDR stays unset: check_launch reads it
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        return cuda
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group(backend)
     return cuda
 
 

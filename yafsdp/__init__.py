@@ -11,6 +11,7 @@ The package is laid out by role (docs/design.md has one line per module):
 - ``yafsdp.plan``          the memory plan, the sizing the allocator uses, ``python -m yafsdp plan``
 - ``yafsdp.checkpoint``    sharded checkpoints (DCP), background saves
 - ``yafsdp.integrations``  Hugging Face load/export, PEFT, meta init, transformers.Trainer / TRL
+- ``yafsdp.lightning``     Lightning Trainer / Fabric ``strategy="yafsdp"`` (imported on demand: needs lightning)
 - ``yafsdp.tools``         tracing, measuring, the stream checker, model presets
 
 The paths users import keep working: ``yafsdp.YaFSDP``, ``yafsdp.FusedAdamW``, ``yafsdp.hf``,
@@ -26,6 +27,7 @@ from .core.config import EngineConfig, MixedPrecision, Offload, build_config
 from .core.optim import FusedAdamW
 from .core.units import WrapError
 from .comm.groups import CollectiveError
+from .core.ddp_guard import WrappedTwiceError
 from .core import ema, shards
 from .integrations import adapters, export, hf, init, peft_load, trainer
 from .tools import measure, presets, streamcheck, trace
@@ -36,6 +38,6 @@ for _m in (ema, shards, adapters, export, hf, init, peft_load, trainer, measure,
 del _m
 
 __all__ = ["YaFSDP", "EngineConfig", "MixedPrecision", "Offload", "build_config", "FusedAdamW", "WrapError",
-           "CollectiveError", "Watchdog", "EXIT_HANG", "adapters", "hf", "init", "presets", "trainer", "peft_load", "export", "ema", "shards",
+           "WrappedTwiceError", "CollectiveError", "Watchdog", "EXIT_HANG", "adapters", "hf", "init", "presets", "trainer", "peft_load", "export", "ema", "shards",
            "trace", "measure", "streamcheck"]
 __version__ = "0.1.0"

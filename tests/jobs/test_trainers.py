@@ -56,6 +56,16 @@ def _close(a, b, rel=1e-5):
     return all(math.isclose(x, y, rel_tol=rel, abs_tol=1e-7) for x, y in zip(a, b)) and len(a) == len(b)
 
 
+def _with_env(values: dict, fn):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        return fn()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
 def _trainer_cases(rank, world, tmp):
     import transformers
     from transformers import Trainer
@@ -151,6 +161,12 @@ def _trainer_cases(rank, world, tmp):
         "ddp_around": lambda: YaFSDPTrainer(
             model=torch.nn.parallel.DistributedDataParallel(yafsdp.YaFSDP(tiny_llama(layers=1))),
             args=_args(f"{tmp}/x"), train_dataset=train),
+        "fsdp_env_cpu": lambda: _with_env(  # what an accelerate FSDP config leaves on a CPU machine
+            {"ACCELERATE_USE_FSDP": "true"}, lambda: YaFSDPTrainer(
+                model=yafsdp.YaFSDP(tiny_llama(layers=1)), args=_args(f"{tmp}/x"), train_dataset=train)),
+        "parent_around": lambda: YaFSDPTrainer(
+            model=torch.nn.ModuleDict({"lm": yafsdp.YaFSDP(tiny_llama(layers=1))}),
+            args=_args(f"{tmp}/x"), train_dataset=train),
         "fp16_cpu": lambda: YaFSDPTrainer(model=yafsdp.YaFSDP(tiny_llama(layers=1), param_dtype=torch.float16),
                                           args=_args(f"{tmp}/x", fp16=True), train_dataset=train),
         "fp16_no_scaler": lambda: YaFSDPTrainer(model=yafsdp.YaFSDP(tiny_llama(layers=1), param_dtype=torch.float16),
@@ -244,7 +260,10 @@ def test_trainer_fused_checkpointing_bf16_and_refusals(trainer_run):
     ref = r["refusals"]
     assert "param_dtype=None" in ref["bf16_mismatch"] and "param_dtype=torch.bfloat16" in ref["bf16_mismatch"]
     assert "not a yafsdp.YaFSDP model" in ref["plain_model"]
-    assert "wrapped twice" in ref["ddp_around"]
+    # DDP's own constructor refuses it (yafsdp/core/ddp_guard.py), with the trainer's words
+    assert ref["ddp_around"].startswith("WrappedTwiceError") and "wrapped twice" in ref["ddp_around"], ref["ddp_around"]
+    assert "wrapped twice" in ref["parent_around"] and "ModuleDict" in ref["parent_around"], ref["parent_around"]
+    assert "configured for FSDP" in ref["fsdp_env_cpu"], ref["fsdp_env_cpu"]
     assert "compile_units" in ref["compile"]
     assert "accelerate made no GradScaler" in ref["fp16_cpu"], ref["fp16_cpu"]
     assert "fp16=False" in ref["fp16_no_scaler"], ref["fp16_no_scaler"]
@@ -403,3 +422,22 @@ def test_example_trainer_sft(tmp_path):
     loaded = peft.PeftModel.from_pretrained(build_llama("tiny", vocab_size=259), os.path.join(out, "adapter"))
     b = [v for k, v in loaded.named_parameters() if "lora_B" in k]
     assert len(b) == 14 and all(v.abs().max() > 0 for v in b)  # trained adapters on 7 linear kinds x 2 layers
+
+
+def test_accelerate_multi_cpu_config_refused(tmp_path):
+    """``accelerate launch`` with a MULTI_CPU config of 2 processes starts one (its simple launcher); the
+    example refuses to train at world 1 ([Note: accelerate's launchers] in yafsdp/integrations/trainer.py)."""
+    import subprocess
+    import sys
+
+    from job_utils import ROOT, env
+
+    cfg = tmp_path / "multi_cpu.yaml"
+    cfg.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\n"
+                   "num_machines: 1\nmachine_rank: 0\nmixed_precision: 'no'\nuse_cpu: true\n")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
+           os.path.join(ROOT, "examples", "trainer_sft.py"), "--max-steps", "1", "--out", str(tmp_path / "out")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env())
+    assert p.returncode != 0
+    assert "TrainerSetupError" in p.stderr and "world size 1" in p.stderr and "MULTI_GPU" in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / "out").exists()

@@ -22,6 +22,7 @@ from .anchor import ANCHOR, anchored_modules
 from .api_methods import WrapperMethods
 from .autograd import gate_small_group, install_hooks, rest_small_group
 from .config import EngineConfig, build_config
+from .ddp_guard import WrappedTwiceError, wrapped_twice_message
 from .ema import refuse_deepcopy
 from .optim_hooks import install_optimizer_hooks
 from .orig_params import ShardedParameter
@@ -281,6 +282,12 @@ class YaFSDP(WrapperMethods, nn.Module):
                 if b is not None:
                     m._buffers[key] = fn(b)
         return self
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        # The first thing DistributedDataParallel's constructor asks its module, before any collective:
+        # see [Note: DDP around a sharded model] in ddp_guard.py.
+        raise WrappedTwiceError(wrapped_twice_message("DistributedDataParallel"))
 
     def state_dict(self, *args, **kwargs):
         raise RuntimeError(

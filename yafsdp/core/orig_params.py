@@ -58,6 +58,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .ddp_guard import WrappedTwiceError, inside_ddp_init, wrapped_twice_message
 from .unit import in_backward
 
 __all__ = ["ShardedParameter", "install", "run_grad_hooks", "rest"]
@@ -161,6 +162,9 @@ class ShardedParameter(torch.Tensor):
         if resolved is not None:
             return func(*resolved[0], **resolved[1])
         where = me._where() if me is not None else "a parameter of a wrapped module"
+        if inside_ddp_init():  # See [Note: DDP around a sharded model] in ddp_guard.py
+            raise WrappedTwiceError(wrapped_twice_message(
+                "DistributedDataParallel", f"a module holding a yafsdp.YaFSDP model ({where} was read by {name!r})"))
         raise RuntimeError(
             f"yafsdp: {where} was used by {name!r} outside its unit's forward. After wrapping a parameter holds no "
             "values between its unit's uses (each rank keeps only its slice of the flat shard), so this would see "

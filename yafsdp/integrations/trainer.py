@@ -46,9 +46,10 @@ import torch
 import torch.distributed as dist
 
 from ..core.api import YaFSDP
+from ..core.ddp_guard import find_wrapped, wrapped_twice_message
 
 __all__ = ["YaFSDPTrainerMixin", "YaFSDPTrainer", "YaFSDPSFTTrainer", "with_yafsdp", "decay_parameter_names",
-           "TrainerSetupError"]
+           "TrainerSetupError", "check_launch"]
 
 
 class TrainerSetupError(ValueError):
@@ -101,13 +102,16 @@ class YaFSDPTrainerMixin:
         from accelerate.utils import DistributedType
 
         dt = self.accelerator.distributed_type
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled or args.fsdp or args.deepspeed or dt in (
+        # See [Note: accelerate's launchers]
+        launched = check_launch(dist.get_world_size() if dist.is_initialized() else 1)
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled or args.fsdp or args.deepspeed or launched or dt in (
                 DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+            dt = launched or dt
             raise TrainerSetupError(
-                f"yafsdp.trainer: accelerate is configured for {dt.value} (an accelerate config file, "
+                f"yafsdp.trainer: accelerate is configured for {getattr(dt, 'value', dt)} (an accelerate config file, "
                 "ACCELERATE_USE_FSDP/DEEPSPEED, or TrainingArguments fsdp=/deepspeed=); the model is already sharded "
                 "by yafsdp. Launch with torchrun, or `accelerate launch` with a multi-GPU/multi-CPU config "
-                "(distributed_type MULTI_GPU / MULTI_CPU, no fsdp_config or deepspeed_config)")
+                "(distributed_type MULTI_GPU, with use_cpu: true on CPU; no fsdp_config or deepspeed_config)")
         device_map = getattr(model.module, "hf_device_map", None) or getattr(
             getattr(model.module, "get_base_model", lambda: None)(), "hf_device_map", None)
         if device_map and len(set(map(str, device_map.values()))) > 1:
@@ -330,15 +334,55 @@ def install_fused_head(lm) -> None:
     lm.forward = types.MethodType(forward, lm)
 
 
+# [Note: accelerate's launchers]
+# ``accelerate launch`` starts processes in one of two ways (accelerate 1.15, commands/launch.py). A
+# multi-GPU configuration (``distributed_type: MULTI_GPU``, ``--multi_gpu``; with ``use_cpu: true`` on a
+# machine without GPUs) goes through torchrun: ``num_processes`` processes with RANK / WORLD_SIZE set.
+# Every other one -- ``distributed_type: MULTI_CPU`` included -- goes through the "simple launcher",
+# which starts exactly one process (under ``mpirun`` only when ``mpirun_hostfile`` is set: MULTI_CPU is
+# accelerate's MPI mode, one ``accelerate launch`` per rank otherwise). With ``num_processes`` above 1 it
+# still exports MASTER_ADDR / MASTER_PORT, and ACCELERATE_USE_CPU marks its processes; a script that then
+# starts a process group of one trains at world 1 with the others never started. And an FSDP or
+# DeepSpeed configuration reaches the process only as ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED:
+# on the CPU accelerate's state then reports MULTI_CPU (or NO), not FSDP. Both are read from the
+# environment here, where the launcher left them.
+_ENGINE_ENV = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DEEPSPEED",
+               "ACCELERATE_USE_MEGATRON_LM": "MEGATRON_LM"}
+_MPI_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "WORLD_SIZE")
+
+
+def check_launch(world_size: int, environ=None) -> str | None:
+    """Which sharding engine accelerate's launcher asked for through the environment ("FSDP",
+    "DEEPSPEED", "MEGATRON_LM"; the trainer refuses it), else None. Raises TrainerSetupError when
+    accelerate's simple launcher was asked for several processes but this process group has one
+    ([Note: accelerate's launchers])."""
+    env = os.environ if environ is None else environ
+    for key, name in _ENGINE_ENV.items():
+        if env.get(key, "false").lower() == "true":
+            return name
+    several = "ACCELERATE_USE_CPU" in env and "MASTER_ADDR" in env and not any(
+        int(env.get(k, "1") or 1) > 1 for k in _MPI_SIZE)
+    if world_size == 1 and several:
+        raise TrainerSetupError(
+            "yafsdp.trainer: accelerate's launcher was asked for several processes (MASTER_ADDR is set with "
+            "ACCELERATE_USE_CPU: a distributed_type MULTI_CPU config or --cpu with num_processes > 1), but it "
+            "starts one process for such a config (MULTI_CPU is its MPI mode: one process per `accelerate launch`, "
+            "or mpirun with mpirun_hostfile), and this run's process group has world size 1. Launch with "
+            "torchrun --nproc-per-node N, or accelerate launch --multi_gpu --num_processes N (a config with "
+            "distributed_type: MULTI_GPU and use_cpu: true on CPU)")
+    return None
+
+
 def check_model(model) -> None:
     """Refuse a model these trainers cannot train: not a ``yafsdp.YaFSDP``, or wrapped again."""
     if isinstance(model, YaFSDP):
         return
-    inner = getattr(model, "module", None)
-    if isinstance(inner, YaFSDP):
+    # The engine's own check and words (DistributedDataParallel's constructor refuses the same way):
+    # see [Note: DDP around a sharded model] in core/ddp_guard.py.
+    if isinstance(model, torch.nn.Module) and find_wrapped(model) is not None:
         raise TrainerSetupError(
-            f"yafsdp.trainer: the model is a {type(model).__name__} around a yafsdp.YaFSDP model (wrapped twice); pass "
-            "the yafsdp.YaFSDP model itself: it needs no DDP/FSDP wrapper")
+            wrapped_twice_message(f"the model passed to the trainer is a {type(model).__name__}") +
+            ". Pass the yafsdp.YaFSDP model itself")
     raise TrainerSetupError(
         f"yafsdp.trainer: the model is a {type(model).__name__}, not a yafsdp.YaFSDP model; wrap it first: "
         "model = yafsdp.YaFSDP(model, param_dtype=...) (a PEFT model: wrap peft.get_peft_model(base, config)). "
