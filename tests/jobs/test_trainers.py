@@ -441,3 +441,68 @@ def test_accelerate_multi_cpu_config_refused(tmp_path):
     assert p.returncode != 0
     assert "TrainerSetupError" in p.stderr and "world size 1" in p.stderr and "MULTI_GPU" in p.stderr, p.stderr[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+_FAULTY_TRAINER = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import torch, torch.distributed as dist
+from transformers import TrainerCallback, TrainingArguments
+import yafsdp
+from models import VOCAB, tiny_llama
+from yafsdp.trainer import YaFSDPTrainer
+
+dist.init_process_group("gloo")
+rank, fault = dist.get_rank(), sys.argv[1]
+
+class Rows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        ids = torch.arange(12) * (i + 1) % VOCAB
+        return {{"input_ids": ids, "labels": ids}}
+
+class Fault(TrainerCallback):
+    def on_step_end(self, args, state, control, **kw):
+        if rank == 1 and state.global_step == 2:
+            if fault == "raise":
+                raise RuntimeError("injected in rank 1's callback")
+            time.sleep(3600)
+
+args = TrainingArguments(output_dir=sys.argv[2], per_device_train_batch_size=2, max_steps=8, report_to=[],
+                         save_strategy="no", use_cpu=True, disable_tqdm=True, ddp_timeout=300)
+trainer = YaFSDPTrainer(model=yafsdp.YaFSDP(tiny_llama()), args=args, train_dataset=Rows(), callbacks=[Fault()],
+                        hang_timeout=6)
+trainer.train()
+"""
+
+
+def test_trainer_watchdog_one_rank_raising_or_stuck(tmp_path):
+    """YaFSDPTrainer under the watchdog: an exception raised in rank 1's callback alone ends rank 0 too
+    (status 1, not a hang); rank 1 asleep after step 2 is named by both ranks within hang_timeout
+    (6 s) and every process ends with status 4."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from job_utils import env
+    from dist_utils import free_port
+
+    script = tmp_path / "faulty_trainer.py"
+    script.write_text(_FAULTY_TRAINER.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+    def run(fault):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), str(script), fault, str(tmp_path / fault)]
+        return subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=180)
+
+    with ThreadPoolExecutor(2) as pool:
+        raised, slept = pool.map(run, ["raise", "sleep"])
+    assert raised.returncode != 0 and "RuntimeError: injected in rank 1's callback" in raised.stderr
+    codes = [int(c) for c in __import__("re").findall(r"exitcode\s*:\s*(-?\d+)", raised.stderr)]
+    assert codes and all(c in (1, -15) for c in codes), raised.stderr[-3000:]
+    lines = [x for x in slept.stderr.splitlines() if x.startswith("yafsdp watchdog")]
+    assert len(lines) == 2 and all("stuck: rank 1 (behind the others)" in x for x in lines), slept.stderr[-3000:]
+    assert all("rank 1: 2 steps done, train" in x and "(deadline 6 s)" in x for x in lines), lines
+    codes = [int(c) for c in __import__("re").findall(r"exitcode\s*:\s*(-?\d+)", slept.stderr)]
+    assert 4 in codes, slept.stderr[-3000:]

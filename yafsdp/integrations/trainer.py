@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -90,10 +91,49 @@ class YaFSDPTrainerMixin:
     """Mixed in front of ``transformers.Trainer`` or a subclass of it (TRL's trainers): see
     [Note: a sharding engine inside Trainer]."""
 
-    def __init__(self, model=None, args=None, *rest, **kwargs):
+    def __init__(self, model=None, args=None, *rest, hang_timeout: float = 120.0, **kwargs):
         check_model(model)
+        if not (isinstance(hang_timeout, (int, float)) and 0 < hang_timeout < float("inf")):
+            raise TrainerSetupError(f"yafsdp.trainer: hang_timeout must be a finite number of seconds > 0, got "
+                                    f"{hang_timeout!r}")
+        self._yafsdp_hang_timeout = float(hang_timeout)
+        self._yafsdp_watchdog = None
         super().__init__(model, args, *rest, **kwargs)
         self._yafsdp_setup()
+
+    # ------------------------------------------------------------------------------ faults
+    def train(self, *args, **kwargs):
+        """Trainer.train under the watchdog ([Note: the watchdog] in yafsdp/tools/watchdog.py): a rank
+        without progress for ``hang_timeout`` seconds after the first step (``TrainingArguments.ddp_timeout``
+        before it, also the process group's timeout) is named and every process ends with status 4; an
+        exception raised on one rank reaches the others, which end with status 1 instead of waiting in
+        their next collective."""
+        from ..tools.watchdog import Watchdog
+
+        if dist.is_initialized():  # TrainingArguments.ddp_timeout, also where the script made the group itself
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self.args.ddp_timeout))
+        wd = self._yafsdp_watchdog = Watchdog(timeout=self._yafsdp_hang_timeout,
+                                              startup_timeout=float(self.args.ddp_timeout)).start()
+        callback = _watchdog_callback(wd)
+        self.callback_handler.callbacks.insert(0, callback)  # first: a step is done before any user callback runs
+        try:
+            return super().train(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - published, then raised on as it was
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                wd.fail(f"{type(e).__name__}: {e}", 1)
+            raise
+        finally:
+            wd.stop()
+            self._yafsdp_watchdog = None
+            self.remove_callback(callback)
+
+    def _save_checkpoint(self, *args, **kwargs):
+        """A checkpoint's deadline is the longer one of saves (at least 1800 s)."""
+        wd = self._yafsdp_watchdog
+        if wd is None:
+            return super()._save_checkpoint(*args, **kwargs)
+        with wd.phase("save", timeout=max(1800.0, self._yafsdp_hang_timeout)):
+            return super()._save_checkpoint(*args, **kwargs)
 
     # ------------------------------------------------------------------------------ set-up
     def _yafsdp_setup(self) -> None:
@@ -251,6 +291,24 @@ class YaFSDPTrainerMixin:
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         if dist.is_initialized():
             dist.barrier()
+
+
+def _watchdog_callback(wd):
+    """A TrainerCallback marking the watchdog's steps and phases (made here: transformers is imported on
+    first use only)."""
+    from transformers import TrainerCallback
+
+    class WatchdogCallback(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            wd.set_phase("train")
+
+        def on_step_end(self, args, state, control, **kw):
+            wd.step(state.global_step)
+
+        def on_evaluate(self, args, state, control, **kw):
+            wd.progress()
+
+    return WatchdogCallback()
 
 
 def export(model: YaFSDP, output_dir: str) -> None:
