@@ -15,8 +15,8 @@ status (2 bad input, 3 diverged, 1 anything else), the others by their watchdog 
 ``YAFSDP_JOB_FAULT="KIND:RANK:STEP:PHASE[:SECONDS]"`` makes rank RANK, at step STEP (the step being
 taken, 1-based; 0: before the first step), on entering PHASE (data, forward, backward, optimizer,
 save, export, eval, sample), do KIND: ``stop`` (SIGSTOP itself), ``sleep`` (SECONDS, default an hour),
-``raise`` (a RuntimeError), ``exit`` (os._exit(9), as if killed) or ``badtoken`` (its next batch holds
-an id >= vocab). It fires in the first attempt of a torchrun worker group only, so a restarted group
+``raise`` (a RuntimeError), ``exit`` (os._exit(9), as if killed), ``badtoken`` (its next batch holds
+an id >= vocab) or ``slow`` (SECONDS of sleep at every entry of PHASE from STEP on: a straggler). It fires in the first attempt of a torchrun worker group only, so a restarted group
 runs clean. This is how tests/jobs/test_faults.py injects each fault at one rank in each phase; it
 costs one dict lookup per phase mark otherwise.
 """
@@ -237,7 +237,12 @@ class Faults:
 
     def at(self, step: int, phase: str) -> None:
         p = self.plan
-        if p is None or p["step"] != step or p["phase"] != phase:
+        if p is None or p["phase"] != phase or step < p["step"]:
+            return
+        if p["kind"] == "slow":  # every step from then on
+            time.sleep(p["seconds"])
+            return
+        if step != p["step"]:
             return
         self.plan = None  # once
         kind = p["kind"]
@@ -253,7 +258,7 @@ class Faults:
         elif kind == "badtoken":
             self.bad_token = True
         else:
-            raise JobError(f"YAFSDP_JOB_FAULT: unknown kind {kind!r} (stop, sleep, raise, exit, badtoken)")
+            raise JobError(f"YAFSDP_JOB_FAULT: unknown kind {kind!r} (stop, sleep, raise, exit, badtoken, slow)")
 
     def corrupt(self, x: torch.Tensor, vocab: int) -> torch.Tensor:
         if self.bad_token:

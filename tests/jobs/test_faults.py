@@ -62,6 +62,8 @@ def test_a_stopped_or_sleeping_rank_is_named_within_the_deadline_and_the_restart
                          "sleep:1:6:export", 0),
         "sleep_eval": (STEPS + hang + ["--eval-every", "2", "--out", str(tmp_path / "sleep_eval")],
                        "sleep:0:4:eval", 0),
+        "straggler": (["--steps", "9", "--save-every", "0", "--out", str(tmp_path / "straggler")],
+                      "slow:1:2:data:0.15", 0),
     }
     with ThreadPoolExecutor(len(cases)) as pool:
         futs = {k: pool.submit(_launch, a, f, r) for k, (a, f, r) in cases.items()}
@@ -84,6 +86,16 @@ def test_a_stopped_or_sleeping_rank_is_named_within_the_deadline_and_the_restart
     hangs = [e for e in ev if e["event"] == "hang"]
     assert len(hangs) == 1 and hangs[0]["stuck"] == [1] and hangs[0]["step"] == 3 and hangs[0]["exit_code"] == 4
     assert [e["checkpoint"].rsplit("_", 1)[-1] for e in ev if e["event"] == "resume"] == ["00000002"]
+
+    # a straggler: rank 1 0.15 s slower in its data from step 2 on, named once after 5 steps in a row
+    rc, out, err, _ = res["straggler"]
+    assert rc == 0, err[-3000:]
+    named = [x for x in out.splitlines() if x.startswith("straggler")]
+    assert len(named) == 1 and named[0].startswith("straggler rank 1: data + compute"), out[-3000:]
+    rows = metrics(str(tmp_path / "straggler"))
+    assert all(r["rank_data_s"][1] >= 0.15 > r["rank_data_s"][0] for r in rows[1:]), rows
+    assert all(len(r["rank_compute_s"]) == len(r["rank_comm_wait_s"]) == 2 for r in rows)
+    assert [e["rank"] for e in events(str(tmp_path / "straggler")) if e["event"] == "straggler"] == [1]
 
     want = {"sleep_data": (1, "data", "behind the others"), "stop_async_save": (0, "save", "not responding"),
             "sleep_export": (1, "export", "behind the others"), "sleep_eval": (0, "eval", "behind the others")}
@@ -276,3 +288,23 @@ def test_bad_values_exit_2_with_one_line(tmp_path):
     for (cmd, _, want), p in zip(cases, runs):
         lines = [x for x in p.stderr.splitlines() if x.strip()]
         assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith(want), (want, p.stderr[-2000:])
+
+
+def test_seq_len_past_an_hf_models_positions_is_refused(tmp_path, monkeypatch):
+    """--init-from-hf of a model with max_position_embeddings 64 and --seq-len 256: refused, naming both
+    and the config file (it used to train silently on positions the model never saw)."""
+    from transformers import LlamaConfig
+
+    monkeypatch.syspath_prepend(os.path.dirname(JOB))
+    from pretrain.args import parse_args
+    from pretrain.data import ByteTokenizer
+    from pretrain.ops import JobError
+    from pretrain.setup import model_config
+
+    LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                max_position_embeddings=64).save_pretrained(tmp_path / "hf")
+    args = parse_args(FAST + ["--init-from-hf", str(tmp_path / "hf"), "--seq-len", "256"])
+    with pytest.raises(JobError, match=r"--seq-len 256 exceeds max_position_embeddings 64 of .*config.json"):
+        model_config(args, ByteTokenizer())
+    args = parse_args(FAST + ["--init-from-hf", str(tmp_path / "hf"), "--seq-len", "64"])
+    assert model_config(args, ByteTokenizer())[0]["vocab_size"] == 512

@@ -161,12 +161,32 @@ def checkpoints(tmp_path_factory):
     wm["model.norm.weight"] = next(f for f in set(wm.values()) if f != wm["model.norm.weight"])  # the other file
     json.dump(j, open(idx, "w"))
     bad["rank1_only"] = bad["misshapen"]
+    nan = dict(sd, **{NAN_KEY: sd[NAN_KEY].clone()})
+    nan[NAN_KEY].view(-1)[-1] = float("nan")  # the last element: in the last rank's shard only
+    ckpts["nan"] = _write(nan, str(base / "nan"), torch.float32, 1)
     return ckpts, bad
+
+
+NAN_KEY = f"model.layers.{LAYERS - 1}.mlp.down_proj.weight"
+
+
+def _nan_ranks(rank, world, path):
+    """A NaN in a tensor only rank 1's slice holds: every rank raises, naming the file and the tensor."""
+    import yafsdp
+    from yafsdp.hf import HFCheckpointError, load_hf_weights
+
+    model = yafsdp.YaFSDP(tiny_llama(layers=LAYERS, seed=0))
+    try:
+        load_hf_weights(model, path)
+    except HFCheckpointError as e:
+        return str(e)
+    return None
 
 
 def _all_ranks(rank, world, ckpts, bad):
     """One process group for every multi-rank case of this file (a spawn costs more than the cases)."""
-    return dict(_stream_ranks(rank, world, ckpts, bad), peft=_peft_ranks(rank, world, ckpts["sharded_bf16"]))
+    return dict(_stream_ranks(rank, world, {k: v for k, v in ckpts.items() if k != "nan"}, bad),
+                peft=_peft_ranks(rank, world, ckpts["sharded_bf16"]), nan=_nan_ranks(rank, world, ckpts["nan"]))
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +215,16 @@ def test_streaming_load_refusals_on_every_rank(streamed):
         for (how, kinds, case), (msg, unchanged) in res["refused"].items():
             assert msg is not None and want[case] in msg, (rank, how, kinds, case, msg)
             assert unchanged, (rank, how, kinds, case)
+
+
+def test_streaming_load_names_a_tensor_holding_nan_on_every_rank(streamed, checkpoints):
+    """HF weights with a NaN where only rank 1 reads it: both ranks raise the same error naming the file
+    and the tensor (found on the data the load reads anyway), none trains on it."""
+    path = os.path.join(checkpoints[0]["nan"], "model.safetensors")
+    for rank, res in enumerate(streamed):
+        assert res["nan"] is not None, rank
+        assert f"{path!r}, tensor {NAN_KEY!r} holds NaN/inf" in res["nan"], (rank, res["nan"])
+        assert "load again from finite weights" in res["nan"], res["nan"]
 
 
 def test_streaming_load_holds_one_slice_at_a_time(streamed):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["WrappedTwiceError", "wrapped_twice_message", "inside_ddp_init", "find_wrapped"]
+__all__ = ["WrappedTwiceError", "wrapped_twice_message", "inside_ddp_init"]
 
 
 class WrappedTwiceError(RuntimeError):
@@ -65,13 +65,3 @@ def inside_ddp_init() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-def find_wrapped(module):
-    """The first ``yafsdp.YaFSDP`` at or under ``module`` (``named_modules`` order), or None."""
-    from .api import YaFSDP
-
-    for _, m in module.named_modules():
-        if isinstance(m, YaFSDP):
-            return m
-    return None
