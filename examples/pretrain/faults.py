@@ -51,7 +51,6 @@ def attach(job, wd: Watchdog) -> None:
     job.wd = wd
 
     def on_hang(report):
-        _kill_stopped_here(report)
         event = dict(event="hang", step=job.step_now(), stuck=report["stuck"], line=report.line, exit_code=EXIT_HANG)
         if job.main and getattr(job, "events", None) is not None:
             job.events.write(event)
@@ -68,20 +67,6 @@ def attach(job, wd: Watchdog) -> None:
         _release(job)
 
     wd.on_hang, wd.on_error = on_hang, on_error
-
-
-def _kill_stopped_here(report) -> None:
-    """A rank of this host that does not respond (SIGSTOP, a hung driver call) is killed: the launcher
-    would wait 30 s for it to answer SIGTERM before its SIGKILL, and only then restart the group."""
-    import socket
-
-    here = socket.gethostname()
-    for d in report["ranks"]:
-        if not d.get("responding") and d.get("host") == here and d.get("pid") and d["pid"] != os.getpid():
-            try:
-                os.kill(int(d["pid"]), signal.SIGKILL)
-            except OSError:
-                pass
 
 
 def _first_responding(report) -> int | None:
