@@ -183,8 +183,8 @@ class Job(Setup):
         total = torch.zeros((), device=self.device)
         t0, data_s, comm0 = time.perf_counter(), 0.0, POSITION.comm_wait_s
         for micro in range(a.grad_accum):
-            self.mark("data")
             td = time.perf_counter()
+            self.mark("data")
             x = self.faults.corrupt(self.batches.micro_batch(self.cursor, micro, self.rank, self.world, a.batch_size),
                                     self.shape["vocab_size"])
             if int(x.max()) >= self.shape["vocab_size"]:
