@@ -170,3 +170,32 @@ def test_offload_job_repeats_the_losses_and_resumes(run, tmp_path):
     assert "resumed from" in p.stdout and "--offload all" in p.stdout
     want, got = losses(run["out"]), losses(out)
     assert len(got) == 30 and got == want, (got, want)
+
+
+def test_one_ranks_error_and_a_stuck_rank_stop_the_finetuning_job(run, tmp_path):
+    """The fine-tuning job shares the pretraining job's fault handling: an exception on rank 1 alone is
+    printed once naming rank, step and phase, every rank exits 1; rank 1 asleep in its data is named by
+    both ranks within --hang-timeout and the job exits 4 (tests/jobs/test_faults.py has the catalogue)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = ["--init-from-hf", os.path.join(run["out"], "base", "hf"), "--steps", "6", "--save-every", "0"]
+
+    def one(case):
+        fault, extra = case
+        e = env()
+        e["YAFSDP_JOB_FAULT"] = fault
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), JOB, *FAST, *base, *extra, "--out", str(tmp_path / fault.split(":")[0])]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=e)
+
+    with ThreadPoolExecutor(2) as pool:
+        raised, slept = pool.map(one, [("raise:1:3:backward", []), ("sleep:1:3:data", ["--hang-timeout", "8"])])
+    lines = [x for x in raised.stderr.splitlines() if x.startswith("finetune_lora.py: error:")]
+    assert len(lines) == 1 and lines[0].startswith("finetune_lora.py: error: rank 1 (step 3, backward): "
+                                                   "RuntimeError: injected fault"), raised.stderr[-3000:]
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", raised.stderr)]
+    assert codes and all(c in (1, -15) for c in codes), raised.stderr[-3000:]
+    lines = [x for x in slept.stderr.splitlines() if x.startswith("yafsdp watchdog")]
+    assert len(lines) == 2 and all("stuck: rank 1 (behind the others)" in x and "rank 1: 2 steps done, data" in x
+                                   for x in lines), slept.stderr[-3000:]
+    assert 4 in [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", slept.stderr)], slept.stderr[-3000:]
