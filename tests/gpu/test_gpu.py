@@ -695,3 +695,24 @@ def test_auto_checkpointing_with_the_gpu_budget(engine_paths):
         assert p["growth"] == 0 and abs(p["predicted"] - p["measured"]) <= 0.10 * p["measured"], (name, p)
     assert r["run_all"]["measured"] < r["run_mid"]["measured"] < r["run_none"]["measured"], r
 
+
+
+def test_watchdog_dumps_the_nccl_flight_recorder_on_a_hang(tmp_path):
+    """The pretraining job on one GPU (NCCL) with its data phase asleep at step 3: the watchdog declares
+    the hang within --hang-timeout, every rank's NCCL flight recorder is written to
+    --out/flight_recorder/rank_R.pkl (torch's trace buffer, enabled by the job), and the exit is 4."""
+    import os
+    import subprocess
+    import sys
+
+    from job_utils import FAST, JOB, env
+
+    e = env()
+    e["YAFSDP_JOB_FAULT"] = "sleep:0:3:data"
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, JOB, *FAST, "--device", "cuda", "--steps", "6", "--save-every", "0",
+                        "--hang-timeout", "6", "--out", str(out)], capture_output=True, text=True, timeout=180, env=e)
+    assert p.returncode == 4, p.stderr[-3000:]
+    assert "yafsdp watchdog (rank 0): no progress for" in p.stderr, p.stderr[-3000:]
+    dump = out / "flight_recorder" / "rank_0.pkl"
+    assert dump.is_file() and dump.stat().st_size > 0, p.stderr[-3000:]
