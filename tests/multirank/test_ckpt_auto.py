@@ -280,3 +280,16 @@ def test_peft_lora_and_qlora_auto_checkpointing():
         assert abs(d["peak"] - d["measured"]) / d["measured"] <= 0.05, (name, d["peak"], d["measured"])
     indices, active = got["job"]
     assert indices == got["lora"]["indices"] and active == got["lora"]["active"], got["job"]
+
+
+def test_untraceable_model_says_what_the_plan_needs():
+    """A plain module with real weights (no HF config, not PEFT, not on meta): the refusal names
+    what the trace can copy and inputs_fn; the same module on meta with inputs_fn is traced."""
+    opts = dict(world_size=2, batch=2, seq=9)
+    with pytest.raises(ValueError, match="a PEFT model around one or a model already on the meta device"):
+        choose_checkpointing(Stack(n=4), budget=1 << 50, **opts)
+    with torch.device("meta"):
+        meta = Stack(n=4)
+    choice = choose_checkpointing(meta, budget=1 << 50, inputs_fn=lambda b, s, dev: {"x": torch.zeros(b, s, 7, device=dev)},
+                                  **opts)
+    assert choice.indices == [] and len(choice.all_blocks) == 4

@@ -187,5 +187,6 @@ def memory_plan(
             attention=attention, inputs_fn=inputs_fn, unit_grad_bytes=largest_unit_grads,
         )
         if plan.activations is None:
-            plan.notes.append("activations not estimated: not an HF model and no inputs_fn given")
+            plan.notes.append("activations not estimated: not an HF model, a PEFT model around one or a meta "
+                              "model, or no inputs_fn given for a model that is not an HF causal LM")
     return plan
