@@ -272,3 +272,22 @@ def test_model_scaling_finds_only_a_matching_measurement(monkeypatch):
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "was measured for llama3-8b at batch 1 x seq 8192, not llama3-8b at batch 1 x seq 4096" \
         in out.stderr, out.stderr[-2000:]
+
+
+def test_bench_world1_cpu(tmp_path):
+    """benchmarks/bench_world1.py at a tiny shape: every engine runs (a full model in fp32, LoRA in
+    bf16), yafsdp holds its plan's state between steps with no weight buffer (the world-1 alias), and
+    the report and its JSON are written."""
+    import json
+
+    md = tmp_path / "w1.md"
+    _run("bench_world1.py", *TINY, "--layers", "2", "--configs", "fp32-full,bf16-lora", "--md", str(md))
+    raw = json.loads((tmp_path / "w1.json").read_text())
+    assert set(raw) == {"fp32-full", "bf16-lora"}
+    for cfg, d in raw.items():
+        m = d["measured"]
+        assert set(m) == {"yafsdp", "plain", "fsdp2"} and all("error" not in v for v in m.values()), (cfg, m)
+        held = m["yafsdp"]["step_end"][-1] - d["plan"]["state"]
+        assert 0 <= held <= 64 * 16, (cfg, m["yafsdp"], d["plan"])  # + AdamW's scalar step counters
+        assert not any(k.startswith("weight") for k in d["plan"]["engine"]), (cfg, d["plan"]["engine"])
+    assert md.read_text().count("| yafsdp |") == 2

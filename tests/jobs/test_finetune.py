@@ -129,6 +129,25 @@ def test_response_only_masking():
         D.encode_instructions([("a", "b"), ("y" * 80, "z")], tok, seq, "--data 'x.jsonl'")
 
 
+def _one_layer_budget(base_dir: str, **opts) -> int:
+    """Bytes per rank that the plan's peak with the first layer checkpointed fits and the peak with
+    none does not, for the job's default LoRA model on ``base_dir`` at world 2 (batch 4, seq 96)."""
+    from transformers import LlamaForCausalLM
+
+    from finetune_lora import DEFAULT_TARGETS
+    from yafsdp.hf import read_hf_config
+    from yafsdp.plan import choose_checkpointing
+
+    with torch.device("meta"):
+        base = LlamaForCausalLM._from_config(read_hf_config(base_dir))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=DEFAULT_TARGETS.split(","),
+                                                      task_type="CAUSAL_LM"))
+    ends = choose_checkpointing(model, budget=1 << 50, world_size=2, batch=4, seq=96, **opts)
+    one = ends.take(1).peak
+    assert ends.peak_all < one < ends.peak_none, (ends.peak_all, one, ends.peak_none)
+    return one + (ends.peak_none - one) // 4
+
+
 def test_qlora_job(run, tmp_path):
     """--qlora at world 2: the base's linear weights in NF4; the held-out loss falls; probe.pt's logits are
     PEFT's with the adapter on the NF4-dequantized base (the merged export has them too)."""
@@ -138,9 +157,13 @@ def test_qlora_job(run, tmp_path):
 
     out = str(tmp_path / "qlora")
     base_dir = os.path.join(run["out"], "base", "hf")
+    budget = _one_layer_budget(base_dir, quantize_frozen="nf4")
     p = run_ft(["--out", out, "--init-from-hf", base_dir, "--qlora", "--steps", "15",
-                "--merge-export", os.path.join(out, "merged")])
+                "--merge-export", os.path.join(out, "merged"), "--memory-budget", str(budget)])
     assert "linear weights stored in NF4 (--qlora)" in p.stdout and "NF4-dequantized base" in p.stdout
+    # --memory-budget (auto): the plan traced through PEFT chose 1 of the base's 2 layers (docs/checkpointing.md)
+    assert "1 of 2 blocks checkpointed" in p.stdout and "checkpointed: base_model.model.model.layers.0" in p.stdout, \
+        p.stdout[:3000]
     m = re.search(r"held-out response-token loss ([\d.]+) \(before fine-tuning\) -> ([\d.]+)", p.stdout)
     assert m and float(m.group(2)) < float(m.group(1)) - 0.2, p.stdout[-3000:]
     probe = torch.load(os.path.join(out, "probe.pt"))

@@ -198,3 +198,98 @@ def test_job_checkpointing_options():
     assert checkpointing_mode(args(activation_checkpointing=True)) == "all"
     with pytest.raises(JobError, match="contradicts --checkpointing auto"):
         checkpointing_mode(args(activation_checkpointing=True, checkpointing="auto"))
+
+
+def _peft_llama(layers: int = 4, vocab: int = 2048):
+    """A PEFT LoRA model (r 8 on q, k, v, o, as the fine-tuning job's defaults) around a preset
+    Llama built on meta: the engine allocates only its shards."""
+    import peft
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    model = build_llama("cpu-6x256", device="meta", num_hidden_layers=layers, vocab_size=vocab)
+    model.model.rotary_emb = LlamaRotaryEmbedding(model.config)  # real buffers: the engine broadcasts them
+    cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                          lora_dropout=0.0, task_type="CAUSAL_LM")
+    return peft.get_peft_model(model, cfg)
+
+
+PEFT_CASES = {"lora": {}, "qlora": dict(param_dtype=torch.bfloat16, quantize_frozen="nf4")}
+
+
+def _peft_auto(rank, world):
+    """One process, the fake process group of 2 ranks (the torch CPU allocator's live bytes counted
+    exactly, as tests/unit/test_plan.py does): for a wrapped PEFT LoRA model (fp32) and a QLoRA one
+    (NF4 base, bf16 compute), configure_checkpointing("auto") at a budget halfway between every
+    block and none checkpointed, then the measured steady peak of three AdamW steps; and the job's
+    --checkpointing auto on the LoRA model."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from pretrain.ckpt_auto import job_checkpointing
+    from yafsdp.measure import measure_memory
+
+    dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    b, s, out = 2, 128, {}
+    for name, opts in PEFT_CASES.items():
+        chosen = {}
+
+        def build():
+            model = yafsdp.YaFSDP(_peft_llama(), device="cpu", **opts)
+            model.mark_loaded()
+            ends = choose_checkpointing(model, budget=1 << 50, batch=b, seq=s)
+            budget = (ends.peak_none + ends.peak_all) // 2
+            chosen["choice"] = configure_checkpointing(model, "auto", budget=budget, batch=b, seq=s)
+            chosen.update(ends=(ends.peak_none, ends.peak_all), budget=budget, active=checkpointed_blocks(model))
+            return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+        def step(engine, i):
+            model, opt = engine
+            ids = torch.randint(0, 2048, (b, s), generator=torch.Generator().manual_seed(i))
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        m = measure_memory(build, step, 3, torch.device("cpu"), method="torch")
+        c = chosen.pop("choice")
+        out[name] = dict(indices=c.indices, peak=c.peak, fits=c.fits, measured=m["peak_steady"], **chosen)
+    args = types.SimpleNamespace(activation_checkpointing=False, checkpointing=None, memory_budget=None,
+                                 batch_size=b, seq_len=s)
+    model = yafsdp.YaFSDP(_peft_llama(), device="cpu")
+    model.mark_loaded()
+    job = types.SimpleNamespace(args=args, device=torch.device("cpu"), model=model)
+    args.memory_budget = str(out["lora"]["budget"])  # a budget alone means auto
+    c = job_checkpointing(job)
+    out["job"] = (c.indices, checkpointed_blocks(model))
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    return out
+
+
+def test_peft_lora_and_qlora_auto_checkpointing():
+    """A PEFT model is traced through PEFT ([Note: a meta copy of a wrapped model]): the chooser
+    takes some but not all blocks, and the predicted peak is within 5% of the measured one, which
+    needs the frozen base counted as frozen (all weights trainable predicts ~28% too much)."""
+    got = run_ranks(_peft_auto, 1)[0]
+    for name in PEFT_CASES:
+        d = got[name]
+        none, every = d["ends"]
+        assert none > every and d["fits"] and d["peak"] <= d["budget"], (name, d)
+        assert 0 < len(d["indices"]) < 4, (name, d)
+        assert d["active"] == [f"base_model.model.model.layers.{i}" for i in d["indices"]], (name, d)
+        assert abs(d["peak"] - d["measured"]) / d["measured"] <= 0.05, (name, d["peak"], d["measured"])
+    indices, active = got["job"]
+    assert indices == got["lora"]["indices"] and active == got["lora"]["active"], got["job"]
+
+
+def test_untraceable_model_says_what_the_plan_needs():
+    """A plain module with real weights (no HF config, not PEFT, not on meta): the refusal names
+    what the trace can copy and inputs_fn; the same module on meta with inputs_fn is traced."""
+    opts = dict(world_size=2, batch=2, seq=9)
+    with pytest.raises(ValueError, match="a PEFT model around one or a model already on the meta device"):
+        choose_checkpointing(Stack(n=4), budget=1 << 50, **opts)
+    with torch.device("meta"):
+        meta = Stack(n=4)
+    choice = choose_checkpointing(meta, budget=1 << 50, inputs_fn=lambda b, s, dev: {"x": torch.zeros(b, s, 7, device=dev)},
+                                  **opts)
+    assert choice.indices == [] and len(choice.all_blocks) == 4

@@ -417,8 +417,10 @@ def _dropped(rank, world):
     loss_of(model, "llama", batch("llama", 0, 0, rank)).backward()
     opt.step()
     loss_of(model, "llama", batch("llama", 1, 0, rank))  # a forward whose graph is never run
-    refs = [weakref.ref(model.weight_buffers[0]), weakref.ref(next(iter(model.parameters())))]
-    del model, opt
+    rt = model._rt  # world 1: no weight buffer, each unit's ShardAlias ([Note: the world-1 alias])
+    refs = [weakref.ref(rt.grad_buffers[0]), weakref.ref(rt.alias_buffers[0]), weakref.ref(rt.compute),
+            weakref.ref(next(iter(model.parameters())))]
+    del model, opt, rt
     gc.collect()
     return [r() is None for r in refs]
 
@@ -426,7 +428,7 @@ def _dropped(rank, world):
 def test_a_dropped_model_is_freed():
     """Nothing global (the shard registry, the optimizer copy-outs) and no autograd node left in the
     modules keeps a dropped model's shards and buffers alive."""
-    assert run_ranks(_dropped, 1)[0] == [True, True]
+    assert run_ranks(_dropped, 1)[0] == [True] * 4
 
 
 # ---------------------------------------------------------------------------------- exit (item 13)

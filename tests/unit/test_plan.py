@@ -10,7 +10,7 @@ import torch
 
 import yafsdp
 from dist_utils import run_ranks
-from models import Stack, tiny_llama
+from models import Stack, batch, loss_of, tiny_llama
 from yafsdp.measure import measure_memory
 from yafsdp.plan import memory_plan, plan_buffers, unit_align
 from yafsdp.presets import build_llama
@@ -107,6 +107,71 @@ def test_plan_equals_allocated_bytes_gloo_world3():
         for name, r in res.items():
             _check(name, rank, r)
             _check_staging(name, r[2], in_place=False)
+
+
+def _world1(rank, world):
+    """_compare at world 1, with each weight buffer's members: the units that still have one."""
+    out = _compare(rank, world)
+    for name, build_kw, opts in CASES:
+        model = yafsdp.YaFSDP(_build(**build_kw), **opts)
+        rt = model._rt
+        out[name] += ({u.name: type(u.buffer).__name__ for u in rt.all},
+                      {u.name: bool(u.shape.staging_bytes or u.shape.gather_record or u.shape.nf4_record)
+                       for u in rt.all})
+    return out
+
+
+def test_plan_equals_allocated_bytes_world1():
+    """[Note: the world-1 alias]: at world 1 (gloo, one rank) the plan still equals the allocations
+    byte for byte in every configuration, and only the units with a compact group (NF4, fp8, int8:
+    their records expand into the buffer) have a weight buffer; every other unit's parameters alias
+    its shards, so a configuration without a compact group allocates no weight buffer at all."""
+    for name, r in run_ranks(_world1, 1)[0].items():
+        meta_plan, own_plan, allocated, psi, true_psi, buffers, compact = r
+        assert meta_plan == allocated == own_plan, (name, meta_plan, allocated)
+        assert psi == true_psi, name
+        for unit, kind in buffers.items():
+            assert kind == ("WeightBuffer" if compact[unit] else "ShardAlias"), (name, unit, kind)
+        weights = [k for k in allocated if k.startswith("weight")]
+        assert bool(weights) == any(compact.values()), (name, weights)
+        assert any(k.startswith("grad") for k in allocated), name  # the grad path is unchanged
+
+
+def _alias_vs_buffers(rank, world):
+    """Three AdamW steps of two micro-batches each at world 1, with the world-1 alias and with every
+    unit gathered into a buffer (the switch off): losses and final weights, per configuration."""
+    from yafsdp.plan import sizing
+
+    out = {}
+    for bf16 in (False, True):
+        for zero in (3, 2):
+            runs = []
+            for on in (True, False):
+                sizing.ALIAS_WORLD1 = on
+                model = yafsdp.YaFSDP(tiny_llama(seed=3), param_dtype=torch.bfloat16 if bf16 else None,
+                                      zero_stage=zero)
+                assert bool(model._rt.alias_buffers) == on and bool(model.weight_buffers) != on
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+                losses = []
+                for step in range(3):
+                    for micro in range(2):
+                        loss = loss_of(model, "llama", batch("llama", step, micro, rank))
+                        loss.backward()
+                        losses.append(loss.item())
+                    opt.step()
+                    opt.zero_grad()
+                runs.append((losses, model.full_state_dict()))
+            (la, sa), (lb, sb) = runs
+            out[f"{'bf16' if bf16 else 'fp32'}_z{zero}"] = (la == lb, [k for k in sa if not torch.equal(sa[k], sb[k])])
+    sizing.ALIAS_WORLD1 = True
+    return out
+
+
+def test_world1_alias_trains_bit_for_bit_like_the_buffers():
+    """[Note: the world-1 alias] changes where a unit's weights are read from, not a value: fp32 and
+    bf16, ZeRO-3 and ZeRO-2, gradient accumulation, the same losses and weights bit for bit."""
+    for case, (same_losses, differ) in run_ranks(_alias_vs_buffers, 1)[0].items():
+        assert same_losses and not differ, (case, differ)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -38,7 +38,7 @@ from torch import nn
 
 from . import shards
 from ..comm.collectives import reduces_in_place
-from .buffers import GradBuffer, WeightBuffer
+from .buffers import GradBuffer, ShardAlias, WeightBuffer
 from .flat import alias
 from ..plan.sizing import landing_layout, plan_buffers
 from .unit import FlatGroup
@@ -63,6 +63,7 @@ class Storage:
     flat: nn.Module | None = None  # the master shards as registered parameters
     buffer_plan: object = None  # plan.sizing.BufferPlan
     weight_buffers: list = field(default_factory=list)
+    alias_buffers: list = field(default_factory=list)  # world 1: units that alias their shards (ShardAlias)
     grad_buffers: list = field(default_factory=list)
 
 
@@ -183,6 +184,7 @@ def allocate(self, outsized_ratio: float) -> "Storage":
         chunk_outsized=self.config.chunk_outsized_grads and place.offload is None,
         grad_chunks=self.config.grad_chunks,
         reduce_in_place=in_place,
+        alias_world1=self.world_size == 1 and place.offload is None,
     )
     rank = dist.get_rank(self.group) if in_place else None
     st.grad_buffers: list[GradBuffer] = [
@@ -194,8 +196,15 @@ def allocate(self, outsized_ratio: float) -> "Storage":
         WeightBuffer(s.name, s.capacity, s.dtype, dev, self.schedule, s.staging_bytes, s.landing_bytes)
         for s in plan.weight
     ]
+    st.alias_buffers = []
     for u, w, g in zip(self.all, plan.weight_of, plan.grad_of):
-        u.buffer, u.grad_buffer = st.weight_buffers[w], (st.grad_buffers[g] if g >= 0 else None)
+        if w < 0:  # See [Note: the world-1 alias] in plan/sizing.py
+            stores = [st.compute if grp.kind.reduced else st.frozen_store for grp in u.groups]
+            st.alias_buffers.append(ShardAlias(f"shard.{u.name}", stores))
+            u.buffer = st.alias_buffers[-1]
+        else:
+            u.buffer = st.weight_buffers[w]
+        u.grad_buffer = st.grad_buffers[g] if g >= 0 else None
     for u, big in zip(self.units, plan.outsized):
         u.outsized = big
     for u, width in zip(self.all, plan.grad_chunk):  # See [Note: chunked outsized gradients] in plan/sizing.py
@@ -203,7 +212,10 @@ def allocate(self, outsized_ratio: float) -> "Storage":
         u.chunk_buffers = [st.grad_buffers[i] for i in plan.chunk_slots] if width else []
     for u in self.all:
         u.landing_at = landing_layout(u.shape, self.compute_dtype)[0]
-        u.aliases = [alias(u.buffer.data, u.group_of[id(p)].buffer_offset + p.offset, p.shape) for p in u.params]
+        if isinstance(u.buffer, ShardAlias):  # at world 1 a group's shard is all of it (shard_start 0)
+            u.aliases = [alias(u.group_of[id(p)].compute, p.offset, p.shape) for p in u.params]
+        else:
+            u.aliases = [alias(u.buffer.data, u.group_of[id(p)].buffer_offset + p.offset, p.shape) for p in u.params]
     return st
 
 def _copy_written_cb(self, group: FlatGroup):

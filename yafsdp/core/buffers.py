@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["WeightBuffer", "GradBuffer", "BufferInUse"]
+__all__ = ["WeightBuffer", "ShardAlias", "GradBuffer", "BufferInUse"]
 
 
 class BufferInUse(RuntimeError):
@@ -134,6 +134,55 @@ class WeightBuffer:
 
     def invalidate(self) -> None:
         """The data no longer matches any unit (its shards were loaded anew)."""
+        self.owner, self.owner_version = None, ()
+
+
+class ShardAlias:
+    """The weight "buffer" of one unit at world 1 that has none: its parameters alias its own shards
+    (see [Note: the world-1 alias] in plan/sizing.py). It keeps a weight buffer's protocol and
+    ownership record -- a gather records the unit's version, so ``holds`` is False after a load
+    until the next gather, as with a buffer -- but copies nothing and waits for nothing: the cast
+    pass has written the compute copy on the compute side before any use. ``stores``: the 1-D
+    tensors its shards live in (what autograd's boundary check treats as weight storage)."""
+
+    def __init__(self, name: str, stores: list[torch.Tensor]):
+        self.name = name
+        self.stores = stores
+        self.owner = None
+        self.owner_version: tuple = ()
+        self.busy = 0
+        self.deferred = None
+
+    capacity = 0
+
+    def holds(self, unit) -> bool:
+        return self.owner is unit and self.owner_version == unit.version
+
+    def gather(self, unit) -> None:
+        self.owner, self.owner_version = unit, unit.version
+
+    def prefetch(self, unit) -> None:
+        if not self.holds(unit):
+            self.gather(unit)
+
+    def acquire(self, unit) -> None:
+        if not self.holds(unit):
+            self.gather(unit)
+        self.busy += 1
+
+    def wait(self) -> None:
+        pass
+
+    def release(self) -> None:
+        self.busy -= 1
+
+    def abandon(self) -> None:
+        self.busy = 0
+
+    def drop_deferred(self) -> None:
+        pass
+
+    def invalidate(self) -> None:
         self.owner, self.owner_version = None, ()
 
 

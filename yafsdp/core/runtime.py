@@ -209,7 +209,7 @@ class Runtime(BackwardSteps):
     def invalidate_buffers(self) -> None:
         """The shards were loaded anew: no weight buffer holds a current unit, and the next gathers
         wait for the compute side's writes."""
-        for s in self.weight_buffers:
+        for s in (*self.weight_buffers, *self.alias_buffers):
             s.invalidate()
         # Every compute copy is rewritten from its master at the next step entry, whether or not the
         # loader's writes bumped the shards' version counters (a compact group's record is derived
@@ -258,7 +258,7 @@ class Runtime(BackwardSteps):
         for u in self.all:
             u.bw_holds = 0
         self.tasks.clear()
-        for s in self.weight_buffers:
+        for s in (*self.weight_buffers, *self.alias_buffers):
             s.abandon()
         self.phase = Phase.IDLE
         self.root_depth = 0
@@ -296,7 +296,7 @@ class Runtime(BackwardSteps):
         if ok and self.trace:
             self.order = self.trace
         if not ok and not in_backward():  # an exception inside forward: drop every hold
-            for s in self.weight_buffers:
+            for s in (*self.weight_buffers, *self.alias_buffers):
                 s.abandon()
         if self.phase is Phase.FORWARD:
             self.phase = Phase.IDLE

@@ -56,18 +56,62 @@ class _FusedSDPA(torch.overrides.TorchFunctionMode):
 
 
 def _meta_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module | None:
-    """A fresh copy of ``module`` on the meta device in ``dtype``, or None if it cannot be built."""
+    """A fresh copy of ``module`` on the meta device in ``dtype``, or None if it cannot be built.
+    Its parameters require grad where ``module``'s do (by name): a frozen weight saves nothing
+    for its own gradient, so a LoRA base's activations differ from a full model's. See [Note: a
+    meta copy of a wrapped model]."""
+    copy = _meta_build(module)
+    if copy is None:
+        return None
+    wants = {n: p.requires_grad for n, p in module.named_parameters()}
+    for n, p in copy.named_parameters():
+        if n in wants:
+            p.requires_grad_(wants[n])
+    return copy.to(dtype)
+
+
+# [Note: a meta copy of a wrapped model]
+# The trace runs a copy of the model on the meta device, never the model itself (its weights may be
+# the engine's shards, or real and large). Three ways to build one, in order:
+#   - an HF model (``config`` and ``_from_config``): its class built from its config on meta;
+#   - a model whose parameters are all on meta already: a deep copy;
+#   - a PEFT model (``peft_config`` and ``get_base_model()``, e.g. LoRA/QLoRA, wrapped by the engine
+#     or with real weights): the meta copy of its base (recursively, so an HF base) with the same
+#     adapters added again by PEFT's own class (``type(model)(base, config, adapter_name)``, each
+#     further adapter by ``add_adapter``), the active one made active again.
+# Then every parameter's ``requires_grad`` is set from the model's by name (the engine keeps the
+# original names): PEFT freezes the base, and a frozen linear layer saves no input for its weight's
+# gradient while its adapter's ``lora_A`` does. Another wrapper (not PEFT) around an HF model has a
+# forward the plan cannot know: pass a meta model (``memory_plan(meta_model, world_size=...)``).
+def _meta_build(module: nn.Module) -> nn.Module | None:
     config = getattr(module, "config", None)
     if config is not None and hasattr(type(module), "_from_config"):
         with torch.device("meta"):
-            copy = type(module)(config)
-    elif all(p.is_meta for p in module.parameters()):
+            return type(module)(config)
+    if all(p.is_meta for p in module.parameters()):
         import copy as _copy
 
-        copy = _copy.deepcopy(module)
-    else:
+        return _copy.deepcopy(module)
+    configs = getattr(module, "peft_config", None)
+    if isinstance(configs, dict) and configs and callable(getattr(module, "get_base_model", None)):
+        return _meta_peft(module, configs)
+    return None
+
+
+def _meta_peft(module: nn.Module, configs: dict) -> nn.Module | None:
+    import copy as _copy
+
+    base = _meta_build(module.get_base_model())
+    if base is None:
         return None
-    return copy.to(dtype)
+    active = getattr(module, "active_adapter", None)
+    active = active if isinstance(active, str) and active in configs else next(iter(configs))
+    copy = type(module)(base, _copy.deepcopy(configs[active]), adapter_name=active)
+    for name, cfg in configs.items():
+        if name != active:
+            copy.add_adapter(name, _copy.deepcopy(cfg))
+    copy.set_adapter(active)
+    return copy
 
 
 def _hf_inputs(batch: int, seq: int, device) -> dict:

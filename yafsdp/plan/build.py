@@ -130,6 +130,7 @@ def memory_plan(
             zero_stage=zero_stage, outsized_ratio=outsized_ratio, offload_frozen=offload == "all",
             accumulate_fp32=accum is not None, chunk_outsized=cfg.chunk_outsized_grads and offload is None,
             grad_chunks=cfg.grad_chunks, reduce_in_place=reduces_in_place(plan_backend(backend), world_size),
+            alias_world1=world_size == 1 and offload is None,
         )
         module = model
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
@@ -147,7 +148,7 @@ def memory_plan(
     rows = [
         UnitRow(
             names[i], lay.numel, lay.weight_numel, lay.trainable_shard + lay.frozen_shard + lay.nf4_shard,
-            slots.weight[slots.weight_of[i]].name,
+            slots.weight[slots.weight_of[i]].name if slots.weight_of[i] >= 0 else "its shard (world 1)",
             _grad_slot_name(slots, i, lay), slots.outsized[i], weight_free[i],
             _gather_bytes(lay, cbytes), lay.gather.name if lay.gather_record else None,
         )
@@ -186,5 +187,6 @@ def memory_plan(
             attention=attention, inputs_fn=inputs_fn, unit_grad_bytes=largest_unit_grads,
         )
         if plan.activations is None:
-            plan.notes.append("activations not estimated: not an HF model and no inputs_fn given")
+            plan.notes.append("activations not estimated: not an HF model, a PEFT model around one or a meta "
+                              "model, or no inputs_fn given for a model that is not an HF causal LM")
     return plan

@@ -203,7 +203,8 @@ class MemoryPlan:
             *([(f"compute copy, {self.gather_dtype.upper()} records ({formats.get(self.gather_dtype).label})",
                 self.records)] if self.gather_dtype else []),
             *([(self._gather_host_row, self.gather_host)] if self.gather_host else []),
-            ("weight buffers" + (" (per unit, ZeRO-2)" if self.zero_stage == 2 else " (x2)")
+            ("weight buffers" + (" (none: world 1 aliases the shards)" if self.world_size == 1
+                                                   and not self.weight_buffers else " (per unit, ZeRO-2)" if self.zero_stage == 2 else " (x2)")
              + (" + NF4 staging" if self.quantize_frozen else "")
              + (" + frozen landing" if self.offload == "all" else ""), self.weight_buffers),
             ("grad buffers (x2, + staging)", self.grad_buffers),

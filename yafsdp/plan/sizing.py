@@ -233,6 +233,12 @@ def landing_layout(shape: UnitShape, compute_dtype: torch.dtype) -> tuple[int, i
 # staging area is, so it needs no event. The cost: the host -> device copy (1/N of the unit) sits
 # in front of the gather on the comm stream; the prefetch hides it behind the previous unit's
 # compute as it hides the gather.
+# [Note: the world-1 alias]'s switch, for the tests of the gather protocol at world 1
+# (tests/multirank/test_streamcheck.py's fault runs): False gives every unit a weight buffer at
+# every world size. The engine and the plan both read it when they size the buffers.
+ALIAS_WORLD1 = True
+
+
 def plan_buffers(
     names: list[str],
     layouts: list[UnitShape],
@@ -247,11 +253,14 @@ def plan_buffers(
     chunk_outsized: bool = False,
     grad_chunks: int = 1,
     reduce_in_place: bool = False,
+    alias_world1: bool = False,
 ) -> BufferPlan:
     """The weight and grad buffers for units with ``layouts`` (and the small group): pure, no
     allocation. See [Note: one plan, one allocator]. ``reduce_in_place``: the backend reduce-scatters
     into the input's own slice, so grad slots have no staging ([Note: reduce-scatter in place] in
-    comm/collectives.py; fp32 accumulation keeps its landing)."""
+    comm/collectives.py; fp32 accumulation keeps its landing). ``alias_world1``: one rank holds every
+    unit whole and nothing is offloaded, so a unit without a compact group gets no weight buffer
+    (``weight_of`` -1): its parameters alias its own shards ([Note: the world-1 alias])."""
     staged = accumulate_fp32 or not reduce_in_place
     sizes = [lay.weight_numel for lay in layouts]
     outsized = [False] * len(layouts)
@@ -317,6 +326,18 @@ def plan_buffers(
     if small is not None and small.trainable is not None:
         grad_of[len(layouts)] = grad_slot("grad_small", [len(layouts)], "small")
 
+    # [Note: the world-1 alias] At world 1 a unit's shard is the whole unit (shard_start 0, shard_numel
+    # the padded numel), so "gathering" it into a weight buffer copies its compute shard (the master
+    # in fp32, the compute copy, the frozen store) into a second tensor of the same size. A unit whose
+    # groups are all gathered in param_dtype (no NF4, fp8 or int8 record to expand) gets no buffer:
+    # its parameters alias its shards (core/alloc.py) and its gathers record the version without
+    # copying (core/buffers.py ShardAlias). Offload keeps the buffers (the shards are on the host or
+    # reach the device by an upload the gathers are ordered after).
+    aliased = [alias_world1 and ALIAS_WORLD1 and not lay(i).staging_bytes and not lay(i).gather_record and not lay(i).nf4_record
+               for i in range(n_all)]
+    regular = [i for i in regular if not aliased[i]]
+    big = [i for i in big if not aliased[i]]
+
     def weight_slot(name: str, members: list[int], role: str) -> int:
         landing = max(landing_layout(lay(i), compute_dtype)[1] for i in members) if offload_frozen else 0
         weight.append(BufferSpec(name, "weight", max(lay(i).weight_numel for i in members), 0, compute_dtype, role,
@@ -334,8 +355,9 @@ def plan_buffers(
                 weight_of[i] = w
     else:  # ZeRO-2: every unit keeps its gathered weights from forward to backward
         for i, name in enumerate(names):
-            weight_of[i] = weight_slot(f"weight_{name}", [i], "buffers")
-    if small is not None:
+            if not aliased[i]:
+                weight_of[i] = weight_slot(f"weight_{name}", [i], "buffers")
+    if small is not None and not aliased[len(layouts)]:
         weight_of[len(layouts)] = weight_slot("weight_small", [len(layouts)], "small")
     return BufferPlan(weight, grad, weight_of, grad_of, outsized, grad_chunk, chunk_slots)
 

@@ -1,0 +1,215 @@
+"""World 1 pays nothing? Peak memory of one training step at world 1: yafsdp against plain PyTorch
+with the same optimizer and against torch FSDP2 (``fully_shard``), in fp32 and bf16, for a full
+fine-tune and for PEFT LoRA, with the torch CPU allocator's exact counts (issue 47 item 1).
+
+    python benchmarks/bench_world1.py --md benchmarks/results/world1_cpu_<date>.md
+
+One process, a fake process group of one rank (collectives do nothing; no gloo threads, so every
+allocation and free is on this thread and :class:`yafsdp.measure.CpuAllocTracker` sees it exactly).
+Every engine: the same HF Llama (``--preset``, ``--layers``), torch AdamW (fused where the build has
+it) over the trainable parameters, batch x seq random tokens, HF's loss, 3 steps,
+``zero_grad(set_to_none=True)``; the steady peak is steps 2-3.
+
+- **yafsdp**: ``YaFSDP(model, param_dtype=...)`` (ZeRO-3, fp32 reduce), built on meta and
+  ``mark_loaded`` (zero shards: memory only).
+- **plain**: the model itself, fp32 parameters (the master), AdamW; bf16: ``torch.autocast("cpu",
+  torch.bfloat16)`` (its cast weights live for the forward; the backward recasts nothing). LoRA, bf16:
+  the frozen base stored in bf16, the adapters fp32, as a user keeps a LoRA base.
+- **fsdp2**: ``fully_shard`` per decoder layer and at the root, ``MixedPrecisionPolicy(bf16, fp32
+  reduce)`` in bf16. LoRA, bf16: the base in bf16 before sharding, the adapters fp32.
+
+The yafsdp row also gives the plan's figures (``memory_plan`` of a meta model): the state it holds
+between steps and its predicted peak. Goal (issue 47): yafsdp's peak <= 1.00x FSDP2's and <= 1.00x
+plain PyTorch's in every configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import MiB, _adamw, finish_distributed, init_fake, make_batch, md_table, versions  # noqa: E402
+
+import yafsdp  # noqa: E402
+from yafsdp.measure import measure_memory  # noqa: E402
+from yafsdp.presets import build_llama  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="cpu-6x256")
+    ap.add_argument("--layers", type=int, default=2, help="override the preset's layer count (0: keep it)")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--lora-r", type=int, default=8)
+    ap.add_argument("--configs", default="fp32-full,bf16-full,fp32-lora,bf16-lora",
+                    help="comma list of {fp32,bf16}-{full,lora}")
+    ap.add_argument("--engines", default="yafsdp,plain,fsdp2")
+    ap.add_argument("--md", default=None, help="write the report here (and its JSON beside it)")
+    return ap.parse_args(argv)
+
+
+def _model(a, meta: bool, lora: bool, base_dtype=None):
+    """The preset Llama (meta: parameters on meta, real rotary buffers), with PEFT LoRA adapters."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    over = {"num_hidden_layers": a.layers} if a.layers else {}
+    model = build_llama(a.preset, device="meta" if meta else "cpu", **over)
+    if meta:
+        model.model.rotary_emb = LlamaRotaryEmbedding(model.config)
+    if lora:
+        import peft
+
+        model.requires_grad_(False)
+        if base_dtype is not None:
+            model.to(base_dtype)
+            model.model.rotary_emb = LlamaRotaryEmbedding(model.config)  # its fp32 frequencies, as HF keeps them
+        model = peft.get_peft_model(model, peft.LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, target_modules=TARGETS,
+                                                           lora_dropout=0.0, task_type="CAUSAL_LM"))
+        for n, p in model.named_parameters():  # the adapters train in fp32 whatever the base's dtype
+            if p.requires_grad:
+                p.data = p.data.float()
+    return model
+
+
+def build(a, engine: str, bf16: bool, lora: bool):
+    """() -> (model, optimizer, autocast dtype or None)."""
+    pdt = torch.bfloat16 if bf16 else None
+
+    def _build():
+        if engine == "yafsdp":
+            model = yafsdp.YaFSDP(_model(a, True, lora), param_dtype=pdt, reduce_dtype=torch.float32, device="cpu")
+            model.mark_loaded()
+            cast = None
+        elif engine == "plain":
+            model = _model(a, False, lora, base_dtype=pdt if lora else None)
+            cast = pdt
+        elif engine == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            model = _model(a, True, lora, base_dtype=pdt if lora else None)
+            mesh = init_device_mesh("cpu", (1,))
+            mp = MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+            hf = model.get_base_model() if lora else model
+            for layer in hf.model.layers:
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
+            rotary = hf.model.rotary_emb
+            model.to_empty(device="cpu")
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+            hf.model.rotary_emb = LlamaRotaryEmbedding(rotary.config)
+            cast = None
+        else:
+            raise ValueError(f"unknown engine {engine!r}: use yafsdp, plain or fsdp2")
+        opt = _adamw([p for p in model.parameters() if p.requires_grad], 1e-4, torch.device("cpu"))
+        return model, opt, cast
+
+    return _build
+
+
+def step_fn(a, vocab: int):
+    def step(engine, i):
+        model, opt, cast = engine
+        b = make_batch(i, 0, a.batch, a.seq, vocab, "cpu")
+        if cast is not None:
+            with torch.autocast("cpu", dtype=cast):
+                loss = model(**b).loss
+        else:
+            loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def plan_of(a, bf16: bool, lora: bool):
+    from yafsdp.plan import memory_plan
+
+    p = memory_plan(_model(a, True, lora), world_size=1, param_dtype="bf16" if bf16 else None, batch=a.batch,
+                    seq=a.seq, backend="gloo")
+    return p
+
+
+def main(argv=None):
+    a = parse(argv)
+    torch.set_num_threads(1)
+    init_fake(1, torch.device("cpu"))
+    vocab = build_llama(a.preset, device="meta").config.vocab_size
+    rows, raw = [], {}
+    engines = a.engines.split(",")
+    worst = {}
+    for cfg in a.configs.split(","):
+        dt, kind = cfg.split("-")
+        bf16, lora = dt == "bf16", kind == "lora"
+        res = {}
+        for e in engines:
+            try:
+                res[e] = measure_memory(build(a, e, bf16, lora), step_fn(a, vocab), 3, torch.device("cpu"),
+                                        method="torch")
+            except Exception as exc:  # noqa: BLE001 - a competitor that cannot run this configuration says why
+                res[e] = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+            print(cfg, e, {k: v for k, v in res[e].items() if k != "how"}, flush=True)
+        plan = plan_of(a, bf16, lora) if "yafsdp" in engines else None
+        raw[cfg] = dict(measured=res, plan=None if plan is None else dict(
+            state=plan.engine_total + plan.optimizer_state, total=plan.total, engine=plan.engine_bytes()))
+        for e in engines:
+            m = res[e]
+            if "error" in m:
+                rows.append([cfg, e, "", "", "", "", "", "", m["error"]])
+                continue
+            ratio = {o: m["peak_steady"] / res[o]["peak_steady"] for o in ("plain", "fsdp2")
+                     if o in res and "error" not in res[o]}
+            if e == "yafsdp":
+                worst[cfg] = ratio
+            pl = [f"{(plan.engine_total + plan.optimizer_state) / MiB:.1f}", f"{plan.total / MiB:.1f}"] \
+                if e == "yafsdp" and plan is not None else ["", ""]
+            rows.append([cfg, e, f"{m['built'] / MiB:.1f}", f"{m['step_end'][-1] / MiB:.1f}",
+                         f"{m['peak_steady'] / MiB:.1f}", f"{ratio.get('plain', float('nan')):.3f}",
+                         f"{ratio.get('fsdp2', float('nan')):.3f}", " / ".join(pl) if pl[0] else "", ""])
+    head = ["config", "engine", "after build MiB", "between steps MiB", "peak MiB (steps 2-3)", "x plain",
+            "x FSDP2", "plan: state / total MiB", "note"]
+    v = versions(torch.device("cpu"))
+    goals = [f"goal yafsdp <= 1.00x plain and <= 1.00x FSDP2, {cfg}: "
+             + ", ".join(f"x{r:.3f} {o} -> {'met' if r <= 1.0 else 'NOT met'}" for o, r in rs.items())
+             for cfg, rs in worst.items()]
+    text = "\n".join([
+        f"# World 1 peak memory: yafsdp vs plain PyTorch vs FSDP2 — CPU, {v['date']}",
+        "",
+        "Command: `python benchmarks/bench_world1.py " + " ".join(sys.argv[1:] if argv is None else argv) + "`",
+        "",
+        f"Model: {a.preset} ({a.layers or 'all'} layers), batch {a.batch} x seq {a.seq}; LoRA r {a.lora_r} on "
+        f"{','.join(TARGETS)}; torch AdamW over the trainable parameters; world 1 (fake process group). Memory: "
+        f"torch CPU allocator live bytes (profiler memory events), exact; 'between steps' after step 3.",
+        "",
+        md_table(head, rows),
+        "",
+        *goals,
+        "",
+        f"Versions: python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, yafsdp {v['yafsdp']}.",
+    ]) + "\n"
+    print(text)
+    if a.md:
+        import json
+
+        os.makedirs(os.path.dirname(os.path.abspath(a.md)), exist_ok=True)
+        with open(a.md, "w") as f:
+            f.write(text)
+        with open(os.path.splitext(a.md)[0] + ".json", "w") as f:
+            json.dump(raw, f, indent=1, default=str)
+    finish_distributed()
+
+
+if __name__ == "__main__":
+    main()
