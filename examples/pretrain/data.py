@@ -231,8 +231,10 @@ def write_bin(tokens: np.ndarray, path: str, dtype: str = "uint16") -> None:
 class Batches:
     """Windows of a token stream in a seeded, epoch-wise shuffled order. See [Note: batch order]."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, source: str = "data"):
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, source: str = "data", vocab: int | None = None):
         self.tokens = tokens
+        self.vocab = vocab  # each window read is checked against it (None: not checked)
+        self.source = source
         self.seq_len = seq_len
         self.seed = seed
         self.windows = (len(tokens) - 1) // seq_len
@@ -253,7 +255,16 @@ class Batches:
     def sample(self, g: int) -> np.ndarray:
         epoch, i = divmod(g, self.windows)
         start = int(self._order(epoch)[i]) * self.seq_len
-        return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+        w = np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+        if self.vocab is not None and int(w.max()) >= self.vocab:
+            j = start + int(np.argmax(w >= self.vocab))
+            where = f"{self.source} at token {j:,}"
+            if hasattr(self.tokens, "file_at"):
+                f, k = self.tokens.file_at(j)
+                where = f"--data {f!r} at token {k:,}"
+            raise DataError(f"{where}: token id {int(w.max())} >= the model's vocabulary {self.vocab} "
+                            "(wrong --tokenizer or --data-dtype, or a corrupt file)")
+        return w
 
     def batch(self, first: int, count: int) -> torch.Tensor:
         """Samples ``first .. first + count - 1`` as a (count, seq_len + 1) int64 tensor."""

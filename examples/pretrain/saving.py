@@ -105,6 +105,10 @@ def checkpoint(job, bar) -> None:
     state = dict(step=job.step, cursor=job.cursor, tokens=job.tokens_seen,
                  elapsed=job.elapsed_before + time.perf_counter() - job.t_session,
                  global_batch=a.batch_size * job.world * a.grad_accum, seq_len=a.seq_len, seed=a.seed)
+    if hasattr(job.batches, "state"):  # streamed data: every rank's position (see [Note: streamed positions])
+        states = [None] * job.world
+        dist.all_gather_object(states, job.batches.state())
+        state["stream"] = states
     meta = dict(model_shape=job.shape, settings=job.settings, preset_args=describe_model_args(a),
                 optimizer=job.opt_name,
                 tokenizer="bytes" if isinstance(job.tokenizer, D.ByteTokenizer) else job.tokenizer.name)
