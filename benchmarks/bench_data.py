@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 WRAP = ("import resource, runpy, sys, atexit, os\n"
         "atexit.register(lambda: print('PEAK_RSS_MB', os.environ.get('RANK'), "
         "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, file=sys.stderr, flush=True))\n"
-        "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+        "sys.argv = sys.argv[1:]\nsys.path.insert(0, os.path.dirname(sys.argv[0]))\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
 
 
 def make_parquet(folder: str, gb: float, shard_mb: int = 100) -> None:

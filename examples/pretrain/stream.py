@@ -211,14 +211,21 @@ class Shard:
             if first + n <= start:
                 first += n
                 continue
-            try:
-                table = pf.read_row_group(g, columns=[self.column])
-            except Exception as e:  # noqa: BLE001
-                raise self._bad(f"cannot read row group {g} (rows {first}-{first + n - 1}): "
-                                f"{type(e).__name__}: {e}") from None
-            values = table.column(0).to_pylist()
-            for i in range(max(0, start - first), n):
-                yield first + i, self._text(values[i], first + i)
+            row = first
+            batches = pf.iter_batches(batch_size=1024, row_groups=[g], columns=[self.column])
+            while True:  # 1024 rows at a time: memory bounded by that, not by the row group
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    break
+                except Exception as e:  # noqa: BLE001
+                    raise self._bad(f"cannot read row group {g} (rows {first}-{first + n - 1}): "
+                                    f"{type(e).__name__}: {e}", row) from None
+                values = batch.column(0).to_pylist()
+                for i, v in enumerate(values):
+                    if row + i >= start:
+                        yield row + i, self._text(v, row + i)
+                row += len(values)
             first += n
 
     def _dataset_rows(self, start: int):
