@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,13 +105,15 @@ class HFTokenizer:
             raise DataError(f"--tokenizer {path!r}: cannot load a tokenizer from it ({type(e).__name__}: {e})") from None
         self.name = os.path.abspath(path)
         self.path = path
+        self._lock = threading.Lock()
         self.vocab_size = len(self.tok)
         self.eos_id = self.tok.eos_token_id if self.tok.eos_token_id is not None else self.tok.sep_token_id
         self.bos_id = self.tok.bos_token_id
         self.pad_id = self.tok.pad_token_id  # None when the tokenizer defines no padding token
 
     def encode(self, text: str) -> np.ndarray:
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        with self._lock:  # the streamed loaders' threads share it (HF's wrapper may reset its truncation)
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
         return np.asarray(ids, dtype=np.uint32 if self.vocab_size > 65535 else np.uint16)
 
     def decode(self, ids) -> str:

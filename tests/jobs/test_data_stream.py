@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -185,24 +185,30 @@ def test_job_streamed_parquet(tmp_path):
     data = write_parquet_shards(str(tmp_path / "pq"), texts, 3)
     write_parquet_shards(data, texts[:40], 1, prefix="validation")
     common = ["--data", data, "--val-split", "validation"]
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    first = run_job(common + ["--steps", "4", "--out", a])
-    assert "streamed, tokenized on the fly" in first.stdout and "val " + data in first.stdout
-    run_job(common + ["--steps", "2", "--out", b])
-    second = run_job(common + ["--steps", "4", "--resume", "--out", b])
-    assert "streamed position restored: each rank at its own position" in second.stdout
-    assert losses(a) == losses(b) and len(losses(a)) == 4
+    a, b, out = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c")
     bad = str(tmp_path / "bad")
     os.makedirs(bad)
     write_parquet_shards(bad, texts, 2)
     with open(os.path.join(bad, "train-00001-of-00002.parquet"), "r+b") as f:
         f.truncate(100)
-    out = str(tmp_path / "c")
-    p = run_job(["--data", bad, "--steps", "2", "--out", out], check=False)
+    with ThreadPoolExecutor(3) as pool:  # three independent launches side by side
+        first = pool.submit(run_job, common + ["--steps", "4", "--out", a])
+        half = pool.submit(run_job, common + ["--steps", "2", "--out", b])
+        failed = pool.submit(run_job, ["--data", bad, "--steps", "2", "--out", out], check=False)
+        first, p = first.result(), failed.result()
+        half.result()
+    assert "streamed, tokenized on the fly" in first.stdout and "val " + data in first.stdout
+    second = run_job(common + ["--steps", "4", "--resume", "--out", b])
+    assert "streamed position restored: each rank at its own position" in second.stdout
+    assert losses(a) == losses(b) and len(losses(a)) == 4
+    # 2 -> 1 rank: every rank's position was in the checkpoint; the rest of the epoch is read once
+    third = run_job(common + ["--steps", "5", "--resume", "--grad-accum", "2", "--out", b], nproc=1)
+    assert "2 -> 1 ranks: every document not yet read is read once, none twice" in third.stdout
+    assert len(losses(b)) == 5
+    # the corrupt shard (rank 1's): exit 2 on that rank, one line naming it, nothing written
     assert p.returncode != 0 and "exitcode  : 2" in p.stderr, p.stderr[-3000:]  # torchrun: the first rank's
     assert p.stderr.count("train-00001-of-00002.parquet': not a readable parquet file") == 1
-    assert not os.path.exists(out)  # nothing written
-
+    assert not os.path.exists(out)
 
 def test_prepare_data(tmp_path):
     """examples/prepare_data.py: a parquet folder -> .bin shards (2 processes) holding the same ids
