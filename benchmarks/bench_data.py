@@ -30,7 +30,7 @@ WRAP = ("import resource, runpy, sys, atexit, os\n"
         "sys.argv = sys.argv[1:]\nsys.path.insert(0, os.path.dirname(sys.argv[0]))\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
 
 
-def make_parquet(folder: str, gb: float, shard_mb: int = 100) -> None:
+def make_parquet(folder: str, gb: float, shard_mb: float = 100) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -42,7 +42,7 @@ def make_parquet(folder: str, gb: float, shard_mb: int = 100) -> None:
     while total < gb * 1e9:
         rows = []
         size = 0
-        while size < shard_mb * 1e6:
+        while size < min(shard_mb * 1e6, gb * 1e9):
             doc = " ".join(words[rng.integers(0, len(words), int(rng.integers(50, 2000)))])
             rows.append(doc)
             size += len(doc)
@@ -113,16 +113,20 @@ def main():
     ap.add_argument("--sizes", default="0.1,1")
     ap.add_argument("--dir", default="/tmp/bench_data")
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
+    ap.add_argument("--kinds", default="parquet,bin", help="inputs to measure")
+    ap.add_argument("--loader-seconds", type=float, default=5.0, help="how long the loader is read")
     a = ap.parse_args()
     lines = ["| input | size GB | first step s | peak RSS / rank MB | loader tok/s (1 rank) | step tok/s per rank |",
              "|---|---|---|---|---|---|"]
     for gb in [float(s) for s in a.sizes.split(",")]:
         for kind, make in (("parquet", make_parquet), ("bin", make_bin)):
+            if kind not in a.kinds.split(","):
+                continue
             data = os.path.join(a.dir, f"{kind}_{gb}")
             if not os.path.isdir(data):
                 make(data, gb)
             r = run_job(data, os.path.join(a.dir, f"run_{kind}_{gb}"))
-            rate = loader_rate(data, kind)
+            rate = loader_rate(data, kind, a.loader_seconds)
             lines.append(f"| {kind} | {gb} | {r['first_step_s']} | {r['peak_rss_mb']} | {rate:,.0f} | "
                          f"{r['step_tok_s_per_rank']:,.0f} |")
             print(lines[-1], flush=True)

@@ -272,3 +272,12 @@ def test_model_scaling_finds_only_a_matching_measurement(monkeypatch):
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "was measured for llama3-8b at batch 1 x seq 8192, not llama3-8b at batch 1 x seq 4096" \
         in out.stderr, out.stderr[-2000:]
+
+
+def test_bench_data_small(tmp_path):
+    """bench_data.py on a 0.2 MB parquet folder: one job launch at world 2 and the loader's rate, one table row."""
+    text = _run("bench_data.py", "--sizes", "0.0002", "--kinds", "parquet", "--loader-seconds", "0.3", "--dir",
+                str(tmp_path), "--out", str(tmp_path / "r.md"))
+    row = [line for line in text.splitlines() if line.startswith("| parquet | 0.0002 |")]
+    assert len(row) == 1 and "nan" not in row[0], text
+    assert row[0] in open(tmp_path / "r.md").read()
