@@ -205,8 +205,9 @@ class Setup:
                     f"(by {st.mode}); windows of {self.args.seq_len}; {val}")
         ntr = len(self.batches.tokens)
         nval = len(self.val.tokens) if self.val else 0
+        vsrc = f" (--val-data {self.args.val_data})" if self.args.val_data and self.val else ""
         return (f"{self.corpus.source}: {len(self.corpus.tokens):,} tokens ({tok}); {ntr:,} train / "
-                f"{nval:,} val; {self.batches.windows:,} windows of {self.args.seq_len}")
+                f"{nval:,} val{vsrc}; {self.batches.windows:,} windows of {self.args.seq_len}")
 
     def loss(self, x: torch.Tensor) -> torch.Tensor:
         """The training (and validation) loss of one micro-batch ``x`` as the data gives it."""

@@ -191,12 +191,17 @@ def test_job_streamed_parquet(tmp_path):
     write_parquet_shards(bad, texts, 2)
     with open(os.path.join(bad, "train-00001-of-00002.parquet"), "r+b") as f:
         f.truncate(100)
-    with ThreadPoolExecutor(3) as pool:  # three independent launches side by side
+    jl = tmp_path / "val.jsonl"  # --val-data beside non-streamed training data (the embedded corpus)
+    jl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:60]))
+    n_val = len(D.load_corpus(str(jl), TOK).tokens)
+    with ThreadPoolExecutor(4) as pool:  # independent launches side by side
         first = pool.submit(run_job, common + ["--steps", "4", "--out", a])
         half = pool.submit(run_job, common + ["--steps", "2", "--out", b])
         failed = pool.submit(run_job, ["--data", bad, "--steps", "2", "--out", out], check=False)
-        first, p = first.result(), failed.result()
+        val = pool.submit(run_job, ["--val-data", str(jl), "--steps", "1", "--out", str(tmp_path / "v")], nproc=0)
+        first, p, val = first.result(), failed.result(), val.result()
         half.result()
+    assert f"{n_val:,} val (--val-data {jl})" in val.stdout and "; val " in val.stdout
     assert "streamed, tokenized on the fly" in first.stdout and "val " + data in first.stdout
     second = run_job(common + ["--steps", "4", "--resume", "--out", b])
     assert "streamed position restored: each rank at its own position" in second.stdout
