@@ -237,3 +237,31 @@ def test_prepare_data(tmp_path):
     p = subprocess.run([sys.executable, script, data, str(tmp_path / "x"), "--column", "body"], capture_output=True,
                        text=True, env=env(), timeout=120)
     assert p.returncode == 2 and "no column 'body'" in p.stderr.strip().splitlines()[-1]
+
+
+def test_dataset_name_is_streamed_by_shard(tmp_path, monkeypatch):
+    """A dataset name goes to datasets.load_dataset(name, split=..., streaming=True) (no network here:
+    the name is answered by the same parquet files), read by its shards like the folder."""
+    import datasets
+
+    texts = docs(60)
+    folder = write_parquet_shards(str(tmp_path / "pq"), texts, 3)
+    files = sorted(os.path.join(folder, f) for f in os.listdir(folder))
+    real = datasets.load_dataset
+    calls = []
+
+    def fake(name, split=None, streaming=False, **kw):
+        calls.append((name, split, streaming))
+        return real("parquet", data_files=files, split="train", streaming=True)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    assert S.stream_kind("someorg/corpus") == "text"
+    shards, desc = S.text_shards("someorg/corpus", "text", "train")
+    assert calls == [("someorg/corpus", "train", True)] and len(shards) == 3 and "3 shard(s)" in desc
+    monkeypatch.setattr(datasets, "load_dataset", real)
+    ref_shards, _ = S.text_shards(folder, "text", "train")
+    for r in range(2):
+        a, b = stream_of(shards, r, 2), stream_of(ref_shards, r, 2)
+        assert all(np.array_equal(a.next_window(), b.next_window()) for _ in range(6))
+        a.close()
+        b.close()
