@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from pretrain import data as D  # examples/pretrain, beside this script (its directory is on sys.path)
 from pretrain import job as J
 from pretrain import progress as P
+from pretrain import stream as S
 from pretrain.ops import JobError
 
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj"
@@ -77,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "on meta and streaming each rank's slices in after wrapping (the default; see docs/io.md)")
     g.add_argument("--merge-export", default=None, metavar="DIR",
                    help="also write the base with the adapters merged as a plain HF checkpoint")
+    g.add_argument("--prompt-column", default="prompt", help="instruction datasets: the prompt's column")
+    g.add_argument("--response-column", default="response", help="instruction datasets: the response's column")
     g = p.add_argument_group("base (without --init-from-hf)")
     g.add_argument("--base-steps", type=int, default=200,
                    help="pretrain a base of --preset for this many steps on the embedded corpus with the "
@@ -164,11 +167,28 @@ class FinetuneJob(J.Job):
         a = self.args
         path = a.data if a.data is not None else D.EMBEDDED_INSTRUCTIONS
         self.instructions = D.is_instruction_jsonl(path)
+        if path.endswith(".jsonl") and os.path.isfile(path):  # a chat or Alpaca-style JSONL
+            first = D.first_jsonl_record(path)
+            dataset = isinstance(first, dict) and ("messages" in first or {"instruction", "output"} <= set(first)
+                                                   or {a.prompt_column, a.response_column} <= set(first))
+        else:  # parquet/arrow/csv or a dataset name: instruction or chat rows
+            dataset = S.stream_kind(path) == "text"
+        if dataset and not self.instructions:
+            try:
+                rows = D.read_instruction_dataset(path, a.data_split, a.prompt_column, a.response_column)
+                self.instructions = True
+            except D.NotInstructions:  # text rows: the pretraining job's streamed data
+                dataset = False
+        else:
+            dataset = False
         if not self.instructions:  # plain text: the pretraining job's data, the loss on every token
             return super().load_data()
-        pairs = D.read_instructions(path)
         source = f"--data {path!r}" if a.data else f"the embedded instructions {path!r}"
-        examples, self.truncated = D.encode_instructions(pairs, self.tokenizer, a.seq_len, source)
+        if dataset:
+            examples, self.truncated = D.encode_examples(rows, self.tokenizer, a.seq_len, source)
+        else:
+            examples, self.truncated = D.encode_instructions(D.read_instructions(path), self.tokenizer, a.seq_len,
+                                                             source)
         if int(examples[:, 0].max()) >= self.shape["vocab_size"]:
             raise JobError(f"{source} encodes to token id {int(examples[:, 0].max())}, but the model has "
                            f"{self.shape['vocab_size']} embeddings (wrong --tokenizer?)")

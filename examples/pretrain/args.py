@@ -57,10 +57,19 @@ def build_parser(prog: str = "pretrain_llama.py",
                    help="start from a local HF checkpoint (config.json + safetensors) instead of random weights")
     g.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
     g = p.add_argument_group("data")
-    g.add_argument("--data", default=None, help="text file, .jsonl, pre-tokenized .bin, or a directory; "
-                   "default: the embedded corpus")
+    g.add_argument("--data", default=None, help="text file, .jsonl, pre-tokenized .bin, a directory of .txt/.jsonl "
+                   "or of .bin shards; streamed: .parquet/.arrow/.csv (a file or a folder of shards) or a Hugging Face "
+                   "dataset name; default: the embedded corpus")
     g.add_argument("--tokenizer", default=None, metavar="DIR", help="local HF tokenizer folder; default: bytes")
-    g.add_argument("--text-key", default="text", help="JSONL field holding the text")
+    g.add_argument("--text-key", "--data-column", dest="text_key", default="text",
+                   help="JSONL field / dataset column holding the text")
+    g.add_argument("--data-split", default="train", help="split of a dataset name or folder (streamed data)")
+    g.add_argument("--stream", action="store_true",
+                   help="stream a .jsonl file or folder too (read by rank and tokenized on the fly, not whole at start)")
+    g.add_argument("--val-data", default=None, metavar="PATH",
+                   help="validation data from this file, folder or dataset (any --data kind) instead of a held-out tail")
+    g.add_argument("--val-split", default=None,
+                   help="validation from this split of --data (streamed data), instead of a held-out tail")
     g.add_argument("--data-dtype", default="uint16", help="dtype of the ids in a .bin file")
     g.add_argument("--val-fraction", type=float, default=0.05, help="tail of the data held out for validation")
     g = p.add_argument_group("training")
@@ -188,6 +197,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
                 f"{args.loss_spike}")
     if not 0 <= args.val_fraction < 0.5:
         p.error(f"--val-fraction must be in [0, 0.5), got {args.val_fraction}")
+    if args.val_data and args.val_split:
+        p.error("--val-data and --val-split both name the validation data; pass one")
     if args.lr <= 0:
         p.error(f"--lr must be > 0, got {args.lr}")
     if args.export_only and not args.export_hf:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +39,10 @@ EMBEDDED_DIR = os.path.join(os.path.dirname(HERE), "data")
 
 class DataError(ValueError):
     """Bad ``--data``/``--tokenizer`` input; the message names the file."""
+
+
+class NotInstructions(DataError):
+    """An instruction reader was given plain text rows (the LoRA job then trains on every token)."""
 
 
 # ------------------------------------------------------------------------------------ tokenizers
@@ -100,13 +105,15 @@ class HFTokenizer:
             raise DataError(f"--tokenizer {path!r}: cannot load a tokenizer from it ({type(e).__name__}: {e})") from None
         self.name = os.path.abspath(path)
         self.path = path
+        self._lock = threading.Lock()
         self.vocab_size = len(self.tok)
         self.eos_id = self.tok.eos_token_id if self.tok.eos_token_id is not None else self.tok.sep_token_id
         self.bos_id = self.tok.bos_token_id
         self.pad_id = self.tok.pad_token_id  # None when the tokenizer defines no padding token
 
     def encode(self, text: str) -> np.ndarray:
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        with self._lock:  # the streamed loaders' threads share it (HF's wrapper may reset its truncation)
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
         return np.asarray(ids, dtype=np.uint32 if self.vocab_size > 65535 else np.uint16)
 
     def decode(self, ids) -> str:
@@ -231,8 +238,10 @@ def write_bin(tokens: np.ndarray, path: str, dtype: str = "uint16") -> None:
 class Batches:
     """Windows of a token stream in a seeded, epoch-wise shuffled order. See [Note: batch order]."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, source: str = "data"):
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, source: str = "data", vocab: int | None = None):
         self.tokens = tokens
+        self.vocab = vocab  # each window read is checked against it (None: not checked)
+        self.source = source
         self.seq_len = seq_len
         self.seed = seed
         self.windows = (len(tokens) - 1) // seq_len
@@ -253,7 +262,16 @@ class Batches:
     def sample(self, g: int) -> np.ndarray:
         epoch, i = divmod(g, self.windows)
         start = int(self._order(epoch)[i]) * self.seq_len
-        return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+        w = np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+        if self.vocab is not None and int(w.max()) >= self.vocab:
+            j = start + int(np.argmax(w >= self.vocab))
+            where = f"{self.source} at token {j:,}"
+            if hasattr(self.tokens, "file_at"):
+                f, k = self.tokens.file_at(j)
+                where = f"--data {f!r} at token {k:,}"
+            raise DataError(f"{where}: token id {int(w.max())} >= the model's vocabulary {self.vocab} "
+                            "(wrong --tokenizer or --data-dtype, or a corrupt file)")
+        return w
 
     def batch(self, first: int, count: int) -> torch.Tensor:
         """Samples ``first .. first + count - 1`` as a (count, seq_len + 1) int64 tensor."""
@@ -303,6 +321,18 @@ def is_instruction_jsonl(path: str | None) -> bool:
     return False
 
 
+def first_jsonl_record(path: str):
+    """The first non-blank line of a JSONL file, parsed (None if it is not JSON)."""
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    return None
+    return None
+
+
 def read_instructions(path: str) -> list[tuple[str, str]]:
     """(prompt, response) pairs of an instruction JSONL; DataError naming the file and line."""
     pairs = []
@@ -345,6 +375,107 @@ def encode_instructions(pairs, tokenizer, seq_len: int, source: str) -> tuple[np
                         f"templated prompt is {need - 1} tokens); raise --seq-len to at least {need} or shorten it")
     full = np.array([len(tokenizer.encode(PROMPT_TEMPLATE.format(prompt=p) + r)) + 1 for p, r in pairs])
     return arr, int((full > seq_len + 1).sum())
+
+
+# [Note: instruction datasets]
+# The LoRA job also reads instruction and chat data through ``datasets`` (``read_instruction_dataset``):
+# a parquet/arrow/csv/jsonl file or folder, or a dataset name (``--data-split``). A row is
+# - an instruction: ``--prompt-column``/``--response-column`` (default prompt/response; Alpaca's
+#   instruction/input/output are found too, ``input`` appended to the instruction after a blank line);
+# - a chat: a ``messages`` column, a list of {"role", "content"}, its last message the assistant's.
+# With a tokenizer that has a chat template, an example is rendered by it: the prompt is the messages
+# before the last with the generation prompt (``apply_chat_template(..., add_generation_prompt=True)``),
+# the response the rest of the whole chat's rendering; otherwise (the byte tokenizer) the chat's
+# turns are joined as "role: content" lines into PROMPT_TEMPLATE's prompt. Either way the labels
+# are IGNORE on the prompt's tokens, as in [Note: instruction template]. The examples are read whole
+# (instruction sets are small) and held out and ordered as the JSONL ones are.
+def _row_example(row: dict, n: int, source: str, pcol: str, rcol: str):
+    """A row as ("pair", prompt, response) or ("chat", messages); DataError naming the row."""
+    if "messages" in row and row["messages"] is not None:
+        msgs = row["messages"]
+        ok = isinstance(msgs, list) and len(msgs) >= 2 and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs)
+        if not ok or msgs[-1]["role"] != "assistant":
+            raise DataError(f"{source} row {n}: 'messages' must be a list of {{role, content}} strings, at least two, "
+                            "the last the assistant's")
+        return ("chat", [{"role": m["role"], "content": m["content"]} for m in msgs])
+    if pcol not in row and "instruction" in row and "output" in row:
+        pcol, rcol = "instruction", "output"
+    if not (isinstance(row.get(pcol), str) and isinstance(row.get(rcol), str)):
+        if n == 0 and pcol not in row and rcol not in row:
+            raise NotInstructions(f"{source}: its first row has none of the instruction or chat columns")
+        raise DataError(f"{source} row {n}: no string columns {pcol!r} and {rcol!r} and no 'messages' (it has "
+                        f"{', '.join(row)}); set --prompt-column/--response-column")
+    prompt = row[pcol]
+    if pcol == "instruction" and isinstance(row.get("input"), str) and row["input"]:
+        prompt = f"{prompt}\n\n{row['input']}"
+    return ("pair", prompt, row[rcol])
+
+
+def read_instruction_dataset(data: str, split: str, pcol: str = "prompt", rcol: str = "response") -> list:
+    """The examples of an instruction/chat dataset (see [Note: instruction datasets])."""
+    import datasets
+
+    from pretrain import stream as S
+
+    if os.path.isdir(data):
+        files = S.split_files(data, split)
+        builder = S.TEXT_EXT[os.path.splitext(files[0])[1]]
+        args, kw = (builder,), dict(data_files=files, split="train")
+    elif os.path.isfile(data):
+        ext = os.path.splitext(data)[1]
+        if ext not in S.TEXT_EXT:
+            raise DataError(f"--data {data!r}: not a .parquet/.arrow/.csv/.jsonl file")
+        args, kw = (S.TEXT_EXT[ext],), dict(data_files=[data], split="train")
+    else:
+        args, kw = (data,), dict(split=split)
+    try:
+        ds = datasets.load_dataset(*args, **kw)
+    except Exception as e:  # noqa: BLE001 - not found, corrupt, no network, bad split, ...
+        raise DataError(f"--data {data!r}: datasets.load_dataset cannot read it ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:300]})") from None
+    out = [_row_example(row, n, f"--data {data!r}", pcol, rcol) for n, row in enumerate(ds)]
+    if not out:
+        raise DataError(f"--data {data!r}: no examples")
+    return out
+
+
+def encode_chat(messages: list, tokenizer, seq_len: int) -> np.ndarray:
+    """A chat as (2, seq_len + 1) ids and labels, the prompt masked (see [Note: instruction datasets])."""
+    tok = getattr(tokenizer, "tok", None)
+    if tok is None or not getattr(tok, "chat_template", None):
+        prompt = "\n".join(f"{m['role']}: {m['content']}" for m in messages[:-1])
+        return encode_instruction(prompt, messages[-1]["content"], tokenizer, seq_len)
+    head = np.asarray(tok.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True,
+                                              return_dict=False), dtype=np.int64)
+    full = np.asarray(tok.apply_chat_template(messages, tokenize=True, return_dict=False), dtype=np.int64)
+    if len(full) <= len(head) or not np.array_equal(full[:len(head)], head):
+        raise DataError("the tokenizer's chat template does not render the prompt as a prefix of the whole chat; "
+                        "cannot tell the response's tokens")
+    ids, labels = full[: seq_len + 1], np.concatenate([np.full(len(head), IGNORE), full[len(head):]])[: seq_len + 1]
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
+    out = np.empty((2, seq_len + 1), dtype=np.int64)
+    out[0], out[1] = pad, IGNORE
+    out[0, : len(ids)], out[1, : len(labels)] = ids, labels
+    return out
+
+
+def encode_examples(examples: list, tokenizer, seq_len: int, source: str) -> tuple[np.ndarray, int]:
+    """``read_instruction_dataset``'s examples as ``encode_instructions`` gives them (chats through
+    the chat template); DataError if one keeps no response token."""
+    rows, cut = [], 0
+    for n, ex in enumerate(examples):
+        if ex[0] == "pair":
+            arr, c = encode_instructions([(ex[1], ex[2])], tokenizer, seq_len, f"{source} row {n}")
+            rows.append(arr[0])
+            cut += c
+            continue
+        r = encode_chat(ex[1], tokenizer, seq_len)
+        if (r[1, 1:] != IGNORE).sum() == 0:
+            raise DataError(f"{source} row {n}: the chat leaves no response token within --seq-len {seq_len}; "
+                            "raise --seq-len or shorten it")
+        rows.append(r)
+    return np.stack(rows), cut
 
 
 class ExampleBatches(Batches):

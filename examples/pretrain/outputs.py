@@ -111,8 +111,8 @@ def header(job):
     elif total == 0:
         steps = f"nothing to train: the checkpoint is at step {job.step}, --steps is {a.steps}"
     else:
-        steps = (f"steps {job.step} -> {a.steps} ({P.fmt_count(total * job.tokens_per_step)} tokens, "
-                 f"{total * gb / job.batches.windows:.1f} epochs)")
+        epochs = f"{total * gb / job.batches.windows:.1f} epochs" if job.batches.windows else "streamed"
+        steps = f"steps {job.step} -> {a.steps} ({P.fmt_count(total * job.tokens_per_step)} tokens, {epochs})"
     job.say(f"batch    {a.batch_size} seq x {job.world} ranks x {a.grad_accum} accum = {gb} seq = "
              f"{job.tokens_per_step:,} tokens/step; {steps}")
     job.say(f"optim    {job.opt_name}: lr {a.lr:g} (warmup {a.warmup}, cosine to {a.lr * a.min_lr_ratio:g} at "
@@ -145,6 +145,8 @@ def header(job):
     for path in job.plan["foreign"]:
         job.say(f"note     skipped {path}: no {C.MANIFEST}, not a complete checkpoint (not used by --resume, "
                  "left in place)")
+    if getattr(job, "data_resume", None):
+        job.say(f"data     streamed position restored: {job.data_resume}")
     if job.resumed_from and job.resumed_from[2] not in (None, gb) and not a.export_only:
         job.say(f"note     the checkpoint's global batch was {job.resumed_from[2]} sequences, this run's is {gb}: "
                  "the data order continues, the step contents differ")

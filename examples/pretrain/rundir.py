@@ -316,6 +316,8 @@ def parse_allow_change(value: str | None) -> set[str] | str:
 def data_fingerprint(batches) -> dict:
     """The training stream as ids: their count and the CRC-32 of the first and last ``_EDGE`` (as
     int64), independent of the file format and tokenizer that produced them."""
+    if hasattr(batches, "fingerprint"):  # streamed: the source's identity (its length is unknown)
+        return batches.fingerprint()
     ids = batches.tokens if hasattr(batches, "tokens") else batches.examples.reshape(-1)
     n = len(ids)
     crc = zlib.crc32(np.ascontiguousarray(ids[:_EDGE], dtype=np.int64).tobytes())
@@ -339,6 +341,8 @@ def _show(name: str, value, settings: dict) -> str:
         b, w, g = settings["batch"]
         return f"{value} ({b} x {w} rank(s) x {g} accum)"
     if name == "data" and isinstance(value, dict):
+        if value.get("source"):
+            return f"{value['source']} (id {value['crc32']})"
         return f"{value['tokens']:,} tokens, crc32 {value['crc32']}"
     return repr(value) if isinstance(value, str) else str(value)
 

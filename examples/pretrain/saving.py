@@ -106,6 +106,10 @@ def checkpoint(job, bar) -> None:
                  elapsed=job.elapsed_before + time.perf_counter() - job.t_session,
                  global_batch=a.batch_size * job.world * a.grad_accum, seq_len=a.seq_len, seed=a.seed,
                  loss_history=list(job.guard.recent) if getattr(job, "guard", None) is not None else [])
+    if hasattr(job.batches, "state"):  # streamed data: every rank's position (see [Note: streamed positions])
+        states = [None] * job.world
+        dist.all_gather_object(states, job.batches.state())
+        state["stream"] = states
     meta = dict(model_shape=job.shape, settings=job.settings, preset_args=describe_model_args(a),
                 optimizer=job.opt_name,
                 # what the run looked like when this was written ([Note: loss spikes] in faults.py)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import yafsdp
 from pretrain import data as D
+from pretrain import stream as S
 from pretrain import rundir as R
 from pretrain.ckpt_auto import job_checkpointing
 from pretrain.ops import JobError, agree, hsdp_mesh
@@ -135,27 +136,85 @@ class Setup:
 
     def load_data(self):
         """``self.corpus``, the training windows ``self.batches`` and the held-out ``self.val``
-        (None if the data is too short to hold any out)."""
+        (None if the data is too short to hold any out). Streamed sources: see pretrain/stream.py."""
         a = self.args
-        corpus = D.load_corpus(a.data, self.tokenizer, text_key=a.text_key, bin_dtype=a.data_dtype)
-        train, val = D.split(corpus.tokens, a.val_fraction, a.seq_len)
-        if val is not None and len(val) > 4_000_000:  # a large corpus: a fixed-size validation tail
-            train, val = corpus.tokens[:-4_000_000], corpus.tokens[-4_000_000:]
+        kind = S.stream_kind(a.data, a.stream)
+        if kind == "text":
+            return self.load_stream()
+        if kind == "bins":
+            tokens = S.bin_shards(a.data, a.data_dtype)
+            corpus = D.Corpus(tokens, f"{a.data} ({len(tokens.paths)} .bin shards, {len(tokens):,} {a.data_dtype} ids, "
+                                      "memory-mapped)", -1)
+        else:
+            corpus = D.load_corpus(a.data, self.tokenizer, text_key=a.text_key, bin_dtype=a.data_dtype)
+        if a.val_data or a.val_split:
+            train, val = corpus.tokens, self.load_val_tokens()
+        else:
+            train, val = D.split(corpus.tokens, a.val_fraction, a.seq_len)
+            if val is not None and len(val) > 4_000_000:  # a large corpus: a fixed-size validation tail
+                n = len(corpus.tokens)
+                train, val = corpus.tokens[:n - 4_000_000], corpus.tokens[n - 4_000_000:]
         self.corpus = corpus
-        self.batches = D.Batches(train, a.seq_len, a.seed, source=f"--data {a.data!r}" if a.data else "the corpus")
-        self.val = D.Batches(val, a.seq_len, a.seed + 1) if val is not None else None
+        self.batches = D.Batches(train, a.seq_len, a.seed, source=f"--data {a.data!r}" if a.data else "the corpus",
+                                 vocab=self.shape["vocab_size"])
+        self.val = D.Batches(val, a.seq_len, a.seed + 1, source=f"--val-data {a.val_data!r}",
+                             vocab=self.shape["vocab_size"]) if val is not None else None
         head = np.asarray(corpus.tokens[: 1 << 20])
         if head.size and int(head.max()) >= self.shape["vocab_size"]:
             raise JobError(f"--data holds token id {int(head.max())}, but the model has "
                            f"{self.shape['vocab_size']} embeddings (wrong --tokenizer or --data-dtype?)")
 
+    def load_val_tokens(self):
+        """--val-data of a non-streamed training source, read whole (a folder of .bin shards mapped)."""
+        a = self.args
+        if a.val_split:
+            raise D.DataError(f"--val-split needs streamed --data (a dataset name or a parquet/arrow/csv folder); "
+                              f"for {a.data or 'the embedded corpus'!r} use --val-data FILE or --val-fraction")
+        if S.stream_kind(a.val_data, a.stream) == "text":
+            raise D.DataError(f"--val-data {a.val_data!r} is streamed data; the training data is read whole: "
+                              "prepare both as .bin (examples/prepare_data.py) or stream both")
+        if S.stream_kind(a.val_data) == "bins":
+            return S.bin_shards(a.val_data, a.data_dtype)
+        return D.load_corpus(a.val_data, self.tokenizer, text_key=a.text_key, bin_dtype=a.data_dtype).tokens
+
+    def load_stream(self):
+        """Streamed rows (see [Note: streamed positions]): this rank's stream, checked at start by
+        reading its first window (a bad file, column or token stops every rank before --out is
+        written)."""
+        a = self.args
+        vocab = self.shape["vocab_size"]
+        shards, desc = S.text_shards(a.data, a.text_key, a.data_split)
+        train = S.TextStream(shards, self.tokenizer, a.seq_len, self.rank, self.world, vocab)
+        ident = dict(data=a.data, split=a.data_split, column=a.text_key, shards=[sh.name for sh in shards],
+                     tokenizer=getattr(self.tokenizer, "name", "bytes"))
+        self.batches = S.StreamBatches(train, desc, ident)
+        self.corpus = D.Corpus(np.zeros(0, dtype=np.int64), desc, -1)
+        self.val = None
+        if a.val_data or a.val_split:
+            vdata, vsplit = (a.val_data, a.data_split) if a.val_data else (a.data, a.val_split)
+            if S.stream_kind(vdata, True) != "text":
+                raise D.DataError(f"--val-data {vdata!r}: streamed training data takes streamed validation data "
+                                  "(a parquet/arrow/csv/jsonl file or folder, or a dataset name)")
+            vshards, vdesc = S.text_shards(vdata, a.text_key, vsplit)
+            vstream = S.TextStream(vshards, self.tokenizer, a.seq_len, self.rank, self.world, vocab)
+            self.val = S.StreamBatches(vstream, vdesc, {}, fixed=True)
+        S.check_shards(train)
+        train.peek()  # the first window: errors in the first rows now, not after --out is written
+
     def describe_data(self) -> str:
         """The header's data line."""
+        tok = "bytes" if isinstance(self.tokenizer, D.ByteTokenizer) else self.tokenizer.name
+        if isinstance(self.batches, S.StreamBatches):
+            st = self.batches.stream
+            val = f"val {self.val.description}" if self.val else \
+                "no validation (pass --val-data or --val-split)"
+            return (f"{self.batches.description}: streamed, tokenized on the fly ({tok}), each rank reads its part "
+                    f"(by {st.mode}); windows of {self.args.seq_len}; {val}")
         ntr = len(self.batches.tokens)
         nval = len(self.val.tokens) if self.val else 0
-        tok = "bytes" if isinstance(self.tokenizer, D.ByteTokenizer) else self.tokenizer.name
+        vsrc = f" (--val-data {self.args.val_data})" if self.args.val_data and self.val else ""
         return (f"{self.corpus.source}: {len(self.corpus.tokens):,} tokens ({tok}); {ntr:,} train / "
-                f"{nval:,} val; {self.batches.windows:,} windows of {self.args.seq_len}")
+                f"{nval:,} val{vsrc}; {self.batches.windows:,} windows of {self.args.seq_len}")
 
     def loss(self, x: torch.Tensor) -> torch.Tensor:
         """The training (and validation) loss of one micro-batch ``x`` as the data gives it."""
@@ -201,7 +260,7 @@ class Setup:
         """Weights and state: from a checkpoint, a HF checkpoint, or the seeded init."""
         a, m = self.args, self.model
         self.step, self.cursor, self.tokens_seen, self.elapsed_before = 0, 0, 0, 0.0
-        self.resumed_from = None
+        self.resumed_from = self.data_resume = None
         if self.plan["resume_path"]:
             try:
                 loaded = C.load_checkpoint(self.plan["resume_path"], m, self.opt, verify=False)
@@ -211,6 +270,7 @@ class Setup:
             if "settings" not in loaded.meta:  # written before settings were recorded: what its state holds
                 self.check_resumable({}, {k: st[k] for k in ("seq_len", "seed") if k in st})
             self.step, self.cursor = int(st["step"]), int(st["cursor"])
+            self.restore_data(st)
             self.tokens_seen, self.elapsed_before = int(st.get("tokens", 0)), float(st.get("elapsed", 0.0))
             self.resumed_from = (loaded.path, loaded.saved_world_size, st.get("global_batch"))
             if getattr(self, "guard", None) is not None:  # the loss-spike guard's history ([Note: loss spikes])
@@ -220,6 +280,16 @@ class Setup:
                               f"rank(s), loaded by {self.world})")
         else:
             self.init_weights()
+
+    def restore_data(self, st: dict) -> None:
+        """A streamed loader continues from the positions in the checkpoint's state (see
+        [Note: streamed positions]); the cursor is the whole position of the other sources."""
+        self.data_resume = None
+        if isinstance(self.batches, S.StreamBatches):
+            if "stream" not in st:
+                raise JobError(f"checkpoint {self.plan['resume_path']!r} holds no streamed-data position (it was "
+                               "written by a run over non-streamed data); resume with that run's --data")
+            self.data_resume = self.batches.stream.restore(st["stream"])
 
     def init_weights(self):
         """A fresh run's weights: from --init-from-hf, or the seeded init."""

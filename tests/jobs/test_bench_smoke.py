@@ -291,3 +291,12 @@ def test_bench_world1_cpu(tmp_path):
         assert 0 <= held <= 64 * 16, (cfg, m["yafsdp"], d["plan"])  # + AdamW's scalar step counters
         assert not any(k.startswith("weight") for k in d["plan"]["engine"]), (cfg, d["plan"]["engine"])
     assert md.read_text().count("| yafsdp |") == 2
+
+
+def test_bench_data_small(tmp_path):
+    """bench_data.py on a 0.2 MB parquet folder: one job launch at world 2 and the loader's rate, one table row."""
+    text = _run("bench_data.py", "--sizes", "0.0002", "--kinds", "parquet", "--loader-seconds", "0.3", "--dir",
+                str(tmp_path), "--out", str(tmp_path / "r.md"))
+    row = [line for line in text.splitlines() if line.startswith("| parquet | 0.0002 |")]
+    assert len(row) == 1 and "nan" not in row[0], text
+    assert row[0] in open(tmp_path / "r.md").read()
