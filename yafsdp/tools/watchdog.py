@@ -139,12 +139,20 @@ class Watchdog:
             return self
         store = self._store_arg
         if store is None:
-            store = _store_from_env(max(5.0, self.poll * 4))
+            try:
+                store = _store_from_env(max(5.0, self.poll * 4))
+            except Exception as e:  # noqa: BLE001 - the deadline still holds; only the ranks' exchange is lost
+                _print(f"{self.name} watchdog (rank {self.rank}): no connection of its own to the rendezvous store "
+                       f"({type(e).__name__}: {e}); using the process group's")
+                store = None
         if store is None and dist.is_initialized():
             store = dist.distributed_c10d._get_default_store()
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
         self.store = dist.PrefixStore(f"{self.name}_watchdog/attempt_{attempt}/", store) if store is not None else None
-        self._publish()
+        try:
+            self._publish()
+        except Exception:  # noqa: BLE001 - the heartbeat thread tries again
+            pass
         self._thread = threading.Thread(target=self._run, name="yafsdp-watchdog", daemon=True)
         self._thread.start()
         return self
