@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lightning.fabric.plugins.precision as fabric_precision
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 import lightning.pytorch.plugins.precision as pl_precision
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.pytorch.callbacks import ModelSummary
@@ -49,8 +50,8 @@ def _engine_dtype(plugin) -> torch.dtype | None:
     return _DTYPES[name]
 
 
-class _PLHalf(pl_precision.HalfPrecision):
-    """Lightning's half-precision plugin without its module conversion and init dtype: the engine casts."""
+class _EngineCasts:
+    """Lightning's half-precision plugins without their module conversion and init dtype: the engine casts."""
 
     def convert_module(self, module):
         return module
@@ -62,17 +63,12 @@ class _PLHalf(pl_precision.HalfPrecision):
         return nullcontext()
 
 
-class _FabricHalf(fabric_precision.HalfPrecision):
-    """As _PLHalf, for Fabric."""
+class _PLHalf(_EngineCasts, pl_precision.HalfPrecision):
+    pass
 
-    def convert_module(self, module):
-        return module
 
-    def tensor_init_context(self):
-        return nullcontext()
-
-    def module_init_context(self):
-        return nullcontext()
+class _FabricHalf(_EngineCasts, fabric_precision.HalfPrecision):
+    pass
 
 
 def _adopt_precision(plugin):
@@ -284,3 +280,15 @@ def _fix_summaries(trainer) -> None:
             if cls not in _SUMMARY_CLASSES:
                 _SUMMARY_CLASSES[cls] = type(f"YaFSDP{cls.__name__}", (_CountOriginals, cls), {})
             cb.__class__ = _SUMMARY_CLASSES[cls]
+
+
+def start_process_group(strategy, rank_zero_only) -> None:
+    """``setup_environment``'s part shared by the Trainer and Fabric strategies: the ranks from the cluster
+    environment, Lightning's rank-zero switch, the process group (``strategy._timeout``)."""
+    env = strategy.cluster_environment
+    env.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
+    env.set_world_size(strategy.num_nodes * strategy.num_processes)
+    rank_zero_only.rank = strategy.global_rank
+    strategy._process_group_backend = strategy._process_group_backend or \
+        _get_default_process_group_backend_for_device(strategy.root_device)
+    _init_dist_connection(env, strategy._process_group_backend, timeout=strategy._timeout)

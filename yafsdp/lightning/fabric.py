@@ -14,13 +14,12 @@ import lightning.fabric.plugins.precision as fabric_precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher as _FabricLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy as FabricParallelStrategy
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, \
-    _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 
 from ..core.api import YaFSDP
 from ..core.orig_params import ShardedParameter
-from .common import StrategySetupError, _NoSync, _adopt_optimizer, _adopt_precision, _check_engine, \
+from .common import StrategySetupError, start_process_group, _NoSync, _adopt_optimizer, _adopt_precision, _check_engine, \
     _engine_dtype, _is_sharded, _load_file, _load_sharded, _meta_context, _save_sharded, _wrap
 
 
@@ -77,12 +76,7 @@ class YaFSDPFabricStrategy(FabricParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        fabric_rank_zero_only.rank = self.global_rank
-        self._process_group_backend = self._process_group_backend or \
-            _get_default_process_group_backend_for_device(self.root_device)
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        start_process_group(self, fabric_rank_zero_only)
 
     def all_reduce(self, tensor, group=None, reduce_op="mean"):
         if isinstance(tensor, torch.Tensor):

@@ -12,15 +12,14 @@ import torch.distributed as dist
 
 import lightning.pytorch.plugins.precision as pl_precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, \
-    _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher as _PLLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy as PLParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only as pl_rank_zero_only
 
 from ..core.api import YaFSDP
-from .common import StrategySetupError, _adopt_optimizer, _adopt_precision, _check_engine, _engine_dtype, \
+from .common import StrategySetupError, start_process_group, _adopt_optimizer, _adopt_precision, _check_engine, _engine_dtype, \
     _engines, _fix_summaries, _is_sharded, _load_file, _load_sharded, _meta_context, _outside, _prefixed, _raw, \
     _save_sharded, _unprefixed, _wrap
 
@@ -90,12 +89,7 @@ class YaFSDPStrategy(PLParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        pl_rank_zero_only.rank = self.global_rank
-        self._process_group_backend = self._process_group_backend or \
-            _get_default_process_group_backend_for_device(self.root_device)
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        start_process_group(self, pl_rank_zero_only)
 
     def barrier(self, name=None) -> None:
         if dist.is_available() and dist.is_initialized():
