@@ -187,11 +187,15 @@ class Stragglers:
         self.world, self.margin, self.patience, self.min_s = world, margin, patience, min_s
         self.streak = [0] * world
 
+    @staticmethod
+    def median(busy: list[float]) -> float:
+        return statistics.median(busy)
+
     def check(self, busy: list[float]) -> list[int]:
         """The ranks that have just become stragglers (their streak reached ``patience``)."""
         if self.world < 2:
             return []
-        med = statistics.median(busy)
+        med = self.median(busy)
         named = []
         for r, b in enumerate(busy):
             if b > med * (1 + self.margin) and b - med > self.min_s:

@@ -242,9 +242,9 @@ class Job(Setup):
         else:
             slow = max(range(self.world), key=busy.__getitem__)
             row["slowest_rank"], row["slowest_busy_s"] = slow, round(busy[slow], 4)
-            row["median_busy_s"] = round(sorted(busy)[self.world // 2], 4)
+            row["median_busy_s"] = round(self.stragglers.median(busy), 4)
         for r in self.stragglers.check(busy):
-            med = sorted(busy)[self.world // 2]
+            med = self.stragglers.median(busy)
             self.note(bar, f"straggler rank {r}: data + compute {busy[r] * 1e3:.0f} ms/step vs the median "
                            f"{med * 1e3:.0f} ms for {self.stragglers.patience} steps in a row (a slow host, "
                            "throttling, or its data?)",
@@ -281,13 +281,17 @@ class Job(Setup):
         if self.main:
             bar.write(msg)
 
+    def newest_checkpoint(self) -> str | None:
+        """The newest complete checkpoint of the run: this session's last save, else the one resumed from.
+        No save happens inside a skip streak, so during one it is the last good checkpoint (pinned)."""
+        return getattr(self, "last_checkpoint", None) or self.plan.get("resume_path")
+
     def last_good(self) -> str:
-        """The newest checkpoint written outside any skip streak (the pinned one during a streak)."""
-        return getattr(self, "last_checkpoint", None) or self.plan.get("resume_path") or "none yet"
+        return self.newest_checkpoint() or "none yet"
 
     def rewind_hint(self) -> str:
         """The command line that goes back to the last good checkpoint."""
-        last = getattr(self, "last_checkpoint", None) or self.plan.get("resume_path")
+        last = self.newest_checkpoint()
         if not last:
             return "No checkpoint was written yet: start again with a lower --lr or a longer --warmup"
         lower = self.args.lr / 2
@@ -296,7 +300,7 @@ class Job(Setup):
 
     def pin_last_good(self, bar, reason: str) -> None:
         """A skip streak begins: the newest checkpoint is pinned (never rotated out by --keep)."""
-        path = getattr(self, "last_checkpoint", None) or self.plan.get("resume_path")
+        path = self.newest_checkpoint()
         if not path or path in self.pinned:
             return
         if self.main:

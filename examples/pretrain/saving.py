@@ -32,7 +32,7 @@ def _write(job, bar, msg: str) -> None:
 
 
 def _failed(job, e: C.CheckpointError, step: int):
-    last = getattr(job, "last_checkpoint", None) or job.plan["resume_path"]
+    last = job.newest_checkpoint()
     return JobError(f"step {step} was not saved: {e}; last complete checkpoint: {last or 'none'}")
 
 
@@ -124,7 +124,7 @@ def checkpoint(job, bar) -> None:
             path = C.save_checkpoint(job.plan["ck_root"], job.step, job.model, job.opt, state=state,
                                      rank_state=get_rng_state(job.device), meta=meta, keep=a.keep)
         except C.CheckpointError as e:
-            last = getattr(job, "last_checkpoint", None) or job.plan["resume_path"]
+            last = job.newest_checkpoint()
             raise JobError(f"step {job.step} was not saved: {e}; last complete checkpoint: "
                            f"{last or 'none'}") from None
     for w in notes:
@@ -166,7 +166,7 @@ def check_finite(job) -> None:
                 bad += torch.logical_not(torch.isfinite(v)).sum()
     dist.all_reduce(bad)
     if bad.item() > 0:
-        last = getattr(job, "last_checkpoint", None) or job.plan["resume_path"] or "none"
+        last = job.newest_checkpoint() or "none"
         raise Diverged(f"training diverged: {int(bad.item())} weights or optimizer-state values are NaN/inf at "
                        f"step {job.step}; not saved, the last complete checkpoint ({last}) is kept. Resume "
                        "from it with a lower --lr or a longer --warmup")
