@@ -1,6 +1,6 @@
 """World 1 pays nothing? Peak memory of one training step at world 1: yafsdp against plain PyTorch
 with the same optimizer and against torch FSDP2 (``fully_shard``), in fp32 and bf16, for a full
-fine-tune and for PEFT LoRA, with the torch CPU allocator's exact counts (issue 47 item 1).
+fine-tune and for PEFT LoRA, with the torch CPU allocator's exact counts.
 
     python benchmarks/bench_world1.py --md benchmarks/results/world1_cpu_<date>.md
 
@@ -19,7 +19,7 @@ it) over the trainable parameters, batch x seq random tokens, HF's loss, 3 steps
   reduce)`` in bf16. LoRA, bf16: the base in bf16 before sharding, the adapters fp32.
 
 The yafsdp row also gives the plan's figures (``memory_plan`` of a meta model): the state it holds
-between steps and its predicted peak. Goal (issue 47): yafsdp's peak <= 1.00x FSDP2's and <= 1.00x
+between steps and its predicted peak. Goal: yafsdp's peak <= 1.00x FSDP2's and <= 1.00x
 plain PyTorch's in every configuration.
 """
 from __future__ import annotations

@@ -282,7 +282,7 @@ class Job(Setup):
             bar.write(msg)
 
     def newest_checkpoint(self) -> str | None:
-        """The newest complete checkpoint of the run: this session's last save, else the one resumed from.
+        """The newest complete checkpoint of the run: its last save, else the checkpoint it resumed from.
         No save happens inside a skip streak, so during one it is the last good checkpoint (pinned)."""
         return getattr(self, "last_checkpoint", None) or self.plan.get("resume_path")
 
