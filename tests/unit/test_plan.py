@@ -623,9 +623,9 @@ def test_grad_buffer_reduces_into_its_own_slice():
         def grad_sync(self):
             return None
 
-        def reduce(self, sync, out, full, unit, fold, host_fold=None, pieces=False):
+        def reduce(self, sync, out, full, unit, then, pieces=False):
             self.calls.append((out, full))
-            fold()
+            then()
 
     for rank in (0, 2, 3):
         sched = Recording()

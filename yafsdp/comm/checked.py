@@ -35,9 +35,9 @@ class CheckedSchedule:
         check_collective(f"gather of unit {unit!r}", self.group)
         self.inner.gather(sync, out, shard, unit, expand, stage)
 
-    def reduce(self, sync, out, full, unit, fold, host_fold=None, pieces=False):
+    def reduce(self, sync, out, full, unit, then, pieces=False):
         check_collective(f"{'all-to-all' if pieces else 'reduce-scatter'} of unit {unit!r}", self.group)
-        self.inner.reduce(sync, out, full, unit, fold, host_fold, pieces)
+        self.inner.reduce(sync, out, full, unit, then, pieces)
 
     def reduce_rows_into(self, target, full, unit):
         check_collective(f"reduce-scatter of unit {unit!r}", self.group)

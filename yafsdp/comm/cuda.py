@@ -57,7 +57,6 @@ class StreamSchedule(Schedule):
         self.group = group
         self.replicate_group = replicate_group  # HSDP: the ranks holding the same shard, else None
         self.counted = Counter()
-        self._after_fold: list = []  # HSDP: (grad shard, unit) a fold asked to all-reduce across replicas
         # The comm stream: every gather, reduce-scatter and fold of the step runs here; high
         # priority so a collective is not queued behind compute kernels.
         self.comm = streams.new_stream(priority=-1)
@@ -141,7 +140,7 @@ class StreamSchedule(Schedule):
     def released(self, sync):
         sync.released.record(self.streams.current_stream())
 
-    def reduce(self, sync, out, full, unit, fold, host_fold=None, pieces=False):
+    def reduce(self, sync, out, full, unit, then, pieces=False):
         collective = all_to_all if pieces else reduce_scatter
         with span("reduce", unit):
             sync.grads_ready.record(self.streams.current_stream())
@@ -150,27 +149,25 @@ class StreamSchedule(Schedule):
                 with self._timed("reduce", unit):
                     collective(out, full, self.group, async_op=False)  # on the comm stream
                     self._count("reduce", unit, full)
-                    fold()
-                for grad, name in self._after_fold:  # HSDP: behind the fold, before `done`
-                    with span("all_reduce", name), self._timed("all_reduce", name):
-                        all_reduce(grad, self.replicate_group, async_op=False)
-                    self._count("all_reduce", name, grad)
-                self._after_fold.clear()
+                then()  # on the comm stream too: fold, host landing, all-reduce across replicas
                 sync.done.record(self.comm)
-                if host_fold is not None:  # offload: fold() copied the shard to the host
-                    landed = self.landed.get(unit)
-                    if landed is None:
-                        landed = self.landed[unit] = self.streams.new_event()
-                    landed.record(self.comm)
-                    self.host_pending.append((landed, host_fold))
 
     def wait_reduced(self, sync):
         self.streams.current_stream().wait_event(sync.done)
 
-    def replicate_in_fold(self, grad, unit):
-        # Issued by reduce() right after the fold, on the comm stream and before the grad buffer's
-        # `done` (outside the reduce's timing, so the recorder times each collective on its own).
-        self._after_fold.append((grad, unit))
+    def on_host(self, unit, fn):
+        # inside a reduce's `then`, on the comm stream: the host runs fn once this point has passed
+        landed = self.landed.get(unit)
+        if landed is None:
+            landed = self.landed[unit] = self.streams.new_event()
+        landed.record(self.comm)
+        self.host_pending.append((landed, fn))
+
+    def all_reduce_behind(self, grad, unit):
+        # inside a reduce's `then`: the current stream is the comm stream, behind the fold
+        with span("all_reduce", unit), self._timed("all_reduce", unit):
+            all_reduce(grad, self.replicate_group, async_op=False)
+        self._count("all_reduce", unit, grad)
 
     def host_waits_compute(self):
         self.streams.current_stream().synchronize()

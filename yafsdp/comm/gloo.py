@@ -7,7 +7,7 @@ from collections import Counter
 
 from .collectives import _info, all_gather, all_reduce, all_to_all, reduce_scatter
 from ..tools.trace import span
-from .schedule import Schedule, _GradSync, _WeightSync, _then, _wait
+from .schedule import Schedule, _GradSync, _WeightSync, _wait
 
 __all__ = ["HandleSchedule"]
 
@@ -52,17 +52,15 @@ class HandleSchedule(Schedule):
                 with span("expand", sync.unit):
                     expand()
 
-    def reduce(self, sync, out, full, unit, fold, host_fold=None, pieces=False):
+    def reduce(self, sync, out, full, unit, then, pieces=False):
         rec = self.recorder
-        if host_fold is not None:  # the host is the compute side: both at the wait
-            fold = _then(fold, host_fold)
         with span("reduce", unit):
             t = rec.now() if rec else None
             if pieces:
                 work = all_to_all(out, full, self.group, async_op=True)
             else:
                 work = reduce_scatter(out, full, self.group, async_op=True, local=True)
-            sync.pending = (work, fold, unit)
+            sync.pending = (work, then, unit)
             self._count("reduce", unit, full)
             if rec:
                 rec.comm("reduce", unit, work, issued=t)
@@ -97,16 +95,19 @@ class HandleSchedule(Schedule):
 
     def wait_reduced(self, sync):
         if sync.pending is not None:
-            work, fold, unit = sync.pending
+            work, then, unit = sync.pending
             sync.pending = None
             _wait(work, "reduce-scatter", unit)
-            fold()
+            then()  # the comm side's part of the gradient's path, here on the host
 
     def reduce_pending(self, sync) -> bool:
         return sync.pending is not None
 
-    def replicate_in_fold(self, grad, unit):
-        self.replicate(grad, unit)  # the fold runs on the host at the reduce's wait: issue it now
+    def on_host(self, unit, fn):
+        fn()  # the comm side's work runs on the host at the reduce's wait: it has completed
+
+    def all_reduce_behind(self, grad, unit):
+        self.replicate(grad, unit)  # the fold ran on the host at the reduce's wait: issue it now
 
     def replicate(self, grad, unit):
         rec = self.recorder

@@ -45,7 +45,7 @@ by :func:`yafsdp.plan.sizing.plan_buffers`). Offload is refused for now: its red
 host in ``reduce_dtype`` (one value per element, not every rank's piece).
 
 HSDP: the fold leaves fp32 values in the grad shard; the all-reduce across replicas runs on that
-fp32 shard as always ([Note: the cross-replica all-reduce] in hsdp.py), so the replicas' sum is in
+fp32 shard as always ([Note: the cross-replica all-reduce] in core/replicas.py), so the replicas' sum is in
 fp32 too (at fp32's bytes: that collective is 1/shard of the reduce's size).
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ Which stream every kernel of the CUDA schedule runs on, and why:
   stream only, in its order, like the reduce-scatter's staging: no new event; see [Note: narrow
   reduce, fp32 accumulation] in reduce_accum.py);
   HSDP: the all-reduce of grad shards across replicas, both kinds (see [Note: the cross-replica
-  all-reduce] in hsdp.py): overlapped, right behind a unit's fold in the same comm-stream block
+  all-reduce] in core/replicas.py): overlapped, right behind a unit's fold in the same comm-stream block
   and before the grad buffer's ``done`` (with, on a mispredicted step only, the ``1/replicas``
   scale of the shard before the fold); deferred, between ``grads_final`` and ``replicated``.
   Collectives are issued with ``async_op=False`` inside ``torch.cuda.stream(comm)``: since
@@ -200,18 +200,22 @@ class Schedule:
         """The compute side's use of this weight buffer ended (the next gather may overwrite it)."""
 
     def reduce(self, sync: _GradSync, out: torch.Tensor, full: torch.Tensor, unit: str,
-               fold: Callable[[], None], host_fold: Callable[[], None] | None = None,
-               pieces: bool = False) -> None:
-        """Issue the reduce-scatter of ``full`` (a grad buffer) into ``out``, then ``fold()``;
-        ``host_fold()``, when given, runs on the host once ``fold``'s work has completed (offload:
-        after the grads landed on the host; by :meth:`finish_host_folds` at the latest).
-        ``pieces``: an all-to-all instead, ``out`` (as large as ``full``) receives every rank's piece
-        of this rank's shard and ``fold()`` sums them (see [Note: narrow reduce, fp32 accumulation]
-        in reduce_accum.py)."""
+               then: Callable[[], None], pieces: bool = False) -> None:
+        """Issue the reduce-scatter of ``full`` (a grad buffer) into ``out``; ``then()`` runs on the
+        comm side right behind it (CUDA: on the comm stream, before the buffer's ``done``; gloo: at the
+        reduce's wait) -- the rest of the gradient's path, core/grad_path.py. ``pieces``: an all-to-all
+        instead, ``out`` (as large as ``full``) receives every rank's piece of this rank's shard (see
+        [Note: narrow reduce, fp32 accumulation] in reduce_accum.py)."""
+        raise NotImplementedError
+
+    def on_host(self, unit: str, fn: Callable[[], None]) -> None:
+        """From the comm side (inside a reduce's ``then``): ``fn()`` runs on the host once the comm
+        side's work so far has completed (offload: the reduced shard has landed in host memory), by
+        :meth:`finish_host_folds` at the latest."""
         raise NotImplementedError
 
     def finish_host_folds(self) -> None:
-        """The host runs every pending ``host_fold`` (waiting for its data first), in issue order."""
+        """The host runs every pending :meth:`on_host` function (waiting for its data first), in issue order."""
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy the host tensor ``src`` into the device compute copy ``dst`` (offload); later
@@ -241,10 +245,11 @@ class Schedule:
         return False
 
     # HSDP: the all-reduce of grad shards across replicas. See [Note: the cross-replica
-    # all-reduce] in hsdp.py.
-    def replicate_in_fold(self, grad: torch.Tensor, unit: str) -> None:
-        """From inside a reduce's fold: all-reduce ``grad`` (a folded grad shard) across the
-        replicas, behind that fold on the comm side."""
+    # all-reduce] in core/replicas.py.
+    def all_reduce_behind(self, grad: torch.Tensor, unit: str) -> None:
+        """From the comm side (inside a reduce's ``then``): all-reduce ``grad`` (a folded grad shard)
+        across the replicas, behind the fold (CUDA: on the comm stream, before ``done``; gloo: an
+        asynchronous handle, waited by :meth:`wait_replicated`)."""
         raise NotImplementedError
 
     def replicate(self, grad: torch.Tensor, unit: str) -> None:
@@ -258,14 +263,6 @@ class Schedule:
 
     def wait_replicated(self) -> None:
         """The host / compute side waits for every all-reduce across replicas issued so far."""
-
-
-def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
-    def both():
-        first()
-        second()
-
-    return both
 
 
 # ---------------------------------------------------------------------------- collective mismatches

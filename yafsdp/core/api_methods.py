@@ -73,14 +73,14 @@ class WrapperMethods:
         Each backward inside it reduce-scatters as any other and its gradients accumulate in the
         fp32 grad shards, so the result is DDP's (which defers the all-reduce instead); no
         unsharded gradient is held across micro-steps. HSDP defers its cross-replica all-reduce to
-        the step anyway (see [Note: the cross-replica all-reduce] in hsdp.py)."""
+        the step anyway (see [Note: the cross-replica all-reduce] in core/replicas.py)."""
         yield
 
     def sync_grads(self) -> bool:
         """HSDP: complete the gradients now (their all-reduce across replicas, which the optimizer
         step and ``clip_grad_norm_`` otherwise trigger); call it before reading ``.grad`` yourself.
         Collective over every rank; a no-op for full sharding or when nothing is left to reduce.
-        See [Note: the cross-replica all-reduce] in yafsdp/comm/hsdp.py."""
+        See [Note: the cross-replica all-reduce] in yafsdp/core/replicas.py."""
         return self._rt.sync_replicas()
 
     # ------------------------------------------------------------------ the module tree after wrapping

@@ -220,22 +220,21 @@ class GradBuffer:
         self.schedule.wait_reduced(self.sync)
         return self.data[:numel]
 
-    def reduce(self, unit: str, numel: int, shard_numel: int, fold: Callable[[torch.Tensor], None],
-               host_fold: Callable[[], None] | None = None) -> None:
-        """Reduce-scatter the first ``numel`` elements; ``fold(reduced shard)`` runs after it, and
-        ``host_fold()`` on the host once that has completed (offload; see ``Schedule.reduce``).
-        With fp32 accumulation ``fold`` gets the pieces instead: (world, shard_numel), rank order."""
+    def reduce(self, unit: str, numel: int, shard_numel: int, arrive: Callable[[torch.Tensor], None]) -> None:
+        """Reduce-scatter the first ``numel`` elements into this buffer's output for it; ``arrive(reduced
+        shard)`` runs on the comm side behind it (see ``Schedule.reduce``). With fp32 accumulation
+        ``arrive`` gets every rank's piece instead: (world, shard_numel), rank order."""
         if self.pieces:
             pieces = self.staging[:numel]
             self.schedule.reduce(self.sync, pieces, self.data[:numel], unit,
-                                 lambda: fold(pieces.view(-1, shard_numel)), host_fold, pieces=True)
+                                 lambda: arrive(pieces.view(-1, shard_numel)), pieces=True)
             return
         if self.in_place_rank is not None:
             r = self.in_place_rank
-            staging = self.data[r * shard_numel:(r + 1) * shard_numel]
+            out = self.data[r * shard_numel:(r + 1) * shard_numel]
         else:
-            staging = self.staging[:shard_numel]
-        self.schedule.reduce(self.sync, staging, self.data[:numel], unit, lambda: fold(staging), host_fold)
+            out = self.staging[:shard_numel]
+        self.schedule.reduce(self.sync, out, self.data[:numel], unit, lambda: arrive(out))
 
     def finish(self) -> None:
         """The compute side waits until the last reduce from this buffer is folded."""

@@ -12,7 +12,7 @@ torch optimizers, ``yafsdp.FusedAdamW``) are untouched.
 
 The same pre-step hook completes an aborted backward (``Runtime.recover``) before any optimizer
 step reads the grad shards, and (HSDP) all-reduces them across replicas: see [Note: the
-cross-replica all-reduce] in hsdp.py. The pair also leaves parameters no rank used untouched by the
+cross-replica all-reduce] in replicas.py. The pair also leaves parameters no rank used untouched by the
 step (see [Note: parameters no rank used] in unused.py).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import weakref
 import torch
 
 from . import optim_state, shards, unused
-from ..comm.hsdp import sync_before_step
+from .replicas import sync_before_step
 from .runtime import live_runtimes
 
 __all__ = ["install_optimizer_hooks"]
@@ -43,7 +43,7 @@ def _versions_before_step(optimizer, args, kwargs):
     before any optimizer step reads the grad shards."""
     optim_state.before_step(optimizer)  # first: see [Note: optimizer state that knows its shard] in optim_state.py
     recover_all()
-    sync_before_step(optimizer, live_runtimes())  # HSDP: the all-reduce across replicas, once per step (yafsdp/comm/hsdp.py)
+    sync_before_step(optimizer, live_runtimes())  # HSDP: the all-reduce across replicas, once per step (replicas.py)
     for rt in live_runtimes():  # offload: no upload still reads what this step is about to write
         rt.before_optimizer_step()
     _VERSIONS[optimizer] = [

@@ -11,7 +11,7 @@ A placement answers every question the step protocol used to answer with ``if of
 - the cast pass (master -> compute copy): in place on the device, or on the host into the staging
   copy followed by an upload (:meth:`cast`), and what follows the optimizer's copy-out
   (:meth:`copy_written`: the upload, overlapped with the optimizer's pass over later shards);
-- what a reduce lands in (:meth:`reduce`): the fp32 grad shard on the device, or the host landing
+- what a reduce lands in (:meth:`arrival`): the fp32 grad shard on the device, or the host landing
   the host folds from (see [Note: reduced grads to the host] below);
 - the cross-replica all-reduce of HSDP (:meth:`replicate`): on the grad shards where they are, or,
   on the host, staged through the device (see [Note: the all-reduce of host grad shards]).
@@ -123,9 +123,10 @@ class Placement:
     def copy_written(self, schedule, group) -> None:
         """The optimizer wrote ``group``'s compute copy (its copy-out)."""
 
-    def reduce(self, rt, unit, fold) -> None:
-        """Reduce-scatter ``unit``'s grad buffer; ``fold(reduced)`` folds the reduced shard into the grad shard."""
-        unit.grad_buffer.reduce(unit.name, unit.layout.padded_numel, unit.layout.shard_numel, fold)
+    def arrival(self, schedule, unit, fold):
+        """What runs on the comm side behind ``unit``'s reduce-scatter: ``fold(reduced)`` itself here
+        (the fp32 grad shard is on the device); called on the compute side before the reduce is issued."""
+        return fold
 
     def finish_folds(self, schedule) -> None:
         """End of backward: every reduced shard folded into its grad shard."""
@@ -196,18 +197,18 @@ class HostPlacement(Placement):
         # Host -> device now, overlapped with the optimizer's pass over the next shards.
         schedule.upload(group.compute, group.compute_host)
 
-    def reduce(self, rt, unit, fold) -> None:
+    def arrival(self, schedule, unit, fold):
         # See [Note: reduced grads to the host]
         landing = unit.trainable.grad_landing
-        if unit in self.folds:
-            self.finish_folds(rt.schedule)
+        if unit in self.folds:  # its previous landing is folded before the copy overwrites it
+            self.finish_folds(schedule)
         self.folds.append(unit)
 
-        def to_host(reduced: torch.Tensor) -> None:
+        def land(reduced: torch.Tensor) -> None:
             landing.copy_(reduced, non_blocking=True)
+            schedule.on_host(unit.name, lambda: fold(landing))
 
-        unit.grad_buffer.reduce(unit.name, unit.layout.padded_numel, unit.layout.shard_numel, to_host,
-                                host_fold=lambda: fold(landing))
+        return land
 
     def finish_folds(self, schedule) -> None:
         if self.folds:

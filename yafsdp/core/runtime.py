@@ -40,9 +40,10 @@ from .alloc import STORAGE_FIELDS, allocate
 from .backward import BackwardSteps, BackwardUse
 from ..comm.schedule import Schedule
 from ..comm.progress import POSITION
-from ..comm.hsdp import make_replicas
 from .placement import make_placement
+from .replicas import make_replicas
 from .config import EngineConfig
+from .grad_path import GradPath
 from ..plan.sizing import unit_align, unit_shape
 from ..tools.trace import span
 from .unit import FlatGroup, Phase, StoredShard, Unit, current_task, frozen_kind, in_backward, stored_kind, trainable_kind
@@ -125,7 +126,6 @@ class Runtime(BackwardSteps):
         # autograd.grad call that touched the engine and has not ended (see [Note: releasing by what
         # autograd runs] in autograd.py)
         self.tasks: dict[int, list] = {}
-        self.replica_begun = False  # HSDP: this backward reduced (ReplicaSync.begin_backward ran)
         # (weak reference, requires_grad, name) of every original parameter: changing requires_grad
         # after wrapping would have no effect, so it is refused (see check_frozen).
         self.originals: list[tuple[weakref.ref, bool, str]] = []
@@ -134,6 +134,7 @@ class Runtime(BackwardSteps):
         # a flat engine's does nothing (NoReplicas).
         self.replica_sync = make_replicas(self, replicate_group, schedule)
         self.replicas = self.replica_sync.replicas
+        self.grad_path = GradPath(self)  # a gradient from its unit's gate to its grad shard
         _RUNTIMES.add(self)
 
     # ------------------------------------------------------------------ host and device
