@@ -78,38 +78,31 @@ def allocate(self, outsized_ratio: float) -> "Storage":
     dev = self.device
     trainable = [g for u in self.all for g in u.groups if g.kind.reduced]
     total = sum(g.layout.shard_numel for g in trainable)
-    offload = place.offload is not None
     # 1-D fp32: every unit's master shard end to end (one cast pass covers all of them). On the
     # host with offload: see [Note: host and device tensors].
     st.master = place.zeros(total, torch.float32)
     # 1-D fp32: every unit's grad shard; each shard's .grad aliases its slice.
     st.grad = place.zeros(total, torch.float32)
     # 1-D param_dtype: the compute copies (all-gather inputs) of the groups gathered in param_dtype,
-    # laid as in the master when every group is; the master itself in fp32 (without offload: with
-    # it, the device copy is always its own tensor).
+    # laid as in the master when every group is; the master itself in fp32 (when the master is on the
+    # device: with offload, the device copy is always its own tensor).
     plain_total = sum(g.layout.shard_numel for g in trainable if not g.kind.format.compact)
     st.compute = (
-        st.master if self.compute_dtype == torch.float32 and not offload
+        st.master if place.compute_is_master(self.compute_dtype)
         else torch.zeros(plain_total, dtype=self.compute_dtype, device=dev)
     )
-    # offload: the host side of the compute copy (what the copy-out and the cast pass write and
-    # the upload reads; the master itself in fp32) and the host landing of the reduced grads.
-    # (compute_host spans every trainable group, laid as the master; an FP8 group's slice of it is
-    # unused: its host copy is its record in gather_host.)
-    st.compute_host = None
-    st.grad_landing = None
-    if offload:
-        st.compute_host = (st.master if self.compute_dtype == torch.float32
-                             else place.zeros(total, self.compute_dtype))
-        st.grad_landing = place.zeros(total, self.reduce_dtype)
+    # offload (the placement's host_sides; None each without): the host side of the compute copy (what
+    # the copy-out and the cast pass write and the upload reads; the master itself in fp32), the host
+    # landing of the reduced grads, and the host side of the compact records (the optimizer's copy-out
+    # and the encode pass write there; the upload moves it into gather_store). compute_host spans every
+    # trainable group, laid as the master; a compact group's slice of it is unused.
+    gather_total = sum(u.shape.gather_record for u in self.all)
+    st.compute_host, st.grad_landing, st.gather_host = place.host_sides(
+        st.master, total, gather_total, self.compute_dtype, self.reduce_dtype)
     # 1-D uint8: the compute copies of the trainable groups gathered compact (gather_dtype="fp8",
     # "int8"): one record of the gather format each, end to end. See [Note: gather formats] in
     # formats/base.py.
-    gather_total = sum(u.shape.gather_record for u in self.all)
     st.gather_store = torch.zeros(gather_total, dtype=torch.uint8, device=dev)
-    # offload: the host side of the records, as compute_host is of the param_dtype copies (the
-    # optimizer's copy-out and the encode pass write here; the upload moves it into gather_store).
-    st.gather_host = place.zeros(gather_total, torch.uint8) if offload and gather_total else None
     # 1-D param_dtype: every frozen group's shard end to end, stored only in param_dtype (it is
     # its own all-gather input; no master, no grad, no optimizer state).
     frozen_total = sum(g.layout.shard_numel for u in self.all for g in u.groups
@@ -135,25 +128,22 @@ def allocate(self, outsized_ratio: float) -> "Storage":
                 if g.kind.format.compact:  # its compute copy is its format's record
                     rec = u.shape.gather_record
                     g.compute = st.gather_store[roff:roff + rec]
-                    if offload:
-                        g.compute_host = st.gather_host[roff:roff + rec]
-                        g.grad_landing = st.grad_landing[off:off + n]
-                    copy = g.compute_host if offload else g.compute  # where the optimizer runs
-                    shards.set_copy_out(g.shard, copy, _copy_written_cb(self, g), format=g.kind.format.name)
+                    g.compute_host = _part(st.gather_host, roff, rec)
+                    g.grad_landing = _part(st.grad_landing, off, n)
+                    shards.set_copy_out(g.shard, place.optimizer_copy(g), _copy_written_cb(self, g),
+                                        format=g.kind.format.name)
                     roff += rec
                 elif st.compute is st.master:
                     g.compute = st.compute[off:off + n]
                 else:
                     g.compute = st.compute[coff:coff + n]
                     coff += n
-                    if offload:
-                        g.compute_host = st.compute_host[off:off + n]
-                        g.grad_landing = st.grad_landing[off:off + n]
+                    g.compute_host = _part(st.compute_host, off, n)
+                    g.grad_landing = _part(st.grad_landing, off, n)
                     # The optimizer's copy-out goes where the optimizer runs: the host staging with
                     # offload (fp32 offload: the step writes the master itself, the cast pass uploads it).
-                    copy = g.compute_host if offload else g.compute
-                    if copy is not None and not (offload and st.compute_host is st.master):
-                        shards.set_copy_out(g.shard, copy, _copy_written_cb(self, g))
+                    if st.compute_host is not st.master:
+                        shards.set_copy_out(g.shard, place.optimizer_copy(g), _copy_written_cb(self, g))
                 name, off = f"flat.{attr}", off + n
             elif g.kind.format.stored:
                 rec = u.shape.nf4_record
@@ -181,10 +171,10 @@ def allocate(self, outsized_ratio: float) -> "Storage":
         compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
         zero_stage=self.zero_stage, outsized_ratio=outsized_ratio, offload_frozen=frozen_host,
         accumulate_fp32=self.reduce_accum_dtype is not None,
-        chunk_outsized=self.config.chunk_outsized_grads and place.offload is None,
+        chunk_outsized=self.config.chunk_outsized_grads and place.chunks_outsized,
         grad_chunks=self.config.grad_chunks,
         reduce_in_place=in_place,
-        alias_world1=self.world_size == 1 and place.offload is None,
+        alias_world1=self.world_size == 1 and place.aliases_world1,
     )
     rank = dist.get_rank(self.group) if in_place else None
     st.grad_buffers: list[GradBuffer] = [
@@ -217,6 +207,11 @@ def allocate(self, outsized_ratio: float) -> "Storage":
         else:
             u.aliases = [alias(u.buffer.data, u.group_of[id(p)].buffer_offset + p.offset, p.shape) for p in u.params]
     return st
+
+def _part(store: torch.Tensor | None, offset: int, numel: int) -> torch.Tensor | None:
+    """``store[offset:offset + numel]``, or None where the placement allocates no such store."""
+    return None if store is None else store[offset:offset + numel]
+
 
 def _copy_written_cb(self, group: FlatGroup):
     me, g = weakref.ref(self), weakref.ref(group)  # the registry must not keep the engine alive

@@ -245,7 +245,7 @@ class WrapperMethods:
         out.setdefault("nf4", 0)
         for fmt in formats.gather_formats():  # the records of the gather formats ("fp8", "int8")
             out.setdefault(fmt.name, 0)
-        if self.offload is not None:
+        if self._rt.placement.optimizer_on_host:
             out.setdefault("compute_host", 0)
             if self.gather_dtype is not None:  # the records' host side ("fp8_host", "int8_host")
                 out.setdefault(self.gather_dtype + "_host", 0)

@@ -53,7 +53,8 @@ import torch.distributed as dist
 from .. import kernels
 from ..tools.trace import span
 
-__all__ = ["Placement", "DevicePlacement", "HostPlacement", "make_placement", "placement_of", "STAGE_BYTES"]
+__all__ = ["Placement", "DevicePlacement", "HostPlacement", "HostFrozenPlacement", "make_placement", "placement_of",
+           "placement_class", "STAGE_BYTES"]
 
 STAGE_BYTES = 64 << 20  # most bytes a broadcast of a host tensor stages on the device at once
 
@@ -61,17 +62,48 @@ STAGE_BYTES = 64 << 20  # most bytes a broadcast of a host tensor stages on the 
 def placement_of(role: str, offload: str | None) -> str:
     """Where the tensor of ``role`` (a key of ``allocated_bytes()``) lives with ``offload``; the plan
     uses the same rule. See [Note: host and device tensors] in alloc.py."""
-    host = {None: (), "optimizer": ("master", "grad", "compute_host", "grad_landing"),
-            "all": ("master", "grad", "compute_host", "grad_landing", "frozen", "nf4")}[offload]
-    # a gather format's host records: "<format>_host" ("fp8_host", "int8_host")
-    return "host" if role in host or (offload is not None and role.endswith("_host")) else "device"
+    return placement_class(offload).where_role(role)
+
+
+def placement_class(offload: str | None) -> "type[Placement]":
+    """The placement of an engine with ``offload=`` (None, "optimizer", "all"): its class answers the
+    layout's questions (what is allocated where) without a device, for the plan and the allocator alike."""
+    return {None: DevicePlacement, "optimizer": HostPlacement, "all": HostFrozenPlacement}[offload]
 
 
 class Placement:
-    """Where one engine's tensors live; see [Note: placement]."""
+    """Where one engine's tensors live; see [Note: placement]. The class attributes are the layout's
+    rules, read by the allocator (alloc.py) and the plan (plan/build.py) alike."""
 
-    offload: str | None = None
+    offload: str | None = None  # the engine option this placement is
+    host_roles: tuple[str, ...] = ()  # roles of allocated_bytes() in host memory
+    optimizer_on_host = False  # master, grad shard and optimizer state on the host (with their staging)
     host_frozen = False  # the frozen and NF4 stores in host memory (offload="all")
+    # Outsized units reduce their gradients in chunks through the grad pair, and at world 1 a unit's
+    # weights alias its shards: both need the fp32 grad shard and the compute copy on the device.
+    chunks_outsized = True
+    aliases_world1 = True
+
+    @classmethod
+    def where_role(cls, role: str) -> str:
+        # a gather format's host records: "<format>_host" ("fp8_host", "int8_host")
+        return "host" if role in cls.host_roles or (cls.optimizer_on_host and role.endswith("_host")) else "device"
+
+    @classmethod
+    def compute_is_master(cls, compute_dtype: torch.dtype) -> bool:
+        """Whether the compute copy is the fp32 master itself (fp32 compute with the master on the device)."""
+        return compute_dtype == torch.float32 and not cls.optimizer_on_host
+
+    def host_sides(self, master: torch.Tensor, total: int, gather_total: int, compute_dtype: torch.dtype,
+                   reduce_dtype: torch.dtype):
+        """``(compute_host, grad_landing, gather_host)``: the host side of the compute copy, the host
+        landing of the reduced grads and the host side of the compact records -- None each without
+        offload."""
+        return None, None, None
+
+    def optimizer_copy(self, group) -> torch.Tensor:
+        """Where the optimizer's copy-out writes ``group``'s compute copy: the copy itself."""
+        return group.compute
 
     def __init__(self, device: torch.device, host: torch.device):
         self.device = device  # the compute device: buffers, compute copies, collectives
@@ -79,7 +111,7 @@ class Placement:
         self.pin = host != device and device.type == "cuda"
 
     def where(self, role: str) -> str:
-        return placement_of(role, self.offload)
+        return self.where_role(role)
 
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed 1-D tensor where the optimizer runs (pinned when that is the host of a GPU)."""
@@ -149,15 +181,27 @@ class DevicePlacement(Placement):
 
 
 class HostPlacement(Placement):
-    """``offload="optimizer"`` / ``"all"``: the fp32 master and grad shards (and the optimizer state)
-    in host memory, the CPU; ``"all"``: the frozen and NF4 stores too."""
+    """``offload="optimizer"``: the fp32 master and grad shards (and the optimizer state) in host
+    memory, the CPU, with the host side of the compute copy and the host landing of reduced grads."""
 
-    def __init__(self, device: torch.device, what: str):
+    offload = "optimizer"
+    host_roles = ("master", "grad", "compute_host", "grad_landing")
+    optimizer_on_host = True
+    chunks_outsized = False  # an outsized unit's reduced grads need a landing of their own
+    aliases_world1 = False
+
+    def __init__(self, device: torch.device):
         super().__init__(device, torch.device("cpu"))
-        self.offload = what
-        self.host_frozen = what == "all"
         self.folds: list = []  # units whose reduced grads await the host fold
         self.pin = device.type == "cuda"
+
+    def host_sides(self, master, total, gather_total, compute_dtype, reduce_dtype):
+        compute_host = master if compute_dtype == torch.float32 else self.zeros(total, compute_dtype)
+        gather_host = self.zeros(gather_total, torch.uint8) if gather_total else None
+        return compute_host, self.zeros(total, reduce_dtype), gather_host
+
+    def optimizer_copy(self, group) -> torch.Tensor:
+        return group.compute_host
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Always a copy (also when host and device are both the CPU, so a CPU run hands
@@ -253,5 +297,15 @@ def _idle_fp32(rt) -> torch.Tensor:
     return data.view(torch.uint8)[:n * 4].view(torch.float32)
 
 
+class HostFrozenPlacement(HostPlacement):
+    """``offload="all"``: also the frozen and NF4 stores in host memory, copied into their weight
+    buffer's device landing before each gather ([Note: the frozen landing] in plan/sizing.py)."""
+
+    offload = "all"
+    host_roles = HostPlacement.host_roles + ("frozen", "nf4")
+    host_frozen = True
+
+
 def make_placement(device: torch.device, offload: str | None) -> Placement:
-    return DevicePlacement(device) if offload is None else HostPlacement(device, offload)
+    cls = placement_class(offload)
+    return cls(device)

@@ -321,7 +321,7 @@ class Runtime(BackwardSteps):
             # every trainable group, laid alike in master and compute (never with compact groups:
             # their compute copies are records in gather_store)
             everything = len(cast) == n_trainable
-            if cast and (self.compute is not self.master or self.offload is not None):
+            if cast and (self.compute is not self.master or self.placement.optimizer_on_host):
                 with span("cast", "all" if everything else f"{len(cast)} units"):
                     self.placement.cast(self, cast, everything)  # with offload: then the upload
             if packed:  # See [Note: gather formats] in formats/base.py

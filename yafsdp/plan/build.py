@@ -10,6 +10,7 @@ from torch import nn
 from ..comm.collectives import reduces_in_place
 from ..formats import fp8_codec as fp8
 from ..core.config import EngineConfig, build_config
+from ..core.placement import placement_class
 from ..core.units import discover, weight_free_backward
 from .activations import activation_estimate
 from .staging import persistent_buffer_bytes, staging_bytes
@@ -98,6 +99,7 @@ def memory_plan(
         param_dtype = eng.param_dtype
         quantize_frozen = eng.quantize_frozen
         offload = eng.offload
+        place = placement_class(offload)  # the layout's rules: what is allocated where (core/placement.py)
         gather_dtype = eng.gather_dtype
         module = eng.module
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
@@ -125,12 +127,13 @@ def memory_plan(
         small = (unit_shape(small_params, world_size, rank, align, quantize, gather_dtype, exclude)
                  if small_params else None)
         accum = cfg.reduce_accum_dtype
+        place = placement_class(offload)  # the layout's rules, as the engine's placement would have them
         slots = plan_buffers(
             names, layouts, small, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype,
-            zero_stage=zero_stage, outsized_ratio=outsized_ratio, offload_frozen=offload == "all",
-            accumulate_fp32=accum is not None, chunk_outsized=cfg.chunk_outsized_grads and offload is None,
+            zero_stage=zero_stage, outsized_ratio=outsized_ratio, offload_frozen=place.host_frozen,
+            accumulate_fp32=accum is not None, chunk_outsized=cfg.chunk_outsized_grads and place.chunks_outsized,
             grad_chunks=cfg.grad_chunks, reduce_in_place=reduces_in_place(plan_backend(backend), world_size),
-            alias_world1=world_size == 1 and offload is None,
+            alias_world1=world_size == 1 and place.aliases_world1,
         )
         module = model
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
@@ -161,16 +164,16 @@ def memory_plan(
         optimizer=str(optimizer), num_params=num_params, shard_numel=shard + frozen_shard + nf4_shard,
         largest_unit=max(regular) if regular else 0, units=rows, slots=slot_list,
         master=4 * shard, grad=4 * shard,
-        compute_copy=0 if compute_dtype == torch.float32 and offload is None else cbytes * compute_shard,
+        compute_copy=0 if place.compute_is_master(compute_dtype) else cbytes * compute_shard,
         optimizer_state=opt_bytes * shard, frozen=cbytes * frozen_shard, nf4=nf4_bytes,
         quantize_frozen=quantize_frozen, offload=offload, records=record_bytes, gather_dtype=gather_dtype,
         reduce_accum_dtype=dtype_name(accum) if accum is not None else None,
-        compute_host=cbytes * shard if offload is not None and compute_dtype != torch.float32 else 0,
-        grad_landing=itemsize(reduce_dtype) * shard if offload is not None else 0,
+        compute_host=cbytes * shard if place.optimizer_on_host and compute_dtype != torch.float32 else 0,
+        grad_landing=itemsize(reduce_dtype) * shard if place.optimizer_on_host else 0,
         export_unit=max((4 * (lay.trainable.padded_numel if lay.trainable is not None else 0)
                          + cbytes * sum(g.padded_numel for g in (lay.frozen, lay.nf4) if g is not None)
                          for lay in all_layouts), default=0),
-        gather_host=record_bytes if offload is not None else 0,
+        gather_host=record_bytes if place.optimizer_on_host else 0,
     )
     if async_save:
         plan.checkpoint_staging = staging_bytes(
