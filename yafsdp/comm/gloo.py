@@ -73,7 +73,7 @@ class HandleSchedule(Schedule):
     def reduce_rows_into(self, target, full, unit):
         """``target`` <- this rank's slice of ``full`` (a unit's whole gradient) summed over the ranks,
         done when this returns: the reduce-scatter of :meth:`reduce` with the grad shard as its output,
-        waited at once. See [Note: the direct exchange of an outsized gradient] in core/backward.py."""
+        waited at once. See [Note: the direct exchange of an outsized gradient] in core/grad_path.py."""
         self._now("reduce", "reduce-scatter", reduce_scatter, target, full, full, unit)
 
     def gather_rows_into(self, out, shard, unit):

@@ -240,7 +240,7 @@ class Schedule:
     def reduce_rows_ok(self) -> bool:
         """Whether ``reduce_rows_into(target, full, unit)`` (a reduce into the grad shard, complete on
         return) is offered: gloo at world 2 only. See [Note: the direct exchange of an outsized
-        gradient] in core/backward.py; with ``gather_rows_into(out, shard, unit)``, the small exchanges
+        gradient] in core/grad_path.py; with ``gather_rows_into(out, shard, unit)``, the small exchanges
         of [Note: the sharded lookup of an embedding] in core/lookup.py."""
         return False
 

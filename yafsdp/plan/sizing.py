@@ -113,7 +113,7 @@ def repeated_blocks(names: list[str]) -> list[bool]:
 # layer's, and a strided copy instead of a contiguous one. With offload (the reduce goes through
 # the host landing) the unit keeps its own buffer; so does a model with no regular unit. (On gloo at
 # world 2 a fresh fp32 one-parameter unit skips the chunks: [Note: the direct exchange of an outsized
-# gradient] in core/backward.py.)
+# gradient] in core/grad_path.py.)
 # ``grad_chunks=K`` (default 1) applies the same to the regular units: the pair is sized for 1/K
 # of the largest of them (16-element aligned columns), and every unit larger than that is reduced
 # in chunks through it. Its cost is overlap: a unit's first chunk waits for the previous unit's
