@@ -75,7 +75,8 @@ def train_sharded(rank, world, names, gather="fp8"):
                     model.allocated_bytes(), alloc=model.allocated_bytes(),
                     meta_plan_ok=yafsdp.plan.memory_plan(
                         tiny_llama(), world_size=shard_world, rank=model.rank, param_dtype=_DT[dtype],
-                        zero_stage=zero, gather_dtype=gather).engine_bytes() == model.allocated_bytes())
+                        zero_stage=zero, gather_dtype=gather, replicas=model.mesh_shape[0]).engine_bytes()
+                    == model.allocated_bytes())
         if gather is None:
             out[name] = (losses, None, info)
             continue

@@ -417,8 +417,9 @@ def _dropped(rank, world):
     loss_of(model, "llama", batch("llama", 0, 0, rank)).backward()
     opt.step()
     loss_of(model, "llama", batch("llama", 1, 0, rank))  # a forward whose graph is never run
-    rt = model._rt  # world 1: no weight buffer, each unit's ShardAlias ([Note: the world-1 alias])
-    refs = [weakref.ref(rt.grad_buffers[0]), weakref.ref(rt.alias_buffers[0]), weakref.ref(rt.compute),
+    # world 1: no weight or grad buffer, each unit's ShardAlias ([Note: the world-1 alias]) and the grad shard
+    rt = model._rt
+    refs = [weakref.ref(rt.grad), weakref.ref(rt.alias_buffers[0]), weakref.ref(rt.compute),
             weakref.ref(next(iter(model.parameters())))]
     del model, opt, rt
     gc.collect()

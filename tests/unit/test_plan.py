@@ -125,7 +125,8 @@ def test_plan_equals_allocated_bytes_world1():
     """[Note: the world-1 alias]: at world 1 (gloo, one rank) the plan still equals the allocations
     byte for byte in every configuration, and only the units with a compact group (NF4, fp8, int8:
     their records expand into the buffer) have a weight buffer; every other unit's parameters alias
-    its shards, so a configuration without a compact group allocates no weight buffer at all."""
+    its shards, so a configuration without a compact group allocates no weight buffer at all. No
+    grad buffer either, unless the reduce is narrow or accumulates pieces ([Note: world-1 gradients])."""
     for name, r in run_ranks(_world1, 1)[0].items():
         meta_plan, own_plan, allocated, psi, true_psi, buffers, compact = r
         assert meta_plan == allocated == own_plan, (name, meta_plan, allocated)
@@ -134,7 +135,9 @@ def test_plan_equals_allocated_bytes_world1():
             assert kind == ("WeightBuffer" if compact[unit] else "ShardAlias"), (name, unit, kind)
         weights = [k for k in allocated if k.startswith("weight")]
         assert bool(weights) == any(compact.values()), (name, weights)
-        assert any(k.startswith("grad") for k in allocated), name  # the grad path is unchanged
+        # [Note: world-1 gradients]: no grad buffer where the reduce is fp32 and nothing accumulates in pieces
+        grad_buffers = [k for k in allocated if k.startswith("grad") and k not in ("grad", "grad_landing")]
+        assert bool(grad_buffers) == ("reduce" in name or "accum" in name), (name, grad_buffers)
 
 
 def _alias_vs_buffers(rank, world):
@@ -142,34 +145,100 @@ def _alias_vs_buffers(rank, world):
     unit gathered into a buffer (the switch off): losses and final weights, per configuration."""
     from yafsdp.plan import sizing
 
+    def build(variant):
+        model = tiny_llama(seed=3, tie=variant == "tied_unused")
+        if variant == "tied_unused":  # a parameter its unit's forward never reads: no gradient reaches it
+            model.model.layers[0].unused = torch.nn.Parameter(torch.full((4, 4), 0.5))
+        return model
+
     out = {}
-    for bf16 in (False, True):
-        for zero in (3, 2):
-            runs = []
-            for on in (True, False):
-                sizing.ALIAS_WORLD1 = on
-                model = yafsdp.YaFSDP(tiny_llama(seed=3), param_dtype=torch.bfloat16 if bf16 else None,
-                                      zero_stage=zero)
-                assert bool(model._rt.alias_buffers) == on and bool(model.weight_buffers) != on
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-                losses = []
-                for step in range(3):
-                    for micro in range(2):
-                        loss = loss_of(model, "llama", batch("llama", step, micro, rank))
-                        loss.backward()
-                        losses.append(loss.item())
-                    opt.step()
-                    opt.zero_grad()
-                runs.append((losses, model.full_state_dict()))
-            (la, sa), (lb, sb) = runs
-            out[f"{'bf16' if bf16 else 'fp32'}_z{zero}"] = (la == lb, [k for k in sa if not torch.equal(sa[k], sb[k])])
+    for bf16, zero, variant in [(b, z, "plain") for b in (False, True) for z in (3, 2)] + [
+            (False, 3, "tied_unused"), (True, 2, "tied_unused")]:
+        runs = []
+        for on in (True, False):
+            sizing.ALIAS_WORLD1 = on
+            model = yafsdp.YaFSDP(build(variant), param_dtype=torch.bfloat16 if bf16 else None,
+                                  zero_stage=zero)
+            assert bool(model._rt.alias_buffers) == on and bool(model.weight_buffers) != on
+            assert bool(model.grad_buffers) != on  # [Note: world-1 gradients]
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses, grads = [], []
+            for step in range(3):
+                for micro in range(2):
+                    loss = loss_of(model, "llama", batch("llama", step, micro, rank))
+                    loss.backward()
+                    losses.append(loss.item())
+                grads.append(model._rt.grad.clone())  # every grad shard, padding included
+                opt.step()
+                opt.zero_grad()
+            runs.append((losses, grads, model.full_state_dict()))
+        (la, ga, sa), (lb, gb, sb) = runs
+        out[f"{'bf16' if bf16 else 'fp32'}_z{zero}_{variant}"] = (
+            la == lb and all(torch.equal(x, y) for x, y in zip(ga, gb)), [k for k in sa if not torch.equal(sa[k], sb[k])])
     sizing.ALIAS_WORLD1 = True
     return out
 
 
+class _Branch(torch.nn.Module):
+    """A block whose second linear is used only when asked (a conditional branch, an MoE expert)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, use_b: bool):
+        x = self.a(x)
+        return self.b(x) if use_b else x
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.layers = torch.nn.ModuleList([_Branch() for _ in range(2)])
+
+    def forward(self, x, use_b: bool):
+        for layer in self.layers:
+            x = layer(x, use_b)
+        return x.square().mean()
+
+
+def _sometimes_used(rank, world):
+    """[Note: world-1 gradients] with parameters that get a gradient in some steps only: the grad
+    shards after each step's backward, with the world-1 shortcuts and without (set_to_none both ways)."""
+    from yafsdp.plan import sizing
+
+    out = {}
+    for set_to_none in (True, False):
+        runs = []
+        for on in (True, False):
+            sizing.ALIAS_WORLD1 = on
+            model = yafsdp.YaFSDP(_Branchy())  # units: the two blocks of the ModuleList
+            assert bool(model.grad_buffers) != on
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            grads = []
+            for step, use_b in enumerate((True, False, True, False)):
+                model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)), use_b).backward()
+                grads.append(model._rt.grad.clone())
+                opt.step()
+                opt.zero_grad(set_to_none=set_to_none)
+            runs.append(grads)
+        out[set_to_none] = all(torch.equal(x, y) for x, y in zip(*runs))
+    sizing.ALIAS_WORLD1 = True
+    return out
+
+
+def test_world1_gradients_of_parameters_used_in_some_steps_only():
+    """A parameter without a gradient in this step gets what the grad buffer's zeros gave it:
+    zero after ``zero_grad()``, itself (+ 0) when gradients are kept."""
+    assert run_ranks(_sometimes_used, 1)[0] == {True: True, False: True}
+
+
 def test_world1_alias_trains_bit_for_bit_like_the_buffers():
-    """[Note: the world-1 alias] changes where a unit's weights are read from, not a value: fp32 and
-    bf16, ZeRO-3 and ZeRO-2, gradient accumulation, the same losses and weights bit for bit."""
+    """[Note: the world-1 alias] and [Note: world-1 gradients] change where a unit's weights are read
+    from and where its gradients are written, not a value: fp32 and bf16, ZeRO-3 and ZeRO-2, gradient
+    accumulation, a tied head (two folds per backward) and a parameter no gradient reaches, the same
+    losses and weights bit for bit."""
     for case, (same_losses, differ) in run_ranks(_alias_vs_buffers, 1)[0].items():
         assert same_losses and not differ, (case, differ)
 

@@ -175,6 +175,8 @@ def allocate(self, outsized_ratio: float) -> "Storage":
         grad_chunks=self.config.grad_chunks,
         reduce_in_place=in_place,
         alias_world1=self.world_size == 1 and place.aliases_world1,
+        direct_grads=(self.reduce_dtype == torch.float32 and self.reduce_accum_dtype is None
+                      and self.replicate_group is None),
     )
     rank = dist.get_rank(self.group) if in_place else None
     st.grad_buffers: list[GradBuffer] = [

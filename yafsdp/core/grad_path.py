@@ -52,6 +52,9 @@ class GradPath:
         if unit.grad_chunk:  # See [Note: chunked outsized gradients] in plan/sizing.py
             self._in_chunks(unit, pidx, grads)
             return
+        if unit.grad_buffer is None:  # world 1: [Note: world-1 gradients] in plan/sizing.py
+            self._fold_each(unit, pidx, grads)
+            return
         lay = unit.layout
         # 1. write
         buf = unit.grad_buffer.begin_write(lay.padded_numel)  # once its previous reduce has read it
@@ -112,6 +115,27 @@ class GradPath:
             self.begun = True
             self.replicas.begin_backward()
         return self.replicas
+
+    def _fold_each(self, unit: Unit, pidx, grads) -> None:
+        """World 1 (the unit has no grad buffer): write, reduce and land are the identity, and each
+        parameter's gradient is folded into its own slice of the grad shard. What no gradient covers
+        gets what the buffer's zeros gave it: zero in a fresh shard, ``+ 0`` otherwise."""
+        lay = unit.layout
+        target, fresh = self._target(unit)
+        given = [(unit.params[i], g) for i, g in zip(pidx, grads) if g is not None]
+        with torch.no_grad(), span("grads", unit.name):
+            if len(given) < len(lay.params) or (fresh and lay.padded_numel > lay.numel):
+                covered = {id(p) for p, _ in given}
+                for p in lay.params:
+                    if id(p) not in covered:
+                        part = target[p.offset:p.offset + p.numel]
+                        part.zero_() if fresh else part.add_(0.0)
+                if fresh:
+                    target[lay.numel:].zero_()
+            for k, (p, g) in enumerate(given):
+                fold = self._fold(unit, target, fresh, None, p.offset, p.offset + p.numel,
+                                  first=k == 0, last=k == len(given) - 1)
+                fold(g.reshape(-1))
 
     # ------------------------------------------------------------------ outsized units: in chunks
     def _in_chunks(self, unit: Unit, pidx, grads) -> None:

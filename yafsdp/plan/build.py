@@ -27,8 +27,8 @@ def _gather_bytes(lay, cbytes: int) -> int:
 
 def _grad_slot_name(slots, i: int, lay) -> str:
     """The grad slot(s) unit ``i`` reduces through, as the plan prints them."""
-    if slots.grad_of[i] < 0:
-        return "-"
+    if slots.grad_of[i] < 0:  # frozen; or world 1: [Note: world-1 gradients] in sizing.py
+        return "its grad shard (world 1)" if lay.trainable is not None else "-"
     width = slots.grad_chunk[i] if slots.grad_chunk else 0
     if not width:
         return slots.grad[slots.grad_of[i]].name
@@ -73,6 +73,7 @@ def memory_plan(
     sharded_lookup: bool = True,
     backend: str | None = None,
     config=None,
+    replicas: int = 1,
 ) -> MemoryPlan:
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
     or a plain module (any device, meta included; nothing is allocated) with the engine options
@@ -85,7 +86,9 @@ def memory_plan(
     instead of the options). ``backend`` (a plain module): the process group's backend the engine
     would run on, which decides whether grad buffers need a reduce staging ([Note: reduce-scatter in
     place] in comm/collectives.py); default: the initialized default group's, else "nccl" when CUDA
-    is available and "gloo" when not."""
+    is available and "gloo" when not. ``replicas`` (a plain module): HSDP's copies of the shard group of
+    ``world_size`` ranks; it changes bytes only where that group has one rank ([Note: world-1 gradients]
+    in sizing.py: with replicas the grad buffers stay, their all-reduce runs behind the fold)."""
     if isinstance(getattr(model, "engine_config", None), EngineConfig):  # a wrapped YaFSDP
         eng = model
         names = [u.name for u in eng.units]
@@ -134,6 +137,7 @@ def memory_plan(
             accumulate_fp32=accum is not None, chunk_outsized=cfg.chunk_outsized_grads and place.chunks_outsized,
             grad_chunks=cfg.grad_chunks, reduce_in_place=reduces_in_place(plan_backend(backend), world_size),
             alias_world1=world_size == 1 and place.aliases_world1,
+            direct_grads=reduce_dtype == torch.float32 and accum is None and replicas == 1,
         )
         module = model
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)

@@ -254,13 +254,16 @@ def plan_buffers(
     grad_chunks: int = 1,
     reduce_in_place: bool = False,
     alias_world1: bool = False,
+    direct_grads: bool = False,
 ) -> BufferPlan:
     """The weight and grad buffers for units with ``layouts`` (and the small group): pure, no
     allocation. See [Note: one plan, one allocator]. ``reduce_in_place``: the backend reduce-scatters
     into the input's own slice, so grad slots have no staging ([Note: reduce-scatter in place] in
     comm/collectives.py; fp32 accumulation keeps its landing). ``alias_world1``: one rank holds every
     unit whole and nothing is offloaded, so a unit without a compact group gets no weight buffer
-    (``weight_of`` -1): its parameters alias its own shards ([Note: the world-1 alias])."""
+    (``weight_of`` -1): its parameters alias its own shards ([Note: the world-1 alias]).
+    ``direct_grads``: moreover the gradients are reduced in fp32 with nothing to accumulate in pieces
+    and no replicas, so no unit gets a grad buffer ([Note: world-1 gradients])."""
     staged = accumulate_fp32 or not reduce_in_place
     sizes = [lay.weight_numel for lay in layouts]
     outsized = [False] * len(layouts)
@@ -325,6 +328,14 @@ def plan_buffers(
             grad_of[i] = g
     if small is not None and small.trainable is not None:
         grad_of[len(layouts)] = grad_slot("grad_small", [len(layouts)], "small")
+    # [Note: world-1 gradients] At world 1 the reduce-scatter of a unit's grad buffer is the identity
+    # and its fold (x 1/1 into the fp32 grad shard) a copy: with an fp32 reduce, no fp32 accumulation
+    # of pieces and no replicas, the gate folds each parameter's gradient straight into its slice of
+    # the grad shard instead (core/grad_path.py: the same kernels on the same fp32 values, so bit for
+    # bit the same grads), and no unit gets a grad buffer -- two of the largest unit's fp32 gradients
+    # less. With the world-1 alias's switch off every unit keeps its buffers.
+    if alias_world1 and ALIAS_WORLD1 and direct_grads:
+        grad, grad_of, grad_chunk, chunk_slots = [], [-1] * n_all, [0] * n_all, []
 
     # [Note: the world-1 alias] At world 1 a unit's shard is the whole unit (shard_start 0, shard_numel
     # the padded numel), so "gathering" it into a weight buffer copies its compute shard (the master
