@@ -34,7 +34,7 @@ PROCESS = [
     (r"\bdevice (?:time|budget)\b|\btime budget\b", "a lent GPU's allotment"),
     (r"\blent\b", "a lent GPU"),
     (r"\bthe lead\b|\bengineers?'?s?\b|\bhelpers' runs\b", "the people working on it"),
-    (r"\bthe issue(?:'s)?\b", "a ticket"),
+    (r"\bthe issue(?:'s)?\b(?! order)", "a ticket"),  # "the issue order": when work is issued
     (r"\bredesign(?: II)?\b", "a round of work"),
 ]
 PROCESS_RE = [(re.compile(p, re.IGNORECASE), why) for p, why in PROCESS]
