@@ -9,7 +9,8 @@ or "before wave 2" point at a conversation they cannot see. The patterns below a
 that; a fact from another project (an upstream bug's URL or number, "pytorch #147168") is not one of them,
 and neither is a pytest session or a variable that happens to be called ``session``. Say what the code does
 and why instead ("the goal: load at half the files' read speed, because ..."); a dated measurement keeps
-its date and commit.
+its date and commit. In a dated result (benchmarks/results/) the fenced blocks are a run's output as it was
+printed then, and are left as they are.
 """
 import ast
 import pathlib
@@ -55,7 +56,12 @@ def _process_language(paths, root=ROOT) -> list[str]:
     for path in paths:
         if path.resolve() == pathlib.Path(__file__).resolve():
             continue  # this file names the patterns
+        printed, in_fence = "results" in path.relative_to(root).parts, False
         for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if line.startswith("```"):
+                in_fence = not in_fence
+            if printed and in_fence:
+                continue  # a dated run's output, as printed
             for rx, why in PROCESS_RE:
                 m = rx.search(line)
                 if m:
@@ -82,6 +88,11 @@ def test_the_process_check_finds_what_it_is_for(tmp_path):
     f.write_text("\n".join(bad + good) + "\n")
     found = _process_language([f], root=tmp_path)
     assert [int(x.split(":")[1]) for x in found] == list(range(1, len(bad) + 1)), found
+    # a dated result's printed output is kept as printed; its prose is checked
+    r = tmp_path / "benchmarks" / "results" / "r.md"
+    r.parent.mkdir(parents=True)
+    r.write_text("as issue 24 asks\n```\ngoals (issue 24):\n```\n")
+    assert [x.split(":")[1] for x in _process_language([r], root=tmp_path)] == ["1"]
 
 
 # ---------------------------------------------------------------------------------------- named paths
