@@ -97,10 +97,10 @@ def test_the_process_check_finds_what_it_is_for(tmp_path):
 
 # ---------------------------------------------------------------------------------------- named paths
 
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").rglob("README.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").rglob("*.md"))]
 # A path may hold a placeholder (`gpu_<date>/`) or a brace list (`{fp32,bf16}`): it must match some file.
 REPO_PATH = re.compile(r"(?<![\w./-])((?:yafsdp|tests|examples|benchmarks|docs|csrc|\.ci)/"
-                       r"(?:[\w.*/<>{}-]|,(?=[^{}\s]*\}))*[\w*/>}])")
+                       r"(?![A-Z]{2})(?:[\w.*/<>{}-]|,(?=[^{}\s]*\}))*[\w*/>}])")  # not "yafsdp/DDP", a ratio
 MODULE = re.compile(r"(?<![\w./-])(yafsdp(?:\.\w+)+)(?![\w.]| <)")  # "yafsdp.gather <unit>": a trace label
 # Names that look like this repository's but are another's, or a fact about a fixed bug.
 NOT_OURS = {
