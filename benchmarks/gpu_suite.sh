@@ -19,7 +19,7 @@
 # (a fresh machine): then its benchmarks get less time.
 #
 # Needs on the machine: python3 with torch (CUDA), transformers, pytest; nvcc (and ninja, else the
-# build is serial and slow). No package registry. tests/test_gpu_suite.py checks this file on the CPU.
+# build is serial and slow). No package registry. tests/gpu/test_gpu_suite.py checks this file on the CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

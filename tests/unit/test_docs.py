@@ -192,6 +192,19 @@ def test_every_path_the_docs_name_exists():
     assert not missing, "\n".join(missing)
 
 
+def test_every_repo_path_the_code_names_exists():
+    """Comments, docstrings and messages that name a file of this repository (``tests/unit/test_nf4.py``) name one
+    that exists (dotted names are not checked here: the code names ``torch.ops.yafsdp.*`` ops that way)."""
+    missing = []
+    for path in _text_files():
+        if path.suffix == ".md" or path.name == pathlib.Path(__file__).name:
+            continue
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            missing += [f"{path.relative_to(ROOT)}:{n}: {m.group(1)!r} does not exist" for m in REPO_PATH.finditer(line)
+                        if m.group(1) not in NOT_OURS and not _exists(m.group(1))]
+    assert not missing, "\n".join(missing)
+
+
 def test_the_path_check_finds_a_stale_path():
     """The check is not vacuous: it finds the kinds of stale names it is for, and accepts real ones."""
     text = ("`yafsdp/runtime.py`, `yafsdp.fp8`, `tests/test_parity.py`, `test_habits_old.py`, [x](nowhere.md)\n"
