@@ -214,6 +214,14 @@ def test_the_path_check_finds_a_stale_path():
     assert all(":1:" in f for f in found), found
 
 
+def test_every_test_file_is_in_the_map():
+    """docs/testing.md's "Where a test goes" names every test file, so a newcomer finds a subject's file there."""
+    text = (ROOT / "docs" / "testing.md").read_text()
+    text = text[text.index("### Where a test goes"):]
+    unnamed = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*/test_*.py") if f"`{p.name}`" not in text)
+    assert not unnamed, f"test files missing from docs/testing.md's map: {unnamed}"
+
+
 def test_the_readme_does_not_state_a_test_count_that_can_drift():
     """docs/testing.md is where the suite's size is described; the README links to it instead of repeating a
     number that the next test added would make wrong."""

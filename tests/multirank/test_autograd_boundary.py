@@ -306,7 +306,7 @@ def _refusals():
         m = _wrap(Stack(), zero)
         out[f"params_z{zero}"] = _error(lambda: torch.autograd.grad(m(x).sum(), list(m.parameters())))
     for kind in ("register_hook", "register_post_accumulate_grad_hook"):
-        # supported (tests/multirank/test_habits.py checks what they see): autograd must never call them with no
+        # supported (tests/multirank/test_shard_habits.py checks what they see): autograd must never call them with no
         # gradient on the way, though a shard is otherwise the gate's input
         m = _wrap(Stack(), 3)
         seen = []
