@@ -188,7 +188,7 @@ def row_qlora(a, path, out):
     try:
         from yafsdp.peft_load import load_peft_base, meta_peft_model
     except ImportError:
-        return dict(skipped="yafsdp.peft_load (meta PEFT model + streamed base) is not on this branch yet")
+        return dict(skipped="yafsdp.peft_load (meta PEFT model + streamed base) is not in this version of yafsdp")
     import yafsdp
     from yafsdp.hf import read_hf_config
 
@@ -220,7 +220,7 @@ def row_merged(a, path, out):
     except ImportError:
         model = _wrapped(a, path, _lora_config())
         model.mark_loaded()
-        how = "weights zero (no streamed PEFT load on this branch)"
+        how = "weights zero (no streamed PEFT load in this version of yafsdp)"
     with Resident() as r:
         yafsdp.adapters.export_merged(model, os.path.join(out, "merged"), dtype=torch.bfloat16,
                                       max_shard_size=a.max_shard_size)

@@ -33,8 +33,8 @@ PROCESS = [
     (r"\bsession's\b", "a working session"),
     (r"\b(?:the|a|our) tracker\b", "the ticket tracker"),
     (r"\bdevice (?:time|budget)\b|\btime budget\b", "a lent GPU's allotment"),
-    (r"\blent\b", "a lent GPU"),
-    (r"\bthe lead\b|\bengineers?'?s?\b|\bhelpers' runs\b", "the people working on it"),
+    (r"\blent\b|\bloan\b|\bowed\b", "a lent GPU, work owed"),
+    (r"\bthe lead\b|\bengineers?'?s?\b|\b(?:other|another) helpers?'?s?\b", "the people working on it"),
     (r"\bthe issue(?:'s)?\b(?! order)", "a ticket"),  # "the issue order": when work is issued
     (r"\bredesign(?: II)?\b", "a round of work"),
 ]
