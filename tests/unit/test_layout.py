@@ -1,6 +1,6 @@
-"""The package's layout: subpackages by role, no import cycle (function-level imports
-count), no module over the size a reader takes in at once, the documented import paths unchanged,
-and docs/design.md's module table naming every module once."""
+"""The package's layout: subpackages by role, no import cycle (function-level imports count), no
+module over the size a reader takes in at one sitting, the documented import paths unchanged, and
+docs/design.md's module table naming every module once."""
 import ast
 import pathlib
 import re
