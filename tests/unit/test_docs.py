@@ -1,7 +1,7 @@
 """The project's own text, checked: it speaks of the code in the code's terms (no mention of how the work on
-it was organised: numbered tickets, their rounds of merges, working sessions, a lent GPU's allotment), and
-every file, folder or ``yafsdp.x.y`` module that README.md and the docs name exists, so a reader who
-follows a path finds it.
+it was organised: numbered tickets, their rounds of merges, working sessions, a lent GPU's allotment); every file, folder, link or ``yafsdp.x.y`` module that README.md, docs/ and
+benchmarks/ name exists, and every repo path the code's comments and messages name, so a reader who follows
+a path finds it; docs/testing.md maps every test file; the README states no test count that could drift.
 
 [Note: what counts as process language]
 A reader of this repository has the code, its docs and its results, nothing else: "issue 26 item 4 asks"
