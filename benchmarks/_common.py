@@ -52,7 +52,7 @@ def _spawn_entry(rank: int, world: int, port: int, fn, args, threads: int):
 def launch(fn, args, world: int, port: int = 29512):
     """Run ``fn(args)`` on every rank. Under torchrun (RANK set) this process is one rank; on CUDA
     without torchrun this process is a world of one (on ``port``); otherwise spawn ``world`` CPU
-    ranks here (gloo), so ``python benchmarks/x.py`` works without torchrun."""
+    ranks here (gloo), so ``python benchmarks/<name>.py`` works without torchrun."""
     if getattr(args, "device", None) == "cuda" and "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))

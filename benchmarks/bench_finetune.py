@@ -269,7 +269,7 @@ def _write_md(a, result, text):
             f"Command: `{' '.join(a.argv)}`", "",
             f"Versions: python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
             f"yafsdp {v['yafsdp']}; load average at the end {v['load_avg']}.", "",
-            "A 2-core VM shared with other engineers' test runs: the competitors are interleaved step by step, so "
+            "A 2-core VM shared with other jobs and test runs: the competitors are interleaved step by step, so "
             "the ratios are the figures to read; absolute times move with the load.", "", "```", text, "```"]
     fake = getattr(a, "_fake_text", None)
     if fake:

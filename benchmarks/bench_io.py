@@ -10,8 +10,8 @@ A minute-long check of the script itself (a tiny Llama):
 Each row runs in fresh processes (every rank a new interpreter), so a row's memory is its own.
 Per rank the process measures its resident memory: the peak (VmHWM, reset through
 /proc/self/clear_refs before the measured call, and VmRSS sampled every 5 ms in a thread) minus
-the resident memory just before the call ("growth"). The goals (issue 24), printed with the
-values:
+the resident memory just before the call ("growth"). The goals, printed with the values -- a streamed
+load or export holds a rank's own slices and one unit at a time, never the model (docs/io.md):
   load:   growth per rank <= its shard bytes + 1.2 x the largest unit + 1 GiB;
   export: the writer's growth <= one output shard + the largest unit + 1 GiB;
   load throughput >= half of what reading the files takes on this disk (the files were just
@@ -188,7 +188,7 @@ def row_qlora(a, path, out):
     try:
         from yafsdp.peft_load import load_peft_base, meta_peft_model
     except ImportError:
-        return dict(skipped="yafsdp.peft_load (meta PEFT model + streamed base) is not on this branch yet")
+        return dict(skipped="yafsdp.peft_load (meta PEFT model + streamed base) is not in this version of yafsdp")
     import yafsdp
     from yafsdp.hf import read_hf_config
 
@@ -220,7 +220,7 @@ def row_merged(a, path, out):
     except ImportError:
         model = _wrapped(a, path, _lora_config())
         model.mark_loaded()
-        how = "weights zero (no streamed PEFT load on this branch)"
+        how = "weights zero (no streamed PEFT load in this version of yafsdp)"
     with Resident() as r:
         yafsdp.adapters.export_merged(model, os.path.join(out, "merged"), dtype=torch.bfloat16,
                                       max_shard_size=a.max_shard_size)
@@ -345,7 +345,7 @@ def report(a, ck, results, say):
                 goals.append((f"{name} writer: growth {m['growth'] / GiB:.3f} GiB <= shard {parse_size(a.max_shard_size) / GiB:.3f}"
                               f" + unit {m['unit'] / GiB:.3f} + 1 GiB = {bound / GiB:.3f} GiB"
                               + (" (the old path, for comparison)" if name == "old_export" else ""), m["growth"] <= bound))
-        if name == "qlora":  # the issue's "done when": a base larger than one rank's share of host memory
+        if name == "qlora":  # what streaming is for: a base larger than one rank's share of host memory
             share = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / a.world
             for rank, m in enumerate(per):
                 if m is None:
@@ -365,7 +365,7 @@ def report(a, ck, results, say):
         for v in results.get(name, []):
             say(f"{name}: {v}")
     say("")
-    say("goals (issue 24):")
+    say("goals (a rank holds its slices and one unit at a time; docs/io.md):")
     for text, ok in goals:
         say(f"  [{'met' if ok else 'NOT MET'}] {text}")
 

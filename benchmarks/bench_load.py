@@ -10,7 +10,8 @@ the same load.
 
 Cold: every rank's files are dropped from the page cache with posix_fadvise(POSIX_FADV_DONTNEED)
 (and /proc/sys/vm/drop_caches when writable) right before the row; the file read row is measured
-the same way. The goal (issue 24): load throughput >= half of the files' read throughput.
+the same way. The goal: load throughput >= half of the files' read throughput (slicing and placing the tensors may
+cost no more than reading the bytes again).
 """
 from __future__ import annotations
 

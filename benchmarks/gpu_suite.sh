@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The one prepared script a lent GPU runs: every CUDA path of the engine (docs/testing.md, "GPU suite",
+# The one prepared script a GPU machine runs: every CUDA path of the engine (docs/testing.md, "GPU suite",
 # has the table of paths and the check covering each), in two parts that each fit one device call
-# and together fit a session's 15 minutes of device time with the machine's start:
+# and together fit 15 minutes of a GPU machine, its start included:
 #
 #   bash benchmarks/gpu_suite.sh part1    # build the CUDA extension, every test marked `gpu`     (<= 400 s)
 #   bash benchmarks/gpu_suite.sh part2    # the benchmarks: step time and memory against FSDP2/DDP,
@@ -19,7 +19,7 @@
 # (a fresh machine): then its benchmarks get less time.
 #
 # Needs on the machine: python3 with torch (CUDA), transformers, pytest; nvcc (and ninja, else the
-# build is serial and slow). No package registry. tests/test_gpu_suite.py checks this file on the CPU.
+# build is serial and slow). No package registry. tests/gpu/test_gpu_suite.py checks this file on the CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,10 +47,10 @@ else
   GPU=$($PY -c "import torch; n = torch.cuda.get_device_name(0).lower(); print('h200' if 'h200' in n else 'h100' if 'h100' in n else n.split()[-1])") || {
     echo "gpu_suite.sh: no CUDA device visible to $PY" >&2; exit 2; }
 fi
-# Part time limits (seconds). Their sum plus the machine's start (~150 s) stays under a session's 900 s:
-# tests/test_gpu_suite.py checks it, and that the steps of each part fit it.
+# Part time limits (seconds). Their sum plus the machine's start (~150 s) stays under 900 s (15 minutes):
+# tests/gpu/test_gpu_suite.py checks it, and that the steps of each part fit it.
 declare -A PART_LIMIT=([part1]=400 [part2]=350)
-# A session with less device time left may shorten a part: PART_LIMIT_S=250 bash benchmarks/gpu_suite.sh part2
+# With less time on the machine a part can be shortened: PART_LIMIT_S=250 bash benchmarks/gpu_suite.sh part2
 # (its later steps are then reported as not run, and the summary is still written).
 if [ -n "${PART_LIMIT_S:-}" ] && [ "$PART" != all ]; then PART_LIMIT[$PART]=$PART_LIMIT_S; fi
 MIN_STEP_S=10
@@ -129,7 +129,7 @@ run_part2() {
     step build-if-missing 200 "${BUILD[@]}"
   fi
   # Peak memory per rank against FSDP2 with the CUDA caching allocator (allocated and reserved), emulated
-  # worlds 8 and 64 at Llama-3.2-1B shapes (issue 26's setup: 2 layers, batch 1 x 256, bf16 on GPU).
+  # worlds 8 and 64 at Llama-3.2-1B shapes (the memory goal's setup, docs/reduce.md: 2 layers, batch 1 x 256, bf16 on GPU).
   step fake-world-memory 40 "$PY" benchmarks/bench_step.py --fake-world 8,64 --device cuda --preset llama3-1b \
     --layers 2 --batch 1 --seq 256 --md "$RES/bench_step_fakeworld_${GPU}_${DATE}.md" \
     --json "$RES/bench_step_fakeworld_${GPU}_${DATE}.json"

@@ -402,8 +402,8 @@ def looks_up(row: dict) -> bool:
 # Combinations of more than two values every grid must hold (each completed into a row): the
 # reproductions of bugs found where three features meet, so they stay covered when the table changes.
 SEEDS = [
-    dict(trainable="qlora", mesh="hsdp", resume="weights"),  # issue 21.1
-    dict(trainable="qlora", mesh="hsdp", offload="all"),  # issue 23.4: QLoRA, host base shards, on a mesh
+    dict(trainable="qlora", mesh="hsdp", resume="weights"),  # NF4 base loaded on every replica, not replica 0 only
+    dict(trainable="qlora", mesh="hsdp", offload="all"),  # QLoRA, host base shards, on a mesh
     # the sharded lookup of an embedding (yafsdp/core/lookup.py) takes only rows that hold all of these (an
     # outsized, trainable, untied embedding; gloo world 2, flat, ZeRO-3, fp32, gathered as is, kept on the
     # device); three rows of it, completed with different values of the other dimensions by the generator

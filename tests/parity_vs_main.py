@@ -1,4 +1,4 @@
-"""Bit-for-bit comparison of this branch against another checkout (issue 23 refactors): losses, clipped
+"""Bit-for-bit comparison of this branch against another checkout (for refactors that must not change the numerics): losses, clipped
 grad norms and final weights of several configs at world 4 (2x2 for the HSDP ones).
 
     PYTHONPATH=/work/main python tests/parity_vs_main.py run /tmp/main.pt

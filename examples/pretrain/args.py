@@ -102,7 +102,7 @@ def build_parser(prog: str = "pretrain_llama.py",
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
     g.add_argument("--checkpointing", default=None, choices=["none", "all", "auto"],
                    help="activation checkpointing: all = --activation-checkpointing; auto: the fewest layers whose "
-                   "predicted peak fits --memory-budget (docs/checkpointing.md) [auto with a budget, else none]")
+                   "predicted peak fits --memory-budget (docs/activation_checkpointing.md) [auto with a budget, else none]")
     g.add_argument("--memory-budget", default=None, metavar="BYTES",
                    help="bytes per device for --checkpointing auto, e.g. 60GiB (GPU default: free after the "
                    "engine's allocations minus a margin; required on CPU)")

@@ -1,5 +1,5 @@
 """The pretraining job's activation checkpointing: ``--checkpointing {none,all,auto}`` and
-``--memory-budget`` (docs/checkpointing.md). ``--activation-checkpointing`` is ``--checkpointing all``
+``--memory-budget`` (docs/activation_checkpointing.md). ``--activation-checkpointing`` is ``--checkpointing all``
 (HF's switch, set before wrapping); ``auto`` (the default when a budget is given) checkpoints the
 fewest decoder layers whose predicted peak fits the budget (``yafsdp.plan.choose_checkpointing``).
 

@@ -251,7 +251,7 @@ class Setup:
         self.n_params = sum(p.numel() for p in model.parameters())
         self.model = yafsdp.YaFSDP(model, config=config, device=self.device,
                                    **hsdp_mesh(a.hsdp, self.world, self.device))
-        self.ckpt_choice = job_checkpointing(self)  # --checkpointing / --memory-budget (docs/checkpointing.md)
+        self.ckpt_choice = job_checkpointing(self)  # --checkpointing / --memory-budget (docs/activation_checkpointing.md)
         if a.compile:
             self.model.compile_units()
         self.opt, self.opt_name = make_optimizer(self.model, a, self.device)

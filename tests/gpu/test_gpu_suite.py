@@ -1,6 +1,6 @@
-"""benchmarks/gpu_suite.sh must not rot while no GPU is lent, and must fit the device budget: its dry run
+"""benchmarks/gpu_suite.sh must not rot while no GPU runs it, and must fit its 15 minutes: its dry run
 lists every step of each part with its time limit; the steps of a part fit the part's limit and the parts
-together fit a session's device time with the machine's start; every benchmark it calls exists and knows
+together fit 15 minutes of a GPU machine, its start included; every benchmark it calls exists and knows
 every flag (and engine, preset) it is given; its pytest step runs every file that holds a `gpu` test."""
 import glob
 import os
@@ -13,7 +13,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SUITE = "benchmarks/gpu_suite.sh"
-DEVICE_BUDGET_S = 900  # a GPU session's device time: 15 minutes, the machine's start included
+DEVICE_BUDGET_S = 900  # the suite's whole time on a GPU machine: 15 minutes, the machine's start included
 MACHINE_START_S = 150  # what a start costs (minutes, per the device tool); kept free of the parts
 PER_CALL_S = 600  # one device call's limit
 
@@ -61,7 +61,7 @@ def test_time_limits_fit_the_device_budget(parts):
         assert v["limit"] <= 500 and v["limit"] + 60 <= PER_CALL_S, (p, v["limit"])  # room for a call's overhead
     total = sum(v["limit"] for v in parts.values())
     assert total + MACHINE_START_S <= DEVICE_BUDGET_S, (
-        f"parts {total} s + the machine's start {MACHINE_START_S} s exceed the {DEVICE_BUDGET_S} s of device time")
+        f"parts {total} s + the machine's start {MACHINE_START_S} s exceed the suite's {DEVICE_BUDGET_S} s")
 
 
 def test_benchmarks_exist_and_know_every_flag_and_value(parts):
@@ -141,7 +141,7 @@ def test_docs_table_names_real_tests_cases_and_steps(parts):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
 def test_cuda_launch_shapes_compiles(tmp_path):
     """benchmarks/cuda_launch_shapes.cu (the kernels' launch shapes, timed without torch) still compiles
-    against csrc/'s headers: it is only run on a lent GPU, so a header change would otherwise break it
+    against csrc/'s headers: it is only run on a GPU machine, so a header change would otherwise break it
     unseen."""
     proc = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-I", os.path.join(ROOT, "csrc"),
                            "-o", str(tmp_path / "launch_shapes"),

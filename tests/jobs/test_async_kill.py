@@ -1,4 +1,4 @@
-"""Asynchronous and synchronous saves killed at each phase (issue 30), and a synchronous save into
+"""Asynchronous and synchronous saves killed at each phase, and a synchronous save into
 the root of a background save in flight.
 
 A kill is a real SIGKILL of the whole process, sent from the thread that reaches the phase (the
@@ -337,7 +337,7 @@ def test_async_save_killed_at_each_phase(driver):
 
 
 def test_sync_save_killed_at_each_phase(driver):
-    """The same SIGKILLs at each phase of a synchronous save (issue 30's fault injection for both
+    """The same SIGKILLs at each phase of a synchronous save (the same fault injection for both
     kinds of save): the previous checkpoint, or the new one once renamed, resumes exactly."""
     _, r = driver
     assert {k: v for k, v in r["exit"].items() if k.startswith("sync_")} == \

@@ -239,7 +239,7 @@ def test_bench_io_small(tmp_path):
     j = tmp_path / "io.json"
     text = _run("bench_io.py", "--small", "--rows", "export,old_export", "--dir", str(tmp_path / "io"),
                 "--json", str(j))
-    assert "load_hf_weights" in text and "export_hf (streaming)" in text and "goals (issue 24):" in text
+    assert "load_hf_weights" in text and "export_hf (streaming)" in text and "goals (a rank holds its slices" in text
     assert "export writer: growth" in text and "load throughput" in text
     r = json.loads(j.read_text())
     assert r["checkpoint"]["files"] >= 3 and len(r["results"]["export"]) == 2

@@ -161,7 +161,7 @@ def test_qlora_job(run, tmp_path):
     p = run_ft(["--out", out, "--init-from-hf", base_dir, "--qlora", "--steps", "15",
                 "--merge-export", os.path.join(out, "merged"), "--memory-budget", str(budget)])
     assert "linear weights stored in NF4 (--qlora)" in p.stdout and "NF4-dequantized base" in p.stdout
-    # --memory-budget (auto): the plan traced through PEFT chose 1 of the base's 2 layers (docs/checkpointing.md)
+    # --memory-budget (auto): the plan traced through PEFT chose 1 of the base's 2 layers (docs/activation_checkpointing.md)
     assert "1 of 2 blocks checkpointed" in p.stdout and "checkpointed: base_model.model.model.layers.0" in p.stdout, \
         p.stdout[:3000]
     m = re.search(r"held-out response-token loss ([\d.]+) \(before fine-tuning\) -> ([\d.]+)", p.stdout)

@@ -1,4 +1,4 @@
-"""The main job when things go wrong (issue 11): non-finite training, directories it did not
+"""The main job when things go wrong: non-finite training, directories it did not
 write, storage errors, a second job on the same --out, and errors under torchrun. Each case is
 launched the way users launch the job and checks what is left on disk, not only the message."""
 from __future__ import annotations

@@ -177,7 +177,7 @@ def _logits_from_checkpoint(hf_dir, ckpt_dir, ids):
 
 def test_init_from_hf_and_reshard_1_to_2(runs):
     """HF weights -> 1-rank shards -> checkpoint -> 2-rank shards -> HF export: bit-identical.
-    (Optimizer state across world sizes: tests/multirank/test_checkpoint.py.)"""
+    (Optimizer state across world sizes: tests/multirank/test_checkpoint_roundtrip.py.)"""
     from safetensors.torch import load_file
 
     a = load_file(os.path.join(runs["out"]["ref"], "hf", "model.safetensors"))
@@ -417,7 +417,7 @@ def test_crafted_checkpoint_runs_no_code(runs, tmp_path):
     examples/generate.py's loader and by the job's --resume, naming the file; the payload never runs."""
     import pickle
 
-    from test_checkpoint_lib import Evil, _rewrite_manifest
+    from test_checkpoint_guarantees import Evil, _rewrite_manifest
 
     run = str(tmp_path / "run")
     shutil.copytree(runs["out"]["ref"], run, ignore=shutil.ignore_patterns("hf"))

@@ -1,4 +1,4 @@
-"""A run directory never loses a saved checkpoint (issue 30): two jobs on a new --out, a rewind
+"""A run directory never loses a saved checkpoint: two jobs on a new --out, a rewind
 (--resume PATH --rewind) that sets the abandoned continuation aside, resuming with other data
 settings, and the checkpoint library's replacement of a step and rotation.
 
@@ -350,7 +350,7 @@ def test_a_refused_job_names_a_holder_that_has_not_written_its_name_yet(tmp_path
 
 # ----------------------------------------------------------------------- job: rewind and settings
 def test_rewind_sets_the_continuation_aside_and_settings_are_checked(tmp_path):
-    """The issue's run: checkpoints 4, 6, 8. `--resume step_4` alone is refused (it would abandon
+    """A run with checkpoints 4, 6, 8. `--resume step_4` alone is refused (it would abandon
     steps 5-8) and so is `--resume` with another --seq-len, --seed and --batch-size (each named,
     old and new value); nothing changes. `--resume step_4 --rewind --lr 1e-3 --save-every 1`
     moves step 6, step 8 and metrics rows 5-8 to abandoned/, keeps the step 5 it saves, and a

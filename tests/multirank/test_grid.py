@@ -14,7 +14,7 @@ the unsharded reference with the same rounding (tests/grid.py; docs/design.md "T
 - Refused rows (``grid.REFUSED``): ``YaFSDP(...)`` raises a ValueError naming both options.
 - Known engine bugs (``KNOWN`` below): the parity rows avoid their combinations (every pair is
   covered by a row expected to pass); each has one strict expected-failure row, its reproduction,
-  naming the issue item; when the fix lands that row passes, the xfail turns into a failure, and the
+  naming the bug; when the fix lands that row passes, the xfail turns into a failure, and the
   entry is deleted.
 
 Adding a dimension: one entry in ``grid.DIMS`` (see the module docstring of tests/grid.py).

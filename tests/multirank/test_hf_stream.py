@@ -1,4 +1,4 @@
-"""Streaming loads (issue 24): ``yafsdp.hf.load_hf_weights`` reads only each rank's slices, and
+"""Streaming loads: ``yafsdp.hf.load_hf_weights`` reads only each rank's slices, and
 ``yafsdp.peft_load`` builds PEFT / QLoRA models whose base is never materialized.
 
 - parity: the streamed shards equal those of the old path (rank 0 reads the whole checkpoint,
@@ -320,8 +320,8 @@ def test_peft_meta_refuses_weight_derived_inits():
 
 
 def test_plan_reports_host_memory_per_phase():
-    """The plan's host memory per rank at load, in training and at export (issue 24, "say what it
-    needs"): the host-resident state (offload), + the streaming loader's peak, + the writer's chunks."""
+    """The plan's host memory per rank at load, in training and at export (a user sizes
+    the host by it): the host-resident state (offload), + the streaming loader's peak, + the writer's chunks."""
     from yafsdp.export import CHUNK_BYTES
     from yafsdp.plan import memory_plan
 

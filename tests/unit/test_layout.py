@@ -73,7 +73,7 @@ def _path(graph, start, goal) -> list[str] | None:
 
 def test_no_import_cycle():
     """No module reaches itself through imports, counting those inside functions: a function-level
-    import that holds a cycle apart is still a cycle (issue 23: api <-> plan, runtime <-> hsdp,
+    import that holds a cycle apart is still a cycle (the ones this test found: api <-> plan, runtime <-> hsdp,
     kernels <-> nf4, hf <-> hf_stream, orig_params <-> runtime, checkpoint <-> checkpoint.background)."""
     files, top, deferred = _imports()
     graph = {m: top.get(m, set()) | deferred.get(m, set()) for m in files}

@@ -572,7 +572,7 @@ QLORA_OPTS = dict(param_dtype="bf16", quantize_frozen="nf4", offload="optimizer"
 
 
 def test_llama2_70b_qlora_offload_plan_on_2_gpus():
-    """Issue 13's anchor: Llama-2-70B QLoRA (NF4 base, LoRA r=64 on all linear layers), seq 2048,
+    """The plan's QLoRA figure: Llama-2-70B QLoRA (NF4 base, LoRA r=64 on all linear layers), seq 2048,
     activation checkpointing, 2 GPUs. offload="all" (adapters' fp32 state and the NF4/bf16 frozen
     shards on the host) plans 8.84 GiB per GPU: under the 24 GiB goal. offload="optimizer" alone
     plans 25.59 GiB, over it: the NF4 base is 17.0 GiB per GPU at N=2 and stays on the device.

@@ -1,6 +1,6 @@
 """FP8 as a format: trainable weights gathered as float8 e4m3 records (``gather_dtype="fp8"``).
 
-The arithmetic and the record layout are ``yafsdp.fp8``'s and the kernels' ([Note: compact
+The arithmetic and the record layout are ``yafsdp.formats.fp8_codec``'s and the kernels' ([Note: compact
 trainable gathers] in formats/fp8_codec.py); this object is what the engine asks (see [Note: gather formats] in
 base.py). A *gather* format: the record is derived from the fp32 master (the cast pass, or
 ``FusedAdamW``'s fused pass) and never saved.

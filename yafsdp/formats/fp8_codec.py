@@ -96,7 +96,7 @@ def quantize(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 values (1-D, a multiple of 128) -> (codes as uint8, float32 scales): the twin's arithmetic,
     with torch's own ``float8_e4m3fn`` cast (round to nearest even)."""
     if values.dim() != 1 or values.numel() % BLOCK:
-        raise ValueError(f"yafsdp.fp8.quantize: expected 1-D values of a multiple of {BLOCK} elements, "
+        raise ValueError(f"yafsdp.formats.fp8_codec.quantize: expected 1-D values of a multiple of {BLOCK} elements, "
                          f"got shape {tuple(values.shape)}")
     return kernels.fp8_codes(values)
 

@@ -93,7 +93,7 @@ def _nearest(scaled: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
 # every one of them: the table maps a scaled value's bits (as int16, + 32768) to its code, and the
 # quantizer looks codes up instead of comparing each element with 16 levels (measured: the search
 # was 99% of a QLoRA load's time, benchmarks/results/io_cpu_2026-11-26.md). The table is that search's
-# output, so the codes are the same bit for bit (tests/test_nf4.py compares both on every value).
+# output, so the codes are the same bit for bit (tests/unit/test_nf4.py compares both on every value).
 _CODE_TABLES: dict[tuple, torch.Tensor] = {}
 
 

@@ -15,7 +15,7 @@ first k blocks in forward order (see that note: an early block is recomputed whe
 blocks' activations are already freed), and the peak of the first k is non-increasing in k
 while a block's input is smaller than what it saves, which holds for every transformer block. The
 chooser still does not rely on it: it evaluates every k from 0 up and takes the first whose
-predicted peak fits; tests/multirank/test_ckpt_auto.py checks it against a brute force over all subsets.
+predicted peak fits; tests/multirank/test_activation_checkpointing.py checks it against a brute force over all subsets.
 Blocks of different sizes (e.g. a model with two block lists) are covered by the same scan
 because the set is always a prefix of the forward order; the brute-force test would show a
 better non-prefix set if one existed for the models tested.
@@ -150,7 +150,7 @@ def choose_checkpointing(model: nn.Module, *, budget=None, batch: int, seq: int,
         raise ValueError("choose_checkpointing: the activations cannot be traced: the plan traces a meta copy, which "
                          "it builds for an HF model, a PEFT model around one or a model already on the meta device, "
                          "and a model that is not an HF causal LM needs inputs_fn=(batch, seq, device) -> kwargs "
-                         "(docs/checkpointing.md)")
+                         "(docs/activation_checkpointing.md)")
     trace, grads = plan.activations.trace, plan.activations.unit_grad_bytes
     n = len(trace.per_block)
     if n == 0:

@@ -53,7 +53,7 @@ PRESETS: dict[str, dict] = {
         _LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
         num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False,
     ),
-    # Llama-2-70B (Meta's config.json): the QLoRA anchor of issue 13 (the plan's 2-GPU figure).
+    # Llama-2-70B (Meta's config.json): the QLoRA-on-2-GPUs figure of the plan (docs/qlora.md).
     "llama2-70b": dict(
         vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
         num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096,

@@ -1,4 +1,4 @@
-"""Reliability II (issue 21): silent failures where features meet.
+"""Silent failures where features meet.
 
 - every stored shard kind (trainable master, frozen, NF4 record, trainable gathered as FP8) reaches
   every rank, flat and HSDP, through load_full_state_dict, yafsdp.hf.load_hf_weights and wrapping

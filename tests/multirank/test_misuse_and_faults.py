@@ -432,7 +432,7 @@ def test_a_dropped_model_is_freed():
     assert run_ranks(_dropped, 1)[0] == [True] * 4
 
 
-# ---------------------------------------------------------------------------------- exit (item 13)
+# ---------------------------------------------------------------------------------------- exit
 def _exit_hook(rank, world):
     """Rank 1 hands a tensor to a gloo all-reduce (a worker-thread collective) that rank 0 joins
     only later, drops it, and runs the exit hook at once: the hook must wait until gloo released

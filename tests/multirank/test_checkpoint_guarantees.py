@@ -1,4 +1,4 @@
-"""The checkpoint library's contracts beyond round trips (issues 21 and 30):
+"""The checkpoint library's contracts beyond round trips:
 
 - loading never runs code from the checkpoint: a crafted ``.metadata`` or byte item whose
   checksums were recomputed is refused naming the file, and its payload does not run;

@@ -120,7 +120,7 @@ def _forwards_between(rank, world):
 
 
 def test_forwards_between_forward_and_backward():
-    """Issue 22 item 1: before the fix the checkpointed cases raised CheckpointError (the recompute
+    """Before the fix the checkpointed cases raised CheckpointError (the recompute
     saw the un-gated weights the no-grad forward left on the modules)."""
     got = run_ranks(_forwards_between, 2)[0]
     bad = {name: err for name, err in got.items() if isinstance(err, str) or not err < 1e-5}
@@ -306,7 +306,7 @@ def _refusals():
         m = _wrap(Stack(), zero)
         out[f"params_z{zero}"] = _error(lambda: torch.autograd.grad(m(x).sum(), list(m.parameters())))
     for kind in ("register_hook", "register_post_accumulate_grad_hook"):
-        # supported (tests/multirank/test_habits.py checks what they see): autograd must never call them with no
+        # supported (tests/multirank/test_shard_habits.py checks what they see): autograd must never call them with no
         # gradient on the way, though a shard is otherwise the gate's input
         m = _wrap(Stack(), 3)
         seen = []
@@ -342,7 +342,7 @@ def boundary():
 
 @pytest.mark.parametrize("zero", [3, 2])
 def test_inplace_ops_on_unit_outputs_and_inputs(boundary, zero):
-    """Issue 22 item 2: at ZeRO-3 this raised 'Output 0 of _PreBackward is a view and is being
+    """Before the fix, at ZeRO-3 this raised 'Output 0 of _PreBackward is a view and is being
     modified inplace'."""
     assert _close(boundary[f"inplace_z{zero}"])
     if zero == 3:
@@ -356,7 +356,7 @@ def test_inplace_ops_on_unit_outputs_and_inputs(boundary, zero):
 
 @pytest.mark.parametrize("zero", [3, 2])
 def test_autograd_grad_of_inputs(boundary, zero):
-    """Issue 28 item 6: at ZeRO-3 with three or more units this raised BufferInUse."""
+    """Before the fix, at ZeRO-3 with three or more units this raised BufferInUse."""
     assert not isinstance(boundary[f"input_grad_z{zero}"], str), boundary[f"input_grad_z{zero}"]
     gx_err, untouched, after = boundary[f"input_grad_z{zero}"]
     assert gx_err < 1e-5
@@ -366,7 +366,7 @@ def test_autograd_grad_of_inputs(boundary, zero):
 
 @pytest.mark.parametrize("zero", [3, 2])
 def test_several_backwards_over_one_forward(boundary, zero):
-    """Issue 28 item 7: at ZeRO-3 the second backward raised BufferInUse."""
+    """Before the fix, at ZeRO-3 the second backward raised BufferInUse."""
     assert _close(boundary[f"retained_z{zero}"])
     assert _close(boundary[f"partial_z{zero}"])
 

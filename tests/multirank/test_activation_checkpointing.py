@@ -1,4 +1,4 @@
-"""Activation checkpointing chosen by the plan (issue 26 item 1; docs/checkpointing.md): the chooser
+"""Activation checkpointing chosen by the plan (docs/activation_checkpointing.md): the chooser
 takes the fewest blocks that fit the budget (checked against a brute force over every subset), its
 predicted peak is the plan's for that set, checkpointing the chosen blocks trains exactly like
 checkpointing none (world 2, fp32, HF and plain blocks), and the CLI and the job print the choice."""
@@ -63,7 +63,7 @@ def test_chooser_takes_the_fewest_blocks_brute_force():
 
 
 def test_plan_cli_prints_the_choice_for_llama3_8b():
-    """The issue's command: plan only (meta device, nothing allocated)."""
+    """The documented command (docs/activation_checkpointing.md): plan only (meta device, nothing allocated)."""
     from yafsdp.plan import main
 
     argv = ["--preset", "llama3-8b", "--world-size", "8", "--batch", "1", "--seq", "8192", "--budget", "60GiB"]
