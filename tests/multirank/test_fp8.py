@@ -247,10 +247,11 @@ def test_plan_cli_fp8(capsys):
 
     plain = main(["--preset", "tiny", "--world-size", "2"])
     packed = main(["--preset", "tiny", "--world-size", "2", "--gather-dtype", "fp8"])
-    assert plain.fp8 == 0 and packed.fp8 > 0 and "FP8 records" in capsys.readouterr().out
+    assert plain.records == 0 and packed.records == packed.engine_bytes()["fp8"] > 0
+    assert "FP8 records" in capsys.readouterr().out
     # the decoder layers' compute copy: 2-byte bf16 values -> 1 + 4/128-byte records
-    assert packed.compute_copy + packed.fp8 < plain.compute_copy or plain.compute_copy == 0
-    assert {u.name for u in packed.units if u.fp8} == {"model.layers.0", "model.layers.1"}
+    assert packed.compute_copy + packed.records < plain.compute_copy or plain.compute_copy == 0
+    assert {u.name for u in packed.units if u.compact} == {"model.layers.0", "model.layers.1"}
     before = {u.name: u.gather_bytes for u in plain.units}
     for u in packed.units:  # ~1.03 bytes per element instead of 2 (the CLI's default param_dtype is bf16)
-        assert u.gather_bytes / before[u.name] < 0.53 if u.fp8 else u.gather_bytes == before[u.name]
+        assert u.gather_bytes / before[u.name] < 0.53 if u.compact else u.gather_bytes == before[u.name]

@@ -164,8 +164,13 @@ def test_plan_cli_int8(capsys):
     packed = main(["--preset", "tiny", "--world-size", "2", "--gather-dtype", "int8"])
     assert "INT8 records" in capsys.readouterr().out
     assert plain.engine_bytes()["int8"] == 0 and packed.engine_bytes()["int8"] == packed.records > 0
-    assert packed.engine_bytes()["fp8"] == 0 and packed.fp8 == 0
-    assert {u.name for u in packed.units if u.gather_format == "int8"} == {"model.layers.0", "model.layers.1"}
+    assert packed.engine_bytes()["fp8"] == 0
+    layers = {"model.layers.0", "model.layers.1"}
+    assert {u.name for u in packed.units if u.gather_format == "int8"} == layers
+    # the plan speaks of any gather format: a row says it is gathered compact for int8 as for fp8 (it
+    # had fp8-only properties that read 0 / False for an int8 plan)
+    assert {u.name for u in packed.units if u.compact} == layers and not any(u.compact for u in plain.units)
+    assert not any(hasattr(type(packed), n) or hasattr(type(packed.units[0]), n) for n in ("fp8", "fp8_host"))
 
 
 def test_fused_adamw_writes_a_registered_int8_copy_out():

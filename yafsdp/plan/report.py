@@ -26,8 +26,9 @@ class UnitRow:
     gather_format: str | None = None
 
     @property
-    def fp8(self) -> bool:
-        return self.gather_format == "fp8"
+    def compact(self) -> bool:
+        """Its trainable group is gathered as records of a gather format (any: ``gather_format``)."""
+        return self.gather_format is not None
 
 
 @dataclass
@@ -108,16 +109,6 @@ class MemoryPlan:
     @property
     def _gather_host_row(self) -> str:
         return f"{(self.gather_dtype or '').upper()} records host staging"
-
-    @property
-    def fp8_host(self) -> int:
-        """Bytes of the FP8 records' host side (offload with gather_dtype="fp8"; 0 otherwise)."""
-        return self.gather_host if self.gather_dtype == "fp8" else 0
-
-    @property
-    def fp8(self) -> int:
-        """Bytes of the FP8 records (gather_dtype="fp8"; 0 otherwise)."""
-        return self.records if self.gather_dtype == "fp8" else 0
 
     @property
     def total(self) -> int:
