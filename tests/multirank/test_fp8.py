@@ -85,7 +85,7 @@ def train_sharded(rank, world, names, gather="fp8"):
         recs_ok, fmt = True, formats.get(gather)
         for u in model.flat_units:
             g = u.groups[0]
-            if g.kind.gather_format == gather:
+            if g.kind.format.name == gather:
                 want = torch.zeros_like(g.compute)
                 fmt.encode_(want, g.shard.detach(), twin=True)  # the twin (fp8: kernels.fp8_quantize_reference)
                 recs_ok &= torch.equal(want, g.compute)
@@ -100,7 +100,7 @@ def train_sharded(rank, world, names, gather="fp8"):
                 model(input_ids=batch("llama", 0, 0, rank)["input_ids"])
             for u in model.flat_units:
                 g = u.groups[0]
-                if g.kind.gather_format == gather:
+                if g.kind.format.name == gather:
                     want = torch.zeros_like(g.compute)
                     fmt.encode_(want, g.shard.detach(), twin=True)
                     info["records_ok"] &= torch.equal(want, g.compute)
@@ -204,6 +204,11 @@ def test_fp8_gathers_about_half_the_bytes():
     assert info["alloc"]["fp8"] > 0 and info["alloc"]["weight0_staging"] > 0
 
 
+def _compact(g) -> str | None:
+    """The name of the format a group is gathered in when it is gathered compact, else None."""
+    return g.kind.format.name if g.kind.format.compact else None
+
+
 def _errors(rank, world):
     from torch import nn
 
@@ -224,11 +229,11 @@ def _errors(rank, world):
         yafsdp.YaFSDP(nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)), gather_dtype="fp8")
     out["warn"] = [str(x.message) for x in w]
     m = yafsdp.YaFSDP(tiny_llama(vocab=64), gather_dtype="fp8")  # the head: 64 x 32, whole 128-blocks
-    out["head_default"] = [g.kind.gather_format for u in m.flat_units if u.name == "lm_head" for g in u.groups]
+    out["head_default"] = [_compact(g) for u in m.flat_units if u.name == "lm_head" for g in u.groups]
     m = yafsdp.YaFSDP(tiny_llama(vocab=64), gather_dtype="fp8", gather_exclude=())
-    out["head"] = [g.kind.gather_format for u in m.flat_units if u.name == "lm_head" for g in u.groups]
+    out["head"] = [_compact(g) for u in m.flat_units if u.name == "lm_head" for g in u.groups]
     m = yafsdp.YaFSDP(tiny_llama(), gather_dtype="bf16")
-    out["bf16"] = [g.kind.gather_format for u in m.flat_units for g in u.groups]
+    out["bf16"] = [_compact(g) for u in m.flat_units for g in u.groups]
     return out
 
 

@@ -166,7 +166,7 @@ def test_plan_cli_int8(capsys):
     assert plain.engine_bytes()["int8"] == 0 and packed.engine_bytes()["int8"] == packed.records > 0
     assert packed.engine_bytes()["fp8"] == 0
     layers = {"model.layers.0", "model.layers.1"}
-    assert {u.name for u in packed.units if u.gather_format == "int8"} == layers
+    assert {u.name for u in packed.units if u.gather_dtype == "int8"} == layers
     # the plan speaks of any gather format: a row says it is gathered compact for int8 as for fp8 (it
     # had fp8-only properties that read 0 / False for an int8 plan)
     assert {u.name for u in packed.units if u.compact} == layers and not any(u.compact for u in plain.units)

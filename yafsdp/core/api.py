@@ -17,7 +17,7 @@ from torch import nn
 
 from ..comm.checked import make_schedule
 from ..comm.hsdp import broadcast_from_replica0, check_layout, resolve_groups
-from ..formats import fp8_codec as fp8
+from .. import formats
 from .anchor import ANCHOR, anchored_modules
 from .api_methods import WrapperMethods
 from .autograd import gate_small_group, install_hooks, rest_small_group
@@ -117,7 +117,7 @@ class YaFSDP(WrapperMethods, nn.Module):
 
         specs, small = discover(module, units)
         # See [Note: compact trainable gathers] in formats/fp8_codec.py
-        gather_exclude = fp8.default_exclude(module) if cfg.gather_exclude is None else cfg.gather_exclude
+        gather_exclude = formats.default_exclude(module) if cfg.gather_exclude is None else cfg.gather_exclude
         self._keys = StateDictKeys(module, specs, small)  # before any surgery
         # How gathers and reduces are ordered against compute: CUDA streams and events, or gloo
         # work handles. See [Note: streams and events] in comm/schedule.py.

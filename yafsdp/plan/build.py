@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.collectives import reduces_in_place
-from ..formats import fp8_codec as fp8
+from .. import formats
 from ..core.config import OPTIONS, EngineConfig, build_config
 from ..core.placement import placement_class
 from ..core.units import discover, weight_free_backward
@@ -112,7 +112,7 @@ def memory_plan(
         param_dtype, reduce_dtype, compute_dtype = cfg.param_dtype, cfg.reduce_dtype, cfg.compute_dtype
         quantize_frozen, offload, gather_dtype = cfg.quantize_frozen, cfg.offload, cfg.gather_dtype
         zero_stage, align_bytes, outsized_ratio = cfg.zero_stage, cfg.align_bytes, cfg.outsized_ratio
-        exclude = fp8.default_exclude(model) if cfg.gather_exclude is None else cfg.gather_exclude
+        exclude = formats.default_exclude(model) if cfg.gather_exclude is None else cfg.gather_exclude
         quantize = compute_dtype if quantize_frozen else None
         align = unit_align(compute_dtype, reduce_dtype, align_bytes)
         specs, small_params = discover(model, units)
