@@ -157,3 +157,5 @@ def test_docs_are_written_from_the_options():
     table = D.option_table()
     assert all(f"| `{n}` |" in table for n in OPTIONS)
     assert '`"int8"`' in table and "`reduce_accum_dtype`" in table  # the drifts this replaced
+    readme = (D.ROOT / "README.md").read_text()  # its one-line mentions name every option
+    assert not [n for n in OPTIONS if f"`{n}`" not in readme]

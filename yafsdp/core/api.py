@@ -79,6 +79,8 @@ class YaFSDP(WrapperMethods, nn.Module):
         gather_exclude: list[str] | tuple[str, ...] | None = None,
         config: EngineConfig | None = None,
     ):
+        # the arguments that are engine options (EngineConfig's fields), by name; first, while locals() holds
+        # only the arguments
         engine_options = {name: value for name, value in locals().items() if name in OPTIONS}
         super().__init__()
         # Every option checked in one place (yafsdp/core/config.py), as the plan and the jobs check them.
