@@ -145,6 +145,8 @@ def test_job_flags_take_the_options_values():
     assert list(flags["gather_dtype"].choices) == ["bf16"] + [f.name for f in formats.gather_formats()]
     assert "int8" in flags["gather_dtype"].choices
     assert tuple(flags["zero_stage"].choices) == OPTIONS["zero_stage"].choices()
+    flags_doc = (pathlib.Path(yafsdp.__file__).parents[1] / "docs" / "pretrain.md").read_text()
+    assert f"`--gather-dtype {{{','.join(flags['gather_dtype'].choices)}}}`" in flags_doc  # its table says so too
 
 
 def test_docs_are_written_from_the_options():
