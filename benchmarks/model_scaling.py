@@ -573,7 +573,7 @@ def main(argv=None):
         pe = 2 if a.param_dtype == "bf16" else 4
         gb8 = {u.name: u.gather_bytes for u in p8.units}
         exp8 = {u.name: u.padded_numel * (pe + u.gather_bytes / u.padded_numel) / (a.hbm_gbs * 1e9)
-                for u in p8.units if u.fp8}
+                for u in p8.units if u.compact}
         y8 = simulate_plan(uses, p8, w, net, a, cmp, accum=a.grad_accum, gather_bytes=gb8, expand=exp8)
         row = dict(world=w, yafsdp=y, fsdp2=f, yafsdp_fp8=y8, gathered_elements=gathered)
         rows.append([w, 1e3 * y["step"], 1e3 * y["comm"], 1e3 * y["exposed"], y["exposed_fraction"],

@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from yafsdp.core.config import OPTIONS
+
 from pretrain import data as D  # examples/pretrain, beside this script (its directory is on sys.path)
 from pretrain import job as J
 from pretrain import progress as P
@@ -68,7 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--qlora", action="store_true",
                    help="QLoRA: store the frozen base's linear weights in 4-bit NF4 (YaFSDP quantize_frozen='nf4'; "
                    "~0.27x the bf16 bytes gathered); the adapters train against the dequantized base")
-    g.add_argument("--offload", nargs="?", const="optimizer", default=None, choices=["optimizer", "all"],
+    g.add_argument("--offload", nargs="?", const="optimizer", default=None,
+                   choices=[v for v in OPTIONS["offload"].choices() if v is not None],
                    help="keep the adapters' fp32 master, grad shard and AdamW state in (pinned) host memory and run "
                    "the optimizer step on the CPU (YaFSDP offload='optimizer'); --offload all: the frozen base's "
                    "shards (bf16 and NF4) too, copied to the device per layer ahead of its gather. Results are bit "

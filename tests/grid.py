@@ -594,7 +594,7 @@ def train_sharded(rank: int, world: int, row: dict, ctx: Ctx, index: int) -> dic
     scaler = new_scaler(r)
     out = dict(losses=[], norms=[], worlds=[], scales=[], aux=[], info=dict(untouched=True))
     out["info"]["fp8_units"] = sorted(u.name for u in model.flat_units
-                                      if any(g.kind.gather_format in ("fp8", "int8") for g in u.groups))
+                                      if any(g.kind.format.name in ("fp8", "int8") for g in u.groups))
     out["info"]["nf4"] = sum(1 for i in model.shard_info() if i.kind == "nf4")
     out["info"]["lookups"] = sorted(u.name for u in model.units if u.lookup_hooks is not None)
     group, ranks = None, world

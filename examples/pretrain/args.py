@@ -9,6 +9,8 @@ import math
 import os
 import sys
 
+from yafsdp.core.config import OPTIONS
+
 from pretrain import rundir as R
 from pretrain.presets import DEFAULT_PRESET, presets
 
@@ -89,12 +91,14 @@ def build_parser(prog: str = "pretrain_llama.py",
                    "after this many in a row")
     g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 compute (fp32 master weights); default: on for CUDA, off on CPU")
-    g.add_argument("--zero-stage", type=int, default=3, choices=[2, 3],
+    # the flags that mirror an engine option take its values (yafsdp/core/config.py; formats from the registry)
+    g.add_argument("--zero-stage", type=int, default=3, choices=OPTIONS["zero_stage"].choices(),
                    help="3: gather weights again for backward; 2: keep them from forward")
-    g.add_argument("--gather-dtype", default="bf16", choices=["bf16", "fp8"],
-                   help="fp8: gather the decoder layers' linear weights as float8 e4m3 + a float32 scale per 128 "
-                        "(~1.03 instead of 2 bytes per parameter; YaFSDP gather_dtype='fp8'); the fp32 master, "
-                        "gradients and optimizer are unchanged. bf16: gather in the compute dtype")
+    g.add_argument("--gather-dtype", default="bf16", choices=OPTIONS["gather_dtype"].texts(none="bf16"),
+                   help="a gather format (YaFSDP gather_dtype=, docs/formats.md): the decoder layers' linear weights "
+                        "gathered as its records, e.g. fp8: float8 e4m3 + a float32 scale per 128 (~1.03 instead of "
+                        "2 bytes per parameter); the fp32 master, gradients and optimizer are unchanged. bf16: "
+                        "gather in the compute dtype")
     g.add_argument("--hsdp", type=int, default=1, metavar="R",
                    help="HSDP: R replicas (e.g. R = nodes), each sharding the model over world / R ranks; gathers "
                    "and reduce-scatters stay inside a replica, gradients are all-reduced across replicas once per "

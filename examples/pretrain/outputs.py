@@ -89,9 +89,9 @@ def header(job):
     dtype = "bf16" if job.param_dtype == torch.bfloat16 else "fp32"
     units = len(m.flat_units)
     ac = " | activation checkpointing" if a.activation_checkpointing or a.checkpointing == "all" else ""
-    if a.gather_dtype == "fp8":
-        n8 = sum(1 for u in m.flat_units for g in u.groups if g.kind.gather_format == "fp8")
-        ac += f" | fp8 weight gathers ({n8} units)"
+    if a.gather_dtype != "bf16":  # a gather format (--gather-dtype)
+        n8 = sum(1 for u in m.flat_units for g in u.groups if g.kind.format.name == a.gather_dtype)
+        ac += f" | {a.gather_dtype} weight gathers ({n8} units)"
     if a.hsdp > 1:
         ac += f" | HSDP {a.hsdp} replicas x {job.world // a.hsdp} shard ranks"
     job.say(f"yafsdp {yafsdp.__version__} | {job.name} | {job.world} rank(s) on {job.env.nodes} node(s) | "

@@ -75,7 +75,7 @@ def _buffer_mismatch(model):
             for g in u.groups:
                 got = slot.data[g.buffer_offset:g.buffer_offset + g.layout.padded_numel]
                 shard = g.compute.to(got.device)  # offload="all": a host shard (a synchronous copy)
-                if g.kind.gather_format is None:
+                if not g.kind.format.compact:
                     n += (got != shard).sum()
                 else:  # an NF4 or FP8 group: the expand of its record (world 1: the gathered records are the shard)
                     want = torch.empty_like(got)
@@ -327,7 +327,7 @@ def _no_sync_and_recorder(rank, world):
         finally:
             torch.cuda.set_sync_debug_mode(0)
         iv = model.recorder.finish()
-        formats = {str(g.kind.gather_format) for u in model.flat_units for g in u.groups}
+        formats = {g.kind.format.name for u in model.flat_units for g in u.groups}
         out[name] = ([(i.kind, i.unit, i.start, i.end) for i in iv], formats)
     return out
 

@@ -66,7 +66,7 @@ def _stored_kinds(rank, world, hf_dir):
     for seed in (10, 20):  # the known-good path: every rank wraps the same weights, full sharding
         model = _wrap(_kinds_model(seed), meshes["flat"])
         expected[seed] = model(_X).detach()
-        kinds = sorted({(g.kind.name, str(g.kind.gather_format)) for u in model._rt.all for g in u.groups})
+        kinds = sorted({(g.kind.name, g.kind.format.name) for u in model._rt.all for g in u.groups})
         if seed == 20:
             break
         del model
@@ -107,7 +107,7 @@ def test_every_stored_shard_kind_reaches_every_rank(tmp_path):
     save_file({k: v.contiguous() for k, v in _kinds_model(20).state_dict().items()},
               os.path.join(tmp_path, "model.safetensors"))
     results = run_ranks(_stored_kinds, 2, str(tmp_path))
-    assert results[0]["kinds"] == [("frozen", "None"), ("nf4", "nf4"), ("trainable", "None"), ("trainable", "fp8")], \
+    assert results[0]["kinds"] == [("frozen", "values"), ("nf4", "nf4"), ("trainable", "fp8"), ("trainable", "values")], \
         results[0]["kinds"]
     # [Note: stored shards]: the stores of record (and only they) are covered whole by the enumeration
     # the broadcast, the state dict and the checkpoints iterate. A new store fails here: enumerate its
@@ -383,7 +383,7 @@ def _lagging_runs(rank, world, root):
     records = []
     for u in model.units:
         g = u.trainable
-        if g.kind.gather_format == "fp8":
+        if g.kind.format.name == "fp8":
             want = torch.empty_like(g.compute)
             yafsdp.kernels.fp8_quantize_reference(want, g.shard.detach())
             records.append(torch.equal(want, g.compute))

@@ -86,7 +86,7 @@ def train_sharded(rank, world, names, gather="fp8"):
         recs_ok, fmt = True, formats.get(gather)
         for u in model.flat_units:
             g = u.groups[0]
-            if g.kind.gather_format == gather:
+            if g.kind.format.name == gather:
                 want = torch.zeros_like(g.compute)
                 fmt.encode_(want, g.shard.detach(), twin=True)  # the twin (fp8: kernels.fp8_quantize_reference)
                 recs_ok &= torch.equal(want, g.compute)
@@ -101,7 +101,7 @@ def train_sharded(rank, world, names, gather="fp8"):
                 model(input_ids=batch("llama", 0, 0, rank)["input_ids"])
             for u in model.flat_units:
                 g = u.groups[0]
-                if g.kind.gather_format == gather:
+                if g.kind.format.name == gather:
                     want = torch.zeros_like(g.compute)
                     fmt.encode_(want, g.shard.detach(), twin=True)
                     info["records_ok"] &= torch.equal(want, g.compute)
@@ -205,6 +205,11 @@ def test_fp8_gathers_about_half_the_bytes():
     assert info["alloc"]["fp8"] > 0 and info["alloc"]["weight0_staging"] > 0
 
 
+def _compact(g) -> str | None:
+    """The name of the format a group is gathered in when it is gathered compact, else None."""
+    return g.kind.format.name if g.kind.format.compact else None
+
+
 def _errors(rank, world):
     from torch import nn
 
@@ -225,11 +230,11 @@ def _errors(rank, world):
         yafsdp.YaFSDP(nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)), gather_dtype="fp8")
     out["warn"] = [str(x.message) for x in w]
     m = yafsdp.YaFSDP(tiny_llama(vocab=64), gather_dtype="fp8")  # the head: 64 x 32, whole 128-blocks
-    out["head_default"] = [g.kind.gather_format for u in m.flat_units if u.name == "lm_head" for g in u.groups]
+    out["head_default"] = [_compact(g) for u in m.flat_units if u.name == "lm_head" for g in u.groups]
     m = yafsdp.YaFSDP(tiny_llama(vocab=64), gather_dtype="fp8", gather_exclude=())
-    out["head"] = [g.kind.gather_format for u in m.flat_units if u.name == "lm_head" for g in u.groups]
+    out["head"] = [_compact(g) for u in m.flat_units if u.name == "lm_head" for g in u.groups]
     m = yafsdp.YaFSDP(tiny_llama(), gather_dtype="bf16")
-    out["bf16"] = [g.kind.gather_format for u in m.flat_units for g in u.groups]
+    out["bf16"] = [_compact(g) for u in m.flat_units for g in u.groups]
     return out
 
 
@@ -248,10 +253,11 @@ def test_plan_cli_fp8(capsys):
 
     plain = main(["--preset", "tiny", "--world-size", "2"])
     packed = main(["--preset", "tiny", "--world-size", "2", "--gather-dtype", "fp8"])
-    assert plain.fp8 == 0 and packed.fp8 > 0 and "FP8 records" in capsys.readouterr().out
+    assert plain.records == 0 and packed.records == packed.engine_bytes()["fp8"] > 0
+    assert "FP8 records" in capsys.readouterr().out
     # the decoder layers' compute copy: 2-byte bf16 values -> 1 + 4/128-byte records
-    assert packed.compute_copy + packed.fp8 < plain.compute_copy or plain.compute_copy == 0
-    assert {u.name for u in packed.units if u.fp8} == {"model.layers.0", "model.layers.1"}
+    assert packed.compute_copy + packed.records < plain.compute_copy or plain.compute_copy == 0
+    assert {u.name for u in packed.units if u.compact} == {"model.layers.0", "model.layers.1"}
     before = {u.name: u.gather_bytes for u in plain.units}
     for u in packed.units:  # ~1.03 bytes per element instead of 2 (the CLI's default param_dtype is bf16)
-        assert u.gather_bytes / before[u.name] < 0.53 if u.fp8 else u.gather_bytes == before[u.name]
+        assert u.gather_bytes / before[u.name] < 0.53 if u.compact else u.gather_bytes == before[u.name]

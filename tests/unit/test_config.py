@@ -1,6 +1,8 @@
-"""The engine's options are checked once (yafsdp/core/config.py): ``YaFSDP(...)``, the memory plan and
-the jobs refuse the same values with the same words, and ``YaFSDP(config=...)`` is the same engine
-as the keyword arguments it stands for."""
+"""The engine's options are defined and checked once (yafsdp/core/config.py): ``YaFSDP(...)``, the memory
+plan and the jobs refuse the same values with the same words, ``YaFSDP(config=...)`` is the same engine
+as the keyword arguments it stands for, and the signature, the plan's CLI, the job's flags and the docs
+are written from (or checked against) the one definition."""
+import inspect
 import pathlib
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 import yafsdp
 from dist_utils import run_ranks
 from models import batch, loss_of, tiny_llama
-from yafsdp.core.config import EngineConfig, MixedPrecision, Offload, build_config
+from yafsdp.core.config import OPTIONS, EngineConfig, MixedPrecision, Offload, build_config
 
 ROOT = pathlib.Path(yafsdp.__file__).parent
 
@@ -53,9 +55,11 @@ def test_plan_and_builder_refuse_alike(case):
 
 def test_config_object():
     cfg = build_config(param_dtype=torch.bfloat16, offload="optimizer", gather_exclude=["lm_head"])
-    assert cfg == EngineConfig(MixedPrecision(torch.bfloat16, torch.float32, None), Offload("optimizer"),
-                               gather_exclude=("lm_head",))
-    assert cfg.compute_dtype == torch.bfloat16 and cfg.offload_what == "optimizer"
+    assert cfg == EngineConfig(param_dtype=torch.bfloat16, offload="optimizer", gather_exclude=("lm_head",))
+    assert cfg.mixed_precision == MixedPrecision(torch.bfloat16, torch.float32, None)
+    assert cfg.compute_dtype == torch.bfloat16 and cfg.offload == "optimizer"
+    assert build_config(offload=Offload("all")).offload == "all"
+    assert list(cfg.options()) == list(OPTIONS)
     assert build_config(cfg) == cfg and build_config(**cfg.options()) == cfg
     with pytest.raises(dataclasses_frozen()):
         cfg.zero_stage = 2
@@ -100,3 +104,60 @@ def test_config_is_the_keywords():
     assert "pass either config= or the options ['offload'], not both" in out["clash"], out["clash"]
 
 
+
+
+ENGINE_ARGS = {"self", "module", "units", "process_group", "mesh", "device", "config"}  # not engine options
+
+
+def test_signature_is_the_config():
+    """``YaFSDP.__init__`` names every option of ``EngineConfig`` with its default, and no other."""
+    params = inspect.signature(yafsdp.YaFSDP.__init__).parameters
+    assert set(params) - ENGINE_ARGS == set(OPTIONS)
+    assert {n: params[n].default for n in OPTIONS} == {n: o.default for n, o in OPTIONS.items()}
+    assert all(f"``{n}`` (default {o.default!r}" in yafsdp.YaFSDP.__doc__ for n, o in OPTIONS.items())
+
+
+def test_plan_flags_are_the_options():
+    """``python -m yafsdp plan`` has a flag for every option (``quantize_frozen``: --frozen-base), whose
+    values are the option's (the formats from the registry), and its flags reach the config."""
+    from yafsdp import formats
+    from yafsdp.plan import cli
+
+    ap = cli.parser()
+    flags = {a.dest: a for a in ap._actions}
+    assert set(OPTIONS) - set(flags) == {"quantize_frozen"}
+    assert flags["gather_dtype"].metavar == "{" + ",".join(["param"] + [f.name for f in formats.gather_formats()]) + "}"
+    a = ap.parse_args(["--gather-dtype", "int8", "--grad-chunks", "2", "--no-sharded-lookup", "--gather-exclude",
+                       "lm_head,model.embed_tokens", "--reduce-dtype", "bf16", "--reduce-accum-dtype", "fp32"])
+    assert build_config(**cli._engine_options(a)) == build_config(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, reduce_accum_dtype=torch.float32, gather_dtype="int8",
+        grad_chunks=2, sharded_lookup=False, gather_exclude=["lm_head", "model.embed_tokens"])
+    assert cli._engine_options(ap.parse_args([]))["gather_dtype"] is None
+
+
+def test_job_flags_take_the_options_values():
+    """The job's --gather-dtype offers every gather format of the registry (int8 too), --zero-stage the
+    option's stages."""
+    from yafsdp import formats
+    from pretrain.args import build_parser
+
+    flags = {a.dest: a for a in build_parser()._actions}
+    assert list(flags["gather_dtype"].choices) == ["bf16"] + [f.name for f in formats.gather_formats()]
+    assert "int8" in flags["gather_dtype"].choices
+    assert tuple(flags["zero_stage"].choices) == OPTIONS["zero_stage"].choices()
+    flags_doc = (pathlib.Path(yafsdp.__file__).parents[1] / "docs" / "pretrain.md").read_text()
+    assert f"`--gather-dtype {{{','.join(flags['gather_dtype'].choices)}}}`" in flags_doc  # its table says so too
+
+
+def test_docs_are_written_from_the_options():
+    """docs/api.md's option table and the signature lines of docs/api.md and the README are what
+    ``python -m yafsdp.tools.docs_options`` writes (run it after changing an option)."""
+    from yafsdp.tools import docs_options as D
+
+    for path in (D.ROOT / "docs" / "api.md", D.ROOT / "README.md"):
+        assert D.render(path) == path.read_text(), f"{path} is stale: run python -m yafsdp.tools.docs_options"
+    table = D.option_table()
+    assert all(f"| `{n}` |" in table for n in OPTIONS)
+    assert '`"int8"`' in table and "`reduce_accum_dtype`" in table  # the drifts this replaced
+    readme = (D.ROOT / "README.md").read_text()  # its one-line mentions name every option
+    assert not [n for n in OPTIONS if f"`{n}`" not in readme]

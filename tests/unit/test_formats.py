@@ -94,6 +94,43 @@ def test_format_protocol_sizes():
         formats.storage_option("int8")
 
 
+def test_one_eligibility_rule_and_one_vocabulary():
+    """Every compact format takes parameters by the one rule of formats/base.py (none redefines it):
+    the 2-D weight of nn.Linear modules only, of whole blocks, trainable for a gather format and frozen
+    for a storage format. The words agree ([Note: gather formats]): a kind's ``*_dtype`` is a torch.dtype,
+    ``compact`` / ``stored`` are bools, the options hold format names."""
+    from types import SimpleNamespace
+
+    from yafsdp.core.config import OPTIONS
+    from yafsdp.core.unit import frozen_kind, stored_kind, trainable_kind
+    from yafsdp.formats.base import Format
+
+    compact = [f for f in {*formats.gather_formats(), *formats.storage_formats()}]
+    assert compact and all(type(f).eligible is Format.eligible for f in compact), compact
+    lin, emb = torch.nn.Linear(16, 16), torch.nn.Embedding(16, 16)
+
+    def info(frozen, owners, numel=256, shape=(16, 16), small=False):
+        return SimpleNamespace(frozen=frozen, owners=owners, numel=numel, shape=shape, small=small)
+
+    for f in compact:
+        assert f.eligible(info(f.stored, [(lin, "weight")]))
+        assert not f.eligible(info(not f.stored, [(lin, "weight")]))  # the other kind of group
+        assert not f.eligible(info(f.stored, [(lin, "weight"), (emb, "weight")]))  # tied to an embedding
+        assert not f.eligible(info(f.stored, [(lin, "weight")], numel=256 + f.block // 2))  # a part block
+        assert not f.eligible(info(f.stored, [(lin, "bias")], shape=(256,)))
+    assert formats.PLAIN.eligible(info(True, [(emb, "weight")]))
+    for fmt in (*formats.gather_formats(), *formats.storage_formats(), formats.PLAIN):
+        assert isinstance(fmt.compact, bool) and isinstance(fmt.stored, bool) and isinstance(fmt.name, str)
+    kinds = [trainable_kind(torch.bfloat16, formats.get("fp8")), frozen_kind(torch.bfloat16),
+             stored_kind(torch.bfloat16, formats.get("nf4"))]
+    for kind in kinds:
+        dtypes = {n: getattr(kind, n) for n in dir(kind) if n.endswith("_dtype")}
+        assert dtypes and all(isinstance(v, torch.dtype) for v in dtypes.values()), dtypes
+        assert isinstance(getattr(kind, "compact", False), bool)  # a kind says no name where a format says a bool
+    for name in ("gather_dtype", "quantize_frozen"):
+        assert all(v is None or formats.get(v).name == v for v in OPTIONS[name].choices())
+
+
 # ------------------------------------------------------------------------------------ training
 PARITY = ["fp32_z3_fused", "fp32_z3_adamw", "bf16_z2_fused"]
 
@@ -164,8 +201,13 @@ def test_plan_cli_int8(capsys):
     packed = main(["--preset", "tiny", "--world-size", "2", "--gather-dtype", "int8"])
     assert "INT8 records" in capsys.readouterr().out
     assert plain.engine_bytes()["int8"] == 0 and packed.engine_bytes()["int8"] == packed.records > 0
-    assert packed.engine_bytes()["fp8"] == 0 and packed.fp8 == 0
-    assert {u.name for u in packed.units if u.gather_format == "int8"} == {"model.layers.0", "model.layers.1"}
+    assert packed.engine_bytes()["fp8"] == 0
+    layers = {"model.layers.0", "model.layers.1"}
+    assert {u.name for u in packed.units if u.gather_dtype == "int8"} == layers
+    # the plan speaks of any gather format: a row says it is gathered compact for int8 as for fp8 (it
+    # had fp8-only properties that read 0 / False for an int8 plan)
+    assert {u.name for u in packed.units if u.compact} == layers and not any(u.compact for u in plain.units)
+    assert not any(hasattr(type(packed), n) or hasattr(type(packed.units[0]), n) for n in ("fp8", "fp8_host"))
 
 
 def test_fused_adamw_writes_a_registered_int8_copy_out():

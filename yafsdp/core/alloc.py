@@ -157,7 +157,7 @@ def allocate(self, outsized_ratio: float) -> "Storage":
                 param_shapes=[tuple(p.shape) for p in g.params], param_offsets=[p.offset for p in g.params],
                 numel=g.layout.numel, padded_numel=g.layout.padded_numel, shard_start=g.layout.shard_start,
                 shard_numel=n, param_ref=weakref.ref(g.shard),
-                values_dtype=g.kind.gather_dtype if g.kind.format.stored else None,
+                values_dtype=g.kind.compute_dtype if g.kind.format.stored else None,
                 format=g.kind.format.name if g.kind.format.stored else None,
             ))
 

@@ -17,11 +17,11 @@ from torch import nn
 
 from ..comm.checked import make_schedule
 from ..comm.hsdp import broadcast_from_replica0, check_layout, resolve_groups
-from ..formats import fp8_codec as fp8
+from .. import formats
 from .anchor import ANCHOR, anchored_modules
 from .api_methods import WrapperMethods
 from .autograd import gate_small_group, install_hooks, rest_small_group
-from .config import EngineConfig, build_config
+from .config import OPTIONS, EngineConfig, build_config, options_doc
 from .ddp_guard import WrappedTwiceError, wrapped_twice_message
 from .ema import refuse_deepcopy
 from .optim_hooks import install_optimizer_hooks
@@ -46,46 +46,14 @@ class YaFSDP(WrapperMethods, nn.Module):
       replicate_group)`` for HSDP. Refused together with ``mesh``, and when this rank is not in it.
     - ``mesh`` (default None): a 1-D DeviceMesh (full sharding) or a 2-D one named ``("replicate",
       "shard")`` (HSDP); other shapes and names are refused (tensor / pipeline parallel are not handled).
-    - ``param_dtype`` (default None: fp32): dtype of the compute copy and the gathered weights; a
-      floating-point ``torch.dtype``, else refused.
-    - ``reduce_dtype`` (default ``torch.float32``): dtype of the grad buffers and the reduce-scatter; a
-      floating-point ``torch.dtype``, else refused. The grad shards are fp32 whatever it is.
-    - ``zero_stage`` (default 3): 3 re-gathers each unit for backward, 2 keeps the forward gather; other
-      values refused.
     - ``device`` (default None: the current CUDA device with NCCL, else the CPU): where buffers and
       collectives live.
-    - ``align_bytes`` (default 16): each flat unit is padded to a multiple of ``world x align_bytes``
-      bytes of the gathered dtype; a positive int, else refused.
-    - ``outsized_ratio`` (default 1.5): a unit larger than this times the typical unit gets its own
-      buffer; a positive number, else refused.
-    - ``chunk_outsized_grads`` (default True): an outsized unit's gradient is reduced in chunks
-      through the regular grad buffers, not through a grad buffer of its own (docs/reduce.md, "Memory");
-      False keeps the own buffer (one collective per outsized unit). A bool, else refused.
-    - ``grad_chunks`` (default 1): the two grad buffers hold 1/grad_chunks of the largest regular unit's
-      gradient, and larger units' gradients are reduced in that many column chunks (docs/reduce.md,
-      "Memory"): less memory, more and smaller collectives. A positive int; refused above 1 with ``offload``.
-    - ``sharded_lookup`` (default True): on gloo at world 2 (fp32, ZeRO-3, no offload, no replicas), an untied
-      plain ``nn.Embedding`` larger than ``outsized_ratio`` times the typical unit is looked up from the shards — the ranks exchange their token ids and the rows
-      they own — instead of gathered, and its gradient rows are added where they are owned instead of
-      reduce-scattered (bit for bit the same values; docs/reduce.md, "The sharded lookup"). False always
-      gathers it. A bool, else refused.
-    - ``quantize_frozen`` (default None): "nf4" stores frozen ``nn.Linear`` weights in 4-bit NormalFloat
-      (QLoRA); other names refused; a warning when no weight qualifies.
-    - ``offload`` (default None): "optimizer" keeps the fp32 master, grad shard and optimizer state in host
-      memory and steps the optimizer on the CPU; "all" moves the frozen and NF4 shards to the host too
-      (docs/offload.md); other values refused. Combines with every other option, HSDP and
-      a compact ``gather_dtype`` included (the host shards' all-reduce and the records' upload are
-      staged through the device: yafsdp/core/placement.py).
-    - ``gather_dtype`` (default None: gather in param_dtype): "fp8" / "int8" (or ``torch.int8``) gathers
-      trainable ``nn.Linear`` weights as 8-bit records of that format (docs/formats.md); other values
-      refused; a warning when no unit qualifies.
-    - ``gather_exclude`` (default None: the HF output head): module names kept in param_dtype with
-      a compact ``gather_dtype``.
-    - ``reduce_accum_dtype`` (default None): ``torch.float32`` with a 16-bit ``reduce_dtype`` sends the
-      pieces in ``reduce_dtype`` and sums them in fp32 (docs/reduce.md); refused with ``offload``.
     - ``config`` (default None): a ``yafsdp.EngineConfig`` (``yafsdp.build_config(...)``) standing for
-      every option from ``param_dtype`` to ``reduce_accum_dtype`` (and ``chunk_outsized_grads``, ``grad_chunks``, ``sharded_lookup``); refused
-      together with any of them.
+      every engine option below; refused together with any of them.
+
+    The engine options are the fields of ``yafsdp.EngineConfig`` (yafsdp/core/config.py), where each
+    is declared once with its default, its values and its check; this list is written from them
+    (``options_doc``), and so is docs/api.md's table. Every value is checked, a refusal names it:
     """
 
     def __init__(
@@ -111,14 +79,13 @@ class YaFSDP(WrapperMethods, nn.Module):
         gather_exclude: list[str] | tuple[str, ...] | None = None,
         config: EngineConfig | None = None,
     ):
+        # the arguments that are engine options (EngineConfig's fields), by name; first, while locals() holds
+        # only the arguments
+        engine_options = {name: value for name, value in locals().items() if name in OPTIONS}
         super().__init__()
         # Every option checked in one place (yafsdp/core/config.py), as the plan and the jobs check them.
-        cfg = build_config(config, param_dtype=param_dtype, reduce_dtype=reduce_dtype, zero_stage=zero_stage,
-                           align_bytes=align_bytes, outsized_ratio=outsized_ratio, quantize_frozen=quantize_frozen,
-                           offload=offload, gather_dtype=gather_dtype, gather_exclude=gather_exclude,
-                           reduce_accum_dtype=reduce_accum_dtype, chunk_outsized_grads=chunk_outsized_grads,
-                           grad_chunks=grad_chunks, sharded_lookup=sharded_lookup)
-        quantize_frozen, offload, gather_dtype = cfg.quantize_frozen, cfg.offload_what, cfg.gather_dtype
+        cfg = build_config(config, **engine_options)
+        quantize_frozen, offload, gather_dtype = cfg.quantize_frozen, cfg.offload, cfg.gather_dtype
         param_dtype, reduce_dtype, zero_stage = cfg.param_dtype, cfg.reduce_dtype, cfg.zero_stage
         reduce_accum_dtype = cfg.reduce_accum_dtype  # See [Note: narrow reduce, fp32 accumulation]
         if not dist.is_available() or not dist.is_initialized():
@@ -152,7 +119,7 @@ class YaFSDP(WrapperMethods, nn.Module):
 
         specs, small = discover(module, units)
         # See [Note: compact trainable gathers] in formats/fp8_codec.py
-        gather_exclude = fp8.default_exclude(module) if cfg.gather_exclude is None else cfg.gather_exclude
+        gather_exclude = formats.default_exclude(module) if cfg.gather_exclude is None else cfg.gather_exclude
         self._keys = StateDictKeys(module, specs, small)  # before any surgery
         # How gathers and reduces are ordered against compute: CUDA streams and events, or gloo
         # work handles. See [Note: streams and events] in comm/schedule.py.
@@ -402,6 +369,10 @@ class YaFSDP(WrapperMethods, nn.Module):
 
 
 
+
+
+# The engine options' part of the docstring, written from their one definition (yafsdp/core/config.py).
+YaFSDP.__doc__ = YaFSDP.__doc__.rstrip(" ") + options_doc() + "\n"
 
 
 def _conversion_error(out: torch.Tensor, device) -> RuntimeError:

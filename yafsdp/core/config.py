@@ -1,16 +1,24 @@
-"""The engine's options, validated once: :func:`build_config` builds a frozen :class:`EngineConfig`
-from ``YaFSDP``'s keyword arguments. ``YaFSDP(...)`` (yafsdp/core/api.py), the memory plan
-(yafsdp/plan/report.py, ``python -m yafsdp plan``) and the example jobs all build their options
-here, so a value or a combination is accepted or refused with the same words everywhere.
+"""The engine's options, defined once: every option of ``YaFSDP`` is one field of :class:`EngineConfig`,
+declared with :func:`option` (its default, its one-line doc, its check and, where the values are a
+few, the values themselves, the format names from the registry in ``yafsdp.formats``).
+:func:`build_config` checks keyword arguments against those fields and builds the frozen config.
 
-The policies follow FSDP2's ``MixedPrecisionPolicy`` / ``OffloadPolicy``: small frozen dataclasses
-that say *what* is wanted; the engine decides how (yafsdp/core/placement.py for offload).
+Everything else is derived from the fields (:data:`OPTIONS`): ``EngineConfig.options()``, the
+memory plan's engine options (yafsdp/plan/build.py), the flags of ``python -m yafsdp plan``
+(yafsdp/plan/cli.py) and the job's flags that mirror an option (their choices), the option table
+of docs/api.md and the options part of ``YaFSDP``'s docstring (``options_doc``;
+``python -m yafsdp.tools.docs_options`` writes the table). ``YaFSDP.__init__`` spells the options
+out for readers and editors; tests/unit/test_config.py checks that its names and defaults are
+these. So a value or a combination is accepted or refused with the same words everywhere.
 
 [Note: refused combinations]
-What the checks below refuse between options, and why; everything else combines:
+What the checks refuse between options, and why; everything else combines. A check sees the
+options declared before its own (``checked``), so the field order puts ``reduce_dtype`` and
+``offload`` first:
 
 - ``reduce_accum_dtype=torch.float32`` with ``offload``: the reduced shard goes to the host in
   ``reduce_dtype``, one value per element, not every rank's piece (reduce_accum.py).
+- ``grad_chunks`` above 1 with ``offload``: an offloaded reduce goes through the host landing whole.
 - Lifted: ``offload`` with a compact ``gather_dtype`` ("fp8", "int8": the optimizer's copy-out
   and the encode pass write the record into a host staging record, ``gather_host``, that is
   uploaded as the param_dtype staging copy is: placement.py),
@@ -20,27 +28,198 @@ What the checks below refuse between options, and why; everything else combines:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
 
 import torch
 
 from .. import formats
 from ..comm.reduce_accum import check_reduce_accum
 
-__all__ = ["MixedPrecision", "Offload", "EngineConfig", "build_config", "check_offload", "OFFLOAD_CHOICES"]
+__all__ = ["MixedPrecision", "Offload", "EngineConfig", "Option", "OPTIONS", "build_config", "check_offload",
+           "OFFLOAD_CHOICES", "DTYPE_NAMES", "options_doc"]
 
 OFFLOAD_CHOICES = (None, "optimizer", "all")
+# how the plan, its CLI and the jobs write the floating-point dtypes an option takes
+DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One engine option as its :class:`EngineConfig` field declares it (see :func:`option`)."""
+
+    name: str
+    default: Any
+    type: str  # the field's annotation, as the signature and the docs write it
+    doc: str  # one line: the docs table, the CLI help, YaFSDP's docstring
+    check: Callable  # (name, value, checked) -> the value recorded; raises ValueError naming the value
+    values: Callable[[], tuple] | None  # the values it takes when they are a few (formats: the registry's)
+
+    def choices(self) -> tuple:
+        return self.values() if self.values is not None else ()
+
+    def text(self, value, none: str = "none") -> str:
+        """``value`` as a command line writes it (None as ``none``, a dtype by its short name)."""
+        if value is None:
+            return none
+        if isinstance(value, torch.dtype):
+            return next(k for k, v in DTYPE_NAMES.items() if v == value)
+        return str(value)
+
+    def texts(self, none: str = "none") -> list[str]:
+        """The command-line spellings of :meth:`choices` (empty when any value of the type goes)."""
+        return [self.text(v, none) for v in self.choices()]
+
+    def parse(self, text: str, none: str = "none"):
+        """A command line's ``text`` -> the option's value (the inverse of :meth:`text`)."""
+        for v in self.choices():
+            if self.text(v, none) == text:
+                return v
+        if text == none and self.default is None:
+            return None
+        if self.values is not None:
+            raise ValueError(f"{text!r} is not one of {self.texts(none)}")
+        if isinstance(self.default, bool):
+            raise ValueError(f"{self.name} is a flag (True or False), not a value")
+        if self.type.startswith("tuple"):
+            return tuple(n for n in text.split(",") if n)
+        return type(self.default)(text)
+
+
+def option(default, doc: str, check: Callable, values: Callable[[], tuple] | None = None):
+    """A field of :class:`EngineConfig` that is an option of ``YaFSDP`` (see :class:`Option`)."""
+    return field(default=default, metadata={"option": (doc, check, values)})
+
+
+# -- the checks: (name, value, checked) -> the value recorded --------------------------------
+def _dtype(none_ok: bool):
+    def check(name, v, checked):
+        if v is None and none_ok:
+            return None
+        if not isinstance(v, torch.dtype) or not v.is_floating_point:
+            raise ValueError(f"{name}={v!r} is not a floating-point torch.dtype")
+        return v
+    return check
+
+
+def _positive(kind: type, what: str):
+    def check(name, v, checked):
+        if not isinstance(v, kind) or isinstance(v, bool) or not v > 0:
+            raise ValueError(f"{name}={v!r} is not a {what} (the default is {_DEFAULT[name]!r}); {name}: {_doc(name)}")
+        return v
+    return check
+
+
+def _bool(name, v, checked):
+    if not isinstance(v, bool):
+        raise ValueError(f"{name}={v!r} is not a bool; {name}: {_doc(name)}")
+    return v
+
+
+def _zero_stage(name, v, checked):
+    if v not in (2, 3):
+        raise ValueError(f"{name}={v!r} is not supported; use 2 or 3")
+    return v
+
+
+def _module_names(name, v, checked):
+    if v is None:
+        return None
+    if isinstance(v, str) or not all(isinstance(n, str) for n in v):
+        raise ValueError(f"{name}={v!r} is not a list of module names")
+    return tuple(v)
+
+
+def _grad_chunks(name, v, checked):
+    v = _positive(int, "positive int")(name, v, checked)
+    if v > 1 and checked["offload"] is not None:  # See [Note: refused combinations]
+        raise ValueError(f"{name}={v} with offload={checked['offload']!r} is not supported (an offloaded reduce goes "
+                         "through the host landing whole); use grad_chunks=1")
+    return v
+
+
+def _reduce_accum(name, v, checked):  # See [Note: refused combinations]
+    return check_reduce_accum(v, checked["reduce_dtype"], checked["offload"])
+
+
+def _gather_values() -> tuple:
+    return (None, *(f.name for f in formats.gather_formats()))
+
+
+def _storage_values() -> tuple:
+    return (None, *(f.name for f in formats.storage_formats()))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every option of one engine, validated (:func:`build_config` builds it). Each field is an
+    option of ``YaFSDP``, in the order they are checked ([Note: refused combinations])."""
+
+    param_dtype: torch.dtype | None = option(
+        None, "dtype of the compute copy and the gathered weights; the master shards stay fp32 (None: fp32)",
+        _dtype(none_ok=True), lambda: tuple(DTYPE_NAMES.values()))
+    reduce_dtype: torch.dtype = option(
+        torch.float32, "dtype of the grad buffers and of the reduce-scatter; the grad shards are fp32 whatever it is",
+        _dtype(none_ok=False), lambda: tuple(DTYPE_NAMES.values()))
+    zero_stage: int = option(
+        3, "3: each unit is gathered again for backward (two alternating weight buffers); 2: the forward's gather "
+        "is kept until backward (one buffer per unit: a full param_dtype copy of the model)",
+        _zero_stage, lambda: (2, 3))
+    align_bytes: int = option(
+        16, "bytes of the gathered dtype each flat unit is padded to, per rank (a multiple of world_size x "
+        "align_bytes in all)", _positive(int, "positive int"))
+    outsized_ratio: float = option(
+        1.5, "a unit that is not a repeated block and is larger than this times the largest block is outsized: "
+        "the outsized units share one extra weight buffer (docs/design.md#in-short)",
+        _positive((int, float), "positive number"))
+    quantize_frozen: str | None = option(
+        None, "a storage format: frozen nn.Linear weights stored in it and gathered compact (QLoRA, docs/qlora.md); "
+        "a warning when no weight qualifies",
+        lambda name, v, checked: formats.storage_option(v), _storage_values)
+    offload: str | None = option(
+        None, "optimizer: the fp32 master, grad shard and optimizer state in (pinned) host memory, the optimizer "
+        "step on the CPU; all: the frozen and NF4 shards too (docs/offload.md)",
+        lambda name, v, checked: check_offload(v), lambda: OFFLOAD_CHOICES)
+    gather_dtype: str | None = option(
+        None, "a gather format: trainable nn.Linear weights gathered as its records and expanded into the "
+        "param_dtype weight buffer (docs/formats.md); None: gathered in param_dtype; a warning when no unit "
+        "qualifies", lambda name, v, checked: formats.gather_option(v), _gather_values)
+    gather_exclude: tuple[str, ...] | None = option(
+        None, "with a compact gather_dtype: module names kept in param_dtype (None: an HF model's output head)",
+        _module_names)
+    reduce_accum_dtype: torch.dtype | None = option(
+        None, "torch.float32 with a 16-bit reduce_dtype: the pieces are sent in reduce_dtype and summed in fp32 "
+        "(docs/reduce.md); refused with offload", _reduce_accum, lambda: (None, torch.float32))
+    # See [Note: chunked outsized gradients] in plan/sizing.py
+    chunk_outsized_grads: bool = option(
+        True, "True: an outsized unit's gradient is reduced in chunks through the grad pair; False: it gets a "
+        "grad buffer of its own (docs/reduce.md); not chunked with offload", _bool)
+    grad_chunks: int = option(
+        1, "the grad buffers hold 1/grad_chunks of the largest unit's gradient, reduced in that many chunks: less "
+        "memory, more and smaller collectives; refused above 1 with offload", _grad_chunks)
+    # See [Note: the sharded lookup of an embedding] in core/lookup.py
+    sharded_lookup: bool = option(
+        True, "True: on gloo at world 2 (fp32, ZeRO-3, no offload, no HSDP) an untied outsized nn.Embedding is "
+        "looked up from the shards instead of gathered, bit for bit the same values "
+        "(docs/reduce.md#the-sharded-lookup-of-an-embedding); False: always gathered", _bool)
+
+    @property
+    def mixed_precision(self) -> "MixedPrecision":
+        return MixedPrecision(self.param_dtype, self.reduce_dtype, self.gather_dtype, self.reduce_accum_dtype)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.param_dtype or torch.float32
+
+    def options(self) -> dict:
+        """The keyword arguments of ``YaFSDP(...)`` / ``memory_plan(...)`` this config stands for."""
+        return {name: getattr(self, name) for name in OPTIONS}
 
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """The dtypes of a step. ``param_dtype``: the compute copy and the gathered weights (None: fp32,
-    the master's own dtype); ``reduce_dtype``: the grad buffers and the reduce-scatter;
-    ``gather_dtype``: None (gather in param_dtype) or a gather format's name, "fp8" / "int8"
-    (trainable nn.Linear weights gathered as 8-bit records, see [Note: gather formats] in
-    formats/base.py); ``reduce_accum_dtype``: torch.float32 to send ``reduce_dtype`` pieces and sum
-    them in fp32 ([Note: narrow reduce, fp32 accumulation] in reduce_accum.py), None to sum in
-    ``reduce_dtype``."""
+    """The dtypes of a step, as FSDP2's ``MixedPrecisionPolicy`` groups them (``EngineConfig.mixed_precision``;
+    the fields are :class:`EngineConfig`'s)."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype = torch.float32
@@ -54,69 +233,20 @@ class MixedPrecision:
 
 @dataclass(frozen=True)
 class Offload:
-    """Which shards live in host memory. ``what="optimizer"``: the fp32 master, grad shard and
-    optimizer state (the optimizer steps on the CPU); ``"all"``: the frozen and NF4 shards too. No
-    offload is ``offload=None`` (no policy object)."""
+    """A spelling of ``offload=``, as FSDP2's ``OffloadPolicy``: ``Offload("optimizer")`` is
+    ``offload="optimizer"``, ``Offload("all")`` is ``offload="all"``."""
 
     what: str = "optimizer"
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Every option of one engine, validated (:func:`build_config` builds it). ``gather_exclude``
-    None means "the default for the model" (its HF output head): resolved at wrap time."""
+#: Every option, in check order: name -> :class:`Option` (from :class:`EngineConfig`'s fields).
+OPTIONS: dict[str, Option] = {
+    f.name: Option(f.name, f.default, f.type, *f.metadata["option"]) for f in fields(EngineConfig)}
+_DEFAULT = {name: o.default for name, o in OPTIONS.items()}
 
-    mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
-    offload: Offload | None = None
-    zero_stage: int = 3
-    align_bytes: int = 16
-    outsized_ratio: float = 1.5
-    quantize_frozen: str | None = None
-    gather_exclude: tuple[str, ...] | None = None
-    # outsized units' gradients reduced in chunks through the grad pair instead of a grad buffer of
-    # their own: see [Note: chunked outsized gradients] in plan/sizing.py
-    chunk_outsized_grads: bool = True
-    # the grad pair holds 1/grad_chunks of the largest regular unit; larger units' gradients are
-    # reduced in that many chunks (the same note)
-    grad_chunks: int = 1
-    # an untied embedding looked up from the shards instead of gathered (gloo, world 2): see [Note: the
-    # sharded lookup of an embedding] in core/lookup.py
-    sharded_lookup: bool = True
 
-    # The flat names the rest of the engine reads.
-    @property
-    def param_dtype(self) -> torch.dtype | None:
-        return self.mixed_precision.param_dtype
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.mixed_precision.compute_dtype
-
-    @property
-    def reduce_dtype(self) -> torch.dtype:
-        return self.mixed_precision.reduce_dtype
-
-    @property
-    def gather_dtype(self) -> str | None:
-        return self.mixed_precision.gather_dtype
-
-    @property
-    def reduce_accum_dtype(self) -> torch.dtype | None:
-        return self.mixed_precision.reduce_accum_dtype
-
-    @property
-    def offload_what(self) -> str | None:
-        """None, "optimizer" or "all" (the ``offload=`` keyword's value)."""
-        return self.offload.what if self.offload is not None else None
-
-    def options(self) -> dict:
-        """The keyword arguments of ``YaFSDP(...)`` / ``memory_plan(...)`` this config stands for."""
-        return dict(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype, zero_stage=self.zero_stage,
-                    align_bytes=self.align_bytes, outsized_ratio=self.outsized_ratio,
-                    quantize_frozen=self.quantize_frozen, offload=self.offload_what, gather_dtype=self.gather_dtype,
-                    gather_exclude=self.gather_exclude, reduce_accum_dtype=self.reduce_accum_dtype,
-                    chunk_outsized_grads=self.chunk_outsized_grads, grad_chunks=self.grad_chunks,
-                    sharded_lookup=self.sharded_lookup)
+def _doc(name: str) -> str:
+    return OPTIONS[name].doc
 
 
 def check_offload(offload) -> str | None:
@@ -130,88 +260,43 @@ def check_offload(offload) -> str | None:
                      "grad shard and optimizer state on the host) or 'all' (the frozen and NF4 shards too)")
 
 
-def _check_dtype(what: str, dt, who: str) -> torch.dtype | None:
-    if dt is None and what == "param_dtype":
-        return None
-    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
-        raise ValueError(f"{who}: {what}={dt!r} is not a floating-point torch.dtype")
-    return dt
-
-
-def _as(who: str, check, value):
-    """``check(value)``, its refusal opened with ``who`` (the format modules' checks name YaFSDP)."""
+def _checked(who: str, opt: Option, value, checked: dict):
+    """``opt``'s check of ``value``, its refusal opened with ``who`` (the format modules' and
+    reduce_accum's checks open with "yafsdp.YaFSDP: ")."""
     try:
-        return check(value)
+        return opt.check(opt.name, value, checked)
     except ValueError as e:
-        msg, mine = str(e), "yafsdp.YaFSDP: "
-        raise ValueError(who + ": " + msg[len(mine):] if msg.startswith(mine) else msg) from None
+        msg = str(e).removeprefix("yafsdp.YaFSDP: ")
+        raise ValueError(f"{who}: {msg}") from None
 
 
 def build_config(config: EngineConfig | None = None, *, who: str = "yafsdp.YaFSDP", **options) -> EngineConfig:
-    """The one place options are checked: ``YaFSDP``'s keyword arguments (``param_dtype``,
-    ``reduce_dtype``, ``zero_stage``, ``align_bytes``, ``outsized_ratio``, ``quantize_frozen``,
-    ``offload``, ``gather_dtype``, ``gather_exclude``, ``reduce_accum_dtype``, ``chunk_outsized_grads``, ``grad_chunks``, ``sharded_lookup``) or a ``config`` to re-check (not both; an
-    option left at its default may accompany a config). Every refusal names the value and what to
-    pass instead; ``who`` opens the message. No combination depends on the process groups (HSDP
-    takes every option), so the plan checks exactly what ``YaFSDP`` checks."""
+    """The one place options are checked: ``YaFSDP``'s keyword arguments (the fields of
+    :class:`EngineConfig`) or a ``config`` to re-check (not both; an option left at its default may
+    accompany a config). Every refusal names the value and what to pass instead; ``who`` opens the
+    message. No combination depends on the process groups (HSDP takes every option), so the plan
+    checks exactly what ``YaFSDP`` checks."""
     if config is not None:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"{who}: config={config!r} is not a yafsdp.EngineConfig (build one with "
                             "yafsdp.build_config(...))")
-        clash = {k: v for k, v in options.items() if v != _DEFAULTS.get(k)}
+        clash = {k: v for k, v in options.items() if k not in _DEFAULT or v != _DEFAULT[k]}
         if clash:
             raise ValueError(f"{who}: pass either config= or the options {sorted(clash)}, not both")
         options = config.options()
-    unknown = set(options) - set(_DEFAULTS)
+    unknown = set(options) - set(OPTIONS)
     if unknown:
-        raise TypeError(f"{who}: unknown options {sorted(unknown)}; the options are {sorted(_DEFAULTS)}")
-    o = {**_DEFAULTS, **options}
-    quantize_frozen = _as(who, formats.storage_option, o["quantize_frozen"])
-    offload = _as(who, check_offload, o["offload"])
-    gather_dtype = _as(who, formats.gather_option, o["gather_dtype"])
-    zero_stage = o["zero_stage"]
-    if zero_stage not in (2, 3):
-        raise ValueError(f"{who}: zero_stage={zero_stage!r} is not supported; use 2 or 3")
-    param_dtype = _check_dtype("param_dtype", o["param_dtype"], who)
-    reduce_dtype = _check_dtype("reduce_dtype", o["reduce_dtype"], who)
-    reduce_accum_dtype = _as(who, lambda v: check_reduce_accum(v, reduce_dtype, offload), o["reduce_accum_dtype"])
-    align_bytes = o["align_bytes"]
-    if not isinstance(align_bytes, int) or isinstance(align_bytes, bool) or align_bytes < 1:
-        raise ValueError(f"{who}: align_bytes={align_bytes!r} is not a positive int (bytes of the gathered dtype "
-                         "each flat unit is padded to, per rank; 16 is the default)")
-    ratio = o["outsized_ratio"]
-    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not ratio > 0:
-        raise ValueError(f"{who}: outsized_ratio={ratio!r} is not a positive number (a unit larger than this times "
-                         "the typical unit gets its own buffer; 1.5 is the default)")
-    chunk = o["chunk_outsized_grads"]
-    if not isinstance(chunk, bool):
-        raise ValueError(f"{who}: chunk_outsized_grads={chunk!r} is not a bool (True, the default: an outsized unit's "
-                         "gradient is reduced in chunks through the grad pair; False: it gets a grad buffer of its own)")
-    grad_chunks = o["grad_chunks"]
-    if not isinstance(grad_chunks, int) or isinstance(grad_chunks, bool) or grad_chunks < 1:
-        raise ValueError(f"{who}: grad_chunks={grad_chunks!r} is not a positive int (the grad buffers hold 1/grad_chunks "
-                         "of the largest unit's gradient, reduced in that many chunks; 1 is the default)")
-    if grad_chunks > 1 and offload is not None:
-        raise ValueError(f"{who}: grad_chunks={grad_chunks} with offload={offload!r} is not supported (an offloaded "
-                         "reduce goes through the host landing whole); use grad_chunks=1")
-    lookup = o["sharded_lookup"]
-    if not isinstance(lookup, bool):
-        raise ValueError(f"{who}: sharded_lookup={lookup!r} is not a bool (True, the default: an untied embedding is "
-                         "looked up from the shards instead of gathered where the engine can, gloo at world 2; False: "
-                         "always gathered)")
-    exclude = o["gather_exclude"]
-    if exclude is not None:
-        if isinstance(exclude, str) or not all(isinstance(n, str) for n in exclude):
-            raise ValueError(f"{who}: gather_exclude={exclude!r} is not a list of module names")
-        exclude = tuple(exclude)
-    return EngineConfig(
-        mixed_precision=MixedPrecision(param_dtype, reduce_dtype, gather_dtype, reduce_accum_dtype),
-        offload=Offload(offload) if offload is not None else None, zero_stage=zero_stage, align_bytes=align_bytes,
-        outsized_ratio=ratio, quantize_frozen=quantize_frozen, gather_exclude=exclude, chunk_outsized_grads=chunk,
-        grad_chunks=grad_chunks, sharded_lookup=lookup)
+        raise TypeError(f"{who}: unknown options {sorted(unknown)}; the options are {sorted(OPTIONS)}")
+    checked: dict = {}
+    for name, opt in OPTIONS.items():
+        checked[name] = _checked(who, opt, options.get(name, opt.default), checked)
+    return EngineConfig(**checked)
 
 
-_DEFAULTS = dict(param_dtype=None, reduce_dtype=torch.float32, zero_stage=3, align_bytes=16, outsized_ratio=1.5,
-                 quantize_frozen=None, offload=None, gather_dtype=None, gather_exclude=None, reduce_accum_dtype=None,
-                 chunk_outsized_grads=True, grad_chunks=1, sharded_lookup=True)
-
+def options_doc(indent: str = "    ") -> str:
+    """The options as ``YaFSDP``'s docstring lists them: one line each, with the default and the values."""
+    lines = []
+    for o in OPTIONS.values():
+        values = f"; one of {', '.join(map(repr, o.choices()))}" if o.values is not None else ""
+        lines.append(f"{indent}- ``{o.name}`` (default {o.default!r}{values}): {o.doc}.")
+    return "\n".join(lines)

@@ -92,8 +92,8 @@ class Runtime:
         self.config = config
         self.schedule = schedule
         # Where each tensor lives (offload: the optimizer's on the host). See [Note: placement] in placement.py.
-        self.placement = make_placement(device, config.offload_what)
-        self.offload = config.offload_what
+        self.placement = make_placement(device, config.offload)
+        self.offload = config.offload
         self.host_device = self.placement.host
         # the shard group; with HSDP, replicate_group joins the replicas (the usage agreement of
         # unused.py runs over both)

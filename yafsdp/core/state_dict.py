@@ -191,7 +191,7 @@ def write_shard(rt: Runtime, g: FlatGroup, values: torch.Tensor) -> None:
     the fp32 master, a frozen shard (rounded), or an NF4 record (rounded, then quantized here).
     The scatter above and the streaming loads ([Note: streaming loads] in hf_stream.py) both end here."""
     if g.kind.format.stored:  # each rank encodes its own slice: [Note: NF4 frozen groups] in formats/nf4_codec.py
-        g.kind.format.encode_(g.shard.detach(), values.to(g.kind.gather_dtype))  # bumps the record's version
+        g.kind.format.encode_(g.shard.detach(), values.to(g.kind.compute_dtype))  # bumps the record's version
     else:
         g.shard.detach().copy_(values)  # bumps the shard's version: its compute copy is now stale
 

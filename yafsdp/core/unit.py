@@ -17,7 +17,7 @@ record, gathered and expanded the same way ([Note: compact trainable gathers] in
 kind holds its *format* (``GroupKind.format``, [Note: gather formats] in formats/base.py), the
 object that sizes, writes and expands its records: the engine asks it (``format.compact``,
 ``format.stored``, ``format.encode_``, ``format.expand_``) instead of testing a name. Whatever the
-kind, the modules see ``gather_dtype`` views of the weight buffer; what differs is only what the
+kind, the modules see ``compute_dtype`` views of the weight buffer; what differs is only what the
 gather moves and what runs after it (``FlatGroup.expand``). A new kind adds a group, not a
 branch; a new format adds a module under formats/, not a branch.
 """
@@ -45,23 +45,15 @@ class GroupKind:
 
     name: str
     storage_dtype: torch.dtype  # the shard as kept on this rank (the fp32 master for trainable groups)
-    gather_dtype: torch.dtype  # the weight buffer's dtype: the values the modules see
+    compute_dtype: torch.dtype  # the weight buffer's dtype: the values the modules see
     reduced: bool  # gradients are reduce-scattered into a grad shard and stepped by the optimizer
     # The format its compute copy (the all-gather input) is in: the plain format (param_dtype
     # values, gathered straight into the weight buffer) or a compact one (a byte record per rank,
     # gathered into the staging area and expanded: FlatGroup.expand). A *stored* format (nf4) is
     # also how the shard itself is kept. See [Note: gather formats] in formats/base.py.
+    # Asked, not named: ``format.compact`` / ``format.stored`` (bools), ``format.name`` (a string; the
+    # words: [Note: gather formats] in formats/base.py).
     format: Format = PLAIN
-
-    @property
-    def compact(self) -> str | None:
-        """The name of the format the shard is stored in when it is a byte record ("nf4"), else None."""
-        return self.format.name if self.format.stored else None
-
-    @property
-    def gather_format(self) -> str | None:
-        """The name of the format the group is gathered in when not values ("nf4", "fp8", "int8"), else None."""
-        return self.format.name if self.format.compact else None
 
 
 def trainable_kind(compute_dtype: torch.dtype, fmt: Format = PLAIN) -> GroupKind:
@@ -95,7 +87,7 @@ class FlatGroup:
         # a plain tensor for a frozen one
         self.shard: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None  # 1-D fp32, the shard's .grad storage (reduced groups)
-        self.compute: torch.Tensor | None = None  # 1-D gather_dtype, the all-gather input (frozen: the shard)
+        self.compute: torch.Tensor | None = None  # 1-D compute_dtype, the all-gather input (frozen: the shard)
         self.cast_version = -1  # shard._version when the compute copy was last written
         # offload="optimizer" (reduced groups): the host side of the compute copy, and the host
         # landing of the reduced grad shard. See [Note: host and device tensors] in alloc.py.

@@ -38,7 +38,7 @@ __all__ = ["summon_full_params", "full_tensor", "named_grad_norms"]
 
 def _gather_group(rt, u, g, group, grad: bool = False) -> torch.Tensor | None:
     """Collective over the shard group: a flat group's full padded values (a fresh tensor: fp32 for a
-    trainable group, gather_dtype for a frozen or NF4 one), or its full fp32 grad (None without one)."""
+    trainable group, compute_dtype for a frozen or NF4 one), or its full fp32 grad (None without one)."""
     if grad:
         local = g.shard.grad if g.kind.reduced else None
         has = torch.tensor([0 if local is None else 1], device=rt.device)
@@ -52,7 +52,7 @@ def _gather_group(rt, u, g, group, grad: bool = False) -> torch.Tensor | None:
     if g.kind.format.stored:  # the records, expanded: the values the model computes with
         records = torch.empty(g.staging_bytes, dtype=torch.uint8, device=rt.device)
         all_gather(records, shard, group, async_op=False)
-        return g.kind.format.decode(records, g.layout.shard_numel, g.kind.gather_dtype)
+        return g.kind.format.decode(records, g.layout.shard_numel, g.kind.compute_dtype)
     full = torch.empty(g.layout.padded_numel, dtype=shard.dtype, device=rt.device)
     all_gather(full, shard, group, async_op=False)
     return full

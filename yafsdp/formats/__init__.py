@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from .base import Format, itemsize
+from .base import Format, default_exclude, itemsize
 from .fp8 import FP8_FORMAT
 from .int8 import INT8_FORMAT
 from .nf4 import NF4_FORMAT
 from .plain import PLAIN
 
 __all__ = ["Format", "PLAIN", "get", "register", "gather_formats", "storage_formats", "gather_format", "gather_option",
-           "storage_option",
-           "storage_format", "itemsize"]
+           "storage_option", "storage_format", "itemsize", "default_exclude"]
 
 _REGISTRY: dict[str, Format] = {}
 

@@ -14,7 +14,11 @@ testing its name:
 - ``record_bytes(n, dtype)`` and ``shard_align(align, dtype)``: one rank's record for ``n``
   values (codes, scales and any alignment), and the elements a rank's shard is a multiple of
   (whole blocks); the plan (``plan/sizing.py``) and the allocator size with these two.
-- ``eligible(info)`` / ``eligible_unit(params, exclude)``: which parameters / units it takes.
+- ``eligible(info)`` / ``eligible_unit(params, exclude)``: which parameters / units it takes. One
+  rule for every compact format (:func:`linear_weight`): the 2-D ``weight`` of ``nn.Linear``
+  modules only (so not a weight tied to an embedding), outside the small group, of whole blocks;
+  trainable for a gather format, frozen for a storage format. ``default_exclude(module)``: the
+  units a gather format leaves in ``param_dtype`` unless told otherwise (an HF model's head).
 - ``encode_(record, values)``: values -> record. For a *gather* format (``stored=False``: fp8,
   int8) the values are the fp32 master shard and this is the cast pass; for a *storage* format
   (``stored=True``: nf4) the record is the shard of record itself, encoded at wrap time and on
@@ -35,6 +39,14 @@ A format is registered by name in ``yafsdp/formats/__init__.py`` (``register``);
 options resolve names through it: ``gather_dtype=`` takes the gather formats, ``quantize_frozen=``
 the storage formats. Adding one is one module plus its registration: docs/formats.md walks
 through int8.
+
+The words, one meaning each: a *format* is a :class:`Format` object (``GroupKind.format``,
+``formats.get(name)``, ``formats.gather_format(value)``); its *name* is a string ("values", "fp8",
+"int8", "nf4"), and that is what the options hold: ``gather_dtype`` and ``quantize_frozen`` (the
+config's, ``YaFSDP``'s attributes, the plan's) are a format's name or None, never a dtype.
+``Format.compact`` and ``Format.stored`` are bools. A ``*_dtype`` that is not one of those two
+options is a ``torch.dtype``: ``GroupKind.storage_dtype`` (the shard as kept) and
+``GroupKind.compute_dtype`` (the weight buffer's values, what the modules compute with).
 """
 from __future__ import annotations
 
@@ -44,11 +56,36 @@ import torch
 
 from .. import kernels
 
-__all__ = ["Format", "itemsize"]
+__all__ = ["Format", "itemsize", "linear_weight", "default_exclude"]
 
 
 def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def linear_weight(info, block: int) -> bool:
+    """A parameter (``flat.ParamInfo``) a compact format may hold: the 2-D ``weight`` of
+    ``nn.Linear`` modules only (every module holding the tensor is an ``nn.Linear`` holding it as
+    ``weight``, so a weight tied to an embedding is not one), outside the small group, a whole
+    number of ``block`` values (so a block never straddles two parameters)."""
+    return (not info.small and len(info.shape) == 2 and info.numel % block == 0 and bool(info.owners)
+            and all(isinstance(m, torch.nn.Linear) and attr == "weight" for m, attr in info.owners))
+
+
+def default_exclude(module: torch.nn.Module) -> tuple[str, ...]:
+    """The modules a gather format leaves in ``param_dtype`` when ``gather_exclude`` is None: an HF
+    model's output head (``get_output_embeddings()``), as torchtitan's float8 recipes keep the
+    output layer exact."""
+    get = getattr(module, "get_output_embeddings", None)
+    head = None
+    if callable(get):
+        try:
+            head = get()
+        except (AttributeError, NotImplementedError):
+            head = None
+    if head is None:
+        return ()
+    return tuple(name for name, m in module.named_modules() if m is head)
 
 
 class Format:
@@ -77,8 +114,12 @@ class Format:
 
     # -- which parameters --------------------------------------------------------------------
     def eligible(self, info) -> bool:
-        """A parameter (``flat.ParamInfo``) this format may hold."""
-        return True
+        """A parameter (``flat.ParamInfo``) this format may hold: any, for the plain format; for a
+        compact one a :func:`linear_weight` of whole blocks, frozen for a stored format and
+        trainable for a gather format."""
+        if not self.compact:
+            return True
+        return info.frozen == self.stored and linear_weight(info, self.block)
 
     def eligible_unit(self, params, exclude: tuple[str, ...] = ()) -> bool:
         """A unit whose trainable group is gathered in this format (gather formats)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_codec import BLOCK, eligible_param
+from .fp8_codec import BLOCK
 from .fp8_codec import record_bytes as fp8_record_bytes
 from .. import kernels
 from .base import Format
@@ -27,9 +27,6 @@ class FP8(Format):
 
     def record_bytes(self, shard_numel: int, dtype: torch.dtype) -> int:
         return fp8_record_bytes(shard_numel)
-
-    def eligible(self, info) -> bool:
-        return eligible_param(info)
 
     def encode_(self, record: torch.Tensor, values: torch.Tensor, *, twin: bool = False) -> torch.Tensor:
         return (kernels.fp8_quantize_reference if twin else kernels.fp8_quantize_)(record, values)

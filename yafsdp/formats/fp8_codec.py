@@ -16,7 +16,8 @@ trainable group may be gathered as an 8-bit *record* instead of ``param_dtype`` 
   ``weight`` of ``nn.Linear`` modules only (2-D; not tied to an embedding) with a numel that is
   a multiple of 128 -- the decoder layers of a transformer. An HF model's output head
   (``get_output_embeddings()``) is left out by default, as torchtitan's float8 recipes leave the
-  output layer exact; ``gather_exclude=[module names]`` replaces that list (``()``: include it). Embeddings, norms and biases (the small group), and units holding
+  output layer exact (``formats.default_exclude``); ``gather_exclude=[module names]`` replaces that list
+  (``()``: include it). The rule is every compact format's (``formats.base.linear_weight``). Embeddings, norms and biases (the small group), and units holding
   anything else are gathered in ``param_dtype`` as before (a unit is compact as a whole; it has one
   trainable group). Because every compact parameter is a whole number of blocks and the flat
   layout lays parameters end to end, a block never straddles two parameters: the blocks are each
@@ -44,8 +45,7 @@ import torch
 from .. import kernels
 from ..kernels import FP8_BLOCK as BLOCK
 
-__all__ = ["BLOCK", "record_bytes", "shard_align", "eligible_unit", "default_exclude",
-           "quantize", "dequantize", "fake_quantize"]
+__all__ = ["BLOCK", "record_bytes", "shard_align", "quantize", "dequantize", "fake_quantize"]
 
 
 def shard_align(align: int = 1) -> int:
@@ -56,34 +56,6 @@ def shard_align(align: int = 1) -> int:
 def record_bytes(shard_numel: int) -> int:
     """Bytes of one rank's record: one e4m3 code per element, then one float32 scale per block."""
     return kernels.fp8_record_bytes(shard_numel)
-
-
-def eligible_param(info) -> bool:
-    return (not info.frozen and not info.small and len(info.shape) == 2 and info.numel % BLOCK == 0
-            and bool(info.owners)
-            and all(isinstance(m, torch.nn.Linear) and attr == "weight" for m, attr in info.owners))
-
-
-def eligible_unit(params, exclude: tuple[str, ...] = ()) -> bool:
-    """A unit whose trainable group is gathered compact: see [Note: compact trainable gathers]."""
-    trainable = [p for p in params if not p.frozen]
-    return bool(trainable) and all(eligible_param(p) for p in trainable) and not any(
-        p.fqn == e or p.fqn.startswith(e + ".") for p in trainable for e in exclude)
-
-
-def default_exclude(module: torch.nn.Module) -> tuple[str, ...]:
-    """The modules kept in ``param_dtype`` by default: an HF model's output head
-    (``get_output_embeddings()``), as torchtitan's float8 recipes keep the output layer exact."""
-    get = getattr(module, "get_output_embeddings", None)
-    head = None
-    if callable(get):
-        try:
-            head = get()
-        except (AttributeError, NotImplementedError):
-            head = None
-    if head is None:
-        return ()
-    return tuple(name for name, m in module.named_modules() if m is head)
 
 
 def split_record(record: torch.Tensor, shard_numel: int) -> tuple[torch.Tensor, torch.Tensor]:

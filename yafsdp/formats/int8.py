@@ -84,12 +84,6 @@ class INT8(Format):
     def record_bytes(self, shard_numel: int, dtype: torch.dtype = torch.float32) -> int:
         return shard_numel + (shard_numel // BLOCK) * 4
 
-    def eligible(self, info) -> bool:
-        # the weight of nn.Linear modules only (2-D, not tied to an embedding), whole blocks
-        return (not info.frozen and not info.small and len(info.shape) == 2 and info.numel % BLOCK == 0
-                and bool(info.owners)
-                and all(isinstance(m, torch.nn.Linear) and attr == "weight" for m, attr in info.owners))
-
     def encode_(self, record: torch.Tensor, values: torch.Tensor, *, twin: bool = False) -> torch.Tensor:
         codes, scales = split_record(record, values.numel())
         c, s = quantize(values.detach().reshape(-1))

@@ -13,7 +13,7 @@ import torch
 
 from .. import kernels
 from .nf4_codec import BLOCK, ZERO_INDEX, codebook, split_record
-from .nf4_codec import eligible as eligible_unit, quantize_into
+from .nf4_codec import quantize_into
 from .nf4_codec import record_bytes as nf4_record_bytes, shard_align as nf4_shard_align
 from .base import Format
 
@@ -34,9 +34,6 @@ class NF4(Format):
 
     def record_bytes(self, shard_numel: int, dtype: torch.dtype) -> int:
         return nf4_record_bytes(shard_numel, dtype)
-
-    def eligible(self, info) -> bool:
-        return eligible_unit(info)
 
     def encode_(self, record: torch.Tensor, values: torch.Tensor, *, twin: bool = False) -> torch.Tensor:
         """``values``: the shard's values in the dtype they expand to (``param_dtype``)."""

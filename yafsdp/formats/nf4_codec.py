@@ -15,7 +15,8 @@ Which parameters: frozen (``requires_grad=False`` at wrap time) weights of ``nn.
 (every module holding the tensor is an ``nn.Linear`` holding it as ``weight``, so a weight tied to
 an embedding stays bf16), 2-D, with a numel that is a multiple of 64 (so blocks never straddle two
 parameters and each weight's blocks are torchao's blocks of that weight). Every other frozen
-parameter (norms, embeddings, biases, odd sizes) stays in the plain frozen group.
+parameter (norms, embeddings, biases, odd sizes) stays in the plain frozen group. (The rule is every
+compact format's: ``Format.eligible`` and ``linear_weight`` in formats/base.py.)
 
 Layout: a unit's NF4 parameters form a third flat group (kind ``"nf4"``), after the trainable and
 the frozen one, padded so that every rank's shard is ``shard_align(dtype)`` elements times a whole
@@ -37,7 +38,7 @@ from .. import kernels
 from ..kernels import NF4_BLOCK as BLOCK
 
 __all__ = ["BLOCK", "LEVELS", "codebook", "record_bytes", "shard_align", "split_record",
-           "quantize", "quantize_into", "dequantize_record", "eligible"]
+           "quantize", "quantize_into", "dequantize_record"]
 
 # QLoRA's NF4 levels as torchao writes them (4 decimals); cast to the values' dtype like torchao does.
 LEVELS = (-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
@@ -74,13 +75,6 @@ def split_record(record: torch.Tensor, shard_numel: int, dtype: torch.dtype) -> 
     """Views of a record (1-D uint8): the packed codes (uint8) and the scales (``dtype``)."""
     half = shard_numel // 2
     return record[:half], record[half:record_bytes(shard_numel, dtype)].view(dtype)
-
-
-def eligible(info) -> bool:
-    """A frozen parameter (``flat.ParamInfo``) that goes into the NF4 group: see [Note: NF4 frozen groups]."""
-    return (info.frozen and not info.small and len(info.shape) == 2 and info.numel % BLOCK == 0
-            and bool(info.owners)
-            and all(isinstance(m, torch.nn.Linear) and attr == "weight" for m, attr in info.owners))
 
 
 def _nearest(scaled: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:

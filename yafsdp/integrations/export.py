@@ -153,7 +153,7 @@ def _gather_unit(rt, u, group, rank: int, spares: list) -> tuple[list, dict]:
         if g.kind.format.stored:  # the records, expanded: the values the model computes with
             records = torch.empty(g.staging_bytes, dtype=torch.uint8, device=rt.device)
             collectives.all_gather(records, shard, group, async_op=False)
-            full = g.kind.format.decode(records, g.layout.shard_numel, g.kind.gather_dtype)
+            full = g.kind.format.decode(records, g.layout.shard_numel, g.kind.compute_dtype)
             del records
             count = True
         else:

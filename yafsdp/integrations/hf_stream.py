@@ -239,7 +239,7 @@ def _agree(problem: str | None, model) -> str | None:
 @torch.no_grad()
 def _dtype_of(g) -> torch.dtype:
     """The dtype ``write_shard`` takes group ``g``'s values in without another rounding."""
-    return g.kind.gather_dtype if g.kind.format.stored else g.shard.dtype
+    return g.kind.compute_dtype if g.kind.format.stored else g.shard.dtype
 
 
 def _fill(g, lo: int, n: int, out: torch.Tensor, by_param: dict, scratch: torch.Tensor) -> None:

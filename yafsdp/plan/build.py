@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.collectives import reduces_in_place
-from ..formats import fp8_codec as fp8
-from ..core.config import EngineConfig, build_config
+from .. import formats
+from ..core.config import OPTIONS, EngineConfig, build_config
 from ..core.placement import placement_class
 from ..core.units import discover, weight_free_backward
 from .activations import activation_estimate
@@ -36,6 +36,12 @@ def _grad_slot_name(slots, i: int, lay) -> str:
     return f"{'/'.join(slots.grad[k].name for k in slots.chunk_slots)} in {n} chunks"
 
 
+def _is_dtype(name: str) -> bool:
+    """An engine option whose values are torch dtypes (the plan takes their names too)."""
+    opt = OPTIONS.get(name)
+    return opt is not None and opt.type.startswith("torch.dtype")
+
+
 def plan_backend(backend: str | None) -> str:
     """The backend a plan of a plain module assumes (see ``memory_plan``)."""
     if backend is not None:
@@ -51,44 +57,38 @@ def memory_plan(
     world_size: int | None = None,
     rank: int = 0,
     units: list[nn.Module] | None = None,
-    param_dtype=None,
-    reduce_dtype=torch.float32,
-    zero_stage: int = 3,
-    align_bytes: int = 16,
-    outsized_ratio: float = 1.5,
     optimizer: str | int = "adamw",
     batch: int | None = None,
     seq: int | None = None,
     checkpointing: bool = False,
     attention: str = "fused",
     inputs_fn=None,
-    quantize_frozen: str | None = None,
-    offload: str | None = None,
-    gather_dtype: str | None = None,
-    gather_exclude=None,
     async_save: bool = False,
-    reduce_accum_dtype=None,
-    chunk_outsized_grads: bool = True,
-    grad_chunks: int = 1,
-    sharded_lookup: bool = True,
     backend: str | None = None,
     config=None,
     replicas: int = 1,
+    **engine_options,
 ) -> MemoryPlan:
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
     or a plain module (any device, meta included; nothing is allocated) with the engine options
-    given here. ``async_save=True`` adds the host memory of an asynchronous save's staging copy
-    (``yafsdp.checkpoint.AsyncSaver``, the jobs' ``--async-save``). ``batch`` and ``seq`` add the activation estimate (HF causal LMs, or any model
-    with ``inputs_fn(batch, seq, device) -> kwargs``). ``optimizer``: a name in
-    ``OPTIMIZER_BYTES`` or bytes of state per shard element. ``sharded_lookup`` is checked and changes
-    no byte (the lookup's exchanges are the size of an activation). The engine options are checked by
-    ``yafsdp.core.config.build_config``, as ``YaFSDP(...)`` checks them (``config=``: an ``EngineConfig``
-    instead of the options). ``backend`` (a plain module): the process group's backend the engine
-    would run on, which decides whether grad buffers need a reduce staging ([Note: reduce-scatter in
-    place] in comm/collectives.py); default: the initialized default group's, else "nccl" when CUDA
-    is available and "gloo" when not. ``replicas`` (a plain module): HSDP's copies of the shard group of
-    ``world_size`` ranks; it changes bytes only where that group has one rank ([Note: world-1 gradients]
-    in sizing.py: with replicas the grad buffers stay, their all-reduce runs behind the fold)."""
+    given here: ``engine_options`` are ``YaFSDP``'s (the fields of ``yafsdp.EngineConfig``, their
+    dtypes also by name: "bf16", "fp32"), checked by ``yafsdp.core.config.build_config`` as
+    ``YaFSDP(...)`` checks them (``config=``: an ``EngineConfig`` instead of the options).
+    ``sharded_lookup`` is checked and changes no byte (the lookup's exchanges are the size of an
+    activation). ``async_save=True`` adds the host memory of an asynchronous save's staging copy
+    (``yafsdp.checkpoint.AsyncSaver``, the jobs' ``--async-save``). ``batch`` and ``seq`` add the
+    activation estimate (HF causal LMs, or any model with ``inputs_fn(batch, seq, device) -> kwargs``).
+    ``optimizer``: a name in ``OPTIMIZER_BYTES`` or bytes of state per shard element. ``backend`` (a
+    plain module): the process group's backend the engine would run on, which decides whether grad
+    buffers need a reduce staging ([Note: reduce-scatter in place] in comm/collectives.py); default:
+    the initialized default group's, else "nccl" when CUDA is available and "gloo" when not. ``replicas`` (a
+    plain module): HSDP's copies of the shard group of ``world_size`` ranks; it changes bytes only where that
+    group has one rank ([Note: world-1 gradients] in sizing.py: with replicas the grad buffers stay, their
+    all-reduce runs behind the fold)."""
+    unknown = sorted(set(engine_options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"yafsdp.plan.memory_plan: unexpected keyword arguments {unknown}; the engine options are "
+                        f"{sorted(OPTIONS)}")
     if isinstance(getattr(model, "engine_config", None), EngineConfig):  # a wrapped YaFSDP
         eng = model
         names = [u.name for u in eng.units]
@@ -109,18 +109,14 @@ def memory_plan(
     else:
         if world_size is None:
             raise ValueError("yafsdp.plan.memory_plan: world_size= is required for a model that is not wrapped")
-        if config is None:  # the plan also takes dtype names ("bf16"), as its CLI does
-            param_dtype, reduce_dtype = as_dtype(param_dtype), as_dtype(reduce_dtype)
-        cfg = build_config(config, who="yafsdp.plan.memory_plan", param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                           zero_stage=zero_stage, align_bytes=align_bytes, outsized_ratio=outsized_ratio,
-                           quantize_frozen=quantize_frozen, offload=offload, gather_dtype=gather_dtype,
-                           gather_exclude=gather_exclude, reduce_accum_dtype=as_dtype(reduce_accum_dtype),
-                           chunk_outsized_grads=chunk_outsized_grads, grad_chunks=grad_chunks,
-                           sharded_lookup=sharded_lookup)
+        # the plan also takes dtype names ("bf16"), as its CLI does
+        cfg = build_config(config, who="yafsdp.plan.memory_plan",
+                           **{k: as_dtype(v) if _is_dtype(k) and isinstance(v, str) else v
+                              for k, v in engine_options.items()})
         param_dtype, reduce_dtype, compute_dtype = cfg.param_dtype, cfg.reduce_dtype, cfg.compute_dtype
-        quantize_frozen, offload, gather_dtype = cfg.quantize_frozen, cfg.offload_what, cfg.gather_dtype
+        quantize_frozen, offload, gather_dtype = cfg.quantize_frozen, cfg.offload, cfg.gather_dtype
         zero_stage, align_bytes, outsized_ratio = cfg.zero_stage, cfg.align_bytes, cfg.outsized_ratio
-        exclude = fp8.default_exclude(model) if cfg.gather_exclude is None else cfg.gather_exclude
+        exclude = formats.default_exclude(model) if cfg.gather_exclude is None else cfg.gather_exclude
         quantize = compute_dtype if quantize_frozen else None
         align = unit_align(compute_dtype, reduce_dtype, align_bytes)
         specs, small_params = discover(model, units)

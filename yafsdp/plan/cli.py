@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from .. import formats
 from .build import memory_plan
 from .report import MemoryPlan
 from .sizing import OPTIMIZER_BYTES
@@ -24,18 +23,6 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
     ap.add_argument("--hsdp", type=int, default=1, metavar="R",
                     help="HSDP: R replicas, each sharded over world-size / R ranks (the plan is that of one replica)")
     ap.add_argument("--rank", type=int, default=0, help="the rank whose shard is planned (padding differs by rank)")
-    ap.add_argument("--param-dtype", default="bf16", choices=["fp32", "bf16", "fp16"],
-                    help="compute dtype of the gathered weights (the master shards stay fp32)")
-    ap.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
-                    help="dtype of the grad buffers and of the reduce-scatter")
-    ap.add_argument("--reduce-accum-dtype", default=None, choices=["fp32"],
-                    help="sum the reduce_dtype pieces in fp32 (an all-to-all landing and an fp32 accumulator per grad "
-                    "buffer; docs/reduce.md)")
-    ap.add_argument("--zero-stage", type=int, default=3, choices=[2, 3],
-                    help="3: two alternating weight buffers; 2: one gathered copy per unit")
-    ap.add_argument("--outsized-ratio", type=float, default=1.5,
-                    help="a unit that is not a repeated block and is larger than this x the largest block gets "
-                    "the outsized buffer")
     ap.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES),
                     help="optimizer whose state is counted (bytes per shard element: adamw 8, sgd-momentum 4)")
     ap.add_argument("--batch", type=int, default=None, help="micro-batch per rank (adds the activation estimate)")
@@ -55,14 +42,6 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
                     help="add PEFT LoRA adapters of this rank on every linear layer (target_modules='all-linear': "
                     "not lm_head); they are the trainable parameters, the base is frozen (--frozen-base, default "
                     "bf16 then)")
-    ap.add_argument("--offload", default="none", choices=["none", "optimizer", "all"],
-                    help="optimizer: fp32 master, grad shard and optimizer state on the host "
-                    "(YaFSDP(offload='optimizer')); all: the frozen and NF4 shards too, copied to the device per "
-                    "unit before its gather; the table says where each role lives and totals per GPU and host")
-    ap.add_argument("--gather-dtype", default="param", choices=["param"] + [f.name for f in formats.gather_formats()],
-                    help="fp8 / int8: the decoder layers' trainable weights gathered as records of that format "
-                    "(gather_dtype='fp8' / 'int8'; see docs/formats.md): their compute copy is about 1.03 bytes per "
-                    "element, plus a staging area per weight buffer")
     ap.add_argument("--async-save", action="store_true",
                     help="add the host memory of an asynchronous save's staging copy (the jobs' --async-save, "
                     "yafsdp.checkpoint.AsyncSaver): this rank's part of a checkpoint, kept between saves")
@@ -70,7 +49,48 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
                     help="the process group's backend: NCCL reduces in place, gloo through a staging shard per "
                     "grad buffer")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    _engine_flags(ap.add_argument_group("engine options (YaFSDP's, yafsdp.EngineConfig; docs/api.md)"))
     return ap
+
+
+# The engine options' flags are written from their definitions (yafsdp/core/config.py). Where the
+# plan's flag differs from the option: how it writes None, and its default.
+_NONE = {"gather_dtype": "param"}
+_DEFAULTS = {"param_dtype": "bf16"}  # a GPU plan: bf16 compute
+_SPELLED_OTHERWISE = {"quantize_frozen"}  # --frozen-base, which also freezes the model
+
+
+def _engine_flags(group) -> None:
+    from ..core.config import OPTIONS
+
+    for name, opt in OPTIONS.items():
+        if name in _SPELLED_OTHERWISE:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(opt.default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=opt.default, help=opt.doc)
+            continue
+        none = _NONE.get(name, "none")
+
+        def parse(text, opt=opt, none=none):
+            try:
+                return opt.parse(text, none)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+
+        texts = opt.texts(none)
+        metavar = "{" + ",".join(texts) + "}" if texts else "NAME,..." if opt.type.startswith("tuple") else None
+        group.add_argument(flag, type=parse, default=_DEFAULTS.get(name, opt.text(opt.default, none)),
+                           metavar=metavar, help=opt.doc)
+
+
+def _engine_options(a) -> dict:
+    """The engine options the flags give (``quantize_frozen`` from --frozen-base)."""
+    from ..core.config import OPTIONS
+
+    out = {name: getattr(a, name) for name in OPTIONS if name not in _SPELLED_OTHERWISE}
+    out["quantize_frozen"] = "nf4" if a.frozen_base == "nf4" else None
+    return out
 
 
 def _parse(argv=None, prog="python -m yafsdp plan"):
@@ -94,14 +114,9 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
         model = peft.get_peft_model(model, peft.LoraConfig(r=a.lora_rank, lora_alpha=2 * a.lora_rank,
                                                            target_modules="all-linear", lora_dropout=0.0))
     plan = (_choose if a.budget is not None else memory_plan)(
-        model, world_size=shard, rank=a.rank, param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype,
-        reduce_accum_dtype=a.reduce_accum_dtype,
-        zero_stage=a.zero_stage, outsized_ratio=a.outsized_ratio, optimizer=a.optimizer,
-        batch=a.batch, seq=a.seq, checkpointing=a.checkpointing, attention=a.attention,
-        quantize_frozen="nf4" if a.frozen_base == "nf4" else None,
-        offload=None if a.offload == "none" else a.offload,
-        gather_dtype=None if a.gather_dtype == "param" else a.gather_dtype, async_save=a.async_save,
-        backend=a.backend, **({"budget": a.budget} if a.budget else {}),
+        model, world_size=shard, rank=a.rank, optimizer=a.optimizer,
+        batch=a.batch, seq=a.seq, checkpointing=a.checkpointing, attention=a.attention, async_save=a.async_save,
+        backend=a.backend, **_engine_options(a), **({"budget": a.budget} if a.budget else {}),
     )
     choice = getattr(plan, "choice", None)
     if a.json:
@@ -122,7 +137,6 @@ def _check(a, ap: argparse.ArgumentParser) -> None:
     whose message names the value and what to pass instead), the sizes and the budget here."""
     from ..core.config import build_config
     from .choose import parse_bytes
-    from .sizing import as_dtype
 
     if a.world_size < 1:
         ap.error(f"--world-size {a.world_size}: give the number of ranks, at least 1")
@@ -145,11 +159,7 @@ def _check(a, ap: argparse.ArgumentParser) -> None:
         except ValueError as e:
             ap.error(f"--budget: {e}")
     try:
-        build_config(who="options", param_dtype=as_dtype(a.param_dtype), reduce_dtype=as_dtype(a.reduce_dtype),
-                     reduce_accum_dtype=as_dtype(a.reduce_accum_dtype), zero_stage=a.zero_stage,
-                     outsized_ratio=a.outsized_ratio, quantize_frozen="nf4" if a.frozen_base == "nf4" else None,
-                     offload=None if a.offload == "none" else a.offload,
-                     gather_dtype=None if a.gather_dtype == "param" else a.gather_dtype)
+        build_config(who="options", **_engine_options(a))
     except (TypeError, ValueError) as e:  # a refused combination of options: the parser's error, not a traceback
         ap.error(str(e).removeprefix("options: "))
 

@@ -20,14 +20,16 @@ class UnitRow:
     outsized: bool
     weight_free_bw: bool = False  # ZeRO-3 skips its backward re-gather (runtime.py [Note: weight-free backward])
     # Bytes one gather of the unit brings to each rank (the all-gather outputs: param_dtype values, or
-    # the gathered records of compact groups) and the gather format of its trainable group when it is
-    # gathered compact ("fp8", "int8"; None: param_dtype values)
+    # the gathered records of compact groups) and the name of the gather format of its trainable group
+    # when it is gathered compact ("fp8", "int8"; None: param_dtype values), as the option gather_dtype
+    # names it
     gather_bytes: int = 0
-    gather_format: str | None = None
+    gather_dtype: str | None = None
 
     @property
-    def fp8(self) -> bool:
-        return self.gather_format == "fp8"
+    def compact(self) -> bool:
+        """Its trainable group is gathered as records of a gather format (any: ``gather_dtype``)."""
+        return self.gather_dtype is not None
 
 
 @dataclass
@@ -108,16 +110,6 @@ class MemoryPlan:
     @property
     def _gather_host_row(self) -> str:
         return f"{(self.gather_dtype or '').upper()} records host staging"
-
-    @property
-    def fp8_host(self) -> int:
-        """Bytes of the FP8 records' host side (offload with gather_dtype="fp8"; 0 otherwise)."""
-        return self.gather_host if self.gather_dtype == "fp8" else 0
-
-    @property
-    def fp8(self) -> int:
-        """Bytes of the FP8 records (gather_dtype="fp8"; 0 otherwise)."""
-        return self.records if self.gather_dtype == "fp8" else 0
 
     @property
     def total(self) -> int:
