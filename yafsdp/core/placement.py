@@ -53,16 +53,10 @@ import torch.distributed as dist
 from .. import kernels
 from ..tools.trace import span
 
-__all__ = ["Placement", "DevicePlacement", "HostPlacement", "HostFrozenPlacement", "make_placement", "placement_of",
+__all__ = ["Placement", "DevicePlacement", "HostPlacement", "HostFrozenPlacement", "make_placement",
            "placement_class", "STAGE_BYTES"]
 
 STAGE_BYTES = 64 << 20  # most bytes a broadcast of a host tensor stages on the device at once
-
-
-def placement_of(role: str, offload: str | None) -> str:
-    """Where the tensor of ``role`` (a key of ``allocated_bytes()``) lives with ``offload``; the plan
-    uses the same rule. See [Note: host and device tensors] in alloc.py."""
-    return placement_class(offload).where_role(role)
 
 
 def placement_class(offload: str | None) -> "type[Placement]":

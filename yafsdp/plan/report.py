@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 
 
 from .. import formats
-from ..core.placement import placement_of
+from ..core.placement import placement_class
 from .activations import ActivationEstimate
 from .sizing import GiB, BufferSpec, itemsize
 
@@ -120,7 +120,12 @@ class MemoryPlan:
     def placement(self) -> dict[str, str]:
         """Where each role of :meth:`engine_bytes` lives ("host" / "device"), as ``YaFSDP.placement()``;
         the optimizer state is where the master shards are."""
-        return {k: placement_of(k, self.offload) for k in self.engine_bytes()}
+        return {k: self._place.where_role(k) for k in self.engine_bytes()}
+
+    @property
+    def _place(self):
+        """The placement's rules for ``offload`` (core/placement.py): where each role lives."""
+        return placement_class(self.offload)
 
     @property
     def host_bytes(self) -> int:
@@ -137,13 +142,13 @@ class MemoryPlan:
     def device_total(self) -> int:
         """Per GPU: the engine's device tensors, the optimizer state unless offloaded, activations."""
         act = self.activations.total if self.activations is not None else 0
-        return self.device_bytes + (0 if self.offload is not None else self.optimizer_state) + act
+        return self.device_bytes + (0 if self._place.optimizer_on_host else self.optimizer_state) + act
 
     @property
     def host_total(self) -> int:
         """Per rank on the host: with offload the master, grad, compute staging, landing and the
         optimizer state (pinned); with ``async_save`` the checkpoint's staging copy (pageable)."""
-        return (self.host_bytes + (self.optimizer_state if self.offload is not None else 0)
+        return (self.host_bytes + (self.optimizer_state if self._place.optimizer_on_host else 0)
                 + self.checkpoint_staging)
 
     def host_phases(self) -> dict[str, int]:
@@ -162,9 +167,9 @@ class MemoryPlan:
                "nf4": self.nf4}
         for fmt in formats.gather_formats():  # one role per gather format, as YaFSDP.allocated_bytes()
             out[fmt.name] = self.records if fmt.name == self.gather_dtype else 0
-        if self.offload is not None:
+        if self._place.optimizer_on_host:
             out.update(compute_host=self.compute_host, grad_landing=self.grad_landing)
-        if self.offload is not None and self.gather_dtype is not None:  # as YaFSDP.allocated_bytes(), 0 included
+        if self._place.optimizer_on_host and self.gather_dtype is not None:  # as YaFSDP.allocated_bytes(), 0 included
             out[f"{self.gather_dtype}_host"] = self.gather_host
         for s in self.slots:
             if s.kind == "weight":
@@ -188,7 +193,8 @@ class MemoryPlan:
             ("grad shard (fp32)", self.grad),
             (f"optimizer state ({self.optimizer})", self.optimizer_state),
             *([(f"compute copy host staging ({self.param_dtype})", self.compute_host),
-               (f"reduced-grad landing ({self.reduce_dtype})", self.grad_landing)] if self.offload else []),
+               (f"reduced-grad landing ({self.reduce_dtype})", self.grad_landing)] if self._place.optimizer_on_host
+              else []),
             (f"compute copy ({self.param_dtype})", self.compute_copy),
             (f"frozen shard ({self.param_dtype})", self.frozen),
             *([(self._nf4_row, self.nf4)] if self.quantize_frozen else []),
@@ -198,7 +204,7 @@ class MemoryPlan:
             ("weight buffers" + (" (none: world 1 aliases the shards)" if self.world_size == 1
                                                    and not self.weight_buffers else " (per unit, ZeRO-2)" if self.zero_stage == 2 else " (x2)")
              + (" + NF4 staging" if self.quantize_frozen else "")
-             + (" + frozen landing" if self.offload == "all" else ""), self.weight_buffers),
+             + (" + frozen landing" if self._place.host_frozen else ""), self.weight_buffers),
             ("grad buffers (x2, + staging)", self.grad_buffers),
             ("small group (weight + grad)", self.small_group),
             ("outsized-unit buffers", self.outsized_buffers),
@@ -217,12 +223,12 @@ class MemoryPlan:
     _staging_row = "async-save staging copy (host, kept between saves)"
 
     def _host_rows(self) -> list[str]:
-        if not self.offload:
+        if not self._place.optimizer_on_host:
             return [self._staging_row] if self.checkpoint_staging else []
         return [self._staging_row, "master shard (fp32)", "grad shard (fp32)", f"optimizer state ({self.optimizer})",
                 f"compute copy host staging ({self.param_dtype})", f"reduced-grad landing ({self.reduce_dtype})",
                 *([self._gather_host_row] if self.gather_host else []),
-                *([f"frozen shard ({self.param_dtype})", self._nf4_row] if self.offload == "all" else [])]
+                *([f"frozen shard ({self.param_dtype})", self._nf4_row] if self._place.host_frozen else [])]
 
     @property
     def _nf4_row(self) -> str:
@@ -257,17 +263,17 @@ class MemoryPlan:
             lines.append(f"  not re-gathered for backward (weight-free backward): {', '.join(free)}")
         w = max(len(r) for r, _ in self.rows())
         host_rows = set(self._host_rows())
+        split = self._place.optimizer_on_host or self.checkpoint_staging  # rows on both sides: say where
         lines.append(f"  {'role':<{w}}  {'bytes':>16}  {'GiB':>9}"
-                     + ("  where" if self.offload or self.checkpoint_staging else ""))
+                     + ("  where" if split else ""))
         for role, b in self.rows():
             if role == "total":
                 lines.append("  " + "-" * (w + 29))
-            where = (("  host" if role in host_rows else "  device" if role != "total" else "")
-                     if self.offload or self.checkpoint_staging else "")
+            where = ("  host" if role in host_rows else "  device" if role != "total" else "") if split else ""
             lines.append(f"  {role:<{w}}  {b:>16,}  {b / GiB:>9.3f}{where}")
-        if self.offload or self.checkpoint_staging:
+        if split:
             lines.append(f"  {'per GPU (device)':<{w}}  {self.device_total:>16,}  {self.device_total / GiB:>9.3f}")
-            host = "per rank on the host" + (" (pinned: offload)" if self.offload else "")
+            host = "per rank on the host" + (" (pinned: offload)" if self._place.optimizer_on_host else "")
             lines.append(f"  {host:<{w}}  {self.host_total:>16,}  "
                          f"{self.host_total / GiB:>9.3f}")
         lines.append(f"  {'host at load (hf streaming)':<{w}}  {self.load_host:>16,}  "
