@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 from yafsdp import kernels, shards
-from yafsdp.core.optim import FusedAdamW
+from yafsdp.optim.adamw import FusedAdamW
 
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 

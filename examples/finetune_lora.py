@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from yafsdp.core.config import OPTIONS
+from yafsdp.layout.config import OPTIONS
 
 from pretrain import data as D  # examples/pretrain, beside this script (its directory is on sys.path)
 from pretrain import job as J

@@ -352,12 +352,12 @@ def allowed(row: dict) -> bool:
     return not (row.get("ac") == "reentrant" and row.get("backward") == "grad")
 
 
-# Refused by the engine, by design (yafsdp/core/config.py): (dim, values, dim, values, words) -- a row holding
+# Refused by the engine, by design (yafsdp/layout/config.py): (dim, values, dim, values, words) -- a row holding
 # both gets YaFSDP(...) refused with a ValueError naming both options (``words(row)``). Lifting a
 # refusal: delete its entry here; the generator then covers those pairs with parity rows.
 REFUSED = [
     # (offload x HSDP was refused here until the host grad shards' all-reduce was staged through the
-    # device: yafsdp/core/placement.py; its pairs are parity rows now)
+    # device: yafsdp/engine/placement.py; its pairs are parity rows now)
     # (offload x gather_dtype="fp8" / "int8" likewise, since the records have a host staging side)
 ]
 
@@ -404,7 +404,7 @@ def looks_up(row: dict) -> bool:
 SEEDS = [
     dict(trainable="qlora", mesh="hsdp", resume="weights"),  # NF4 base loaded on every replica, not replica 0 only
     dict(trainable="qlora", mesh="hsdp", offload="all"),  # QLoRA, host base shards, on a mesh
-    # the sharded lookup of an embedding (yafsdp/core/lookup.py) takes only rows that hold all of these (an
+    # the sharded lookup of an embedding (yafsdp/engine/lookup.py) takes only rows that hold all of these (an
     # outsized, trainable, untied embedding; gloo world 2, flat, ZeRO-3, fp32, gathered as is, kept on the
     # device); three rows of it, completed with different values of the other dimensions by the generator
     *[LOOKUP] * 3,

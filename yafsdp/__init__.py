@@ -2,13 +2,16 @@
 
 The package is laid out by role (docs/design.md has one line per module):
 
-- ``yafsdp.core``          the engine: ``YaFSDP``, its options, units, flat groups, the runtime and its step
-                           protocol, allocation and placement, autograd hooks, state dicts, ``FusedAdamW``
+- ``yafsdp.wrapper``       the module facade: ``YaFSDP`` (arguments, forward, methods), state dicts, full views, EMA
+- ``yafsdp.layout``        units, flat groups, the engine options (``EngineConfig``), the sizing of every buffer
+- ``yafsdp.engine``        the runtime and its step protocol: gathers, the backward gate, a gradient's path,
+                           HSDP's all-reduce across replicas, buffers, allocation, placement, autograd hooks
+- ``yafsdp.optim``         the optimizer seams: ``FusedAdamW``, the step hooks, optimizer state dicts
 - ``yafsdp.comm``          the comm schedule (base, CUDA streams + events, gloo handles), the collectives seam,
-                           HSDP's replica sync, the narrow reduce with fp32 accumulation
+                           HSDP's groups, the narrow reduce with fp32 accumulation
 - ``yafsdp.formats``       gather/storage formats (param_dtype, fp8, int8, NF4): one object per format
 - ``yafsdp.kernels``       the hot-path kernels (C++/CUDA extension or their pure-PyTorch twins)
-- ``yafsdp.plan``          the memory plan, the sizing the allocator uses, ``python -m yafsdp plan``
+- ``yafsdp.plan``          the memory plan (over the layout's sizing), ``python -m yafsdp plan``
 - ``yafsdp.checkpoint``    sharded checkpoints (DCP), background saves
 - ``yafsdp.integrations``  Hugging Face load/export, PEFT, meta init, transformers.Trainer / TRL
 - ``yafsdp.lightning``     Lightning Trainer / Fabric ``strategy="yafsdp"`` (imported on demand: needs lightning)
@@ -22,13 +25,15 @@ yafsdp.hf`` and ``mock.patch("yafsdp.hf.…")`` reach the one module).
 """
 import sys as _sys
 
-from .core.api import YaFSDP
-from .core.config import EngineConfig, MixedPrecision, Offload, build_config
-from .core.optim import FusedAdamW
-from .core.units import WrapError
+from .wrapper.api import YaFSDP
+from .layout.config import EngineConfig, MixedPrecision, Offload, build_config
+from .optim.adamw import FusedAdamW
+from .layout.units import WrapError
 from .comm.groups import CollectiveError
-from .core.ddp_guard import WrappedTwiceError
-from .core import ema, shards
+from .engine.ddp_guard import WrappedTwiceError
+from .wrapper import ema
+from .engine import shards
+from . import plan
 from .integrations import adapters, export, hf, init, peft_load, trainer
 from .tools import measure, presets, streamcheck, trace
 from .tools.watchdog import EXIT_HANG, Watchdog

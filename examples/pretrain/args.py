@@ -9,7 +9,7 @@ import math
 import os
 import sys
 
-from yafsdp.core.config import OPTIONS
+from yafsdp.layout.config import OPTIONS
 
 from pretrain import rundir as R
 from pretrain.presets import DEFAULT_PRESET, presets
@@ -91,7 +91,7 @@ def build_parser(prog: str = "pretrain_llama.py",
                    "after this many in a row")
     g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 compute (fp32 master weights); default: on for CUDA, off on CPU")
-    # the flags that mirror an engine option take its values (yafsdp/core/config.py; formats from the registry)
+    # the flags that mirror an engine option take its values (yafsdp/layout/config.py; formats from the registry)
     g.add_argument("--zero-stage", type=int, default=3, choices=OPTIONS["zero_stage"].choices(),
                    help="3: gather weights again for backward; 2: keep them from forward")
     g.add_argument("--gather-dtype", default="bf16", choices=OPTIONS["gather_dtype"].texts(none="bf16"),

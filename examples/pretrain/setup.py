@@ -241,7 +241,7 @@ class Setup:
         options = dict(self.wrap_options())
         if a.gather_dtype != "bf16":  # See [Note: gather formats] in yafsdp/formats/base.py
             options["gather_dtype"] = a.gather_dtype
-        # The engine's options, checked as YaFSDP(...) and the plan check them (yafsdp/core/config.py),
+        # The engine's options, checked as YaFSDP(...) and the plan check them (yafsdp/layout/config.py),
         # before the model is built.
         config = yafsdp.build_config(param_dtype=self.param_dtype, zero_stage=a.zero_stage, **options)
         model = self.make_model()
@@ -324,7 +324,7 @@ def make_optimizer(model, args, device):
     fused_cls = getattr(yafsdp, "FusedAdamW", None)
     if fused_cls is None:
         try:
-            from yafsdp.core.optim import FusedAdamW as fused_cls  # noqa: N813
+            from yafsdp.optim.adamw import FusedAdamW as fused_cls  # noqa: N813
         except Exception:  # noqa: BLE001 - not built / not there: fall back below
             fused_cls = None
     if fused_cls is not None:

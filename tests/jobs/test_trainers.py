@@ -260,7 +260,7 @@ def test_trainer_fused_checkpointing_bf16_and_refusals(trainer_run):
     ref = r["refusals"]
     assert "param_dtype=None" in ref["bf16_mismatch"] and "param_dtype=torch.bfloat16" in ref["bf16_mismatch"]
     assert "not a yafsdp.YaFSDP model" in ref["plain_model"]
-    # DDP's own constructor refuses it (yafsdp/core/ddp_guard.py), with the trainer's words
+    # DDP's own constructor refuses it (yafsdp/engine/ddp_guard.py), with the trainer's words
     assert ref["ddp_around"].startswith("WrappedTwiceError") and "wrapped twice" in ref["ddp_around"], ref["ddp_around"]
     assert "wrapped twice" in ref["parent_around"] and "ModuleDict" in ref["parent_around"], ref["parent_around"]
     assert "configured for FSDP" in ref["fsdp_env_cpu"], ref["fsdp_env_cpu"]

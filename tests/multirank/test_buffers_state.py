@@ -258,7 +258,7 @@ def test_reentrant_checkpointing_is_refused():
 
 def test_weight_free_backward_units():
     """Which units ZeRO-3 need not re-gather for backward: plain embeddings only."""
-    from yafsdp.core.units import discover, weight_free_backward
+    from yafsdp.layout.units import discover, weight_free_backward
 
     def flags(model):
         specs, _ = discover(model, None)
@@ -310,7 +310,7 @@ def _weight_free_run(rank, world, weight_free: bool):
         for u in model.units:
             u.weight_free_bw = False
     gathers = []
-    from yafsdp.core.buffers import WeightBuffer
+    from yafsdp.engine.buffers import WeightBuffer
 
     real_gather = WeightBuffer.gather
     WeightBuffer.gather = lambda slot, unit: (gathers.append(unit.name), real_gather(slot, unit))[1]

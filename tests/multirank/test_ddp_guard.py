@@ -1,6 +1,6 @@
 """DistributedDataParallel around a yafsdp-wrapped model is refused in DDP's constructor, before it
 broadcasts rank 0's flat shards over the other ranks' ([Note: DDP around a sharded model] in
-yafsdp/core/ddp_guard.py): around the wrapper itself, around a parent module holding it (what
+yafsdp/engine/ddp_guard.py): around the wrapper itself, around a parent module holding it (what
 Lightning's strategy="ddp" builds), with init_sync=False, and through accelerate's prepare(). After
 every refused attempt each rank's shards are bit for bit what they were, and the model still trains
 as the unsharded one does. One world-2 spawn.

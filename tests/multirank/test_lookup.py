@@ -1,4 +1,4 @@
-"""[Note: the sharded lookup of an embedding] (yafsdp/core/lookup.py): at gloo world 2 an untied
+"""[Note: the sharded lookup of an embedding] (yafsdp/engine/lookup.py): at gloo world 2 an untied
 embedding is looked up from the shards and its gradient rows added where they are owned. One
 spawn runs every case (each world-2 start costs seconds on 2 cores)."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """offload="optimizer": fp32 master, grad shard and optimizer state on the host, the compute copy
-(all-gather input) on the device; see [Note: host and device tensors] in yafsdp/core/alloc.py.
+(all-gather input) on the device; see [Note: host and device tensors] in yafsdp/engine/alloc.py.
 
 On a CPU-only machine host and device are both the CPU, so the same code path runs and must give
 bit for bit the results of the engine without offload: LoRA and QLoRA (NF4 base), fp32 and bf16,
@@ -212,14 +212,14 @@ def test_collectives_see_only_device_tensors_and_placement(world2):
 
 
 def test_offload_refuses_unknown_values():
-    assert [yafsdp.core.config.check_offload(v) for v in (None, "optimizer", "all")] == [None, "optimizer", "all"]
+    assert [yafsdp.layout.config.check_offload(v) for v in (None, "optimizer", "all")] == [None, "optimizer", "all"]
     with pytest.raises(ValueError, match="offload='gpu' is not supported; use None, 'optimizer' .* or 'all'"):
-        yafsdp.core.config.check_offload("gpu")
+        yafsdp.layout.config.check_offload("gpu")
 
 
 # HSDP with offload: the grad shards' all-reduce across replicas and the broadcasts from replica 0
 # run on host shards staged through the device ([Note: the all-reduce of host grad shards] in
-# yafsdp/core/placement.py). Two replicas of one-rank shard groups (world 2, the cheapest mesh): every
+# yafsdp/engine/placement.py). Two replicas of one-rank shard groups (world 2, the cheapest mesh): every
 # sum is of two values, so the results equal HSDP without offload bit for bit, whether that run
 # all-reduces overlapped (from the second step on) or deferred.
 HSDP_CASES = {

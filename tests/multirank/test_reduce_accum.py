@@ -291,7 +291,7 @@ def test_chunked_outsized_gradients_equal_the_own_buffer():
 def test_copy_columns_is_the_column_block_of_the_flat_unit():
     """``copy_columns`` (the chunked reduce's copy) against slicing the (world x shard) view, for
     parameters that start and end inside rows, span rows, and fill whole ones."""
-    from yafsdp.core.grad_path import copy_columns
+    from yafsdp.engine.grad_path import copy_columns
 
     world, shard = 5, 13
     flat = torch.arange(world * shard, dtype=torch.float32) + 1

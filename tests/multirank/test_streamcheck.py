@@ -172,7 +172,7 @@ def _run_case(rank, case, steps=3):
         assert more | {"aten.copy_", "aten.mul_", "yafsdp.accumulate_"} <= reduce_ops, reduce_ops
         assert "grad0_accum" in model.owned_tensors() and "_accum" in " ".join(
             n for entry in chk.log if entry[0] == "kernel" for n, *_ in entry[5]), "the accumulator was never written"
-    from yafsdp.plan import sizing
+    from yafsdp.layout import sizing
 
     aliased = torch.distributed.get_world_size() == 1 and sizing.ALIAS_WORLD1  # may gather nothing at all
     assert (aliased or any(op.startswith("c10d.") for _, op, _ in comm_side)) and not stray, stray[:5]
@@ -296,7 +296,7 @@ def _faulty(edge: str, case: dict) -> list[str]:
 def _every_fault(rank, world):
     """Every fault of FAULTS and the ZeRO-2 bug, in one spawned rank (one start-up instead of eleven);
     a clean case last checks that the restores left no edge dropped. fault -> races, or the error."""
-    from yafsdp.plan import sizing
+    from yafsdp.layout import sizing
 
     # One rank, every unit gathered into a weight buffer as at any world (without the switch, world 1
     # aliases the shards and gathers nothing: [Note: the world-1 alias]; test_world1_alias_is_race_free).
@@ -421,7 +421,7 @@ def test_hsdp_schedule_is_race_free_and_a_dropped_wait_is_reported():
 def _hsdp_offload_case(rank, world, fault):
     """offload x HSDP (world 2 as 2 replicas of one rank) under the checker: the host grad shards'
     all-reduce staged through an idle grad buffer ([Note: the all-reduce of host grad shards] in
-    yafsdp/core/placement.py): the copy in and out on the compute stream, the all-reduce on the comm stream."""
+    yafsdp/engine/placement.py): the copy in and out on the compute stream, the all-reduce on the comm stream."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if fault == "replicated":  # the compute side no longer waits for the all-reduce before copying back

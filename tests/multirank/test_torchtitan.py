@@ -1,7 +1,7 @@
 """yafsdp inside torchtitan (yafsdp/integrations/torchtitan.py, [Note: the torchtitan seam]) and the engine
-changes it needed: blocks in a ModuleDict ([Note: blocks in a ModuleDict] in core/units.py), modules with
-state_dict hooks ([Note: state_dict hooks] in core/state_dict.py), no device anchor on a plain root
-([Note: the device anchor] in core/anchor.py).
+changes it needed: blocks in a ModuleDict ([Note: blocks in a ModuleDict] in layout/units.py), modules with
+state_dict hooks ([Note: state_dict hooks] in wrapper/state_dict.py), no device anchor on a plain root
+([Note: the device anchor] in wrapper/anchor.py).
 
 A torchtitan-shaped model of our own covers the engine side without torchtitan; torchtitan 0.3's llama3
 (its debug model cut to 2 layers, SDPA attention: FlexAttention has no backward on CPU) runs through
@@ -21,7 +21,7 @@ from torch import nn
 
 import yafsdp
 from dist_utils import run_ranks
-from yafsdp.core.units import discover
+from yafsdp.layout.units import discover
 
 TRITON_DIR = os.environ.get("YAFSDP_TRITON_DIR", os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".triton"))

@@ -1,4 +1,4 @@
-"""The engine's options are defined and checked once (yafsdp/core/config.py): ``YaFSDP(...)``, the memory
+"""The engine's options are defined and checked once (yafsdp/layout/config.py): ``YaFSDP(...)``, the memory
 plan and the jobs refuse the same values with the same words, ``YaFSDP(config=...)`` is the same engine
 as the keyword arguments it stands for, and the signature, the plan's CLI, the job's flags and the docs
 are written from (or checked against) the one definition."""
@@ -11,7 +11,7 @@ import torch
 import yafsdp
 from dist_utils import run_ranks
 from models import batch, loss_of, tiny_llama
-from yafsdp.core.config import OPTIONS, EngineConfig, MixedPrecision, Offload, build_config
+from yafsdp.layout.config import OPTIONS, EngineConfig, MixedPrecision, Offload, build_config
 
 ROOT = pathlib.Path(yafsdp.__file__).parent
 

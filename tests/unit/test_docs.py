@@ -208,7 +208,7 @@ def test_every_repo_path_the_code_names_exists():
 def test_the_path_check_finds_a_stale_path():
     """The check is not vacuous: it finds the kinds of stale names it is for, and accepts real ones."""
     text = ("`yafsdp/runtime.py`, `yafsdp.fp8`, `tests/test_parity.py`, `test_habits_old.py`, [x](nowhere.md)\n"
-            "`yafsdp/core/flat.py`, `yafsdp.core.flat.FlatLayout`, `yafsdp.YaFSDP`, [y](design.md#top), `tests/unit/`\n")
+            "`yafsdp/layout/flat.py`, `yafsdp.layout.flat.FlatLayout`, `yafsdp.YaFSDP`, [y](design.md#top), `tests/unit/`\n")
     found = _missing(ROOT / "docs" / "probe.md", text)
     assert [f.split(": ", 1)[1].split()[0] for f in found] == ["path", "path", "module", "file", "link"], found
     assert all(":1:" in f for f in found), found

@@ -101,8 +101,8 @@ def test_one_eligibility_rule_and_one_vocabulary():
     ``compact`` / ``stored`` are bools, the options hold format names."""
     from types import SimpleNamespace
 
-    from yafsdp.core.config import OPTIONS
-    from yafsdp.core.unit import frozen_kind, stored_kind, trainable_kind
+    from yafsdp.layout.config import OPTIONS
+    from yafsdp.engine.unit import frozen_kind, stored_kind, trainable_kind
     from yafsdp.formats.base import Format
 
     compact = [f for f in {*formats.gather_formats(), *formats.storage_formats()}]

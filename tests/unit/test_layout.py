@@ -115,6 +115,47 @@ def test_the_detector_sees_a_function_level_cycle(tmp_path, monkeypatch):
     assert _path(graph, "yafsdp.a", "yafsdp.a") == ["yafsdp.a", "yafsdp.b", "yafsdp.a"]
 
 
+# The rooms below the wrapper, and the rooms each may import (itself always): imports point one way,
+# from the facade down to the kernels (docs/design.md, "Modules"). ``tools`` below the engine means
+# ``tools.trace`` only (profiler ranges); ``plan`` reads the layout and the placement's rules.
+ROOMS = {
+    "formats": {"kernels"},
+    "comm": {"kernels", "tools.trace"},
+    "layout": {"kernels", "formats", "comm"},
+    "engine": {"kernels", "formats", "comm", "layout", "tools.trace"},
+    "optim": {"kernels", "formats", "comm", "layout", "engine", "tools.trace"},
+    "plan": {"kernels", "formats", "comm", "layout", "engine.placement", "integrations", "tools"},
+}
+
+
+def _room_violations(files, top, deferred):
+    bad = []
+    for m in sorted(files):
+        parts = m.split(".")
+        if len(parts) < 2 or parts[1] not in ROOMS:
+            continue
+        allowed = ROOMS[parts[1]] | {parts[1]}
+        for n in sorted(top.get(m, set()) | deferred.get(m, set())):
+            rest = n.split(".")[1:]
+            if rest and not any(".".join(rest[:len(a.split("."))]) == a for a in allowed):
+                bad.append(f"{m} imports {n}")
+    return bad
+
+
+def test_rooms_import_downwards_only():
+    """No room imports a room above it (engine never the wrapper or the optimizer seams, the layout never
+    the engine, the plan never the runtime): each can be read, and tested, without what builds on it."""
+    assert not _room_violations(*_imports())
+
+
+def test_the_room_check_sees_an_upward_import():
+    files = {"yafsdp.layout.units": None, "yafsdp.engine.runtime": None, "yafsdp.plan.build": None}
+    top = {"yafsdp.layout.units": {"yafsdp.engine.runtime"}}
+    deferred = {"yafsdp.plan.build": {"yafsdp.engine.runtime"}}
+    assert _room_violations(files, top, deferred) == ["yafsdp.layout.units imports yafsdp.engine.runtime",
+                                                      "yafsdp.plan.build imports yafsdp.engine.runtime"]
+
+
 def test_kernels_and_formats_are_leaves():
     """The kernels import no yafsdp module but their own twins; the formats import none inside functions."""
     files, top, deferred = _imports()
@@ -127,8 +168,8 @@ def test_kernels_and_formats_are_leaves():
 
 def test_runtime_reads_every_allocated_tensor_by_name():
     """``Runtime`` declares one property per field of alloc's ``Storage`` (rt.master, rt.grad_buffers, ...)."""
-    from yafsdp.core.alloc import STORAGE_FIELDS
-    from yafsdp.core.runtime import Runtime
+    from yafsdp.engine.alloc import STORAGE_FIELDS
+    from yafsdp.engine.runtime import Runtime
 
     assert all(isinstance(getattr(Runtime, f, None), property) for f in STORAGE_FIELDS), STORAGE_FIELDS
 
@@ -153,7 +194,7 @@ def test_the_documented_import_paths():
     from yafsdp.plan.cli import main  # noqa: F401 (python -m yafsdp plan)
     from yafsdp.trainer import YaFSDPSFTTrainer, YaFSDPTrainer, with_yafsdp  # noqa: F401
 
-    assert yafsdp.YaFSDP.__module__ == "yafsdp.core.api" and yafsdp.FusedAdamW.__module__ == "yafsdp.core.optim"
+    assert yafsdp.YaFSDP.__module__ == "yafsdp.wrapper.api" and yafsdp.FusedAdamW.__module__ == "yafsdp.optim.adamw"
     assert yafsdp.hf is hf and yafsdp.hf.export_hf is hf.export_hf
     for short in ("ema", "shards", "adapters", "export", "hf", "init", "peft_load", "trainer", "measure", "presets",
                   "streamcheck", "trace"):

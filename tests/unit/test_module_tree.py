@@ -1,6 +1,6 @@
 """After wrapping, the model is still a model: the original parameters of the wrapped module keep
 their names, and what a script does to them takes effect on the shards or is refused at the call
-(yafsdp/core/orig_params.py, yafsdp/core/views.py; docs/migration.md "The module tree after wrapping").
+(yafsdp/engine/orig_params.py, yafsdp/wrapper/views.py; docs/migration.md "The module tree after wrapping").
 
 Each item against the unsharded model, world 2, gloo, fp32, ZeRO-3 and ZeRO-2:
 re-initialising after wrap (model.apply, reset_parameters inside summon_full_params, the meta-device

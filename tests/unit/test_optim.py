@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from yafsdp import kernels, shards
-from yafsdp.core.optim import FusedAdamW
+from yafsdp.optim.adamw import FusedAdamW
 
 HAS_EXT = kernels.backend("cpu") == "extension"
 needs_ext = pytest.mark.skipif(

@@ -143,7 +143,7 @@ def test_plan_equals_allocated_bytes_world1():
 def _alias_vs_buffers(rank, world):
     """Three AdamW steps of two micro-batches each at world 1, with the world-1 alias and with every
     unit gathered into a buffer (the switch off): losses and final weights, per configuration."""
-    from yafsdp.plan import sizing
+    from yafsdp.layout import sizing
 
     def build(variant):
         model = tiny_llama(seed=3, tie=variant == "tied_unused")
@@ -206,7 +206,7 @@ class _Branchy(torch.nn.Module):
 def _sometimes_used(rank, world):
     """[Note: world-1 gradients] with parameters that get a gradient in some steps only: the grad
     shards after each step's backward, with the world-1 shortcuts and without (set_to_none both ways)."""
-    from yafsdp.plan import sizing
+    from yafsdp.layout import sizing
 
     out = {}
     for set_to_none in (True, False):
@@ -256,8 +256,8 @@ def test_plan_equals_allocated_bytes_worlds(world):
 def test_plan_buffers_pure_rules():
     """The rules themselves: two alternating buffers sized by the largest regular unit; an outsized
     unit gets its own buffer; the small group its own; ZeRO-2 one buffer per unit."""
-    from yafsdp.core.flat import FlatLayout, ParamInfo
-    from yafsdp.plan.sizing import UnitShape
+    from yafsdp.layout.flat import FlatLayout, ParamInfo
+    from yafsdp.layout.sizing import UnitShape
 
     def flat(n):
         return FlatLayout.build([ParamInfo("w", torch.Size([n]), torch.float32, [])], 4, 1, 4)
@@ -578,7 +578,7 @@ def test_llama2_70b_qlora_offload_plan_on_2_gpus():
     plans 25.59 GiB, over it: the NF4 base is 17.0 GiB per GPU at N=2 and stays on the device.
     (9.48 and 26.23 GiB before the activation peak of a checkpointed set was modelled per block:
     [Note: the peak of a checkpointed set]; the recompute no longer overlaps the head's transient.)"""
-    from yafsdp.plan.sizing import GiB
+    from yafsdp.layout.sizing import GiB
 
     model = _qlora_model("llama2-70b")
     kw = dict(world_size=2, param_dtype="bf16", quantize_frozen="nf4", batch=1, seq=2048, checkpointing=True)
@@ -654,7 +654,7 @@ def test_qlora_offload_8b_fake_pg_confirms_the_plan():
     (["--batch", "0"], "--batch 0: give a positive number"),
 ])
 def test_plan_cli_refuses_with_usage_not_a_traceback(argv, says, capsys):
-    """A refused combination of options (yafsdp.core.config.build_config's own refusals among them) is the
+    """A refused combination of options (yafsdp.layout.config.build_config's own refusals among them) is the
     parser's error: its usage, the message, exit status 2, before any model is built."""
     from yafsdp.plan.cli import main
 
@@ -683,7 +683,7 @@ def test_plan_backend_decides_the_reduce_staging():
 def test_grad_buffer_reduces_into_its_own_slice():
     """In place, the reduce's output is this rank's slice of the buffer (NCCL's in-place form:
     output = input + rank x count) and no staging is allocated; otherwise the staging shard."""
-    from yafsdp.core.buffers import GradBuffer
+    from yafsdp.engine.buffers import GradBuffer
 
     class Recording:
         def __init__(self):

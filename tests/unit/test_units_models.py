@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from dist_utils import run_ranks
-from yafsdp.core.units import discover, find_block_lists
+from yafsdp.layout.units import discover, find_block_lists
 
 
 def _t5():

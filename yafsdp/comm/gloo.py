@@ -73,13 +73,13 @@ class HandleSchedule(Schedule):
     def reduce_rows_into(self, target, full, unit):
         """``target`` <- this rank's slice of ``full`` (a unit's whole gradient) summed over the ranks,
         done when this returns: the reduce-scatter of :meth:`reduce` with the grad shard as its output,
-        waited at once. See [Note: the direct exchange of an outsized gradient] in core/grad_path.py."""
+        waited at once. See [Note: the direct exchange of an outsized gradient] in engine/grad_path.py."""
         self._now("reduce", "reduce-scatter", reduce_scatter, target, full, full, unit)
 
     def gather_rows_into(self, out, shard, unit):
         """``out`` <- every rank's ``shard`` end to end, done when this returns: the all-gather of
         :meth:`gather` into a tensor of the caller's, waited at once (the small exchanges of
-        [Note: the sharded lookup of an embedding] in core/lookup.py)."""
+        [Note: the sharded lookup of an embedding] in engine/lookup.py)."""
         self._now("gather", "gather", all_gather, out, shard, out, unit)
 
     def _now(self, kind, what, collective, out, inp, counted, unit):

@@ -10,7 +10,7 @@ Used only when the engine is given a 2-D mesh or a (shard, replicate) pair:
   every replica.
 
 The all-reduce of the grad shards across replicas is the engine's, next to the gradient's path:
-yafsdp/core/replicas.py ([Note: the cross-replica all-reduce]).
+yafsdp/engine/replicas.py ([Note: the cross-replica all-reduce]).
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def across_replicas(replicate_group, replica: int, error: type[Exception], fn):
 def broadcast_from_replica0(rt, module, replicate_group) -> None:
     """Every replica takes replica 0's shards -- every stored shard, whatever its group's kind
     (``Runtime.stored_shards``: trainable master, frozen, NF4 record; see [Note: stored shards] in
-    core/unit.py) -- and module buffers, over the ranks that hold the same shard. Shards adjacent in
+    engine/unit.py) -- and module buffers, over the ranks that hold the same shard. Shards adjacent in
     one store go as one broadcast."""
     from .groups import source_rank
 

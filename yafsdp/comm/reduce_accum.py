@@ -41,11 +41,11 @@ accumulation is exact). Up to ``(world - 1) u sum|g_r|`` in all: the gap grows w
 
 Memory: the landing is a second grad buffer's worth of ``reduce_dtype`` values, the accumulator one
 fp32 shard: a bf16 grad buffer pair with fp32 accumulation takes the bytes of an fp32 one (both sized
-by :func:`yafsdp.plan.sizing.plan_buffers`). Offload is refused for now: its reduced shard goes to the
+by :func:`yafsdp.layout.sizing.plan_buffers`). Offload is refused for now: its reduced shard goes to the
 host in ``reduce_dtype`` (one value per element, not every rank's piece).
 
 HSDP: the fold leaves fp32 values in the grad shard; the all-reduce across replicas runs on that
-fp32 shard as always ([Note: the cross-replica all-reduce] in core/replicas.py), so the replicas' sum is in
+fp32 shard as always ([Note: the cross-replica all-reduce] in engine/replicas.py), so the replicas' sum is in
 fp32 too (at fp32's bytes: that collective is 1/shard of the reduce's size).
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ Which stream every kernel of the CUDA schedule runs on, and why:
   stream only, in its order, like the reduce-scatter's staging: no new event; see [Note: narrow
   reduce, fp32 accumulation] in reduce_accum.py);
   HSDP: the all-reduce of grad shards across replicas, both kinds (see [Note: the cross-replica
-  all-reduce] in core/replicas.py): overlapped, right behind a unit's fold in the same comm-stream block
+  all-reduce] in engine/replicas.py): overlapped, right behind a unit's fold in the same comm-stream block
   and before the grad buffer's ``done`` (with, on a mispredicted step only, the ``1/replicas``
   scale of the shard before the fold); deferred, between ``grads_final`` and ``replicated``.
   Collectives are issued with ``async_op=False`` inside ``torch.cuda.stream(comm)``: since
@@ -189,7 +189,7 @@ class Schedule:
         area); ``expand()``, when given, runs after it has landed and before the buffer counts as
         gathered (see [Note: expanding a compact gather]). ``stage`` (offload="all"): a device
         tensor the host ``shard`` is first copied into, the collective's input then (see
-        [Note: the frozen landing] in plan/sizing.py)."""
+        [Note: the frozen landing] in layout/sizing.py)."""
         raise NotImplementedError
 
     def wait_gathered(self, sync: _WeightSync) -> None:
@@ -203,7 +203,7 @@ class Schedule:
                then: Callable[[], None], pieces: bool = False) -> None:
         """Issue the reduce-scatter of ``full`` (a grad buffer) into ``out``; ``then()`` runs on the
         comm side right behind it (CUDA: on the comm stream, before the buffer's ``done``; gloo: at the
-        reduce's wait) -- the rest of the gradient's path, core/grad_path.py. ``pieces``: an all-to-all
+        reduce's wait) -- the rest of the gradient's path, engine/grad_path.py. ``pieces``: an all-to-all
         instead, ``out`` (as large as ``full``) receives every rank's piece of this rank's shard (see
         [Note: narrow reduce, fp32 accumulation] in reduce_accum.py)."""
         raise NotImplementedError
@@ -240,12 +240,12 @@ class Schedule:
     def reduce_rows_ok(self) -> bool:
         """Whether ``reduce_rows_into(target, full, unit)`` (a reduce into the grad shard, complete on
         return) is offered: gloo at world 2 only. See [Note: the direct exchange of an outsized
-        gradient] in core/grad_path.py; with ``gather_rows_into(out, shard, unit)``, the small exchanges
-        of [Note: the sharded lookup of an embedding] in core/lookup.py."""
+        gradient] in engine/grad_path.py; with ``gather_rows_into(out, shard, unit)``, the small exchanges
+        of [Note: the sharded lookup of an embedding] in engine/lookup.py."""
         return False
 
     # HSDP: the all-reduce of grad shards across replicas. See [Note: the cross-replica
-    # all-reduce] in core/replicas.py.
+    # all-reduce] in engine/replicas.py.
     def all_reduce_behind(self, grad: torch.Tensor, unit: str) -> None:
         """From the comm side (inside a reduce's ``then``): all-reduce ``grad`` (a folded grad shard)
         across the replicas, behind the fold (CUDA: on the comm stream, before ``done``; gloo: an

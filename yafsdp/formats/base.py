@@ -13,7 +13,7 @@ testing its name:
 
 - ``record_bytes(n, dtype)`` and ``shard_align(align, dtype)``: one rank's record for ``n``
   values (codes, scales and any alignment), and the elements a rank's shard is a multiple of
-  (whole blocks); the plan (``plan/sizing.py``) and the allocator size with these two.
+  (whole blocks); the plan (``layout/sizing.py``) and the allocator size with these two.
 - ``eligible(info)`` / ``eligible_unit(params, exclude)``: which parameters / units it takes. One
   rule for every compact format (:func:`linear_weight`): the 2-D ``weight`` of ``nn.Linear``
   modules only (so not a weight tied to an embedding), outside the small group, of whole blocks;

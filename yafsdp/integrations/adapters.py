@@ -92,7 +92,7 @@ def _adapter_tensors(model, inner, adapter_name: str) -> dict | None:
     from peft import get_peft_model_state_dict
 
     from .export import iter_units
-    from ..core.state_dict import original_structure
+    from ..wrapper.state_dict import original_structure
 
     ref_of = {key: (ref.shape, ref.dtype) if kind == "param" else (ref[0]._buffers[ref[1]].shape,
                                                                    ref[0]._buffers[ref[1]].dtype)

@@ -263,7 +263,7 @@ def load_streaming(model, sources: list, *, error: type[Exception] = ValueError,
     ``sources`` (a list of sources, or of (source, rename) pairs), each rank reading only its own
     slices. Checked on every rank first; nothing is modified on error. See [Note: streaming loads]."""
     from ..comm.groups import check_collective
-    from ..core.state_dict import load_buffers, write_shard
+    from ..wrapper.state_dict import load_buffers, write_shard
 
     check_collective(f"{what}()", model.process_group)
     model.check_idle(what)
@@ -337,7 +337,7 @@ def load_host_bytes(layouts, compute_itemsize: int) -> int:
     allocations (``python -m yafsdp plan``'s "host at load" row), at most: one flat group's slice
     (on a CPU engine only an NF4 group's, in ``param_dtype``; on a GPU engine any group's, in its
     shard's dtype: at most fp32), the NF4 slice, and the scratch of one converting read (at most
-    ``READ_BYTES``, never more than a slice in fp32). ``layouts``: the units' ``plan.sizing.UnitShape``."""
+    ``READ_BYTES``, never more than a slice in fp32). ``layouts``: the units' ``layout.sizing.UnitShape``."""
     big = max((max(lay.trainable_shard, lay.frozen_shard, lay.nf4_shard) for lay in layouts), default=0)
     nf4 = max((lay.nf4_shard for lay in layouts), default=0)
     return 4 * big + compute_itemsize * nf4 + min(READ_BYTES, 4 * big)

@@ -19,14 +19,14 @@ and builds the optimizers from its ``parameters()``. :func:`parallelize_yafsdp` 
 - ``parameters()`` are the flat shards: the optimizer steps them, as FSDP2's optimizer steps its
   DTensors;
 - the units: the embedding, each block of the ``layers`` ModuleDict ([Note: blocks in a ModuleDict]
-  in core/units.py) and the head; the fused QKV layer's state_dict hooks (and those of the
+  in layout/units.py) and the head; the fused QKV layer's state_dict hooks (and those of the
   activation-checkpoint wrappers) run around the gathered values ([Note: state_dict hooks] in
-  core/state_dict.py);
+  wrapper/state_dict.py);
 - ``activation_checkpoint``: torchtitan's policy (full or selective) wraps each block before
   the engine does, so the checkpoint wrappers are the units and recompute inside their backward;
 - gradient clipping: the Trainer's ``clip_grad_norm_`` over ``parameters()`` takes the model's norm:
   the flat shards' gradients answer a norm with one all-reduce over the shard group ([Note: shard
-  gradients that know they are shards] in core/shard_grad.py), so every rank clips by the same factor, and the
+  gradients that know they are shards] in engine/shard_grad.py), so every rank clips by the same factor, and the
   ``grad_norm`` it logs is the model's;
 - the Trainer's ``_skip_lm_head`` flag (``ChunkedLossWrapper``) is set on the wrapped model,
   whose forward reads it; the chunked loss then calls ``lm_head`` once per chunk after the
@@ -49,7 +49,7 @@ import functools
 
 import torch
 
-from ..core.api import YaFSDP
+from ..wrapper.api import YaFSDP
 
 __all__ = ["TitanYaFSDP", "parallelize_yafsdp", "yafsdp_model_spec", "yafsdp_trainer_config", "llama3_debugmodel",
            "llama3_debugmodel_varlen_attn"]

@@ -45,8 +45,8 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from ..core.api import YaFSDP
-from ..core.ddp_guard import wrapped_twice_message
+from ..wrapper.api import YaFSDP
+from ..engine.ddp_guard import wrapped_twice_message
 from .trainer_watchdog import WatchdogMixin
 
 __all__ = ["YaFSDPTrainerMixin", "YaFSDPTrainer", "YaFSDPSFTTrainer", "with_yafsdp", "decay_parameter_names",
@@ -384,7 +384,7 @@ def check_model(model) -> None:
     if isinstance(model, YaFSDP):
         return
     # The engine's own check and words (DistributedDataParallel's constructor refuses the same way):
-    # see [Note: DDP around a sharded model] in core/ddp_guard.py.
+    # see [Note: DDP around a sharded model] in engine/ddp_guard.py.
     if isinstance(model, torch.nn.Module) and any(isinstance(m, YaFSDP) for m in model.modules()):
         raise TrainerSetupError(
             wrapped_twice_message(f"the model passed to the trainer is a {type(model).__name__}") +

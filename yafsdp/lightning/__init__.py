@@ -17,7 +17,7 @@ Lightning is patched. The differences from FSDP, each for a reason:
   wrapped it already. Parameters in several children, or on the LightningModule itself, are refused
   (one engine, one process group, one optimizer layout). No DDP is put around anything; a
   ``strategy="ddp"`` around a wrapped model is refused by DDP's constructor ([Note: DDP around a
-  sharded model] in core/ddp_guard.py).
+  sharded model] in engine/ddp_guard.py).
 - **Precision** is the engine's dtypes, not a module conversion: ``"32-true"`` -> fp32,
   ``"bf16-true"`` / ``"bf16-mixed"`` -> ``param_dtype=torch.bfloat16``, ``"16-mixed"`` ->
   ``param_dtype=torch.float16`` with the plugin's GradScaler (its inf check is the engine's, agreed over

@@ -18,9 +18,9 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as _LayerSummaryTable
 
-from ..core.anchor import ANCHOR
-from ..core.api import YaFSDP
-from ..core.orig_params import ShardedParameter
+from ..wrapper.anchor import ANCHOR
+from ..wrapper.api import YaFSDP
+from ..engine.orig_params import ShardedParameter
 
 _METADATA = "meta.pt"  # a sharded checkpoint's non-tensor state, written by rank 0
 
@@ -164,7 +164,7 @@ def _adopt_optimizer(opt, engine: YaFSDP, model_name: str) -> None:
     flat = {id(p) for p in engine.parameters()}
     groups = opt.param_groups
     if len(groups) == 1 and flat <= {id(p) for p in groups[0]["params"]} and not opt.state:
-        # the engine's device anchor (empty; [Note: the device anchor] in core/anchor.py) goes with them
+        # the engine's device anchor (empty; [Note: the device anchor] in wrapper/anchor.py) goes with them
         anchor = engine.__dict__.get("_device_param")
         groups[0]["params"] = [p for p in groups[0]["params"]
                                if not isinstance(p, ShardedParameter) and p is not anchor]

@@ -17,8 +17,8 @@ from lightning.fabric.strategies.parallel import ParallelStrategy as FabricParal
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 
-from ..core.api import YaFSDP
-from ..core.orig_params import ShardedParameter
+from ..wrapper.api import YaFSDP
+from ..engine.orig_params import ShardedParameter
 from .common import StrategySetupError, start_process_group, _NoSync, _adopt_optimizer, _adopt_precision, _check_engine, \
     _engine_dtype, _is_sharded, _load_file, _load_sharded, _meta_context, _save_sharded, _wrap
 

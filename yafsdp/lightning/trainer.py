@@ -18,7 +18,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy as PLParallel
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only as pl_rank_zero_only
 
-from ..core.api import YaFSDP
+from ..wrapper.api import YaFSDP
 from .common import StrategySetupError, start_process_group, _adopt_optimizer, _adopt_precision, _check_engine, _engine_dtype, \
     _engines, _fix_summaries, _is_sharded, _load_file, _load_sharded, _meta_context, _outside, _prefixed, _raw, \
     _save_sharded, _unprefixed, _wrap

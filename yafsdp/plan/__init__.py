@@ -51,7 +51,7 @@ from .choose import (
 from .cli import main
 from .build import memory_plan
 from .report import ActivationEstimate, MemoryPlan, UnitRow
-from .sizing import OPTIMIZER_BYTES, BufferPlan, BufferSpec, plan_buffers, repeated_blocks, unit_align
+from ..layout.sizing import OPTIMIZER_BYTES, BufferPlan, BufferSpec, plan_buffers, repeated_blocks, unit_align
 
 __all__ = ["ActivationEstimate", "ActivationTrace", "BufferPlan", "BufferSpec", "CheckpointChoice", "MemoryPlan",
            "OPTIMIZER_BYTES", "UnitRow", "activation_estimate", "activation_trace", "apply_checkpointing",

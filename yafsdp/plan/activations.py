@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..core.units import find_blocks
-from .sizing import dtype_name
+from ..layout.units import find_blocks
+from ..layout.sizing import dtype_name
 
 
 @dataclass

@@ -9,12 +9,12 @@ from torch import nn
 
 from ..comm.collectives import reduces_in_place
 from .. import formats
-from ..core.config import OPTIONS, EngineConfig, build_config
-from ..core.placement import placement_class
-from ..core.units import discover, weight_free_backward
+from ..layout.config import OPTIONS, EngineConfig, build_config
+from ..engine.placement import placement_class
+from ..layout.units import discover, weight_free_backward
 from .activations import activation_estimate
 from .staging import persistent_buffer_bytes, staging_bytes
-from .sizing import OPTIMIZER_BYTES, as_dtype, dtype_name, itemsize, plan_buffers, unit_align, unit_shape
+from ..layout.sizing import OPTIMIZER_BYTES, as_dtype, dtype_name, itemsize, plan_buffers, unit_align, unit_shape
 from .report import MemoryPlan, UnitRow
 
 
@@ -72,7 +72,7 @@ def memory_plan(
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
     or a plain module (any device, meta included; nothing is allocated) with the engine options
     given here: ``engine_options`` are ``YaFSDP``'s (the fields of ``yafsdp.EngineConfig``, their
-    dtypes also by name: "bf16", "fp32"), checked by ``yafsdp.core.config.build_config`` as
+    dtypes also by name: "bf16", "fp32"), checked by ``yafsdp.layout.config.build_config`` as
     ``YaFSDP(...)`` checks them (``config=``: an ``EngineConfig`` instead of the options).
     ``sharded_lookup`` is checked and changes no byte (the lookup's exchanges are the size of an
     activation). ``async_save=True`` adds the host memory of an asynchronous save's staging copy
@@ -102,7 +102,7 @@ def memory_plan(
         param_dtype = eng.param_dtype
         quantize_frozen = eng.quantize_frozen
         offload = eng.offload
-        place = placement_class(offload)  # the layout's rules: what is allocated where (core/placement.py)
+        place = placement_class(offload)  # the layout's rules: what is allocated where (engine/placement.py)
         gather_dtype = eng.gather_dtype
         module = eng.module
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)

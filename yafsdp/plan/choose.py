@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..core.config import EngineConfig
-from .sizing import GiB
+from ..layout.config import EngineConfig
+from ..layout.sizing import GiB
 
 
 def _inner(model: nn.Module) -> nn.Module:
@@ -166,7 +166,7 @@ def choose_checkpointing(model: nn.Module, *, budget=None, batch: int, seq: int,
 
 
 def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    from ..core.units import find_blocks
+    from ..layout.units import find_blocks
 
     names = {id(m): n for n, m in module.named_modules()}
     return [(names[id(b)], b) for b in find_blocks(module)]

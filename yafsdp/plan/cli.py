@@ -6,7 +6,7 @@ import json
 
 from .build import memory_plan
 from .report import MemoryPlan
-from .sizing import OPTIMIZER_BYTES
+from ..layout.sizing import OPTIMIZER_BYTES
 
 def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
     from ..tools.presets import PRESETS
@@ -53,7 +53,7 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
     return ap
 
 
-# The engine options' flags are written from their definitions (yafsdp/core/config.py). Where the
+# The engine options' flags are written from their definitions (yafsdp/layout/config.py). Where the
 # plan's flag differs from the option: how it writes None, and its default.
 _NONE = {"gather_dtype": "param"}
 _DEFAULTS = {"param_dtype": "bf16"}  # a GPU plan: bf16 compute
@@ -61,7 +61,7 @@ _SPELLED_OTHERWISE = {"quantize_frozen"}  # --frozen-base, which also freezes th
 
 
 def _engine_flags(group) -> None:
-    from ..core.config import OPTIONS
+    from ..layout.config import OPTIONS
 
     for name, opt in OPTIONS.items():
         if name in _SPELLED_OTHERWISE:
@@ -86,7 +86,7 @@ def _engine_flags(group) -> None:
 
 def _engine_options(a) -> dict:
     """The engine options the flags give (``quantize_frozen`` from --frozen-base)."""
-    from ..core.config import OPTIONS
+    from ..layout.config import OPTIONS
 
     out = {name: getattr(a, name) for name in OPTIONS if name not in _SPELLED_OTHERWISE}
     out["quantize_frozen"] = "nf4" if a.frozen_base == "nf4" else None
@@ -135,7 +135,7 @@ def _check(a, ap: argparse.ArgumentParser) -> None:
     """Refuse what the plan cannot be computed for with the parser's usage and exit status 2, before
     any model is built: the engine options go through ``build_config`` (the check ``YaFSDP`` makes,
     whose message names the value and what to pass instead), the sizes and the budget here."""
-    from ..core.config import build_config
+    from ..layout.config import build_config
     from .choose import parse_bytes
 
     if a.world_size < 1:

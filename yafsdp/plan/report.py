@@ -5,9 +5,9 @@ from dataclasses import asdict, dataclass, field
 
 
 from .. import formats
-from ..core.placement import placement_class
+from ..engine.placement import placement_class
 from .activations import ActivationEstimate
-from .sizing import GiB, BufferSpec, itemsize
+from ..layout.sizing import GiB, BufferSpec, itemsize
 
 @dataclass
 class UnitRow:
@@ -57,7 +57,7 @@ class MemoryPlan:
     checkpoint_staging: int = 0
     # offload="optimizer": master, grad shard and optimizer state on the host, plus the host side of
     # the compute copy (compute_host; 0 in fp32, where it is the master) and the reduced grads'
-    # landing (grad_landing). See [Note: host and device tensors] in yafsdp/core/alloc.py.
+    # landing (grad_landing). See [Note: host and device tensors] in yafsdp/engine/alloc.py.
     offload: str | None = None
     compute_host: int = 0
     grad_landing: int = 0
@@ -124,7 +124,7 @@ class MemoryPlan:
 
     @property
     def _place(self):
-        """The placement's rules for ``offload`` (core/placement.py): where each role lives."""
+        """The placement's rules for ``offload`` (engine/placement.py): where each role lives."""
         return placement_class(self.offload)
 
     @property

@@ -15,7 +15,7 @@ count it.
 """
 from __future__ import annotations
 
-from .sizing import itemsize
+from ..layout.sizing import itemsize
 
 
 def _valid(lay) -> int:

@@ -1,5 +1,5 @@
 """The option table of docs/api.md and the ``YaFSDP(...)`` signature lines of docs/api.md and the
-README, written from the options' one definition (``yafsdp.core.config.OPTIONS``) and the signature
+README, written from the options' one definition (``yafsdp.layout.config.OPTIONS``) and the signature
 itself. tests/unit/test_config.py checks that the committed text equals what this writes.
 
     python -m yafsdp.tools.docs_options          # rewrite them in place
@@ -13,12 +13,12 @@ import pathlib
 import re
 import sys
 
-from ..core.config import OPTIONS
+from ..layout.config import OPTIONS
 
 __all__ = ["signature_line", "option_table", "render", "main"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-BEGIN = "<!-- engine options: written by python -m yafsdp.tools.docs_options; edit yafsdp/core/config.py -->"
+BEGIN = "<!-- engine options: written by python -m yafsdp.tools.docs_options; edit yafsdp/layout/config.py -->"
 END = "<!-- end of engine options -->"
 _SIGNATURE = re.compile(r"^`yafsdp\.YaFSDP\(module, \*.*\)`$", re.M)
 
@@ -29,7 +29,7 @@ def _value(v) -> str:
 
 def signature_line() -> str:
     """``yafsdp.YaFSDP(module, *, ...)`` with every argument and default, in the signature's order."""
-    from ..core.api import YaFSDP
+    from ..wrapper.api import YaFSDP
 
     params = list(inspect.signature(YaFSDP.__init__).parameters.values())[1:]  # not self
     parts = []

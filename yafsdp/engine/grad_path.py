@@ -14,7 +14,7 @@ Steps 3-5 run where the fold runs: on CUDA on the comm stream, in order, before 
 ``done`` event; on gloo at the reduce's wait. The schedule (comm/) only issues and waits: it is
 handed step 3-5 as one function (``Schedule.reduce(..., then)``). Two more shapes of the same path:
 an outsized unit's gradient in column chunks through the grad pair ([Note: chunked outsized
-gradients] in plan/sizing.py), and the sharded lookup's backward, which folds rows without a
+gradients] in layout/sizing.py), and the sharded lookup's backward, which folds rows without a
 reduce ([Note: the sharded lookup of an embedding] in lookup.py). The end of backward waits for
 every reduce and host fold (:meth:`GradPath.complete`).
 """
@@ -49,10 +49,10 @@ class GradPath:
     # ------------------------------------------------------------------ the path
     def unit_grads(self, unit: Unit, pidx, grads) -> None:
         """A gate's gradients (``grads`` of ``unit.params[i]`` for ``i`` in ``pidx``) to the grad shard."""
-        if unit.grad_chunk:  # See [Note: chunked outsized gradients] in plan/sizing.py
+        if unit.grad_chunk:  # See [Note: chunked outsized gradients] in layout/sizing.py
             self._in_chunks(unit, pidx, grads)
             return
-        if unit.grad_buffer is None:  # world 1: [Note: world-1 gradients] in plan/sizing.py
+        if unit.grad_buffer is None:  # world 1: [Note: world-1 gradients] in layout/sizing.py
             self._fold_each(unit, pidx, grads)
             return
         lay = unit.layout

@@ -14,7 +14,7 @@ gradients. The engine is never told how many backward calls a step has, so it wo
 
 - deferred (always correct): the all-reduce of every grad shard with local contributions runs at
   the first reader of the gradients, ``ReplicaSync.sync``: the optimizer step pre-hook
-  (optim_hooks.py), ``clip_grad_norm_`` and ``YaFSDP.sync_grads()``. Adjacent units'
+  (optim/hooks.py), ``clip_grad_norm_`` and ``YaFSDP.sync_grads()``. Adjacent units'
   grad shards are contiguous in the engine's one grad tensor, so this is normally one collective
   over all of them. Exposed: nothing is left to hide it behind.
 - overlapped with the last backward (predicted): a step that sees as many backward calls as the
@@ -209,7 +209,7 @@ def _runs(pending, grad_store: torch.Tensor, per_unit: bool = False):
 
 
 def sync_before_step(optimizer, runtimes) -> None:
-    """The optimizer step pre-hook's HSDP part (installed by yafsdp/core/optim_hooks.py): the gradients
+    """The optimizer step pre-hook's HSDP part (installed by yafsdp/optim/hooks.py): the gradients
     of every HSDP engine among ``runtimes`` whose shards ``optimizer`` steps are completed
     (all-reduced across replicas) before the step reads them. See [Note: the cross-replica all-reduce]."""
     stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}

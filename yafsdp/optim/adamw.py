@@ -51,7 +51,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import formats, kernels
-from . import shards, unused
+from ..engine import shards
+from . import unused
 
 __all__ = ["FusedAdamW"]
 

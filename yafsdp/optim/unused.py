@@ -29,7 +29,7 @@ decay and momentum. The engine restores such parameters around the step instead:
   steps and keeps, besides ``step``, a ``param_step`` per parameter of the unit (``state["param_step"]``,
   float32, shape ``(1, parameters)``, the same on every rank and world size): it advances only where
   some rank used the parameter, and a shard whose parameters' counts differ is stepped parameter by
-  parameter with each one's own count -- DDP's per-parameter AdamW exactly (see optim.py,
+  parameter with each one's own count -- DDP's per-parameter AdamW exactly (see optim/adamw.py,
   [Note: per-parameter steps]).
 
 What remains different from DDP with other optimizers: their per-shard counters (torch AdamW's and
@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from ..comm import collectives
 from ..comm.groups import check_collective
-from .runtime import live_runtimes
+from ..engine.runtime import live_runtimes
 
 __all__ = ["before_step", "after_step", "step_usage", "StepUsage"]
 

@@ -293,7 +293,7 @@ def _idle_fp32(rt) -> torch.Tensor:
 
 class HostFrozenPlacement(HostPlacement):
     """``offload="all"``: also the frozen and NF4 stores in host memory, copied into their weight
-    buffer's device landing before each gather ([Note: the frozen landing] in plan/sizing.py)."""
+    buffer's device landing before each gather ([Note: the frozen landing] in layout/sizing.py)."""
 
     offload = "all"
     host_roles = HostPlacement.host_roles + ("frozen", "nf4")

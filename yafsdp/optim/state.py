@@ -6,7 +6,7 @@ An optimizer over ``model.parameters()`` holds, per flat shard, state for this r
 rank loads it" would give every rank rank 0's moments: wrong, and without an error. So the state
 carries its shard's identity:
 
-- the first ``opt.step()`` over yafsdp shards (the process-wide step pre-hook of optim_hooks.py)
+- the first ``opt.step()`` over yafsdp shards (the process-wide step pre-hook of optim/hooks.py)
   installs on that optimizer a ``state_dict`` post-hook that adds to each shard's entry
   ``"yafsdp_shard": {rank, world, numel, padded, unit}`` (integers: torch's loader copies them
   as they are) and a ``load_state_dict`` pre-hook that compares it with the shard it is loaded
@@ -30,7 +30,7 @@ import zlib
 import torch
 
 from ..comm import collectives
-from . import shards
+from ..engine import shards
 from ..comm.groups import broadcast_object, source_rank
 
 __all__ = ["TAG", "before_step", "full_optim_state_dict", "load_full_optim_state_dict"]

@@ -15,8 +15,8 @@ from .. import formats
 from ..comm import collectives
 from ..comm.groups import check_collective
 from ..comm.hsdp import across_replicas, broadcast_from_replica0
-from . import shards
-from .shard_grad import plain
+from ..engine import shards
+from ..engine.shard_grad import plain
 from .state_dict import gather_full, load_full
 
 
@@ -73,18 +73,18 @@ class WrapperMethods:
         Each backward inside it reduce-scatters as any other and its gradients accumulate in the
         fp32 grad shards, so the result is DDP's (which defers the all-reduce instead); no
         unsharded gradient is held across micro-steps. HSDP defers its cross-replica all-reduce to
-        the step anyway (see [Note: the cross-replica all-reduce] in core/replicas.py)."""
+        the step anyway (see [Note: the cross-replica all-reduce] in engine/replicas.py)."""
         yield
 
     def sync_grads(self) -> bool:
         """HSDP: complete the gradients now (their all-reduce across replicas, which the optimizer
         step and ``clip_grad_norm_`` otherwise trigger); call it before reading ``.grad`` yourself.
         Collective over every rank; a no-op for full sharding or when nothing is left to reduce.
-        See [Note: the cross-replica all-reduce] in yafsdp/core/replicas.py."""
+        See [Note: the cross-replica all-reduce] in yafsdp/engine/replicas.py."""
         return self._rt.sync_replicas()
 
     # ------------------------------------------------------------------ the module tree after wrapping
-    # Per-parameter views, all collective: yafsdp/core/views.py; [Note: the module tree after wrapping] in orig_params.py.
+    # Per-parameter views, all collective: yafsdp/wrapper/views.py; [Note: the module tree after wrapping] in orig_params.py.
     def summon_full_params(self, writeback: bool = False, with_grads: bool = False):
         """Context: the original parameters hold their full values (and ``.grad``); ``writeback=True``
         writes rank 0's values into the shards at exit."""
@@ -113,15 +113,15 @@ class WrapperMethods:
     def full_optim_state_dict(self, optimizer) -> dict:
         """Collective. Rank 0: ``optimizer``'s state (an optimizer over this model's shards) in the
         unsharded form, keyed by original parameter name (as DCP's full optimizer state dict);
-        other ranks: {}. See [Note: optimizer state that knows its shard] in optim_state.py."""
-        from .optim_state import full_optim_state_dict
+        other ranks: {}. See [Note: optimizer state that knows its shard] in optim/state.py."""
+        from ..optim.state import full_optim_state_dict
 
         return full_optim_state_dict(self, optimizer)
 
     def load_full_optim_state_dict(self, optimizer, state_dict: dict | None) -> None:
         """Collective inverse of :meth:`full_optim_state_dict`, at any world size: rank 0's dict
         (other ranks may pass None) into every rank's optimizer state for its slice."""
-        from .optim_state import load_full_optim_state_dict
+        from ..optim.state import load_full_optim_state_dict
 
         load_full_optim_state_dict(self, optimizer, state_dict)
 

@@ -84,7 +84,7 @@ from . import orig_params
 from .lookup import install_lookup, lookup_now, lookup_unit
 from .runtime import BackwardUse, Runtime, in_backward
 from .unit import Unit, refuse_captured
-from .units import Member
+from ..layout.units import Member
 
 __all__ = ["in_backward", "install_hooks", "gate_small_group", "rest_small_group"]
 

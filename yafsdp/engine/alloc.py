@@ -20,7 +20,7 @@ when the device is CUDA) and the engine adds two host tensors:
 
 With ``offload="all"`` the frozen and NF4 stores are host tensors too (pinned on CUDA), and each weight
 buffer has a device *landing* their shards are copied into before their all-gathers: see [Note: the
-frozen landing] in plan/sizing.py.
+frozen landing] in layout/sizing.py.
 
 Collectives only ever see device tensors: code that hands a host tensor to a collective moves it
 with ``Runtime.to_device`` first (``tests/multirank/test_offload.py`` checks that no collective touches a
@@ -39,8 +39,8 @@ from torch import nn
 from . import shards
 from ..comm.collectives import reduces_in_place
 from .buffers import GradBuffer, ShardAlias, WeightBuffer
-from .flat import alias
-from ..plan.sizing import landing_layout, plan_buffers
+from ..layout.flat import alias
+from ..layout.sizing import landing_layout, plan_buffers
 from .unit import FlatGroup
 
 __all__ = ["allocate", "Storage", "STORAGE_FIELDS"]
@@ -61,7 +61,7 @@ class Storage:
     frozen_store: torch.Tensor | None = None  # 1-D param_dtype frozen shards
     nf4_store: torch.Tensor | None = None  # 1-D uint8 NF4 records
     flat: nn.Module | None = None  # the master shards as registered parameters
-    buffer_plan: object = None  # plan.sizing.BufferPlan
+    buffer_plan: object = None  # layout.sizing.BufferPlan
     weight_buffers: list = field(default_factory=list)
     alias_buffers: list = field(default_factory=list)  # world 1: units that alias their shards (ShardAlias)
     grad_buffers: list = field(default_factory=list)
@@ -107,7 +107,7 @@ def allocate(self, outsized_ratio: float) -> "Storage":
     # its own all-gather input; no master, no grad, no optimizer state).
     frozen_total = sum(g.layout.shard_numel for u in self.all for g in u.groups
                        if not g.kind.reduced and not g.kind.format.stored)
-    # With offload="all" on the host (pinned on CUDA): [Note: the frozen landing] in plan/sizing.py.
+    # With offload="all" on the host (pinned on CUDA): [Note: the frozen landing] in layout/sizing.py.
     frozen_host = place.host_frozen
     st.frozen_store = place.store_zeros(frozen_total, self.compute_dtype)
     # 1-D uint8: every NF4 group's shard (one byte record each: packed codes, then block scales)
@@ -190,7 +190,7 @@ def allocate(self, outsized_ratio: float) -> "Storage":
     ]
     st.alias_buffers = []
     for u, w, g in zip(self.all, plan.weight_of, plan.grad_of):
-        if w < 0:  # See [Note: the world-1 alias] in plan/sizing.py
+        if w < 0:  # See [Note: the world-1 alias] in layout/sizing.py
             stores = [st.compute if grp.kind.reduced else st.frozen_store for grp in u.groups]
             st.alias_buffers.append(ShardAlias(f"shard.{u.name}", stores))
             u.buffer = st.alias_buffers[-1]
@@ -199,7 +199,7 @@ def allocate(self, outsized_ratio: float) -> "Storage":
         u.grad_buffer = st.grad_buffers[g] if g >= 0 else None
     for u, big in zip(self.units, plan.outsized):
         u.outsized = big
-    for u, width in zip(self.all, plan.grad_chunk):  # See [Note: chunked outsized gradients] in plan/sizing.py
+    for u, width in zip(self.all, plan.grad_chunk):  # See [Note: chunked outsized gradients] in layout/sizing.py
         u.grad_chunk = width
         u.chunk_buffers = [st.grad_buffers[i] for i in plan.chunk_slots] if width else []
     for u in self.all:

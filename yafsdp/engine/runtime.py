@@ -46,12 +46,12 @@ from .orig_params import run_grad_hooks
 from .placement import make_placement
 from .replicas import make_replicas
 from .shard_hooks import fire as fire_shard_hooks
-from .config import EngineConfig
+from ..layout.config import EngineConfig
 from .grad_path import GradPath
-from ..plan.sizing import unit_align, unit_shape
+from ..layout.sizing import unit_align, unit_shape
 from ..tools.trace import span
 from .unit import FlatGroup, Phase, StoredShard, Unit, current_task, frozen_kind, in_backward, stored_kind, trainable_kind
-from .units import UnitSpec, weight_free_backward
+from ..layout.units import UnitSpec, weight_free_backward
 
 __all__ = ["Runtime", "BackwardUse", "in_backward", "current_task"]
 
@@ -86,7 +86,7 @@ class Runtime:
 
     def __init__(self, specs: list[UnitSpec], small: list, config: EngineConfig, *, gather_exclude: tuple[str, ...],
                  schedule: Schedule, group, rank: int, device: torch.device, replicate_group=None):
-        """``config``: the engine's validated options (yafsdp/core/config.py); ``gather_exclude``: its
+        """``config``: the engine's validated options (yafsdp/layout/config.py); ``gather_exclude``: its
         ``gather_exclude`` resolved for this model; ``group`` / ``rank``: the shard group and this
         rank's index in it; ``replicate_group``: HSDP's, or None."""
         self.config = config

@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from ..comm import collectives
-from . import orig_params
+from ..engine import orig_params
 from ..comm.groups import check_collective, raise_together, source_rank
-from .flat import ParamInfo
-from .runtime import Runtime
-from .unit import FlatGroup
-from .units import UnitSpec, WrapError
+from ..layout.flat import ParamInfo
+from ..engine.runtime import Runtime
+from ..engine.unit import FlatGroup
+from ..layout.units import UnitSpec, WrapError
 
 __all__ = ["StateDictKeys", "gather_full", "load_buffers", "load_full", "materialize", "scatter_group", "write_shard", "original_structure"]
 

@@ -41,10 +41,10 @@ class WeightBuffer:
         # parameters during forward/backward alias this storage.
         self.data = torch.zeros(capacity, dtype=dtype, device=device)
         # Compact (NF4) gathers land here, then expand into data: see [Note: the compact staging
-        # area] in plan/sizing.py. Empty when no unit of this buffer has a compact group.
+        # area] in layout/sizing.py. Empty when no unit of this buffer has a compact group.
         self.staging = torch.zeros(staging_bytes, dtype=torch.uint8, device=device)
         # offload="all": a unit's host frozen shard and NF4 record are copied here before their
-        # gathers; see [Note: the frozen landing] in plan/sizing.py. Empty otherwise.
+        # gathers; see [Note: the frozen landing] in layout/sizing.py. Empty otherwise.
         self.landing = torch.zeros(landing_bytes, dtype=torch.uint8, device=device)
         self.schedule = schedule
         self.sync = schedule.weight_sync()  # the schedule's ordering state for this buffer
@@ -139,7 +139,7 @@ class WeightBuffer:
 
 class ShardAlias:
     """The weight "buffer" of one unit at world 1 that has none: its parameters alias its own shards
-    (see [Note: the world-1 alias] in plan/sizing.py). It keeps a weight buffer's protocol and
+    (see [Note: the world-1 alias] in layout/sizing.py). It keeps a weight buffer's protocol and
     ownership record -- a gather records the unit's version, so ``holds`` is False after a load
     until the next gather, as with a buffer -- but copies nothing and waits for nothing: the cast
     pass has written the compute copy on the compute side before any use. ``stores``: the 1-D

@@ -190,14 +190,14 @@ class EngineConfig:
     reduce_accum_dtype: torch.dtype | None = option(
         None, "torch.float32 with a 16-bit reduce_dtype: the pieces are sent in reduce_dtype and summed in fp32 "
         "(docs/reduce.md); refused with offload", _reduce_accum, lambda: (None, torch.float32))
-    # See [Note: chunked outsized gradients] in plan/sizing.py
+    # See [Note: chunked outsized gradients] in layout/sizing.py
     chunk_outsized_grads: bool = option(
         True, "True: an outsized unit's gradient is reduced in chunks through the grad pair; False: it gets a "
         "grad buffer of its own (docs/reduce.md); not chunked with offload", _bool)
     grad_chunks: int = option(
         1, "the grad buffers hold 1/grad_chunks of the largest unit's gradient, reduced in that many chunks: less "
         "memory, more and smaller collectives; refused above 1 with offload", _grad_chunks)
-    # See [Note: the sharded lookup of an embedding] in core/lookup.py
+    # See [Note: the sharded lookup of an embedding] in engine/lookup.py
     sharded_lookup: bool = option(
         True, "True: on gloo at world 2 (fp32, ZeRO-3, no offload, no HSDP) an untied outsized nn.Embedding is "
         "looked up from the shards instead of gathered, bit for bit the same values "

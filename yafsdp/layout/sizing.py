@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import formats
-from ..core.flat import FlatLayout
+from .flat import FlatLayout
 from ..formats import PLAIN, Format
 
 GiB = 1024**3
@@ -113,7 +113,7 @@ def repeated_blocks(names: list[str]) -> list[bool]:
 # layer's, and a strided copy instead of a contiguous one. With offload (the reduce goes through
 # the host landing) the unit keeps its own buffer; so does a model with no regular unit. (On gloo at
 # world 2 a fresh fp32 one-parameter unit skips the chunks: [Note: the direct exchange of an outsized
-# gradient] in core/grad_path.py.)
+# gradient] in engine/grad_path.py.)
 # ``grad_chunks=K`` (default 1) applies the same to the regular units: the pair is sized for 1/K
 # of the largest of them (16-element aligned columns), and every unit larger than that is reduced
 # in chunks through it. Its cost is overlap: a unit's first chunk waits for the previous unit's
@@ -331,7 +331,7 @@ def plan_buffers(
     # [Note: world-1 gradients] At world 1 the reduce-scatter of a unit's grad buffer is the identity
     # and its fold (x 1/1 into the fp32 grad shard) a copy: with an fp32 reduce, no fp32 accumulation
     # of pieces and no replicas, the gate folds each parameter's gradient straight into its slice of
-    # the grad shard instead (core/grad_path.py: the same kernels on the same fp32 values, so bit for
+    # the grad shard instead (engine/grad_path.py: the same kernels on the same fp32 values, so bit for
     # bit the same grads), and no unit gets a grad buffer -- two of the largest unit's fp32 gradients
     # less. With the world-1 alias's switch off every unit keeps its buffers.
     if alias_world1 and ALIAS_WORLD1 and direct_grads:
@@ -341,8 +341,8 @@ def plan_buffers(
     # the padded numel), so "gathering" it into a weight buffer copies its compute shard (the master
     # in fp32, the compute copy, the frozen store) into a second tensor of the same size. A unit whose
     # groups are all gathered in param_dtype (no NF4, fp8 or int8 record to expand) gets no buffer:
-    # its parameters alias its shards (core/alloc.py) and its gathers record the version without
-    # copying (core/buffers.py ShardAlias). Offload keeps the buffers (the shards are on the host or
+    # its parameters alias its shards (engine/alloc.py) and its gathers record the version without
+    # copying (engine/buffers.py ShardAlias). Offload keeps the buffers (the shards are on the host or
     # reach the device by an upload the gathers are ordered after).
     aliased = [alias_world1 and ALIAS_WORLD1 and not lay(i).staging_bytes and not lay(i).gather_record and not lay(i).nf4_record
                for i in range(n_all)]

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from .. import formats
-from .flat import FlatLayout, ParamInfo
+from ..layout.flat import FlatLayout, ParamInfo
 from ..formats import PLAIN, Format
-from .units import Member
+from ..layout.units import Member
 
 __all__ = ["GroupKind", "FlatGroup", "Unit", "Phase", "StoredShard", "trainable_kind", "frozen_kind", "stored_kind",
            "nf4_kind"]
@@ -171,7 +171,7 @@ class Unit:
         self.buffer = None  # the WeightBuffer its gathered weights go to
         self.grad_buffer = None  # the GradBuffer its gradients go to
         # outsized units: columns per chunk when its gradient is reduced in chunks through the pair
-        # (chunk_buffers), else 0. See [Note: chunked outsized gradients] in plan/sizing.py
+        # (chunk_buffers), else 0. See [Note: chunked outsized gradients] in layout/sizing.py
         self.grad_chunk = 0
         self.chunk_buffers: list = []
         self.aliases: list[torch.Tensor] = []  # per parameter, over buffer.data: see [Note: buffer aliases]

@@ -1,7 +1,7 @@
 """``YaFSDP``: the public face of the engine — its arguments (the contract is the class docstring),
 the forward, and the nn.Module habits of a wrapped model. The work is done elsewhere:
 
-- api_methods.py: optimizer groups, clipping, state dicts, views and introspection (a base class);
+- wrapper/api_methods.py: optimizer groups, clipping, state dicts, views and introspection (a base class);
 - units.py discovers the units; flat.py lays each out as a flat padded tensor;
 - runtime.py owns the shards and buffers and runs the step protocol; autograd.py drives it
   from autograd nodes and module hooks; ``yafsdp.comm`` orders it on CUDA streams or gloo handles;
@@ -20,15 +20,15 @@ from ..comm.hsdp import broadcast_from_replica0, check_layout, resolve_groups
 from .. import formats
 from .anchor import ANCHOR, anchored_modules
 from .api_methods import WrapperMethods
-from .autograd import gate_small_group, install_hooks, rest_small_group
-from .config import OPTIONS, EngineConfig, build_config, options_doc
-from .ddp_guard import WrappedTwiceError, wrapped_twice_message
+from ..engine.autograd import gate_small_group, install_hooks, rest_small_group
+from ..layout.config import OPTIONS, EngineConfig, build_config, options_doc
+from ..engine.ddp_guard import WrappedTwiceError, wrapped_twice_message
 from .ema import refuse_deepcopy
-from .optim_hooks import install_optimizer_hooks
-from .orig_params import ShardedParameter
-from .runtime import Runtime, in_backward
+from ..optim.hooks import install_optimizer_hooks
+from ..engine.orig_params import ShardedParameter
+from ..engine.runtime import Runtime, in_backward
 from .state_dict import StateDictKeys, materialize
-from .units import discover, mark_wrapped
+from ..layout.units import discover, mark_wrapped
 
 __all__ = ["YaFSDP"]
 
@@ -51,7 +51,7 @@ class YaFSDP(WrapperMethods, nn.Module):
     - ``config`` (default None): a ``yafsdp.EngineConfig`` (``yafsdp.build_config(...)``) standing for
       every engine option below; refused together with any of them.
 
-    The engine options are the fields of ``yafsdp.EngineConfig`` (yafsdp/core/config.py), where each
+    The engine options are the fields of ``yafsdp.EngineConfig`` (yafsdp/layout/config.py), where each
     is declared once with its default, its values and its check; this list is written from them
     (``options_doc``), and so is docs/api.md's table. Every value is checked, a refusal names it:
     """
@@ -83,7 +83,7 @@ class YaFSDP(WrapperMethods, nn.Module):
         # only the arguments
         engine_options = {name: value for name, value in locals().items() if name in OPTIONS}
         super().__init__()
-        # Every option checked in one place (yafsdp/core/config.py), as the plan and the jobs check them.
+        # Every option checked in one place (yafsdp/layout/config.py), as the plan and the jobs check them.
         cfg = build_config(config, **engine_options)
         quantize_frozen, offload, gather_dtype = cfg.quantize_frozen, cfg.offload, cfg.gather_dtype
         param_dtype, reduce_dtype, zero_stage = cfg.param_dtype, cfg.reduce_dtype, cfg.zero_stage
@@ -111,7 +111,7 @@ class YaFSDP(WrapperMethods, nn.Module):
         self.replica = dist.get_rank(replicate) if replicate is not None else 0
         self.device = _resolve_device(device, group)
         self.zero_stage = zero_stage
-        self.engine_config = cfg  # every option, validated (yafsdp/core/config.py)
+        self.engine_config = cfg  # every option, validated (yafsdp/layout/config.py)
         self.param_dtype = param_dtype
         self.compute_dtype = cfg.compute_dtype
         self.reduce_dtype = reduce_dtype
@@ -158,7 +158,7 @@ class YaFSDP(WrapperMethods, nn.Module):
         if replicate is not None:  # every replica starts from replica 0's values, as DDP does
             broadcast_from_replica0(self._rt, module, replicate)
         install_hooks(self._rt)
-        install_optimizer_hooks()  # See [Note: optimizers that do not bump versions] in optim_hooks.py
+        install_optimizer_hooks()  # See [Note: optimizers that do not bump versions] in optim/hooks.py
         # See [Note: the root entry] and [Note: the device anchor] in anchor.py. YaFSDP.parameters() leaves it out.
         anchor = nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device), requires_grad=False)
         object.__setattr__(self, "_device_param", anchor)  # not a parameter of the wrapper itself
@@ -371,7 +371,7 @@ class YaFSDP(WrapperMethods, nn.Module):
 
 
 
-# The engine options' part of the docstring, written from their one definition (yafsdp/core/config.py).
+# The engine options' part of the docstring, written from their one definition (yafsdp/layout/config.py).
 YaFSDP.__doc__ = YaFSDP.__doc__.rstrip(" ") + options_doc() + "\n"
 
 

@@ -21,9 +21,10 @@ import weakref
 
 import torch
 
-from . import optim_state, shards, unused
-from .replicas import sync_before_step
-from .runtime import live_runtimes
+from . import state as optim_state, unused
+from ..engine import shards
+from ..engine.replicas import sync_before_step
+from ..engine.runtime import live_runtimes
 
 __all__ = ["install_optimizer_hooks"]
 
@@ -41,7 +42,7 @@ _VERSIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimize
 def _versions_before_step(optimizer, args, kwargs):
     """See [Note: optimizers that do not bump versions]. Also: an aborted backward is completed
     before any optimizer step reads the grad shards."""
-    optim_state.before_step(optimizer)  # first: see [Note: optimizer state that knows its shard] in optim_state.py
+    optim_state.before_step(optimizer)  # first: see [Note: optimizer state that knows its shard] in optim/state.py
     recover_all()
     sync_before_step(optimizer, live_runtimes())  # HSDP: the all-reduce across replicas, once per step (replicas.py)
     for rt in live_runtimes():  # offload: no upload still reads what this step is about to write

@@ -4,7 +4,7 @@
   kind, the original parameter names inside it, and this rank's slice of the flat layout. Read
   it with :func:`info_of` (or ``YaFSDP.shard_info()`` for all of them); checkpoints, init, the
   plan and the optimizer hooks use nothing else.
-- the copy-out contract (see [Note: copy-out contract] in optim.py): :func:`set_copy_out` tells an
+- the copy-out contract (see [Note: copy-out contract] in optim/adamw.py): :func:`set_copy_out` tells an
   optimizer that parameter ``p`` has a ``param_dtype`` copy to be written in its own pass, and
   whom to tell when it did; :func:`copy_out_of` reads it. The engine registers every trainable
   shard whose ``param_dtype`` is not fp32; any other engine or test can register its own.
