@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 import yafsdp
+import yafsdp.checkpoint
 from yafsdp.integrations.torchft import FaultTolerantReplicas
 
 LR, MAX_NORM, BATCH, DIM = 1e-2, 1.0, 4, 8
@@ -81,6 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--timeout", type=float, default=10.0, help="cross-group collective / commit deadline (s)")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (the tests pace the survivor)")
+    ap.add_argument("--ckpt", default=None, help="checkpoint root: resume from its newest, save every --save-every")
+    ap.add_argument("--save-every", type=int, default=0)
     ap.add_argument("--die-at", type=int, default=None)
     ap.add_argument("--stop-at", type=int, default=None)
     args = ap.parse_args(argv)
@@ -104,6 +107,10 @@ def main(argv=None) -> int:
     ft = FaultTolerantReplicas(model, opt, replica_group=G, timeout=args.timeout,
                                extra_state=lambda: dict(run, history=list(run["history"])),
                                load_extra_state=load_extra)
+    if args.ckpt and yafsdp.checkpoint.latest_checkpoint(args.ckpt):
+        loaded = yafsdp.checkpoint.load_checkpoint(yafsdp.checkpoint.latest_checkpoint(args.ckpt), model, opt)
+        ft.load_state_dict(loaded.state["torchft"])
+        load_extra(loaded.state["run"])
     log = open(os.path.join(args.out, f"log_g{G}.jsonl"), "a") if rank == 0 else None
     code, committed_here = 0, 0
     while True:
@@ -131,6 +138,9 @@ def main(argv=None) -> int:
             committed_here += 1
             run["position"] += 1
             run["history"].append(n)
+            if args.save_every and ft.step_count % args.save_every == 0 and ft.writes_checkpoints:
+                yafsdp.checkpoint.save_checkpoint(args.ckpt, ft.step_count, model, opt,
+                                                  state={"torchft": ft.state_dict(), "run": run})
             if log is not None:
                 log.write(json.dumps(dict(step=step, group=G, n=n, loss=loss.item(), norm=float(norm), t=time.time())) + "\n")
                 log.flush()

@@ -168,3 +168,25 @@ def test_stopped_replica_group_is_dropped_after_the_deadline(tmp_path, lighthous
     stall = after[0]["t"] - before["t"]
     # the collective deadline, then the lighthouse's heartbeat timeout (1 s) and a new quorum
     assert stall < TIMEOUT_S + 8, stall
+
+
+def test_checkpoint_of_a_replica_group_resumes_exactly(tmp_path, lighthouse):
+    """A group's save is the run's checkpoint (with torchft's step); a run resumed from it ends
+    bit-identical to the run that went through."""
+    import shutil
+
+    args = ["--replicas", "1", "--steps", "6", "--together", "0", "--save-every", "3"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    for out in (whole, resumed):
+        out.mkdir()
+    p = _launch(whole, lighthouse, 0, args + ["--ckpt", str(whole / "ckpt")], restarts=0)
+    assert _wait(p, time.monotonic() + 60, whole, 0) == 0, _tail(whole, 0)
+    assert sorted(os.listdir(whole / "ckpt")) == ["step_00000003", "step_00000006"], os.listdir(whole / "ckpt")
+    shutil.copytree(whole / "ckpt" / "step_00000003", resumed / "ckpt" / "step_00000003")
+    p = _launch(resumed, lighthouse, 0, args + ["--ckpt", str(resumed / "ckpt")], restarts=0)
+    assert _wait(p, time.monotonic() + 60, resumed, 0) == 0, _tail(resumed, 0)
+    assert [r["step"] for r in _log(resumed, 0)] == [3, 4, 5]
+    for rank in (0, 1):
+        a, b = _final(whole, 0, rank), _final(resumed, 0, rank)
+        assert (a["step"], a["position"], a["history"]) == (b["step"], b["position"], b["history"]) == (6, 6, [1] * 6)
+        assert _same(a["shards"], b["shards"]) and _same(a["optim"], b["optim"])

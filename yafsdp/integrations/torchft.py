@@ -13,7 +13,8 @@
         batch = data(ft.step_count)                    # the data position follows the committed step
         model(batch).loss.backward()
         model.clip_grad_norm_(1.0)                     # runs the managed all-reduce first
-        ft.step()                                      # the optimizer steps only when the quorum commits
+        if ft.step() and ft.step_count % 100 == 0 and ft.writes_checkpoints:   # commit, then optimizer step
+            yafsdp.checkpoint.save_checkpoint(root, ft.step_count, model, opt, state={"torchft": ft.state_dict()})
         opt.zero_grad()
 
 [Note: torchft replicas]
@@ -39,6 +40,12 @@ A step:
   or fewer than ``min_replicas`` groups took part); the optimizer steps only on True, and the
   step count advances. A step that is not committed is run again with the same step number, so
   with the same data.
+
+Checkpoints: after a committed step every live group holds the same state, so one group's save
+is the run's: the first group of the quorum (:attr:`writes_checkpoints`) saves with
+``yafsdp.checkpoint.save_checkpoint`` as a flat engine does, adding :meth:`state_dict` (torchft's
+committed step) to its ``state``. To resume, every group (or only some: the others recover from
+them) loads it and calls :meth:`load_state_dict` before its first step.
 
 What a step averages: DDP's mean over the ranks of the groups in that step's quorum. With R
 groups of S ranks each, a full quorum averages R*S micro-batch gradients; after a group is lost
@@ -222,6 +229,27 @@ class FaultTolerantReplicas:
             return False
         self.optimizer.step()
         return True
+
+    # ---------------------------------------------------------------- checkpoints
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes the run's checkpoints: the first group of the current quorum (after
+        a committed step every group holds the same state, so one group's save is the run's). Call after
+        :meth:`start_step`; the same on every rank of the group."""
+        return self.manager.participating_rank() == 0
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must hold besides the model and optimizer: torchft's committed step
+        (save it as ``save_checkpoint(..., state={"torchft": ft.state_dict(), ...})``)."""
+        return {"manager": self.manager.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """After ``load_checkpoint`` and before the first :meth:`start_step`: the run resumes at the
+        checkpoint's step (a group that loads nothing takes it from one that did, by recovery)."""
+        if self._in_step:
+            raise TorchFTError("yafsdp.integrations.torchft: load_state_dict inside a step; load the checkpoint "
+                               "before ft.start_step()")
+        self.manager.load_state_dict(state["manager"])
 
     def shutdown(self) -> None:
         """Stop this group's manager server and checkpoint transport."""
