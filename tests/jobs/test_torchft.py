@@ -190,3 +190,47 @@ def test_checkpoint_of_a_replica_group_resumes_exactly(tmp_path, lighthouse):
         a, b = _final(whole, 0, rank), _final(resumed, 0, rank)
         assert (a["step"], a["position"], a["history"]) == (b["step"], b["position"], b["history"]) == (6, 6, [1] * 6)
         assert _same(a["shards"], b["shards"]) and _same(a["optim"], b["optim"])
+
+
+def _misuse(rank, world, lighthouse):
+    import yafsdp
+    from yafsdp.integrations.torchft import FaultTolerantReplicas, TorchFTError
+
+    ex = _example()
+    model = yafsdp.YaFSDP(ex.build_model())
+    opt = ex.make_optimizer(model.parameters())
+    ft = FaultTolerantReplicas(model, opt, replica_group=0, lighthouse=lighthouse, timeout=5)
+    said = []
+
+    def refused(fn):
+        try:
+            fn()
+        except TorchFTError as e:
+            said.append(str(e))
+            return True
+        return False
+
+    x, y = ex.batch(0, 0, rank)
+    try:
+        assert refused(lambda: FaultTolerantReplicas(model, opt, replica_group=1, lighthouse=lighthouse))
+        assert refused(model.sync_grads)  # outside a step: no quorum to all-reduce over
+        ft.start_step()
+        ex.loss_fn(model(x), y).backward()
+        model.clip_grad_norm_(1.0)  # the step's all-reduce ...
+        ex.loss_fn(model(x), y).backward()  # ... then one more backward: it would stay local
+        assert refused(ft.step)
+        assert ft.step_count == 0
+    finally:
+        ft.shutdown()
+    return said
+
+
+def test_misuse_is_refused(lighthouse):
+    """Two managers on one model, gradients read outside a step, a backward after the step's
+    all-reduce: each raises, naming what to do."""
+    from dist_utils import run_ranks
+
+    said, = run_ranks(_misuse, 1, lighthouse, timeout_s=60)
+    assert "one FaultTolerantReplicas per model" in said[0]
+    assert "call ft.start_step()" in said[1]
+    assert "a backward ran after this step's all-reduce" in said[2]
