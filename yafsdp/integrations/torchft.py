@@ -61,7 +61,10 @@ gradients calls through ``Runtime.sync_replicas``: ``clip_grad_norm_``, ``sync_g
 gradient path holds the same object as ``GradPath.replicas`` and calls its ``begin_backward``) by a
 :class:`_ManagedSync`, which has :class:`yafsdp.core.replicas.NoReplicas`' interface, counts the
 backward calls (a read of the gradients before the step's last backward raises) and runs the
-managed all-reduce in ``sync()``. Nothing else in the engine changes, and without this class
+managed all-reduce in ``sync()``. The engine's own count of replicas stays 1, so the readers that ask it first
+(``torch.nn.utils.clip_grad_norm_`` over the shards, the optimizer's step pre-hook) do not run the
+managed all-reduce: call ``model.clip_grad_norm_`` (or :meth:`sync_grads` before torch's clipping);
+:meth:`step` runs it before ``should_commit`` in any case. Nothing else in the engine changes, and without this class
 nothing changes at all.
 """
 from __future__ import annotations
