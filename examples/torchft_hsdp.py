@@ -1,9 +1,11 @@
-"""HSDP replica groups under torchft: one replica group per torchrun, one lighthouse for the run.
+r"""HSDP replica groups under torchft: one replica group per torchrun, one lighthouse for the run.
 
     torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 --bind [::]:29510 &
     export TORCHFT_LIGHTHOUSE=http://localhost:29510
-    torchrun --nproc-per-node 2 --master-port 29600 --max-restarts 2 examples/torchft_hsdp.py --replica-group 0 --out /tmp/ft &
-    torchrun --nproc-per-node 2 --master-port 29700 --max-restarts 2 examples/torchft_hsdp.py --replica-group 1 --out /tmp/ft
+    torchrun --nproc-per-node 2 --master-port 29600 --max-restarts 2 examples/torchft_hsdp.py \
+        --replica-group 0 --out /tmp/ft &
+    torchrun --nproc-per-node 2 --master-port 29700 --max-restarts 2 examples/torchft_hsdp.py \
+        --replica-group 1 --out /tmp/ft
 
 Each replica group shards a small MLP over its own ranks (a flat YaFSDP); the gradient shards are
 averaged across the groups through torchft's Manager ([Note: torchft replicas] in
@@ -142,7 +144,8 @@ def main(argv=None) -> int:
                 yafsdp.checkpoint.save_checkpoint(args.ckpt, ft.step_count, model, opt,
                                                   state={"torchft": ft.state_dict(), "run": run})
             if log is not None:
-                log.write(json.dumps(dict(step=step, group=G, n=n, loss=loss.item(), norm=float(norm), t=time.time())) + "\n")
+                row = dict(step=step, group=G, n=n, loss=loss.item(), norm=float(norm), t=time.time())
+                log.write(json.dumps(row) + "\n")
                 log.flush()
         opt.zero_grad()
         if args.sleep:

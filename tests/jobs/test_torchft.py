@@ -220,6 +220,12 @@ def _misuse(rank, world, lighthouse):
         ex.loss_fn(model(x), y).backward()  # ... then one more backward: it would stay local
         assert refused(ft.step)
         assert ft.step_count == 0
+        ft.start_step()  # torch's own clipping completes the gradients across groups first, as the engine's does
+        ex.loss_fn(model(x), y).backward()
+        syncs = ft._sync.stats["syncs"]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        assert ft._sync.stats["syncs"] == syncs + 1
+        assert ft.step() and ft.step_count == 1
     finally:
         ft.shutdown()
     return said
@@ -227,7 +233,7 @@ def _misuse(rank, world, lighthouse):
 
 def test_misuse_is_refused(lighthouse):
     """Two managers on one model, gradients read outside a step, a backward after the step's
-    all-reduce: each raises, naming what to do."""
+    all-reduce: each raises, naming what to do; torch's clip_grad_norm_ runs the managed all-reduce."""
     from dist_utils import run_ranks
 
     said, = run_ranks(_misuse, 1, lighthouse, timeout_s=60)

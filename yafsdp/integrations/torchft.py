@@ -55,17 +55,20 @@ seen; the data position of every group is the committed step). A group that retu
 from the step it rejoins at, with its own batch of that step.
 
 The seam in the engine: the engine under torchft is a flat engine (``replicate_group`` None, so
-its fold scale is ``1 / shard_size``); :class:`FaultTolerantReplicas` replaces its runtime's
-``replica_sync`` (``Runtime.replica_sync``, the object whose ``sync()`` every reader of the
-gradients calls through ``Runtime.sync_replicas``: ``clip_grad_norm_``, ``sync_grads()``; the
-gradient path holds the same object as ``GradPath.replicas`` and calls its ``begin_backward``) by a
-:class:`_ManagedSync`, which has :class:`yafsdp.core.replicas.NoReplicas`' interface, counts the
-backward calls (a read of the gradients before the step's last backward raises) and runs the
-managed all-reduce in ``sync()``. The engine's own count of replicas stays 1, so the readers that ask it first
-(``torch.nn.utils.clip_grad_norm_`` over the shards, the optimizer's step pre-hook) do not run the
-managed all-reduce: call ``model.clip_grad_norm_`` (or :meth:`sync_grads` before torch's clipping);
-:meth:`step` runs it before ``should_commit`` in any case. Nothing else in the engine changes, and without this class
-nothing changes at all.
+its fold scale is ``1 / shard_size``). :class:`FaultTolerantReplicas` sets two attributes of its
+runtime:
+
+- ``Runtime.replica_sync`` (which ``GradPath.replicas`` also holds) becomes a :class:`_ManagedSync`,
+  with :class:`yafsdp.core.replicas.NoReplicas`' interface: the gradient path calls its
+  ``begin_backward`` (it counts the backward calls: a read of the gradients before the step's last
+  backward raises), and every reader of the gradients calls its ``sync()`` through
+  ``Runtime.sync_replicas`` (``clip_grad_norm_``, ``sync_grads()``): the managed all-reduce;
+- ``Runtime.replicas`` becomes 2 ("replicated"), so the readers that ask it first
+  (``torch.nn.utils.clip_grad_norm_`` over the shards, hooks on the shards, the optimizer's step
+  pre-hook) call ``sync_replicas`` too. :meth:`step` runs the all-reduce before ``should_commit``
+  in any case.
+
+Nothing else in the engine changes, and without this class nothing changes at all.
 """
 from __future__ import annotations
 
@@ -173,6 +176,10 @@ class FaultTolerantReplicas:
         # The seam (see [Note: torchft replicas]): the engine's replica sync, which the runtime's readers
         # of the gradients call (Runtime.sync_replicas) and its gradient path tells of each backward.
         rt.replica_sync = rt.grad_path.replicas = self._sync
+        # The engine's readers of the gradients that first ask whether it is replicated (rt.replicas > 1:
+        # torch's clip_grad_norm_ over the shards, hooks on the shards, the optimizer's step pre-hook) then
+        # complete them through the managed all-reduce too. Its fold scale was fixed at build (1 / shard_size).
+        rt.replicas = 2
 
     # ---------------------------------------------------------------- the step
     @property
@@ -227,11 +234,13 @@ class FaultTolerantReplicas:
         """The end of a step: the managed all-reduce if not yet run, ``should_commit``, and the
         optimizer's step only when the quorum commits. Returns whether it committed."""
         self.sync_grads()
-        self._in_step = False
-        if not self.manager.should_commit():
-            return False
-        self.optimizer.step()
-        return True
+        try:
+            if not self.manager.should_commit():
+                return False
+            self.optimizer.step()  # its pre-hook finds the gradients complete
+            return True
+        finally:
+            self._in_step = False
 
     # ---------------------------------------------------------------- checkpoints
     @property
