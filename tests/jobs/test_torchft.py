@@ -240,3 +240,27 @@ def test_misuse_is_refused(lighthouse):
     assert "one FaultTolerantReplicas per model" in said[0]
     assert "call ft.start_step()" in said[1]
     assert "a backward ran after this step's all-reduce" in said[2]
+
+
+def _on_a_mesh(rank, world, lighthouse):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import yafsdp
+    from yafsdp.integrations.torchft import FaultTolerantReplicas, TorchFTError
+
+    ex = _example()
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    model = yafsdp.YaFSDP(ex.build_model(), mesh=mesh)
+    try:
+        FaultTolerantReplicas(model, ex.make_optimizer(model.parameters()), replica_group=0, lighthouse=lighthouse)
+    except TorchFTError as e:
+        return str(e)
+    return None
+
+
+def test_an_hsdp_model_is_refused(lighthouse):
+    """Under torchft the replicate dimension is torchft's: a model already HSDP over a mesh is refused."""
+    from dist_utils import run_ranks
+
+    for said in run_ranks(_on_a_mesh, 2, lighthouse, timeout_s=60):
+        assert said and "already HSDP over a replicate group of 2 ranks" in said, said
