@@ -5,7 +5,7 @@ what one lost replica group costs against a whole-job restart.
 
 World 4 on gloo, the MLP of examples/torchft_hsdp.py: (a) plain HSDP, one torchrun, a (2, 2) mesh;
 (b) two replica groups under torchft (two torchruns, one lighthouse), no fault; (c) the same with
-one group SIGKILLed after 100 committed steps and restarted by its torchrun. Prints the median step
+one group SIGKILLed after 100 steps committed by both groups, restarted by its torchrun. Prints the median step
 time of (a) and (b), and from (c): the survivor's stall (its last step with both groups to its
 first committed step without), steps the survivor did not commit, and the killed group's time to
 rejoin (kill to its first committed step after the restart, which the survivor spent training).

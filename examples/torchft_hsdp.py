@@ -13,7 +13,7 @@ yafsdp/integrations/torchft.py). Kill a group (``kill -9`` both its workers): th
 alone, torchrun restarts the killed one, which takes the live state from the survivor and
 rejoins. ``--die-at S`` / ``--stop-at S`` make this group SIGKILL / SIGSTOP both its workers in its
 first attempt, after the backward of a step with every group in its quorum, once it has committed
-S steps (the tests' faults).
+S such steps (the tests' faults).
 
 The run ends at the first step >= ``--steps`` whose last ``--together`` committed steps had all
 ``--replicas`` groups (so a restarted group has rejoined); each rank then writes its final state
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         ft.load_state_dict(loaded.state["torchft"])
         load_extra(loaded.state["run"])
     log = open(os.path.join(args.out, f"log_g{G}.jsonl"), "a") if rank == 0 else None
-    code, committed_here = 0, 0
+    code, together_here = 0, 0  # steps this attempt committed with every group
     while True:
         ft.start_step()
         step = ft.step_count
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         loss = loss_fn(model(x), y)
         loss.backward()
         fault = args.die_at if args.die_at is not None else args.stop_at
-        if (first_attempt and fault is not None and committed_here >= fault and ft.participants == args.replicas
+        if (first_attempt and fault is not None and together_here >= fault and ft.participants == args.replicas
                 and rank == 0):
             sig = signal.SIGKILL if args.die_at is not None else signal.SIGSTOP
             peers = [int(open(os.path.join(args.out, f"pid_g{G}_r{r}")).read()) for r in range(dist.get_world_size())]
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
         norm = model.clip_grad_norm_(MAX_NORM)  # runs the managed all-reduce first
         n = ft.participants
         if ft.step():
-            committed_here += 1
+            together_here += n == args.replicas
             run["position"] += 1
             run["history"].append(n)
             if args.save_every and ft.step_count % args.save_every == 0 and ft.writes_checkpoints:
