@@ -58,7 +58,8 @@ def main() -> None:
     ap.add_argument("--ft-ckpt-hours", type=float, default=6.0)
     ap.add_argument("--rpc-ms", type=float, default=5.0)
     a = ap.parse_args()
-    print(f"failure rate {a.fail_per_gpu_hour:.3g} per GPU-hour; restart {a.restart_min} min, save {a.save_min} min; "
+    print(f"failure rate {a.fail_per_gpu_hour:.3g} per GPU-hour; restart {a.restart_min} min, "
+          f"save {a.save_min} min; "
           f"torchft: stall {a.stall_s} s, group of {a.group_gpus} GPUs, transfer {a.transfer_min} min, "
           f"checkpoints every {a.ft_ckpt_hours} h, RPCs {a.rpc_ms} ms/step")
     print("| GPUs | job failures / day | whole-job restart: goodput (interval) | torchft as built | torchft, overlapped |")
