@@ -44,7 +44,7 @@ from ..comm.schedule import Schedule
 from ..comm.progress import POSITION
 from .orig_params import run_grad_hooks
 from .placement import make_placement
-from .replicas import make_replicas
+from .replicas import NoReplicas, make_replicas
 from .shard_hooks import fire as fire_shard_hooks
 from ..layout.config import EngineConfig
 from .grad_path import GradPath
@@ -537,6 +537,18 @@ class Runtime:
             s.drop_deferred()
         self.phase = Phase.IDLE
         fire_shard_hooks(self)  # See [Note: hooks on the shards] in shard_hooks.py
+
+    def adopt_replica_sync(self, sync) -> None:
+        """The all-reduce across replicas is run by ``sync`` from now on (an object with ``ReplicaSync``'s
+        interface: ``begin_backward``, ``repair``, ``folded``, ``finish_backward``, ``sync``, ``stats``):
+        torchft's managed replica groups (yafsdp/integrations/torchft.py). The engine is a flat one
+        underneath (its fold scale stays ``1 / shard_size``); it counts as replicated from here on, so
+        every reader of the gradients completes them through ``sync`` first."""
+        if not isinstance(self.replica_sync, NoReplicas):
+            raise RuntimeError("yafsdp: this engine's gradients are already all-reduced across replicas "
+                               f"({type(self.replica_sync).__name__}); one replica sync per engine")
+        self.replica_sync = self.grad_path.replicas = sync
+        self.replicas = 2  # "replicated": the readers that ask `replicas > 1` call sync_replicas()
 
     def sync_replicas(self) -> bool:
         """HSDP: the grad shards all-reduced across replicas, if a backward left local

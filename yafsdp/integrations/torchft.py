@@ -55,15 +55,15 @@ seen; the data position of every group is the committed step). A group that retu
 from the step it rejoins at, with its own batch of that step.
 
 The seam in the engine: the engine under torchft is a flat engine (``replicate_group`` None, so
-its fold scale is ``1 / shard_size``). :class:`FaultTolerantReplicas` sets two attributes of its
-runtime:
+its fold scale is ``1 / shard_size``). :class:`FaultTolerantReplicas` hands its runtime one object,
+through ``Runtime.adopt_replica_sync``:
 
-- ``Runtime.replica_sync`` (which ``GradPath.replicas`` also holds) becomes a :class:`_ManagedSync`,
-  with :class:`yafsdp.core.replicas.NoReplicas`' interface: the gradient path calls its
+- a :class:`_ManagedSync` becomes the runtime's replica sync (which ``GradPath.replicas`` also holds),
+  with :class:`yafsdp.engine.replicas.NoReplicas`' interface: the gradient path calls its
   ``begin_backward`` (it counts the backward calls: a read of the gradients before the step's last
   backward raises), and every reader of the gradients calls its ``sync()`` through
   ``Runtime.sync_replicas`` (``clip_grad_norm_``, ``sync_grads()``): the managed all-reduce;
-- ``Runtime.replicas`` becomes 2 ("replicated"), so the readers that ask it first
+- and the engine counts as replicated (``Runtime.replicas`` 2), so the readers that ask it first
   (``torch.nn.utils.clip_grad_norm_`` over the shards, hooks on the shards, the optimizer's step
   pre-hook) call ``sync_replicas`` too. :meth:`step` runs the all-reduce before ``should_commit``
   in any case.
@@ -77,6 +77,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from ..engine.replicas import NoReplicas, _runs
 
 __all__ = ["FaultTolerantReplicas", "TorchFTError"]
 
@@ -147,7 +149,7 @@ class FaultTolerantReplicas:
                 f"yafsdp.integrations.torchft: the model is already HSDP over a replicate group of "
                 f"{model.replicas} ranks; under torchft each replica group is a flat YaFSDP over its own ranks "
                 "(build it without mesh= / a (shard, replicate) pair) and torchft joins the groups")
-        if type(rt.replica_sync).__name__ != "NoReplicas":
+        if not isinstance(rt.replica_sync, NoReplicas):
             raise TorchFTError("yafsdp.integrations.torchft: this model already has fault-tolerant replicas "
                                "(one FaultTolerantReplicas per model)")
         if (extra_state is None) != (load_extra_state is None):
@@ -175,11 +177,10 @@ class FaultTolerantReplicas:
         self._sync = _ManagedSync(self)
         # The seam (see [Note: torchft replicas]): the engine's replica sync, which the runtime's readers
         # of the gradients call (Runtime.sync_replicas) and its gradient path tells of each backward.
-        rt.replica_sync = rt.grad_path.replicas = self._sync
-        # The engine's readers of the gradients that first ask whether it is replicated (rt.replicas > 1:
-        # torch's clip_grad_norm_ over the shards, hooks on the shards, the optimizer's step pre-hook) then
-        # complete them through the managed all-reduce too. Its fold scale was fixed at build (1 / shard_size).
-        rt.replicas = 2
+        # The engine's readers of the gradients that first ask whether it is replicated (torch's
+        # clip_grad_norm_ over the shards, hooks on the shards, the optimizer's step pre-hook) then complete
+        # them through the managed all-reduce too. Its fold scale was fixed at build (1 / shard_size).
+        rt.adopt_replica_sync(self._sync)
 
     # ---------------------------------------------------------------- the step
     @property
@@ -217,7 +218,6 @@ class FaultTolerantReplicas:
         rt = self.model._rt
         rt.recover()
         pending = [(u, u.flat_param.grad) for u in rt.all if u.flat_param is not None and u.flat_param.grad is not None]
-        from yafsdp.core.replicas import _runs
         works = []
         for t, _ in _runs(pending, rt.grad):
             works.append(self.manager.allreduce(t))
