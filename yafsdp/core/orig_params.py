@@ -51,6 +51,7 @@ goes through an explicit collective (views.py) or is refused.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import OrderedDict
 
@@ -61,7 +62,7 @@ from torch.utils.hooks import RemovableHandle
 from .ddp_guard import WrappedTwiceError, inside_ddp_init, wrapped_twice_message
 from .unit import in_backward
 
-__all__ = ["ShardedParameter", "install", "run_grad_hooks", "rest"]
+__all__ = ["ShardedParameter", "install", "run_grad_hooks", "rest", "adopt_param_group"]
 
 # Metadata that reads no values: answered by the tensor itself (methods and property getters).
 _METADATA = frozenset({
@@ -147,6 +148,10 @@ class ShardedParameter(torch.Tensor):
         if me is not None and name == "grad":
             if kind == "set" and len(args) > 1 and args[1] is None:
                 return None
+            if kind == "get":
+                caller = sys._getframe(1)
+                if caller.f_code is nn.Module.zero_grad.__code__:  # See [Note: what a parent module sees]
+                    return _zero_grad_from(caller, me)
             raise RuntimeError(
                 f"yafsdp: {me._where()} has no .grad of its own after wrapping: its gradient is this rank's slice of "
                 "its unit's flat shard's .grad (model.named_parameters()). For per-parameter values use "
@@ -261,3 +266,92 @@ def rest(slots) -> None:
     """After a use: the owners' attributes fall back to their ShardedParameters."""
     for owner, attr, _ in slots:
         owner.__dict__.pop(attr, None)
+
+
+# ----------------------------------------------------------------------------------------------- parents
+def _trainable(unit) -> list:
+    """The ParamInfos of ``unit``'s trainable flat group (the one its ``flat_param`` is the shard of)."""
+    return [p for g in unit.groups if g.kind.reduced for p in g.params]
+
+
+_ZERO_GRAD_SEEN: list = []  # [(zero_grad's frame, ids of its module's parameters)]: one call at a time
+
+
+def _zero_grad_from(frame, sp: ShardedParameter):
+    """``.grad`` of ``sp`` read by ``nn.Module.zero_grad`` (of a parent, or of a module inside the wrapped
+    one): clears the flat gradient of ``sp``'s unit as that call asks (``set_to_none``) and answers None,
+    so the loop moves on. Refused when the module holds only part of the unit's trainable parameters."""
+    unit = sp._yafsdp_unit()
+    if unit is None or not sp.requires_grad or unit.flat_param is None:
+        return None
+    module = frame.f_locals["self"]
+    if not _ZERO_GRAD_SEEN or _ZERO_GRAD_SEEN[0][0] is not frame:
+        _ZERO_GRAD_SEEN[:] = [(frame, {id(p) for p in module.parameters()})]
+    ids = _ZERO_GRAD_SEEN[0][1]
+    missing = [i.fqn for i in _trainable(unit) if i.resting is not None and id(i.resting) not in ids]
+    if missing:
+        _ZERO_GRAD_SEEN.clear()
+        raise RuntimeError(
+            f"yafsdp: zero_grad() on {type(module).__name__} reached {sp._where()} but not {missing[0]!r} of the "
+            "same unit: a unit's gradients are one flat tensor, cleared whole, so a module holding part of a unit "
+            "cannot clear its part alone. Call zero_grad() on the yafsdp.YaFSDP wrapper, on a module holding it, "
+            "or opt.zero_grad()")
+    flat = unit.flat_param
+    if flat.grad is not None:
+        if frame.f_locals.get("set_to_none", True):
+            flat.grad = None
+        else:
+            if flat.grad.grad_fn is not None:
+                flat.grad.detach_()
+            else:
+                flat.grad.requires_grad_(False)
+            flat.grad.zero_()
+    return None
+
+
+def adopt_param_group(group: dict) -> None:
+    """An optimizer param group holding original parameters of a wrapped module (built over a parent's
+    ``parameters()``), before torch's ``Optimizer.add_param_group`` reads it: each unit's trainable
+    original parameters, all present, become that unit's flat shard (frozen ones are dropped: no shard of
+    theirs trains); a unit present only in part is refused, naming the way out. See [Note: what a parent
+    module sees]."""
+    params = group.get("params")
+    if isinstance(params, torch.Tensor) or isinstance(params, (set, frozenset)) or params is None:
+        return  # torch wraps a lone tensor and refuses a set
+    params = list(params)
+    group["params"] = params
+    tensor = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+    if not any(isinstance(t, ShardedParameter) for t in tensor):
+        return
+    out, units, first = [], {}, None
+    for entry, t in zip(params, tensor):
+        if not isinstance(t, ShardedParameter):
+            out.append(entry)
+            continue
+        unit = t._yafsdp_unit()
+        if unit is None:
+            raise RuntimeError(f"yafsdp: {t._where()} belongs to a yafsdp.YaFSDP model that no longer exists")
+        if first is None:
+            first = len(out)
+        if t.requires_grad and unit.flat_param is not None:
+            units.setdefault(id(unit), (unit, t._yafsdp_rt(), set()))[2].add(id(t._yafsdp_info))
+    named = isinstance(params[0], tuple)
+    shards, engines = [], {}
+    for unit, rt, present in units.values():
+        absent = [i.fqn for i in _trainable(unit) if id(i) not in present]
+        if absent:
+            have = next(i.fqn for i in _trainable(unit) if id(i) in present)
+            raise ValueError(
+                f"yafsdp: an optimizer param group holds parameter {have!r} of unit {unit.name!r} but not "
+                f"{absent[0]!r} of the same unit: after wrapping, a unit's trainable parameters are one flat shard, "
+                "stepped whole with one group's options, so they cannot be split across param groups or left out. "
+                "Build the optimizer over the wrapper's parameters: model.parameters() (the flat shards), or "
+                "model.param_groups(weight_decay) for weight decay on matrices only (model: the yafsdp.YaFSDP "
+                "wrapper)")
+        shards.append((engines.setdefault(id(rt), len(engines)), rt.all.index(unit) if rt is not None else 0, unit))
+    seen = {id(t) for t in tensor}
+    add = []
+    for _, _, unit in sorted(shards, key=lambda x: x[:2]):  # the engine's order: model.parameters()'
+        if id(unit.flat_param) not in seen:
+            add.append((f"flat.{unit.name.replace('.', '_')}", unit.flat_param) if named else unit.flat_param)
+    group["params"] = out[:first] + add + out[first:]
