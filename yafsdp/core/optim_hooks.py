@@ -82,7 +82,7 @@ def _adopt_original_parameters() -> None:
 
     def add_param_group(self, param_group):
         if isinstance(param_group, dict):
-            adopt_param_group(param_group)
+            adopt_param_group(param_group, {id(p) for g in self.param_groups for p in g["params"]})
         return plain(self, param_group)
 
     add_param_group._yafsdp_adopts = True

@@ -309,12 +309,12 @@ def _zero_grad_from(frame, sp: ShardedParameter):
     return None
 
 
-def adopt_param_group(group: dict) -> None:
+def adopt_param_group(group: dict, held=frozenset()) -> None:
     """An optimizer param group holding original parameters of a wrapped module (built over a parent's
     ``parameters()``), before torch's ``Optimizer.add_param_group`` reads it: each unit's trainable
     original parameters, all present, become that unit's flat shard (frozen ones are dropped: no shard of
-    theirs trains); a unit present only in part is refused, naming the way out. See [Note: what a parent
-    module sees]."""
+    theirs trains); a unit present only in part, or whose shard another group (ids in ``held``) holds, is
+    refused, naming the way out. See [Note: what a parent module sees]."""
     params = group.get("params")
     if isinstance(params, torch.Tensor) or isinstance(params, (set, frozenset)) or params is None:
         return  # torch wraps a lone tensor and refuses a set
@@ -352,6 +352,13 @@ def adopt_param_group(group: dict) -> None:
     seen = {id(t) for t in tensor}
     add = []
     for _, _, unit in sorted(shards, key=lambda x: x[:2]):  # the engine's order: model.parameters()'
+        if id(unit.flat_param) in held:
+            raise ValueError(
+                f"yafsdp: an optimizer param group holds parameter {_trainable(unit)[0].fqn!r} of unit "
+                f"{unit.name!r}, whose flat shard another param group holds already: after wrapping, a unit's "
+                "trainable parameters are one flat shard, stepped with one group's options. Build the optimizer over "
+                "the wrapper's parameters: model.parameters() (the flat shards), or model.param_groups(weight_decay) "
+                "for weight decay on matrices only (model: the yafsdp.YaFSDP wrapper)")
         if id(unit.flat_param) not in seen:
             add.append((f"flat.{unit.name.replace('.', '_')}", unit.flat_param) if named else unit.flat_param)
     group["params"] = out[:first] + add + out[first:]
