@@ -12,7 +12,7 @@ from torch import nn
 
 import yafsdp
 from dist_utils import run_ranks
-from models import Stack
+from models import Stack, tiny_llama
 
 
 class _Parent(nn.Module):
@@ -85,6 +85,13 @@ def _body(rank, world):
     out["same_sgd_named_parent_zero"] = all(torch.equal(u, v) for u, v in zip(c, d))
     init = [p.detach().clone() for p in yafsdp.YaFSDP(Stack(seed=1)).parameters()]
     out["moved"] = all(not torch.equal(u, v) for u, v in zip(a, init))
+    # an HF model (a class answering .device / .dtype): no anchor parameter; device and dtype still answered
+    ref = tiny_llama(tie=True)
+    hf = nn.ModuleDict({"lm": yafsdp.YaFSDP(tiny_llama(tie=True), param_dtype=torch.bfloat16)})
+    out["hf_names"] = [n for n, _ in hf.named_parameters()]
+    out["hf_ref_names"] = ["lm.module." + n for n, _ in ref.named_parameters()]
+    out["hf_count"] = (hf["lm"].module.num_parameters(), ref.num_parameters())
+    out["hf_device"] = (str(hf["lm"].module.device), hf["lm"].module.dtype, hf["lm"].module.model.dtype)
     # a unit split across param groups: refused at construction
     parent = _Parent(yafsdp.YaFSDP(Stack(seed=1)))
     fc1 = [p for n, p in parent.named_parameters() if n.endswith("blocks.0.fc1.weight")]
@@ -100,6 +107,9 @@ def _body(rank, world):
 def test_parent_sees_the_original_model():
     for r in run_ranks(_body, 2):
         assert r["names"] == r["ref_names"], r["names"]
+        assert r["hf_names"] == r["hf_ref_names"], r["hf_names"]
+        assert r["hf_count"][0] == r["hf_count"][1]
+        assert r["hf_device"] == ("cpu", torch.bfloat16, torch.bfloat16), r["hf_device"]
         assert r["count"] == r["ref_count"]
         assert r["wrapper_flat"] and all(n.startswith("flat.") for n in r["wrapper_flat"])
         assert r["full_grad"]

@@ -12,7 +12,7 @@ metadata (shape, dtype, device, ``requires_grad``, ``numel()``, ``repr``) answer
 re-initialises parameters finds them. Everything else is decided at the call:
 
 - **a value read or write** (``F.linear(x, m.weight)``, ``nn.init.normal_``, ``copy_``, ``.data``,
-  ``reset_parameters()``, an optimizer built on ``model.module.parameters()``) outside its unit's
+  ``reset_parameters()``) outside its unit's
   forward raises, naming the parameter, its unit and what to use instead:
   ``with model.summon_full_params(writeback=True):`` (the full values, written back into the shards at
   exit; ``model.apply(fn)`` and the HF init methods run inside it), ``model.full_parameter(name)``, or
@@ -37,8 +37,41 @@ re-initialises parameters finds them. Everything else is decided at the call:
   gradient (DDP's semantics; the reduce then averages what the hooks returned). Hooks registered
   on the original parameter before wrapping are carried over. ``register_post_accumulate_grad_hook``
   is refused (no per-parameter ``.grad`` exists to accumulate into).
-- **``.grad``** raises, pointing to ``model.named_grad_norms()``, ``model.full_grad(name)`` and
+- **``.grad``** raises (but see ``zero_grad()`` in [Note: what a parent module sees]), pointing to ``model.named_grad_norms()``, ``model.full_grad(name)`` and
   ``summon_full_params(with_grads=True)`` (views.py).
+
+[Note: what a parent module sees]
+Frameworks own the root module (a LightningModule, torchtitan's model, a user's wrapper) and call
+``parameters()``, ``zero_grad()``, counts and optimizers on it. A parent recurses through
+``named_modules()`` and each module's ``_parameters``, never through ``YaFSDP.named_parameters``; so
+the flat shards are this wrapper's parameters (``YaFSDP.named_parameters`` lists them as
+``flat.<unit>``, for optimizers, clipping and checkpoints, as before) but are not registered on any
+module, and no module holds an anchor parameter ([Note: the device anchor] in anchor.py). A parent
+therefore lists each original parameter once (tied names share one), under ``<attr>.module.<name>``,
+with the unsharded model's shapes and counts. What a parent then does:
+
+- ``zero_grad()`` (``nn.Module.zero_grad``, ``set_to_none`` either way) reads ``.grad`` of each
+  original parameter; read from that function (its frame), the answer clears the unit's flat gradient
+  as asked and is None. A module holding part of a unit's trainable parameters (``fc1.zero_grad()``
+  inside a block) is refused: the unit's gradient is one tensor, cleared whole.
+- an optimizer built over its ``parameters()`` / ``named_parameters()``: every
+  ``torch.optim.Optimizer.add_param_group`` (which each optimizer's constructor calls) first hands the
+  group to :func:`adopt_param_group` (installed by the first ``YaFSDP``, optim_hooks.py). Each unit
+  whose trainable original parameters are all in the group is replaced by its flat shard (the same
+  tensor ``model.parameters()`` yields, in the engine's order), frozen ones are dropped (no shard of
+  theirs trains), other tensors stay: the optimizer is the one over ``model.parameters()`` with the
+  group's options, so it trains identically (tested bit for bit). A unit split across groups (weight
+  decay by name on a unit holding both matrices and 1-D parameters) or whose shard another group holds
+  is refused there, at construction, naming ``model.parameters()`` / ``model.param_groups(...)``.
+
+Why this and not original parameters as tensor subclasses whose data and ``.grad`` alias the flat
+shard (the DTensor-like answer, which would let an optimizer split a unit into groups): each
+optimizer would then step per-parameter views -- many small kernels instead of one flat op, the
+opposite of why the flat layout exists -- and every non-elementwise op an optimizer may do (a norm in
+LAMB/Adafactor/Muon, a clipping norm) would see this rank's slice only and be silently wrong unless
+each were intercepted and refused; the engine's own fused path, optimizer-state layout and
+checkpoints are keyed by the flat shards. Keeping the shards the only optimizable tensors and making
+the parent's habits land on them (or refuse) gives the same results with nothing new to get wrong.
 
 Why not the peers' mechanisms. FSDP1's ``use_orig_params=True`` makes each original parameter a
 1-D view of its part of the local flat shard (empty on ranks that hold none of it): writes land,
@@ -156,8 +189,8 @@ class ShardedParameter(torch.Tensor):
                 f"yafsdp: {me._where()} has no .grad of its own after wrapping: its gradient is this rank's slice of "
                 "its unit's flat shard's .grad (model.named_parameters()). For per-parameter values use "
                 "model.named_grad_norms() (collective), model.full_grad(name), or "
-                "`with model.summon_full_params(with_grads=True):`; model.zero_grad() / opt.zero_grad() clear them. An "
-                "optimizer steps model.parameters() (the flat shards), not model.module.parameters()")
+                "`with model.summon_full_params(with_grads=True):`; zero_grad() on any module holding the unit, or "
+                "opt.zero_grad(), clears them")
         if me is not None and name in _CONVERSIONS:
             raise RuntimeError(
                 f"yafsdp: {me._where()}: {name}() on a parameter of a wrapped module (e.g. model.module.to(...)) is "
