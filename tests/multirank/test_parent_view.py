@@ -68,6 +68,15 @@ def _body(rank, world):
     parent(x, t).backward()
     parent.zero_grad()
     out["none"] = [p.grad is None for p in parent.net.parameters()]
+    # requires_grad_ on the parent: a change is refused (at the first original parameter, before any shard
+    # changes), the value it already has passes
+    try:
+        parent.requires_grad_(False)
+        out["freeze"] = "not refused"
+    except RuntimeError as e:
+        out["freeze"] = str(e)
+    parent.requires_grad_(True)
+    out["shards_trainable"] = all(p.requires_grad for p in parent.net.parameters())
     # zero_grad on a module holding part of a unit is refused, not silently partial
     try:
         parent.net.module.blocks[0].fc1.zero_grad()
@@ -113,6 +122,7 @@ def test_parent_sees_the_original_model():
         assert r["count"] == r["ref_count"]
         assert r["wrapper_flat"] and all(n.startswith("flat.") for n in r["wrapper_flat"])
         assert r["full_grad"]
+        assert "cannot change after wrapping" in r["freeze"] and r["shards_trainable"], r["freeze"]
         assert r["zeroed"] and all(z == 0.0 for z in r["zeroed"]), r["zeroed"]
         assert all(r["none"])
         assert "part of a unit" in r["partial_zero"] or "not 'blocks.0" in r["partial_zero"], r["partial_zero"]

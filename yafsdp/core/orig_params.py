@@ -307,7 +307,9 @@ def _trainable(unit) -> list:
     return [p for g in unit.groups if g.kind.reduced for p in g.params]
 
 
-_ZERO_GRAD_SEEN: list = []  # [(zero_grad's frame, ids of its module's parameters)]: one call at a time
+# [(id of zero_grad's frame, weakref to its module, ids of the module's parameters)]: the call being
+# answered, so that each parameter's answer does not walk the module again; nothing held alive
+_ZERO_GRAD_SEEN: list = []
 
 
 def _zero_grad_from(frame, sp: ShardedParameter):
@@ -318,9 +320,9 @@ def _zero_grad_from(frame, sp: ShardedParameter):
     if unit is None or not sp.requires_grad or unit.flat_param is None:
         return None
     module = frame.f_locals["self"]
-    if not _ZERO_GRAD_SEEN or _ZERO_GRAD_SEEN[0][0] is not frame:
-        _ZERO_GRAD_SEEN[:] = [(frame, {id(p) for p in module.parameters()})]
-    ids = _ZERO_GRAD_SEEN[0][1]
+    if not _ZERO_GRAD_SEEN or _ZERO_GRAD_SEEN[0][0] != id(frame) or _ZERO_GRAD_SEEN[0][1]() is not module:
+        _ZERO_GRAD_SEEN[:] = [(id(frame), weakref.ref(module), {id(p) for p in module.parameters()})]
+    ids = _ZERO_GRAD_SEEN[0][2]
     missing = [i.fqn for i in _trainable(unit) if i.resting is not None and id(i.resting) not in ids]
     if missing:
         _ZERO_GRAD_SEEN.clear()
