@@ -98,7 +98,7 @@ def _freeze(rank, zero):
     model = yafsdp.YaFSDP(tiny_llama(), zero_stage=zero)
     head = model.module.lm_head
     out = {
-        "names": [n for n, _ in model.module.named_parameters() if n != "yafsdp_device_anchor"],
+        "names": [n for n, _ in model.module.named_parameters()],
         "head_params": [n for n, _ in head.named_parameters()],
         "module_refused": _err(lambda: head.requires_grad_(False)),
         "loop_refused": _err(lambda: [p.requires_grad_(False) for p in head.parameters()]),

@@ -12,7 +12,7 @@ metadata (shape, dtype, device, ``requires_grad``, ``numel()``, ``repr``) answer
 re-initialises parameters finds them. Everything else is decided at the call:
 
 - **a value read or write** (``F.linear(x, m.weight)``, ``nn.init.normal_``, ``copy_``, ``.data``,
-  ``reset_parameters()``, an optimizer built on ``model.module.parameters()``) outside its unit's
+  ``reset_parameters()``) outside its unit's
   forward raises, naming the parameter, its unit and what to use instead:
   ``with model.summon_full_params(writeback=True):`` (the full values, written back into the shards at
   exit; ``model.apply(fn)`` and the HF init methods run inside it), ``model.full_parameter(name)``, or
@@ -37,8 +37,41 @@ re-initialises parameters finds them. Everything else is decided at the call:
   gradient (DDP's semantics; the reduce then averages what the hooks returned). Hooks registered
   on the original parameter before wrapping are carried over. ``register_post_accumulate_grad_hook``
   is refused (no per-parameter ``.grad`` exists to accumulate into).
-- **``.grad``** raises, pointing to ``model.named_grad_norms()``, ``model.full_grad(name)`` and
+- **``.grad``** raises (but see ``zero_grad()`` in [Note: what a parent module sees]), pointing to ``model.named_grad_norms()``, ``model.full_grad(name)`` and
   ``summon_full_params(with_grads=True)`` (views.py).
+
+[Note: what a parent module sees]
+Frameworks own the root module (a LightningModule, torchtitan's model, a user's wrapper) and call
+``parameters()``, ``zero_grad()``, counts and optimizers on it. A parent recurses through
+``named_modules()`` and each module's ``_parameters``, never through ``YaFSDP.named_parameters``; so
+the flat shards are this wrapper's parameters (``YaFSDP.named_parameters`` lists them as
+``flat.<unit>``, for optimizers, clipping and checkpoints, as before) but are not registered on any
+module, and no module holds an anchor parameter ([Note: the device anchor] in anchor.py). A parent
+therefore lists each original parameter once (tied names share one), under ``<attr>.module.<name>``,
+with the unsharded model's shapes and counts. What a parent then does:
+
+- ``zero_grad()`` (``nn.Module.zero_grad``, ``set_to_none`` either way) reads ``.grad`` of each
+  original parameter; read from that function (its frame), the answer clears the unit's flat gradient
+  as asked and is None. A module holding part of a unit's trainable parameters (``fc1.zero_grad()``
+  inside a block) is refused: the unit's gradient is one tensor, cleared whole.
+- an optimizer built over its ``parameters()`` / ``named_parameters()``: every
+  ``torch.optim.Optimizer.add_param_group`` (which each optimizer's constructor calls) first hands the
+  group to :func:`adopt_param_group` (installed by the first ``YaFSDP``, optim_hooks.py). Each unit
+  whose trainable original parameters are all in the group is replaced by its flat shard (the same
+  tensor ``model.parameters()`` yields, in the engine's order), frozen ones are dropped (no shard of
+  theirs trains), other tensors stay: the optimizer is the one over ``model.parameters()`` with the
+  group's options, so it trains identically (tested bit for bit). A unit split across groups (weight
+  decay by name on a unit holding both matrices and 1-D parameters) or whose shard another group holds
+  is refused there, at construction, naming ``model.parameters()`` / ``model.param_groups(...)``.
+
+Why this and not original parameters as tensor subclasses whose data and ``.grad`` alias the flat
+shard (the DTensor-like answer, which would let an optimizer split a unit into groups): each
+optimizer would then step per-parameter views -- many small kernels instead of one flat op, the
+opposite of why the flat layout exists -- and every non-elementwise op an optimizer may do (a norm in
+LAMB/Adafactor/Muon, a clipping norm) would see this rank's slice only and be silently wrong unless
+each were intercepted and refused; the engine's own fused path, optimizer-state layout and
+checkpoints are keyed by the flat shards. Keeping the shards the only optimizable tensors and making
+the parent's habits land on them (or refuse) gives the same results with nothing new to get wrong.
 
 Why not the peers' mechanisms. FSDP1's ``use_orig_params=True`` makes each original parameter a
 1-D view of its part of the local flat shard (empty on ranks that hold none of it): writes land,
@@ -51,6 +84,7 @@ goes through an explicit collective (views.py) or is refused.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import OrderedDict
 
@@ -61,7 +95,7 @@ from torch.utils.hooks import RemovableHandle
 from .ddp_guard import WrappedTwiceError, inside_ddp_init, wrapped_twice_message
 from .unit import in_backward
 
-__all__ = ["ShardedParameter", "install", "run_grad_hooks", "rest"]
+__all__ = ["ShardedParameter", "install", "run_grad_hooks", "rest", "adopt_param_group"]
 
 # Metadata that reads no values: answered by the tensor itself (methods and property getters).
 _METADATA = frozenset({
@@ -147,12 +181,16 @@ class ShardedParameter(torch.Tensor):
         if me is not None and name == "grad":
             if kind == "set" and len(args) > 1 and args[1] is None:
                 return None
+            if kind == "get":
+                caller = sys._getframe(1)
+                if caller.f_code is nn.Module.zero_grad.__code__:  # See [Note: what a parent module sees]
+                    return _zero_grad_from(caller, me)
             raise RuntimeError(
                 f"yafsdp: {me._where()} has no .grad of its own after wrapping: its gradient is this rank's slice of "
                 "its unit's flat shard's .grad (model.named_parameters()). For per-parameter values use "
                 "model.named_grad_norms() (collective), model.full_grad(name), or "
-                "`with model.summon_full_params(with_grads=True):`; model.zero_grad() / opt.zero_grad() clear them. An "
-                "optimizer steps model.parameters() (the flat shards), not model.module.parameters()")
+                "`with model.summon_full_params(with_grads=True):`; zero_grad() on any module holding the unit, or "
+                "opt.zero_grad(), clears them")
         if me is not None and name in _CONVERSIONS:
             raise RuntimeError(
                 f"yafsdp: {me._where()}: {name}() on a parameter of a wrapped module (e.g. model.module.to(...)) is "
@@ -261,3 +299,101 @@ def rest(slots) -> None:
     """After a use: the owners' attributes fall back to their ShardedParameters."""
     for owner, attr, _ in slots:
         owner.__dict__.pop(attr, None)
+
+
+# ----------------------------------------------------------------------------------------------- parents
+def _trainable(unit) -> list:
+    """The ParamInfos of ``unit``'s trainable flat group (the one its ``flat_param`` is the shard of)."""
+    return [p for g in unit.groups if g.kind.reduced for p in g.params]
+
+
+# [(id of zero_grad's frame, weakref to its module, ids of the module's parameters)]: the call being
+# answered, so that each parameter's answer does not walk the module again; nothing held alive
+_ZERO_GRAD_SEEN: list = []
+
+
+def _zero_grad_from(frame, sp: ShardedParameter):
+    """``.grad`` of ``sp`` read by ``nn.Module.zero_grad`` (of a parent, or of a module inside the wrapped
+    one): clears the flat gradient of ``sp``'s unit as that call asks (``set_to_none``) and answers None,
+    so the loop moves on. Refused when the module holds only part of the unit's trainable parameters."""
+    unit = sp._yafsdp_unit()
+    if unit is None or not sp.requires_grad or unit.flat_param is None:
+        return None
+    module = frame.f_locals["self"]
+    if not _ZERO_GRAD_SEEN or _ZERO_GRAD_SEEN[0][0] != id(frame) or _ZERO_GRAD_SEEN[0][1]() is not module:
+        _ZERO_GRAD_SEEN[:] = [(id(frame), weakref.ref(module), {id(p) for p in module.parameters()})]
+    ids = _ZERO_GRAD_SEEN[0][2]
+    missing = [i.fqn for i in _trainable(unit) if i.resting is not None and id(i.resting) not in ids]
+    if missing:
+        _ZERO_GRAD_SEEN.clear()
+        raise RuntimeError(
+            f"yafsdp: zero_grad() on {type(module).__name__} reached {sp._where()} but not {missing[0]!r} of the "
+            "same unit: a unit's gradients are one flat tensor, cleared whole, so a module holding part of a unit "
+            "cannot clear its part alone. Call zero_grad() on the yafsdp.YaFSDP wrapper, on a module holding it, "
+            "or opt.zero_grad()")
+    flat = unit.flat_param
+    if flat.grad is not None:
+        if frame.f_locals.get("set_to_none", True):
+            flat.grad = None
+        else:
+            if flat.grad.grad_fn is not None:
+                flat.grad.detach_()
+            else:
+                flat.grad.requires_grad_(False)
+            flat.grad.zero_()
+    return None
+
+
+def adopt_param_group(group: dict, held=frozenset()) -> None:
+    """An optimizer param group holding original parameters of a wrapped module (built over a parent's
+    ``parameters()``), before torch's ``Optimizer.add_param_group`` reads it: each unit's trainable
+    original parameters, all present, become that unit's flat shard (frozen ones are dropped: no shard of
+    theirs trains); a unit present only in part, or whose shard another group (ids in ``held``) holds, is
+    refused, naming the way out. See [Note: what a parent module sees]."""
+    params = group.get("params")
+    if isinstance(params, torch.Tensor) or isinstance(params, (set, frozenset)) or params is None:
+        return  # torch wraps a lone tensor and refuses a set
+    params = list(params)
+    group["params"] = params
+    tensor = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+    if not any(isinstance(t, ShardedParameter) for t in tensor):
+        return
+    out, units, first = [], {}, None
+    for entry, t in zip(params, tensor):
+        if not isinstance(t, ShardedParameter):
+            out.append(entry)
+            continue
+        unit = t._yafsdp_unit()
+        if unit is None:
+            raise RuntimeError(f"yafsdp: {t._where()} belongs to a yafsdp.YaFSDP model that no longer exists")
+        if first is None:
+            first = len(out)
+        if t.requires_grad and unit.flat_param is not None:
+            units.setdefault(id(unit), (unit, t._yafsdp_rt(), set()))[2].add(id(t._yafsdp_info))
+    named = isinstance(params[0], tuple)
+    shards, engines = [], {}
+    for unit, rt, present in units.values():
+        absent = [i.fqn for i in _trainable(unit) if id(i) not in present]
+        if absent:
+            have = next(i.fqn for i in _trainable(unit) if id(i) in present)
+            raise ValueError(
+                f"yafsdp: an optimizer param group holds parameter {have!r} of unit {unit.name!r} but not "
+                f"{absent[0]!r} of the same unit: after wrapping, a unit's trainable parameters are one flat shard, "
+                "stepped whole with one group's options, so they cannot be split across param groups or left out. "
+                "Build the optimizer over the wrapper's parameters: model.parameters() (the flat shards), or "
+                "model.param_groups(weight_decay) for weight decay on matrices only (model: the yafsdp.YaFSDP "
+                "wrapper)")
+        shards.append((engines.setdefault(id(rt), len(engines)), rt.all.index(unit) if rt is not None else 0, unit))
+    seen = {id(t) for t in tensor}
+    add = []
+    for _, _, unit in sorted(shards, key=lambda x: x[:2]):  # the engine's order: model.parameters()'
+        if id(unit.flat_param) in held:
+            raise ValueError(
+                f"yafsdp: an optimizer param group holds parameter {_trainable(unit)[0].fqn!r} of unit "
+                f"{unit.name!r}, whose flat shard another param group holds already: after wrapping, a unit's "
+                "trainable parameters are one flat shard, stepped with one group's options. Build the optimizer over "
+                "the wrapper's parameters: model.parameters() (the flat shards), or model.param_groups(weight_decay) "
+                "for weight decay on matrices only (model: the yafsdp.YaFSDP wrapper)")
+        if id(unit.flat_param) not in seen:
+            add.append((f"flat.{unit.name.replace('.', '_')}", unit.flat_param) if named else unit.flat_param)
+    group["params"] = out[:first] + add + out[first:]

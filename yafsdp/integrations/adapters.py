@@ -100,7 +100,7 @@ def _adapter_tensors(model, inner, adapter_name: str) -> dict | None:
     probe = {k: torch.empty(shape, dtype=dt, device="meta") for k, (shape, dt) in ref_of.items()}
     which = {id(v): k for k, v in probe.items()}
     # See the module docstring: PEFT must see the modules as they were before wrapping.
-    with original_structure(model._rt, model._anchored):
+    with original_structure(model._rt):
         picked = get_peft_model_state_dict(inner, state_dict=probe, adapter_name=adapter_name)
     wanted = {which[id(v)] for v in picked.values() if id(v) in which}
     model.check_idle("save_adapter")
@@ -118,7 +118,7 @@ def _adapter_tensors(model, inner, adapter_name: str) -> dict | None:
         sd = {k: sd.get(k, probe[k]) for k in probe}
     if not model.coordinator:
         return None
-    with original_structure(model._rt, model._anchored):
+    with original_structure(model._rt):
         adapter = get_peft_model_state_dict(inner, state_dict=sd, adapter_name=adapter_name)
     meta = [k for k, v in adapter.items() if v.is_meta]
     if meta:  # pragma: no cover - PEFT read a key it had not picked

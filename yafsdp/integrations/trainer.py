@@ -64,7 +64,11 @@ class TrainerSetupError(ValueError):
 # fall on whole shards and the grouping is exactly Trainer's on the unsharded model. When a shard
 # mixes the classes (a 1-D parameter Trainer decays, say a learned scale named ``gamma``, sits in
 # the small group with the norms), no grouping of shards can express it: refused, naming the
-# parameters, rather than decaying the norms or not decaying the scale.
+# parameters, rather than decaying the norms or not decaying the scale. The mapping stays although an
+# optimizer built over the original parameters is now adopted onto the shards ([Note: what a parent
+# module sees] in engine/orig_params.py): Trainer builds its groups from ``self.model``'s
+# ``named_parameters()``, and the wrapper's own are the flat shards (what clipping, checkpoints and the
+# fused path key on); and the mixed-shard refusal here names Trainer's rule and ``weight_decay=0``.
 def decay_parameter_names(model: YaFSDP, inner_decay_names, weight_decay: float) -> list[str]:
     """The wrapper's flat shard names (``flat.<unit>``) whose original parameters are all in
     ``inner_decay_names`` (Trainer's rule applied to ``model.module``). Raises TrainerSetupError for a

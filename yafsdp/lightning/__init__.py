@@ -31,16 +31,15 @@ Lightning is patched. The differences from FSDP, each for a reason:
   of the unsharded model built on rank 0 (Lightning FSDP's materialize-and-reset convention). A
   module holding parameters without ``reset_parameters`` is refused, naming it.
 - **The optimizer** steps the flat shards. One built over a parent's ``parameters()`` (the
-  LightningModule's ``self.parameters()``, Fabric's ``model.parameters()``) holds the storage-less
-  original parameters next to them: with one param group holding every flat shard, the originals are
-  dropped from it at set-up (the optimizer over the shards, exactly); other groupings of original
-  parameters are refused, naming one and the way out (``model.parameters()`` of the wrapped module,
-  ``YaFSDP.param_groups(weight_decay)``).
-- **The parent's habits.** ``LightningModule.zero_grad()`` (called by the Trainer before each stage)
-  would read ``.grad`` of the storage-less original parameters: the strategy gives the LightningModule
-  a ``zero_grad`` that clears the engine's shards. ``ModelSummary`` / ``RichModelSummary`` would count
-  the original parameters and this rank's flat shards both: the strategy makes the callback count the
-  original parameters only (the unsharded model's numbers, per layer and in total).
+  LightningModule's ``self.parameters()``, Fabric's ``model.parameters()``) holds them already: each
+  unit's original parameters become its flat shard when the optimizer is built; a param group holding
+  part of a unit is refused there, naming ``model.parameters()`` / ``YaFSDP.param_groups(weight_decay)``
+  ([Note: what a parent module sees] in engine/orig_params.py).
+- **The parent's habits**: ``LightningModule.zero_grad()`` clears the engine's gradients, and
+  ``ModelSummary`` / ``RichModelSummary`` totals count the original parameters (the unsharded model's
+  numbers), since a parent sees no flat shard. The one row that would not -- the YaFSDP wrapper's own,
+  counted through its ``parameters()`` (this rank's flat shards) -- the strategy makes the callback
+  count by the original parameters as well.
 - **Checkpoints**, ``state_dict_type``: ``"sharded"`` (Fabric's default) writes a directory holding a
   yafsdp sharded checkpoint (``step_N/``: model and optimizer, DCP, reshardable; ``yafsdp.checkpoint``)
   and ``meta.pt`` (everything else, rank 0); ``"full"`` (Trainer's default) writes one file on rank 0

@@ -18,9 +18,7 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as _LayerSummaryTable
 
-from ..wrapper.anchor import ANCHOR
 from ..wrapper.api import YaFSDP
-from ..engine.orig_params import ShardedParameter
 
 _METADATA = "meta.pt"  # a sharded checkpoint's non-tensor state, written by rank 0
 
@@ -124,8 +122,8 @@ def _check_engine(model: YaFSDP, dtype, what: str) -> None:
 def _reset_on_meta(model: YaFSDP, what: str) -> None:
     """Shards of a model built on meta: every module's ``reset_parameters()`` on the full values, rank
     0's written back (Lightning FSDP's convention for ``empty_init``)."""
-    def holds(m):  # own parameters, the engine's empty device anchor aside ([Note: the device anchor])
-        return any(k != ANCHOR and p is not None for k, p in m._parameters.items())
+    def holds(m):  # own parameters
+        return any(p is not None for p in m._parameters.values())
 
     bare = [n or type(m).__name__ for n, m in model.module.named_modules()
             if holds(m) and not callable(getattr(m, "reset_parameters", None))]
@@ -150,30 +148,6 @@ def _meta_context(empty_init):
     from ..integrations.init import meta_parameters
 
     return meta_parameters()
-
-
-def _adopt_optimizer(opt, engine: YaFSDP, model_name: str) -> None:
-    """An optimizer built over a parent's ``parameters()`` (the LightningModule's, Fabric's module's) holds
-    the flat shards and the storage-less original parameters. With one param group that holds every flat
-    shard and no state yet, dropping the originals leaves exactly the optimizer over the shards; anything
-    else (per-parameter groups, a part of the shards) is refused with the way out."""
-    opt = opt if isinstance(opt, torch.optim.Optimizer) else _raw(opt)
-    originals = [p for g in opt.param_groups for p in g["params"] if isinstance(p, ShardedParameter)]
-    if not originals:
-        return
-    flat = {id(p) for p in engine.parameters()}
-    groups = opt.param_groups
-    if len(groups) == 1 and flat <= {id(p) for p in groups[0]["params"]} and not opt.state:
-        # the engine's device anchor (empty; [Note: the device anchor] in wrapper/anchor.py) goes with them
-        anchor = engine.__dict__.get("_device_param")
-        groups[0]["params"] = [p for p in groups[0]["params"]
-                               if not isinstance(p, ShardedParameter) and p is not anchor]
-        return
-    raise StrategySetupError(
-        f"yafsdp.lightning: the optimizer holds original parameter {originals[0]._yafsdp_name!r}, which after "
-        "wrapping has no storage (the flat shards are what trains), in param groups that do not hold all the flat "
-        f"shards in one group; build the optimizer over the wrapped model's parameters: {model_name}.parameters() "
-        "(the flat shards; per-group weight decay: yafsdp.YaFSDP.param_groups(weight_decay))")
 
 
 def _raw(opt):
@@ -238,28 +212,22 @@ class _NoSync(_BackwardSyncControl):
 
 
 # ----------------------------------------------------------------------------------------------- summary
-def _count(module: nn.Module, trainable: bool = False) -> int:
+# A parent counts the original parameters ([Note: what a parent module sees] in engine/orig_params.py),
+# so ModelSummary's totals are the unsharded model's. One row is not: the YaFSDP wrapper's own, which
+# ModelSummary counts through the wrapper's parameters(), the flat shards of this rank (what an
+# optimizer needs). The callback counts that row by the original parameters too.
+def _count(module: nn.Module) -> int:
     """Parameters of ``module`` as the unsharded model has them: original parameters, not flat shards."""
-    flat = {id(p) for e in module.modules() if isinstance(e, YaFSDP) for p in e.parameters()}
     seen, n = set(), 0
     for m in module.modules():
         for p in m._parameters.values():
-            if p is None or id(p) in seen or id(p) in flat or (trainable and not p.requires_grad):
-                continue
-            seen.add(id(p))
-            n += p.numel()
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel()
     return n
 
 
 class _Table(_LayerSummaryTable):
-    @property
-    def total_parameters(self) -> int:
-        return _count(self._model)
-
-    @property
-    def trainable_parameters(self) -> int:
-        return _count(self._model, trainable=True)
-
     @property
     def param_nums(self) -> list[int]:
         return [_count(layer._module) for layer in self._layer_summary.values()]

@@ -18,8 +18,7 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 
 from ..wrapper.api import YaFSDP
-from ..engine.orig_params import ShardedParameter
-from .common import StrategySetupError, start_process_group, _NoSync, _adopt_optimizer, _adopt_precision, _check_engine, \
+from .common import StrategySetupError, start_process_group, _NoSync, _adopt_precision, _check_engine, \
     _engine_dtype, _is_sharded, _load_file, _load_sharded, _meta_context, _save_sharded, _wrap
 
 
@@ -112,14 +111,8 @@ class YaFSDPFabricStrategy(FabricParallelStrategy):
             "optimizer = fabric.setup_optimizers(AdamW(model.parameters()))")
 
     def setup_optimizer(self, optimizer):
-        engines = {id(p): m for m in self._engines_set_up for p in m.parameters()}
-        engine = next((engines[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in engines), None)
-        if engine is not None:
-            _adopt_optimizer(optimizer, engine, "model")
-        elif any(isinstance(p, ShardedParameter) for g in optimizer.param_groups for p in g["params"]):
-            raise StrategySetupError(
-                "yafsdp.lightning: the optimizer holds only original parameters of a wrapped module, which have no "
-                "storage; build it over the module fabric.setup_module returned: AdamW(model.parameters())")
+        # An optimizer built over the module's parameters steps the flat shards, or was refused at its
+        # construction: [Note: what a parent module sees] in engine/orig_params.py.
         return optimizer
 
     def module_to_device(self, module: nn.Module) -> None:

@@ -19,7 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only as pl_rank_zero_only
 
 from ..wrapper.api import YaFSDP
-from .common import StrategySetupError, start_process_group, _adopt_optimizer, _adopt_precision, _check_engine, _engine_dtype, \
+from .common import StrategySetupError, start_process_group, _adopt_precision, _check_engine, _engine_dtype, \
     _engines, _fix_summaries, _is_sharded, _load_file, _load_sharded, _meta_context, _outside, _prefixed, _raw, \
     _save_sharded, _unprefixed, _wrap
 
@@ -160,9 +160,7 @@ class YaFSDPStrategy(PLParallelStrategy):
                 f"yafsdp.lightning: parameters {outside[:3]} of {type(lm).__name__} are outside its yafsdp.YaFSDP "
                 f"module {self._engine_name!r}: no strategy would reduce their gradients. Move them into it")
         self.model = lm
-        # See [Note: a sharding engine as a Lightning strategy], "The parent's habits".
-        lm.zero_grad = engine.zero_grad
-        _fix_summaries(trainer)
+        _fix_summaries(trainer)  # the wrapper's own row: see the summary section of common.py
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -170,8 +168,6 @@ class YaFSDPStrategy(PLParallelStrategy):
                 raise StrategySetupError(
                     f"yafsdp.lightning: configure_optimizers returned {len(self.optimizers)} optimizers; the "
                     "strategy supports one over the wrapped model's parameters")
-            for opt in self.optimizers:
-                _adopt_optimizer(opt, engine, f"self.{self._engine_name}")
         self.setup_precision_plugin()
 
     # ---- checkpoints

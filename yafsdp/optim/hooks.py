@@ -23,6 +23,7 @@ import torch
 
 from . import state as optim_state, unused
 from ..engine import shards
+from ..engine.orig_params import adopt_param_group
 from ..engine.replicas import sync_before_step
 from ..engine.runtime import live_runtimes
 
@@ -63,7 +64,28 @@ def _bump_unchanged_after_step(optimizer, args, kwargs):
 
 def install_optimizer_hooks() -> None:
     if not _OPTIMIZER_HOOKS:
+        _adopt_original_parameters()
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         _OPTIMIZER_HOOKS.append(register_optimizer_step_pre_hook(_versions_before_step))
         _OPTIMIZER_HOOKS.append(register_optimizer_step_post_hook(_bump_unchanged_after_step))
+
+
+def _adopt_original_parameters() -> None:
+    """``torch.optim.Optimizer.add_param_group`` (which every optimizer's constructor calls) first hands each
+    group to ``orig_params.adopt_param_group``: an optimizer built over a parent module's parameters steps the
+    flat shards, or is refused at construction. See [Note: what a parent module sees] in orig_params.py."""
+    from torch.optim import Optimizer
+
+    plain = Optimizer.add_param_group
+    if getattr(plain, "_yafsdp_adopts", False):
+        return
+
+    def add_param_group(self, param_group):
+        if isinstance(param_group, dict):
+            adopt_param_group(param_group, {id(p) for g in self.param_groups for p in g["params"]})
+        return plain(self, param_group)
+
+    add_param_group._yafsdp_adopts = True
+    add_param_group.__doc__ = plain.__doc__
+    Optimizer.add_param_group = add_param_group

@@ -1,30 +1,24 @@
 """The device anchor: how model code finds its device and dtype after wrapping.
 
 [Note: the device anchor]
-After wrapping, the modules hold no parameters (the flat shards are the engine's), but model code
-finds its device and dtype from them: HF's ``PreTrainedModel.device`` / ``.dtype`` are
-``next(self.parameters())``'s, and ``generate()`` asks the *inner* model (a PEFT model delegates
-to ``base_model.model``), as do ``get_input_embeddings``-style helpers and ``num_parameters``. So
-one empty parameter in the compute dtype on the device, shared, is registered as ``yafsdp_device_anchor``
-on every module (the wrapped one included) whose class answers ``device`` or ``dtype`` through a
-property (HF ``PreTrainedModel`` / ``ModuleUtilsMixin``, diffusers' ``ModelMixin``, any model class
-written the same way): each of them, at any depth, finds a parameter of the right device and dtype
-first. No other module gets one: not plain layers (their own state_dict() keys and PEFT's view of
-them stay as before; ``state_dict.original_structure`` hides the anchors too), and not a wrapped
-root that is a plain ``nn.Module`` (a torchtitan model, a user's model, a PEFT model, whose
-``device`` reaches the HF model inside): code walking its parameters -- torchtitan's
-``init_weights`` requires every module holding a parameter to initialise it, parameter counts --
-must find the original parameters only. Such a module answers its device through its original
-parameters, which keep device and dtype after wrapping ([Note: the module tree after wrapping] in
-orig_params.py).
+Model code finds its device and dtype from its parameters: HF's ``PreTrainedModel.device`` / ``.dtype``
+are ``next(self.parameters())``'s (the first floating one for the dtype), and ``generate()`` asks the
+*inner* model (a PEFT model delegates to ``base_model.model``), as do ``num_parameters`` and
+``get_input_embeddings``-style helpers. After wrapping these modules still hold parameters: the
+original ones, storage-less ``ShardedParameter``s that keep the device (the engine's) and carry the
+dtype their unit's forward sees (``param_dtype``, the gathered weight's), so the first one answers
+both, at any depth ([Note: the module tree after wrapping] in orig_params.py). An earlier design
+registered one empty parameter, ``yafsdp_device_anchor``, on such modules; a parent then counted,
+named and initialised it (torchtitan's ``init_weights``, Lightning's summary, ``full_grad(name)`` over
+``named_parameters()``): no module holds one now ([Note: what a parent module sees]). What remains is
+the list of these modules (:func:`anchored_modules`): each gets the step entry, since code may run
+one on its own ([Note: the root entry] in api.py).
 """
 from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["ANCHOR", "anchored_modules"]
-
-ANCHOR = "yafsdp_device_anchor"
+__all__ = ["anchored_modules"]
 
 
 def anchored_modules(module: nn.Module) -> list[nn.Module]:

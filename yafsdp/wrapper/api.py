@@ -18,14 +18,13 @@ from torch import nn
 from ..comm.checked import make_schedule
 from ..comm.hsdp import broadcast_from_replica0, check_layout, resolve_groups
 from .. import formats
-from .anchor import ANCHOR, anchored_modules
+from .anchor import anchored_modules
 from .api_methods import WrapperMethods
 from ..engine.autograd import gate_small_group, install_hooks, rest_small_group
 from ..layout.config import OPTIONS, EngineConfig, build_config, options_doc
 from ..engine.ddp_guard import WrappedTwiceError, wrapped_twice_message
 from .ema import refuse_deepcopy
 from ..optim.hooks import install_optimizer_hooks
-from ..engine.orig_params import ShardedParameter
 from ..engine.runtime import Runtime, in_backward
 from .state_dict import StateDictKeys, materialize
 from ..layout.units import discover, mark_wrapped
@@ -148,7 +147,10 @@ class YaFSDP(WrapperMethods, nn.Module):
                 "(it takes 2-D weights of nn.Linear modules with requires_grad=False at wrap time and a multiple of "
                 "64 elements); nothing is stored in 4 bits. Freeze the base before wrapping (peft.get_peft_model "
                 "does), or drop quantize_frozen", UserWarning, stacklevel=2)
-        self.flat = self._rt.flat  # the flat master shards, registered as this module's parameters
+        # The flat master shards: this wrapper's parameters (named_parameters below), but not a submodule,
+        # so that a parent module sees the original parameters only. See [Note: what a parent module sees]
+        # in orig_params.py.
+        self.__dict__["flat"] = self._rt.flat
         self.module = module
         mark_wrapped(module)
         mark_wrapped(self)
@@ -159,12 +161,8 @@ class YaFSDP(WrapperMethods, nn.Module):
             broadcast_from_replica0(self._rt, module, replicate)
         install_hooks(self._rt)
         install_optimizer_hooks()  # See [Note: optimizers that do not bump versions] in optim/hooks.py
-        # See [Note: the root entry] and [Note: the device anchor] in anchor.py. YaFSDP.parameters() leaves it out.
-        anchor = nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device), requires_grad=False)
-        object.__setattr__(self, "_device_param", anchor)  # not a parameter of the wrapper itself
+        # See [Note: the root entry] and [Note: the device anchor] in anchor.py.
         self._anchored = anchored_modules(module)
-        for m in self._anchored:
-            m.register_parameter(ANCHOR, anchor)
         # The step entry on the root and on every model inside it that code may run on its own (HF
         # models: a PEFT model's generate() runs the inner LlamaForCausalLM's forward, never the root's);
         # entries nest (root_depth). prepend: the entry runs before a unit's own pre-hook when the
@@ -218,13 +216,12 @@ class YaFSDP(WrapperMethods, nn.Module):
             rt.end_forward(ok=not (output is None and sys.exc_info()[0] is not None))
         return None
 
-    def named_parameters(self, *args, **kwargs):
-        """The flat master shards (one per unit and the small group) as ``flat.<unit>``. (The wrapped
-        module's own ``named_parameters()`` lists the original names: [Note: the module tree after
-        wrapping] in orig_params.py.)"""
-        for name, p in super().named_parameters(*args, **kwargs):
-            if p is not self.__dict__.get("_device_param") and not isinstance(p, ShardedParameter):
-                yield name, p
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The flat master shards (one per unit and the small group) as ``flat.<unit>``: what an optimizer
+        steps. (The wrapped module's own ``named_parameters()``, and a parent module's, list the original
+        names: [Note: what a parent module sees] in orig_params.py.)"""
+        yield from self.__dict__["flat"].named_parameters(prefix=f"{prefix}.flat" if prefix else "flat",
+                                                          remove_duplicate=remove_duplicate)
 
     def apply(self, fn):
         """``fn`` on every module, inside ``summon_full_params(writeback=True)`` (collective): what

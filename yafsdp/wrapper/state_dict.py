@@ -306,20 +306,16 @@ def load_buffers(rt: Runtime, keys: StateDictKeys, fill) -> None:
 
 
 @contextmanager
-def original_structure(rt: Runtime, anchored=()):
+def original_structure(rt: Runtime):
     """Inside: every parameter the wrap moved into the flat shards is back in its modules'
     ``_parameters`` as a meta-device placeholder of its original shape and ``requires_grad``, so that
     code which reads a module's structure -- ``named_parameters()``, a submodule's ``state_dict()``
     keys, as PEFT's ``get_peft_model_state_dict`` does for ``modules_to_save`` -- sees the model as it
     was before wrapping. Values are not there (take them from ``gather_full``); no forward may run
-    inside. The device anchors (``anchored``: the modules holding one, [Note: the device anchor] in
-    anchor.py) are out meanwhile. On exit the modules are as before. Not collective."""
+    inside. On exit the modules are as before. Not collective."""
     import torch.nn as nn
 
     moved = []  # (owner, attr, what its __dict__ held)
-    from .anchor import ANCHOR
-
-    anchors = [(m, m._parameters.pop(ANCHOR)) for m in anchored if ANCHOR in m._parameters]
     try:
         for u in rt.all:
             for p in u.params:
@@ -340,5 +336,3 @@ def original_structure(rt: Runtime, anchored=()):
                 owner._parameters[attr] = registered
             if held is not None:
                 owner.__dict__[attr] = held
-        for m, a in anchors:
-            m._parameters[ANCHOR] = a
