@@ -174,6 +174,38 @@ def test_runtime_reads_every_allocated_tensor_by_name():
     assert all(isinstance(getattr(Runtime, f, None), property) for f in STORAGE_FIELDS), STORAGE_FIELDS
 
 
+def _cut_classes(paths) -> list[str]:
+    """Classes cut in two: a base class with no ``__init__`` (a mixin) that exactly one class subclasses,
+    from another module -- one class's methods split across files to keep a module short."""
+    defined, subclasses = {}, {}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                has_init = any(isinstance(f, ast.FunctionDef) and f.name == "__init__" for f in node.body)
+                defined[node.name] = (path, has_init)
+                for b in node.bases:
+                    name = b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else None
+                    if name:
+                        subclasses.setdefault(name, []).append((node.name, path))
+    cut = []
+    for base, subs in subclasses.items():
+        if base in defined and len(subs) == 1 and not defined[base][1] and subs[0][1] != defined[base][0]:
+            cut.append(f"{base} ({defined[base][0].name}) is only {subs[0][0]}'s ({subs[0][1].name})")
+    return cut
+
+
+def test_no_class_cut_across_modules():
+    """One class, one file: a class is not split into a mixin in one module and the class in another
+    (``Runtime`` and its backward, ``YaFSDP`` and its methods, the Trainer and its watchdog once were)."""
+    assert not _cut_classes(list(ROOT.rglob("*.py")))
+
+
+def test_the_cut_class_check_sees_a_mixin(tmp_path):
+    (tmp_path / "a.py").write_text("class Methods:\n    def f(self):\n        pass\n")
+    (tmp_path / "b.py").write_text("from a import Methods\nclass Engine(Methods):\n    def __init__(self):\n        pass\n")
+    assert _cut_classes([tmp_path / "a.py", tmp_path / "b.py"]) == ["Methods (a.py) is only Engine's (b.py)"]
+
+
 def test_no_module_over_the_limit():
     sizes = {_module_name(p): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
     assert not {m: n for m, n in sizes.items() if n > MAX_LINES}, f"modules over {MAX_LINES} lines"

@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import os
 import shutil
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ..wrapper.api import YaFSDP
 from ..engine.ddp_guard import wrapped_twice_message
-from .trainer_watchdog import WatchdogMixin
+from ..tools.watchdog import Watchdog
 
 __all__ = ["YaFSDPTrainerMixin", "YaFSDPTrainer", "YaFSDPSFTTrainer", "with_yafsdp", "decay_parameter_names",
            "TrainerSetupError", "check_launch"]
@@ -91,7 +92,7 @@ def decay_parameter_names(model: YaFSDP, inner_decay_names, weight_decay: float)
     return out
 
 
-class YaFSDPTrainerMixin(WatchdogMixin):
+class YaFSDPTrainerMixin:
     """Mixed in front of ``transformers.Trainer`` or a subclass of it (TRL's trainers): see
     [Note: a sharding engine inside Trainer]."""
 
@@ -104,6 +105,38 @@ class YaFSDPTrainerMixin(WatchdogMixin):
         self._yafsdp_watchdog = None
         super().__init__(model, args, *rest, **kwargs)
         self._yafsdp_setup()
+
+    # ------------------------------------------------------------------ under the watchdog
+    def train(self, *args, **kwargs):
+        """Trainer.train under the watchdog ([Note: the watchdog] in yafsdp/tools/watchdog.py): a rank
+        without progress for ``hang_timeout`` seconds after the first step (``TrainingArguments.ddp_timeout``
+        before it, also the process group's timeout) is named and every process ends with status 4; an
+        exception raised on one rank reaches the others, which end with status 1 instead of waiting in
+        their next collective."""
+        if dist.is_initialized():  # TrainingArguments.ddp_timeout, also where the script made the group itself
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self.args.ddp_timeout))
+        wd = self._yafsdp_watchdog = Watchdog(timeout=self._yafsdp_hang_timeout,
+                                              startup_timeout=float(self.args.ddp_timeout)).start()
+        callback = _watchdog_callback(wd)
+        self.callback_handler.callbacks.insert(0, callback)  # first: a step is done before any user callback runs
+        try:
+            return super().train(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - published, then raised on as it was
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                wd.fail(f"{type(e).__name__}: {e}", 1)
+            raise
+        finally:
+            wd.stop()
+            self._yafsdp_watchdog = None
+            self.remove_callback(callback)
+
+    def _save_checkpoint(self, *args, **kwargs):
+        """A checkpoint's deadline is the longer one of saves (at least 1800 s)."""
+        wd = self._yafsdp_watchdog
+        if wd is None:
+            return super()._save_checkpoint(*args, **kwargs)
+        with wd.phase("save", timeout=max(1800.0, self._yafsdp_hang_timeout)):
+            return super()._save_checkpoint(*args, **kwargs)
 
     # ------------------------------------------------------------------------------ set-up
     def _yafsdp_setup(self) -> None:
@@ -423,3 +456,20 @@ def __getattr__(name):  # the classes are built on first use: transformers / trl
         return with_yafsdp(SFTTrainer)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
+def _watchdog_callback(wd):
+    """A TrainerCallback marking the watchdog's steps and phases (made here: transformers is imported on
+    first use only)."""
+    from transformers import TrainerCallback
+
+    class WatchdogCallback(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            wd.set_phase("train")
+
+        def on_step_end(self, args, state, control, **kw):
+            wd.step(state.global_step)
+
+        def on_evaluate(self, args, state, control, **kw):
+            wd.progress()
+
+    return WatchdogCallback()
