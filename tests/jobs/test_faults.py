@@ -56,8 +56,10 @@ def test_a_stopped_or_sleeping_rank_is_named_within_the_deadline_and_the_restart
         "reference": (STEPS + ["--out", str(tmp_path / "ref")], None, 0),
         "stop_forward": (STEPS + hang + ["--out", str(tmp_path / "stop_forward")], "stop:1:3:forward", 1),
         "sleep_data": (STEPS + hang + ["--out", str(tmp_path / "sleep_data")], "sleep:1:3:data", 0),
+        # stopped at step 6's save: step 4's save waited for step 2's background write, so step 2 is complete
+        # whatever the machine's load (a stop at step 4 could catch step 2 still being written)
         "stop_async_save": (STEPS + hang + ["--async-save", "--out", str(tmp_path / "stop_async_save")],
-                            "stop:0:4:save", 0),
+                            "stop:0:6:save", 0),
         "sleep_export": (STEPS + hang + ["--export-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "sleep_export")],
                          "sleep:1:6:export", 0),
         "sleep_eval": (STEPS + hang + ["--eval-every", "2", "--out", str(tmp_path / "sleep_eval")],
