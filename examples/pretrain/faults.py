@@ -47,23 +47,23 @@ def start_watchdog(args, env) -> Watchdog:
 
 
 def attach(job, wd: Watchdog) -> None:
-    """The job's side of a hang or another rank's error: an event, the flight recorder (NCCL), the lock."""
-    job.wd = wd
+    """The job's side of a hang or another rank's error (``wd``'s hooks): an event, the flight
+    recorder (NCCL), the lock."""
 
     def on_hang(report):
         event = dict(event="hang", step=job.step_now(), stuck=report["stuck"], line=report.line, exit_code=EXIT_HANG)
-        if job.main and getattr(job, "events", None) is not None:
-            job.events.write(event)
+        if job.main and _events_open(job):
+            job.outputs.event(event)
         elif _first_responding(report) == job.rank and os.path.isdir(job.args.out):  # rank 0 is the stuck one
             P.Events(os.path.join(job.args.out, "events.jsonl")).write(event)
         dump_flight_recorder(job)
         _release(job)
 
     def on_error(err):
-        if job.main and getattr(job, "events", None) is not None:
-            job.events.write(dict(event="error", rank=err.get("rank"), step=err.get("step"),
-                                  phase=err.get("phase"), message=err.get("message"),
-                                  exit_code=err.get("exit_code")))
+        if job.main and _events_open(job):
+            job.outputs.event(dict(event="error", rank=err.get("rank"), step=err.get("step"),
+                                   phase=err.get("phase"), message=err.get("message"),
+                                   exit_code=err.get("exit_code")))
         _release(job)
 
     wd.on_hang, wd.on_error = on_hang, on_error
@@ -75,9 +75,13 @@ def _first_responding(report) -> int | None:
         if 0 in report["stuck"] else None
 
 
+def _events_open(job) -> bool:
+    """events.jsonl is open (rank 0, from ``Job.open_output`` on)."""
+    return job.outputs is not None and job.outputs.events is not None
+
+
 def _release(job) -> None:
-    if job.lock is not None:
-        job.lock.release()
+    job.run_dir.release()
 
 
 def dump_flight_recorder(job) -> str | None:

@@ -144,12 +144,12 @@ def test_rewind_plan_restart_and_interrupted_rewind(tmp_path, monkeypatch):
     four = os.path.join(ck, "step_00000004")
     fresh = argparse.Namespace(restart_count=0)
     # Continuing the newest checkpoint is no rewind (rows after it: the unsaved tail).
-    assert R.plan_output(_args(out, resume="latest"), fresh)["rewind"] is None
+    assert R.plan_output(_args(out, resume="latest"), fresh).rewind is None
     with pytest.raises(R.JobError, match=r"is step 4, but the run in .* went on after it \(checkpoint\(s\) "
                                          r"step_00000006, step_00000008; metrics.jsonl steps 5-9\).*Pass --rewind"):
         R.plan_output(_args(out, resume=four), fresh)
     plan = R.plan_output(_args(out, resume=four, rewind=True), fresh)
-    assert plan["rewind"]["step"] == 4 and plan["resume_path"] == four
+    assert plan.rewind.step == 4 and plan.resume_path == four
 
     # A rewind a kill interrupted after its record and one move is finished by the next job.
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t")
@@ -173,12 +173,12 @@ def test_rewind_plan_restart_and_interrupted_rewind(tmp_path, monkeypatch):
     _fake_checkpoint(ck, 5)
     restart = argparse.Namespace(restart_count=1)
     plan = R.plan_output(_args(out, resume=four, rewind=True), restart)
-    assert plan["resume_path"].endswith("step_00000005") and plan["rewind"] is None
+    assert plan.resume_path.endswith("step_00000005") and plan.rewind is None
     monkeypatch.setattr(R, "launcher_id", lambda: "otherhost:1")
     plan = R.plan_output(_args(out, resume=four, rewind=True), restart)
-    assert plan["resume_path"] == four and plan["rewind"]["step"] == 4
+    assert plan.resume_path == four and plan.rewind.step == 4
     # Without --rewind a restart of `--resume PATH` continues from the newest checkpoint past PATH.
-    assert R.plan_output(_args(out, resume=four), restart)["resume_path"].endswith("step_00000005")
+    assert R.plan_output(_args(out, resume=four), restart).resume_path.endswith("step_00000005")
 
 
 def test_validation_points_drop_the_abandoned_line(tmp_path):
