@@ -195,6 +195,17 @@ class Stragglers:
     def median(busy: list[float]) -> float:
         return statistics.median(busy)
 
+    def columns(self, timing: list) -> dict:
+        """The metrics row's timing columns of every rank's (data, compute, comm wait) seconds: per
+        rank up to 64 ranks, the slowest and the median beyond."""
+        if self.world <= 64:
+            return dict(rank_data_s=[round(d, 4) for d, _, _ in timing],
+                        rank_compute_s=[round(c, 4) for _, c, _ in timing],
+                        rank_comm_wait_s=[round(w, 4) for _, _, w in timing])
+        busy = [d + c for d, c, _ in timing]
+        slow = max(range(self.world), key=busy.__getitem__)
+        return dict(slowest_rank=slow, slowest_busy_s=round(busy[slow], 4), median_busy_s=round(self.median(busy), 4))
+
     def check(self, busy: list[float]) -> list[int]:
         """The ranks that have just become stragglers (their streak reached ``patience``)."""
         if self.world < 2:

@@ -24,7 +24,6 @@ from pretrain import saving as S
 from pretrain.args import build_parser, check_args, lr_at, parse_args, shard_size  # noqa: F401 - their home was here
 from pretrain.ops import Diverged, JobError, StopSignal, init_distributed, shutdown_distributed
 from yafsdp.comm.progress import POSITION
-from pretrain.rundir import describe_run, plan_output  # noqa: F401 - their home was here
 from pretrain.saving import get_rng_state, set_rng_state  # noqa: F401 - their home was here
 from pretrain.setup import SHAPE_KEYS, BatchShape, Setup, causal_lm_loss, make_optimizer, model_config  # noqa: F401
 
@@ -110,9 +109,7 @@ class Job(Setup):
         self.guard.uniform = math.log(self.shape["vocab_size"])  # [Note: loss spikes] in faults.py
         stop = StopSignal().install()
         bar = P.Bar(self.main and not a.no_progress, a.steps, self.step)
-        self.first_loss = self.last_loss = None
-        self.val_loss = None
-        self.stopped_by = None
+        self.first_loss = self.last_loss = self.val_loss = self.stopped_by = None
         last_saved = self.step if self.plan.resume_path else -1
         t_start = time.perf_counter()
         start_step = self.step
@@ -238,16 +235,8 @@ class Job(Setup):
     def check_timing(self, bar, outcome: "StepOutcome", row: dict) -> None:
         """Every rank's data wait, compute and communication wait into the metrics row (up to 64
         ranks; the slowest and the median beyond), and a straggler named ([Note: stragglers])."""
-        t = outcome.timing
-        busy = [d + c for d, c, _ in t]
-        if self.world <= 64:
-            row["rank_data_s"] = [round(d, 4) for d, _, _ in t]
-            row["rank_compute_s"] = [round(c, 4) for _, c, _ in t]
-            row["rank_comm_wait_s"] = [round(w, 4) for _, _, w in t]
-        else:
-            slow = max(range(self.world), key=busy.__getitem__)
-            row["slowest_rank"], row["slowest_busy_s"] = slow, round(busy[slow], 4)
-            row["median_busy_s"] = round(self.stragglers.median(busy), 4)
+        busy = [d + c for d, c, _ in outcome.timing]
+        row.update(self.stragglers.columns(outcome.timing))
         for r in self.stragglers.check(busy):
             med = self.stragglers.median(busy)
             self.note(bar, f"straggler rank {r}: data + compute {busy[r] * 1e3:.0f} ms/step vs the median "
@@ -270,8 +259,7 @@ class Job(Setup):
         self.outputs.event(dict(event="skipped", step=self.step, loss=loss_val, grad_norm=grad_norm,
                                 reason="spike" if outcome.spike else "non-finite"))
         if in_row >= a.max_skipped_steps or (outcome.spike and a.on_spike == "stop"):
-            self.outputs.event(dict(event="diverged", step=self.step, skipped=in_row,
-                                    last_good=self.saver.last_good()))
+            self.outputs.event(dict(event="diverged", step=self.step, skipped=in_row, last_good=self.saver.last_good()))
             what = ("the loss or grad norm was NaN/inf or a spike" if self.spikes_seen else
                     "the loss or grad norm was NaN/inf")
             raise Diverged(
