@@ -56,7 +56,7 @@ class Outputs:
     def _open_run_files(self, plan, step: int, record: dict) -> None:
         os.makedirs(self.out, exist_ok=True)
         if plan.wipe:
-            print(f"overwrite discarded the run in {self.out}: {plan.discarded}", flush=True)
+            print(plan.discarded, flush=True)
             wipe_run(self.out, plan.ck_root)
         if plan.resume_path:
             P.truncate_metrics(self.metrics_path, step)

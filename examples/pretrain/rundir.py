@@ -63,7 +63,7 @@ class RunPlan:
     ck_root: str  # --out/checkpoints
     resume_path: str | None = None  # the checkpoint the job loads
     wipe: bool = False  # delete the run's files before writing (--overwrite; a restart before any checkpoint)
-    discarded: str | None = None  # with --overwrite: what is deleted, in words (describe_run)
+    discarded: str | None = None  # with wipe: the line said before (what is deleted: describe_run)
     foreign: tuple[str, ...] = ()  # step_* directories without a manifest: reported, never used or deleted
     rewind: Rewind | None = None  # --rewind: the continuation to set aside before training
     notes: tuple[str, ...] = ()  # the header's notes about --out
@@ -75,8 +75,7 @@ class RunDir:
     directory]). Rank 0 decides and acts; every rank holds the same plan."""
 
     def __init__(self, out: str, main: bool):
-        self.out = out
-        self.main = main
+        self.out, self.main = out, main
         self.lock = OutLock(out) if main else None
         self.plan: RunPlan | None = None  # make_plan
         self.rewound: dict | None = None  # rewind(): the record of what was set aside
@@ -92,8 +91,7 @@ class RunDir:
                 err = str(e)
         agree(err)
 
-    def release(self) -> None:
-        """Rank 0: the lock is released (the job ends)."""
+    def release(self) -> None:  # rank 0: the job ends
         if self.lock is not None:
             self.lock.release()
 
@@ -157,7 +155,7 @@ def plan_output(args, env) -> RunPlan:
             )
         wipe = bool(args.overwrite and (complete or has_metrics))
         if wipe:
-            discarded = describe_run(out, complete, metrics)
+            discarded = f"overwrite discarded the run in {out}: {describe_run(out, complete, metrics)}"
     elif mode in ("latest", "auto"):
         if complete:
             resume_path = complete[-1][1]
@@ -167,8 +165,9 @@ def plan_output(args, env) -> RunPlan:
             flag = "--export-only" if args.export_only and args.resume is None else "--resume"
             raise JobError(f"{flag}: nothing to {'export' if flag == '--export-only' else 'resume'}, no complete "
                            f"checkpoint in {ck_root!r}{extra}")
-        else:
-            wipe = has_metrics  # a restart before the first checkpoint: start the run again
+        elif has_metrics:  # a restart (or --resume auto) before the first checkpoint: start the run again
+            wipe, discarded = True, (f"start    no complete checkpoint in {ck_root} to resume: the run starts "
+                                     f"again; discarded {describe_run(out, complete, metrics)}")
     else:
         if not os.path.isdir(mode):
             raise JobError(f"--resume {mode!r}: no such checkpoint directory")
@@ -203,7 +202,7 @@ def restart_mode(args, complete: list, out: str):
 
 
 def describe_run(out: str, complete: list, metrics: str) -> str:
-    """What --overwrite is about to delete in ``out``: checkpoints, metrics steps, other files."""
+    """What a wipe (``RunPlan.wipe``) is about to delete in ``out``: checkpoints, metrics steps, other files."""
     parts = []
     if complete:
         names = [os.path.basename(p) for _, p in complete]

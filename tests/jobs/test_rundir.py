@@ -302,6 +302,23 @@ def test_two_jobs_on_a_new_out(tmp_path):
     assert steps == list(range(1, len(steps) + 1))
 
 
+def test_a_restart_before_the_first_checkpoint_starts_the_run_again(tmp_path):
+    """A torchrun restart (or ``--resume auto``) in an --out that holds metrics but no complete
+    checkpoint -- the first attempt died before its first save -- starts the run again, saying what
+    it discards. The plan used to leave the wipe's description out, and the job then stopped with a
+    KeyError on rank 0 at every restart."""
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps(dict(step=1, loss=9.0)) + "\n")
+    p = run_job(["--steps", "2", "--save-every", "0", "--resume", "auto", "--out", out], nproc=0)
+    said = [line for line in p.stdout.splitlines() if line.startswith("start    ")]
+    assert said == [f"start    no complete checkpoint in {out}/checkpoints to resume: the run starts again; "
+                    "discarded metrics.jsonl (1 steps, 1-1, last loss 9.0000)"], p.stdout[-2000:]
+    assert [r["step"] for r in metrics(out)] == [1, 2] and metrics(out)[0]["loss"] != 9.0
+    assert [e["event"] for e in events(out)][0] == "start"
+
+
 def test_the_lock_makes_a_new_out_and_a_refused_job_leaves_none(tmp_path):
     """The lock is taken before --out is read, so it makes a new --out; a job refused before it
     wrote anything (e.g. --resume with nothing to resume) removes it again. A second lock on the
