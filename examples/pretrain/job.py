@@ -48,7 +48,7 @@ class Job(Setup):
         self.batch = BatchShape(args.batch_size, env.world, args.grad_accum, args.seq_len)  # one step's batch
         self.outputs: O.Outputs | None = None  # the run's files and lines (open_output)
         self.saver: S.Saver | None = None  # the run's checkpoints (open_output)
-        self.wd = None  # the watchdog (faults.attach), set by main
+        self.wd = None  # the watchdog, set by main (watch)
         self.in_step = False  # inside train_step: step_now() is the step being taken
         self.step = 0
         self.faults = F.Faults(os.environ.get("YAFSDP_JOB_FAULT"), env.rank, env.restart_count)

@@ -1,7 +1,7 @@
-"""What the job writes and prints: the run's files in ``--out`` (``metrics.jsonl``, ``events.jsonl``,
-``run.json``, ``loss.png``, TensorBoard), the header, one metrics row per step, the closing summary
-and the Hugging Face export. Functions of the job (``job``: a ``pretrain.job.Job``), called by its
-stages."""
+"""What the job writes and prints: the run's files in ``--out`` (``Outputs``: ``metrics.jsonl``,
+``events.jsonl``, ``run.json``, TensorBoard; ``loss.png``), the header, one metrics row per step, the
+closing summary and the Hugging Face export. The functions here read the job (``job``: a
+``pretrain.job.Job``) and set none of its attributes; its stages call them."""
 from __future__ import annotations
 
 import json
@@ -151,8 +151,9 @@ def header(job):
     else:
         epochs = f"{total * gb / job.batches.windows:.1f} epochs" if job.batches.windows else "streamed"
         steps = f"steps {job.step} -> {a.steps} ({P.fmt_count(total * job.batch.tokens)} tokens, {epochs})"
-    job.say(f"batch    {a.batch_size} seq x {job.world} ranks x {a.grad_accum} accum = {gb} seq = "
-             f"{job.batch.tokens:,} tokens/step; {steps}")
+    b = job.batch
+    job.say(f"batch    {b.per_rank} seq x {b.ranks} ranks x {b.accum} accum = {gb} seq = {b.tokens:,} tokens/step; "
+            f"{steps}")
     job.say(f"optim    {job.opt_name}: lr {a.lr:g} (warmup {a.warmup}, cosine to {a.lr * a.min_lr_ratio:g} at "
              f"step {a.decay_steps}), weight decay {a.weight_decay:g}, clip {a.grad_clip:g}")
     mem = sum(m.allocated_bytes().values())
@@ -262,7 +263,7 @@ def summary(job, sample, exported):
     else:
         job.say(f"done     nothing to train: already at step {job.step} (--steps {a.steps})")
     if job.stopped_by:
-        job.say(f"stopped  by {job.stopped_by} at step {job.step}; checkpoint {job.saver.last}; "
+        job.say(f"stopped  by {job.stopped_by} at step {job.step}; checkpoint {job.saver.last_good()}; "
                  "continue with --resume")
     if sample is not None:
         job.say("sample   " + repr(sample[:300]))
