@@ -62,6 +62,7 @@ def model_config(args, tokenizer) -> tuple[dict, object]:
         shape["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
     return shape, cfg
 
+
 @dataclass(frozen=True)
 class BatchShape:
     """One optimizer step's batch, fixed by the flags and the world size: ``per_rank`` windows of
