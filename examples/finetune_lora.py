@@ -157,8 +157,7 @@ class FinetuneJob(J.Job):
         try:
             job.run()
         finally:
-            if job.lock is not None:
-                job.lock.release()
+            job.run_dir.release()
         steps = job.step
         del job
         gc.collect()
@@ -325,15 +324,14 @@ class FinetuneJob(J.Job):
         run (recorded in events.jsonl, so a resumed run reports the same starting point)."""
         self.heldout_before = None
         if not self.args.export_only:
-            if self.plan["resume_path"]:
+            if self.plan.resume_path:
                 if self.main:
                     found = [e["loss"] for e in P.read_jsonl(os.path.join(self.args.out, "events.jsonl"))
                              if e.get("event") == "heldout_before"]
                     self.heldout_before = found[-1] if found else None
             else:
                 self.heldout_before = self.heldout_loss()
-                if self.main:
-                    self.events.write(dict(event="heldout_before", step=self.step, loss=self.heldout_before))
+                self.outputs.event(dict(event="heldout_before", step=self.step, loss=self.heldout_before))
         super().train()
 
     def finish(self):

@@ -47,23 +47,23 @@ def start_watchdog(args, env) -> Watchdog:
 
 
 def attach(job, wd: Watchdog) -> None:
-    """The job's side of a hang or another rank's error: an event, the flight recorder (NCCL), the lock."""
-    job.wd = wd
+    """The job's side of a hang or another rank's error (``wd``'s hooks): an event, the flight
+    recorder (NCCL), the lock."""
 
     def on_hang(report):
         event = dict(event="hang", step=job.step_now(), stuck=report["stuck"], line=report.line, exit_code=EXIT_HANG)
-        if job.main and getattr(job, "events", None) is not None:
-            job.events.write(event)
+        if job.main and _events_open(job):
+            job.outputs.event(event)
         elif _first_responding(report) == job.rank and os.path.isdir(job.args.out):  # rank 0 is the stuck one
             P.Events(os.path.join(job.args.out, "events.jsonl")).write(event)
         dump_flight_recorder(job)
         _release(job)
 
     def on_error(err):
-        if job.main and getattr(job, "events", None) is not None:
-            job.events.write(dict(event="error", rank=err.get("rank"), step=err.get("step"),
-                                  phase=err.get("phase"), message=err.get("message"),
-                                  exit_code=err.get("exit_code")))
+        if job.main and _events_open(job):
+            job.outputs.event(dict(event="error", rank=err.get("rank"), step=err.get("step"),
+                                   phase=err.get("phase"), message=err.get("message"),
+                                   exit_code=err.get("exit_code")))
         _release(job)
 
     wd.on_hang, wd.on_error = on_hang, on_error
@@ -75,9 +75,13 @@ def _first_responding(report) -> int | None:
         if 0 in report["stuck"] else None
 
 
+def _events_open(job) -> bool:
+    """events.jsonl is open (rank 0, from ``Job.open_output`` on)."""
+    return job.outputs is not None and job.outputs.events is not None
+
+
 def _release(job) -> None:
-    if job.lock is not None:
-        job.lock.release()
+    job.run_dir.release()
 
 
 def dump_flight_recorder(job) -> str | None:
@@ -190,6 +194,17 @@ class Stragglers:
     @staticmethod
     def median(busy: list[float]) -> float:
         return statistics.median(busy)
+
+    def columns(self, timing: list) -> dict:
+        """The metrics row's timing columns of every rank's (data, compute, comm wait) seconds: per
+        rank up to 64 ranks, the slowest and the median beyond."""
+        if self.world <= 64:
+            return dict(rank_data_s=[round(d, 4) for d, _, _ in timing],
+                        rank_compute_s=[round(c, 4) for _, c, _ in timing],
+                        rank_comm_wait_s=[round(w, 4) for _, _, w in timing])
+        busy = [d + c for d, c, _ in timing]
+        slow = max(range(self.world), key=busy.__getitem__)
+        return dict(slowest_rank=slow, slowest_busy_s=round(busy[slow], 4), median_busy_s=round(self.median(busy), 4))
 
     def check(self, busy: list[float]) -> list[int]:
         """The ranks that have just become stragglers (their streak reached ``patience``)."""

@@ -22,11 +22,10 @@ from pretrain import progress as P
 from pretrain import rundir as R
 from pretrain import saving as S
 from pretrain.args import build_parser, check_args, lr_at, parse_args, shard_size  # noqa: F401 - their home was here
-from pretrain.ops import Diverged, JobError, OutLock, StopSignal, init_distributed, shutdown_distributed
+from pretrain.ops import Diverged, JobError, StopSignal, init_distributed, shutdown_distributed
 from yafsdp.comm.progress import POSITION
-from pretrain.rundir import describe_run, plan_output  # noqa: F401 - their home was here
 from pretrain.saving import get_rng_state, set_rng_state  # noqa: F401 - their home was here
-from pretrain.setup import SHAPE_KEYS, Setup, causal_lm_loss, make_optimizer, model_config  # noqa: F401
+from pretrain.setup import SHAPE_KEYS, BatchShape, Setup, causal_lm_loss, make_optimizer, model_config  # noqa: F401
 
 
 # ------------------------------------------------------------------------------------------- job
@@ -45,15 +44,22 @@ class Job(Setup):
         self.args, self.env = args, env
         self.rank, self.world, self.device = env.rank, env.world, env.device
         self.main = env.rank == 0
-        self.lock = OutLock(args.out) if self.main else None  # rank 0 holds it for the job
-        self.reported: set[str] = set()  # checkpoint notes already printed
-        self.wd = None  # the watchdog (faults.attach), set by main
+        self.run_dir = R.RunDir(args.out, self.main)  # the lock (rank 0), the plan, a rewind
+        self.batch = BatchShape(args.batch_size, env.world, args.grad_accum, args.seq_len)  # one step's batch
+        self.outputs: O.Outputs | None = None  # the run's files and lines (open_output)
+        self.saver: S.Saver | None = None  # the run's checkpoints (open_output)
+        self.wd = None  # the watchdog, set by main (watch)
         self.in_step = False  # inside train_step: step_now() is the step being taken
         self.step = 0
         self.faults = F.Faults(os.environ.get("YAFSDP_JOB_FAULT"), env.rank, env.restart_count)
         self.guard = F.LossGuard(args.loss_spike, action=args.on_spike)
         self.stragglers = F.Stragglers(env.world)
-        self.pinned: list[str] = []  # checkpoints kept beyond --keep (the newest before a streak or spike)
+
+    def watch(self, wd) -> None:
+        """The watchdog ``wd`` reports this job's phases, and a hang or another rank's error reaches
+        the job (``faults.attach``)."""
+        self.wd = wd
+        F.attach(self, wd)
 
     def mark(self, phase: str, timeout: float | None = None) -> None:
         """This rank enters ``phase`` (the watchdog's report; [Note: fault injection])."""
@@ -64,10 +70,6 @@ class Job(Setup):
     def step_now(self) -> int:
         """The step being taken (inside ``train_step``), else the last one taken (its save, its eval)."""
         return self.step + 1 if self.in_step else self.step
-
-    def take_lock(self) -> None:
-        """Collective: rank 0 locks --out (once); a job already there stops every rank."""
-        R.take_out_lock(self)
 
     def say(self, msg: str) -> None:
         if self.main:
@@ -83,8 +85,14 @@ class Job(Setup):
         self.finish()
 
     def open_output(self):
-        """From here on files are written (rank 0): see outputs.open_output."""
-        O.open_output(self)
+        """From here on files are written (rank 0): the run's files (``Outputs``) and its checkpoints
+        (``Saver``)."""
+        a = self.args
+        self.t_session = time.perf_counter()
+        self.outputs = O.Outputs(a.out, self.main, a.tensorboard, a.export_only)
+        self.outputs.open(self.plan, self.step, None if a.export_only else O.run_record(self))
+        self.saver = S.Saver(self.model, self.opt, self.device, ck_root=self.plan.ck_root, keep=a.keep,
+                             background=a.async_save, outputs=self.outputs, resumed_from=self.plan.resume_path)
 
     def header(self):
         O.header(self)
@@ -97,15 +105,12 @@ class Job(Setup):
         if a.export_only:
             self.first_loss = self.last_loss = self.val_loss = self.stopped_by = None
             self.train_time, self.trained_steps, self.step_times = 0.0, 0, []
-            self.last_checkpoint = self.plan["resume_path"]
             return
         self.guard.uniform = math.log(self.shape["vocab_size"])  # [Note: loss spikes] in faults.py
         stop = StopSignal().install()
         bar = P.Bar(self.main and not a.no_progress, a.steps, self.step)
-        self.first_loss = self.last_loss = None
-        self.val_loss = None
-        self.stopped_by = None
-        last_saved = self.step if self.plan["resume_path"] else -1
+        self.first_loss = self.last_loss = self.val_loss = self.stopped_by = None
+        last_saved = self.step if self.plan.resume_path else -1
         t_start = time.perf_counter()
         start_step = self.step
         step_times = []
@@ -113,14 +118,13 @@ class Job(Setup):
         self.skipped_steps = 0
         self.skipped_in_row = 0  # consecutive non-finite steps
         self.spikes_seen = 0
-        self.losses_before = [r["loss"] for r in P.read_jsonl(self.metrics_path)] if self.main else []
-        if self.main:
-            kind = "resume" if self.plan["resume_path"] else "start"
-            self.events.write(dict(event=kind, step=self.step, world=self.world, restart=self.env.restart_count,
-                                   checkpoint=self.plan["resume_path"], optimizer=self.opt_name))
-            if self.changes:  # accepted by --allow-change, or free; see [Note: settings a resume keeps]
-                self.events.write(dict(event="settings_changed", step=self.step, checkpoint=self.plan["resume_path"],
-                                       changes=self.changes))
+        self.losses_before = [r["loss"] for r in P.read_jsonl(self.outputs.metrics_path)] if self.main else []
+        self.outputs.event(dict(event="resume" if self.plan.resume_path else "start", step=self.step,
+                                world=self.world, restart=self.env.restart_count, checkpoint=self.plan.resume_path,
+                                optimizer=self.opt_name))
+        if self.changes:  # accepted by --allow-change, or free; see [Note: settings a resume keeps]
+            self.outputs.event(dict(event="settings_changed", step=self.step, checkpoint=self.plan.resume_path,
+                                    changes=self.changes))
         try:
             while self.step < a.steps:
                 t0 = time.perf_counter()
@@ -131,8 +135,8 @@ class Job(Setup):
                 self.in_step = False
                 if self.wd is not None:
                     self.wd.step(self.step)
-                self.cursor += a.batch_size * self.world * a.grad_accum
-                self.tokens_seen += self.tokens_per_step
+                self.cursor += self.batch.sequences
+                self.tokens_seen += self.batch.tokens
                 dt = time.perf_counter() - t0
                 step_times.append(dt)
                 self.record_step(bar, lr, outcome, dt)
@@ -146,29 +150,29 @@ class Job(Setup):
                 if a.save_every and self.step % a.save_every == 0 and self.step < a.steps:
                     if self.skipped_in_row:  # [Note: loss spikes]: never a checkpoint of a skip streak
                         self.note(bar, f"not saved step {self.step}: inside a streak of {self.skipped_in_row} "
-                                       f"skipped step(s); the last checkpoint stays {self.last_good()}",
+                                       f"skipped step(s); the last checkpoint stays {self.saver.last_good()}",
                                   dict(event="save_deferred", step=self.step, skipped_in_row=self.skipped_in_row))
                     else:
                         self.save(bar)
                         last_saved = self.step
-                S.poll(self, bar)
+                self.saver.poll(bar)  # a background save that completed: "saved"
         except BaseException:
-            S.drain(self, bar, quiet=True)  # the write in flight ends before the exception goes on
+            self.saver.drain(bar, quiet=True)  # the write in flight ends before the exception goes on
             raise
         else:
-            S.drain(self, bar)
+            self.saver.drain(bar)
         finally:
             bar.close()
             stop.uninstall()
         self.train_time = time.perf_counter() - t_start
         self.trained_steps = self.step - start_step
         self.step_times = step_times
-        if self.stopped_by and self.main:
-            self.events.write(dict(event="signal", signal=self.stopped_by, step=self.step))
-        if self.step != last_saved and (self.trained_steps > 0 or not self.plan["resume_path"]):
+        if self.stopped_by:
+            self.outputs.event(dict(event="signal", signal=self.stopped_by, step=self.step))
+        if self.step != last_saved and (self.trained_steps > 0 or not self.plan.resume_path):
             if self.skipped_in_row:  # stopped by a signal inside a skip streak: the last good one stays
                 self.note(None, f"not saved step {self.step}: inside a streak of {self.skipped_in_row} skipped "
-                                f"step(s); the last checkpoint stays {self.last_good()}",
+                                f"step(s); the last checkpoint stays {self.saver.last_good()}",
                           dict(event="save_deferred", step=self.step, skipped_in_row=self.skipped_in_row))
             else:
                 self.save(None)
@@ -225,24 +229,14 @@ class Job(Setup):
             self.session_losses.append(outcome.loss)
         if self.val is not None and a.eval_every and self.step % a.eval_every == 0:
             row["val_loss"] = self.val_loss = round(self.evaluate(), 6)
-        if self.main:
-            self.metrics.write(row)
-            self.tb.write(row)
-        bar.update(outcome.loss, self.tokens_per_step / dt, dt, mem, tok_s_dev, mfu)
+        self.outputs.row(row)
+        bar.update(outcome.loss, self.batch.tokens / dt, dt, mem, tok_s_dev, mfu)
 
     def check_timing(self, bar, outcome: "StepOutcome", row: dict) -> None:
         """Every rank's data wait, compute and communication wait into the metrics row (up to 64
         ranks; the slowest and the median beyond), and a straggler named ([Note: stragglers])."""
-        t = outcome.timing
-        busy = [d + c for d, c, _ in t]
-        if self.world <= 64:
-            row["rank_data_s"] = [round(d, 4) for d, _, _ in t]
-            row["rank_compute_s"] = [round(c, 4) for _, c, _ in t]
-            row["rank_comm_wait_s"] = [round(w, 4) for _, _, w in t]
-        else:
-            slow = max(range(self.world), key=busy.__getitem__)
-            row["slowest_rank"], row["slowest_busy_s"] = slow, round(busy[slow], 4)
-            row["median_busy_s"] = round(self.stragglers.median(busy), 4)
+        busy = [d + c for d, c, _ in outcome.timing]
+        row.update(self.stragglers.columns(outcome.timing))
         for r in self.stragglers.check(busy):
             med = self.stragglers.median(busy)
             self.note(bar, f"straggler rank {r}: data + compute {busy[r] * 1e3:.0f} ms/step vs the median "
@@ -259,70 +253,41 @@ class Job(Setup):
         self.skipped_in_row += 1
         in_row, loss_val, grad_norm = self.skipped_in_row, outcome.loss, outcome.grad_norm
         self.spikes_seen += bool(outcome.spike)
-        if in_row == 1:
-            self.pin_last_good(bar, "spike" if outcome.spike else "non-finite")
+        if in_row == 1:  # a skip streak begins: the newest checkpoint is kept beyond --keep
+            self.saver.pin_newest(self.step, "spike" if outcome.spike else "non-finite", bar)
         why = f"a loss spike: {outcome.spike}" if outcome.spike else "not finite"
-        if self.main:
-            self.events.write(dict(event="skipped", step=self.step, loss=loss_val, grad_norm=grad_norm,
-                                   reason="spike" if outcome.spike else "non-finite"))
+        self.outputs.event(dict(event="skipped", step=self.step, loss=loss_val, grad_norm=grad_norm,
+                                reason="spike" if outcome.spike else "non-finite"))
         if in_row >= a.max_skipped_steps or (outcome.spike and a.on_spike == "stop"):
-            if self.main:
-                self.events.write(dict(event="diverged", step=self.step, skipped=in_row,
-                                       last_good=self.last_good()))
+            self.outputs.event(dict(event="diverged", step=self.step, skipped=in_row, last_good=self.saver.last_good()))
             what = ("the loss or grad norm was NaN/inf or a spike" if self.spikes_seen else
                     "the loss or grad norm was NaN/inf")
             raise Diverged(
                 f"training diverged: {what} for {in_row} steps in a row (steps "
                 f"{self.step - in_row + 1}-{self.step}, lr {lr:g}; last loss {loss_val}, grad norm "
                 f"{grad_norm}); the weights are those of step {self.step - in_row}, no checkpoint holds a "
-                f"non-finite value; last good checkpoint: {self.last_good()}. {self.rewind_hint()}")
-        msg = (f"skipped  step {self.step}: loss {loss_val:.4g}, grad norm {grad_norm:.4g} ({why}); "
-               f"no optimizer step ({in_row} in a row, stop at {a.max_skipped_steps})")
-        if self.main:
-            bar.write(msg)
-
-    def newest_checkpoint(self) -> str | None:
-        """The newest complete checkpoint of the run: its last save, else the checkpoint it resumed from.
-        No save happens inside a skip streak, so during one it is the last good checkpoint (pinned)."""
-        return getattr(self, "last_checkpoint", None) or self.plan.get("resume_path")
-
-    def last_good(self) -> str:
-        return self.newest_checkpoint() or "none yet"
+                f"non-finite value; last good checkpoint: {self.saver.last_good()}. {self.rewind_hint()}")
+        self.outputs.say(bar, f"skipped  step {self.step}: loss {loss_val:.4g}, grad norm {grad_norm:.4g} ({why}); "
+                              f"no optimizer step ({in_row} in a row, stop at {a.max_skipped_steps})")
 
     def rewind_hint(self) -> str:
         """The command line that goes back to the last good checkpoint."""
-        last = self.newest_checkpoint()
+        last = self.saver.newest()
         if not last:
             return "No checkpoint was written yet: start again with a lower --lr or a longer --warmup"
         lower = self.args.lr / 2
         return (f"Return to it with the same command plus: --resume {last} --rewind --lr {lower:g} (or a longer "
                 f"--warmup; raise --max-skipped-steps or --loss-spike to tolerate more)")
 
-    def pin_last_good(self, bar, reason: str) -> None:
-        """A skip streak begins: the newest checkpoint is pinned (never rotated out by --keep)."""
-        path = self.newest_checkpoint()
-        if not path or path in self.pinned:
-            return
-        if self.main:
-            S.pin(self, path, f"newest checkpoint before the {reason} streak at step {self.step}")
-        self.pinned.append(path)
-        self.note(bar, f"pinned   {path}: the newest checkpoint before the skip streak at step {self.step} "
-                       "(--keep never deletes it)", dict(event="pinned", step=self.step, path=path, reason=reason))
-
     def note(self, bar, msg: str, event: dict | None = None) -> None:
         """One line of output (rank 0) and, where given, its events.jsonl record."""
-        if self.main:
-            bar.write(msg) if bar is not None else print(msg, flush=True)
-            if event is not None:
-                self.events.write(event)
+        self.outputs.note(bar, msg, event)
 
     def save(self, bar):
-        """Collective: this step's checkpoint (see saving.checkpoint)."""
+        """Collective: this step's checkpoint (``bar`` None: the run's last save, never in the background)."""
         self.mark("save", self.args.save_timeout)
-        S.checkpoint(self, bar)
-
-    def check_finite(self) -> None:
-        S.check_finite(self)
+        state, meta = S.contents(self)
+        self.saver.save(self.step, state, meta, bar)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -367,7 +332,7 @@ class Job(Setup):
             exported = self.export()
             if self.main:
                 self.summary(None, exported)
-                self.events.close()
+                self.outputs.close()
             return
         if not self.stopped_by:
             exported = self.write_exports()
@@ -455,7 +420,7 @@ def main(argv=None, job_cls=Job) -> int:
     wd = F.start_watchdog(args, env)  # see [Note: the watchdog] in yafsdp/tools/watchdog.py
     try:
         job = job_cls(args, env)
-        F.attach(job, wd)
+        job.watch(wd)
         job.run()
         dist.barrier()  # see [Note: teardown before exit]
     except BaseException as e:  # noqa: BLE001 - see [Note: one rank's error] in faults.py
@@ -463,8 +428,8 @@ def main(argv=None, job_cls=Job) -> int:
             raise
         if not F.all_ranks_raised(wd, env.world):  # some rank is elsewhere: it must hear of this one
             code = F.report_alone(prog, job, wd, e)
-            if job is not None and job.lock is not None:
-                job.lock.release()
+            if job is not None:
+                job.run_dir.release()
             sys.stdout.flush()
             sys.stderr.flush()
             time.sleep(wd.poll + 0.5)  # the others' watchdogs read the error before a launcher tears them down
@@ -478,8 +443,8 @@ def main(argv=None, job_cls=Job) -> int:
     finally:
         wd.stop()
         wd.on_hang = wd.on_error = None  # they hold the job (its model, the process group): [Note: teardown before exit] in ops.py
-        if job is not None and job.lock is not None:
-            job.lock.release()
+        if job is not None:
+            job.run_dir.release()
         job = None
         shutdown_distributed()
     return code

@@ -1,7 +1,7 @@
-"""What the job writes and prints: the run's files in ``--out`` (``metrics.jsonl``, ``events.jsonl``,
-``run.json``, ``loss.png``, TensorBoard), the header, one metrics row per step, the closing summary
-and the Hugging Face export. Functions of the job (``job``: a ``pretrain.job.Job``), called by its
-stages."""
+"""What the job writes and prints: the run's files in ``--out`` (``Outputs``: ``metrics.jsonl``,
+``events.jsonl``, ``run.json``, TensorBoard; ``loss.png``), the header, one metrics row per step, the
+closing summary and the Hugging Face export. The functions here read the job (``job``: a
+``pretrain.job.Job``) and set none of its attributes; its stages call them."""
 from __future__ import annotations
 
 import json
@@ -23,42 +23,81 @@ from pretrain.ops import agree
 from yafsdp import checkpoint as C
 
 
-def open_output(job):
-    """From here on files are written (rank 0)."""
-    a = job.args
-    out = a.out
-    job.t_session = time.perf_counter()
-    job.metrics_path = os.path.join(out, "metrics.jsonl")
-    job.png_path = os.path.join(out, "loss.png")
-    job.tb = P.TensorBoard(a.tensorboard, job.main and not a.export_only)
-    err = None
-    if job.main and a.export_only:  # the run's files stay as they are; only an "export" event is added
-        job.metrics = None
-        job.events = P.Events(os.path.join(out, "events.jsonl"))
-    elif job.main:
-        try:
-            _open_run_files(job)
-        except OSError as e:
-            err = f"cannot write the run's files in --out {out!r}: {C.describe_os_error(e)}"
-    agree(err)
+class Outputs:
+    """The run's files in --out as the job writes them (``metrics.jsonl``, ``events.jsonl``,
+    ``run.json``, TensorBoard; ``loss.png`` at the end) and the lines rank 0 prints while it runs.
+    Rank 0 opens the files; on every other rank nothing is open and ``say``, ``event`` and ``row``
+    do nothing."""
+
+    def __init__(self, out: str, main: bool, tensorboard: str | None, export_only: bool):
+        self.out, self.main = out, main
+        self.metrics_path = os.path.join(out, "metrics.jsonl")
+        self.events_path = os.path.join(out, "events.jsonl")
+        self.png_path = os.path.join(out, "loss.png")
+        self.tb = P.TensorBoard(tensorboard, main and not export_only)
+        self.metrics: P.JsonLines | None = None  # rank 0, unless --export-only
+        self.events: P.Events | None = None  # rank 0
+
+    def open(self, plan, step: int, record: dict | None) -> None:
+        """Collective: rank 0 opens the run's files. With --export-only (``record`` None) only
+        events.jsonl, the others stay as they are; else it first deletes what ``plan.wipe`` says, on
+        resume drops the metrics rows after ``step``, and writes ``record`` to run.json. A failure
+        stops every rank."""
+        err = None
+        if self.main and record is None:  # the run's files stay as they are; only an "export" event is added
+            self.events = P.Events(self.events_path)
+        elif self.main:
+            try:
+                self._open_run_files(plan, step, record)
+            except OSError as e:
+                err = f"cannot write the run's files in --out {self.out!r}: {C.describe_os_error(e)}"
+        agree(err)
+
+    def _open_run_files(self, plan, step: int, record: dict) -> None:
+        os.makedirs(self.out, exist_ok=True)
+        if plan.wipe:
+            print(plan.discarded, flush=True)
+            wipe_run(self.out, plan.ck_root)
+        if plan.resume_path:
+            P.truncate_metrics(self.metrics_path, step)
+        self.metrics = P.JsonLines(self.metrics_path)
+        self.events = P.Events(self.events_path)
+        with open(os.path.join(self.out, "run.json"), "w") as f:
+            json.dump(record, f, indent=1, default=str)
+
+    def say(self, bar, msg: str) -> None:
+        """One line of output (rank 0), through the progress bar when there is one."""
+        if self.main:
+            bar.write(msg) if bar is not None else print(msg, flush=True)
+
+    def event(self, record: dict) -> None:
+        """One events.jsonl record (rank 0)."""
+        if self.events is not None:
+            self.events.write(record)
+
+    def note(self, bar, msg: str, event: dict | None = None) -> None:
+        """A line of output and, where given, its events.jsonl record (rank 0)."""
+        self.say(bar, msg)
+        if event is not None:
+            self.event(event)
+
+    def row(self, row: dict) -> None:
+        """The step's metrics.jsonl row, also to TensorBoard (rank 0)."""
+        if self.metrics is not None:
+            self.metrics.write(row)
+            self.tb.write(row)
+
+    def close(self) -> None:
+        for f in (self.metrics, self.events, self.tb):
+            if f is not None:
+                f.close()
 
 
-def _open_run_files(job):
-    a, out = job.args, job.args.out
-    os.makedirs(out, exist_ok=True)
-    if job.plan["wipe"]:
-        print(f"overwrite discarded the run in {out}: {job.plan['discarded']}", flush=True)
-        wipe_run(out, job.plan["ck_root"])
-    if job.plan["resume_path"]:
-        P.truncate_metrics(job.metrics_path, job.step)
-    job.metrics = P.JsonLines(job.metrics_path)
-    job.events = P.Events(os.path.join(out, "events.jsonl"))
-    with open(os.path.join(out, "run.json"), "w") as f:
-        args = {k: v for k, v in vars(a).items() if k not in ("preset_info", "allowed_changes")}
-        json.dump(dict(argv=sys.argv, args=args,
-                       world=job.world, device=str(job.device), torch=torch.__version__,
-                       yafsdp=yafsdp.__version__, optimizer=job.opt_name, model_shape=job.shape,
-                       params=job.n_params), f, indent=1, default=str)
+def run_record(job) -> dict:
+    """What run.json holds: the command line, the arguments, the world, the versions, the model."""
+    args = {k: v for k, v in vars(job.args).items() if k not in ("preset_info", "allowed_changes")}
+    return dict(argv=sys.argv, args=args, world=job.world, device=str(job.device), torch=torch.__version__,
+                yafsdp=yafsdp.__version__, optimizer=job.opt_name, model_shape=job.shape, params=job.n_params)
 
 
 def wipe_run(out: str, ck_root: str) -> None:
@@ -84,8 +123,7 @@ def wipe_run(out: str, ck_root: str) -> None:
 
 def header(job):
     a, m = job.args, job.model
-    gb = a.batch_size * job.world * a.grad_accum
-    job.tokens_per_step = gb * a.seq_len
+    gb = job.batch.sequences
     dtype = "bf16" if job.param_dtype == torch.bfloat16 else "fp32"
     units = len(m.flat_units)
     ac = " | activation checkpointing" if a.activation_checkpointing or a.checkpointing == "all" else ""
@@ -112,37 +150,34 @@ def header(job):
         steps = f"nothing to train: the checkpoint is at step {job.step}, --steps is {a.steps}"
     else:
         epochs = f"{total * gb / job.batches.windows:.1f} epochs" if job.batches.windows else "streamed"
-        steps = f"steps {job.step} -> {a.steps} ({P.fmt_count(total * job.tokens_per_step)} tokens, {epochs})"
-    job.say(f"batch    {a.batch_size} seq x {job.world} ranks x {a.grad_accum} accum = {gb} seq = "
-             f"{job.tokens_per_step:,} tokens/step; {steps}")
+        steps = f"steps {job.step} -> {a.steps} ({P.fmt_count(total * job.batch.tokens)} tokens, {epochs})"
+    b = job.batch
+    job.say(f"batch    {b.per_rank} seq x {b.ranks} ranks x {b.accum} accum = {gb} seq = {b.tokens:,} tokens/step; "
+            f"{steps}")
     job.say(f"optim    {job.opt_name}: lr {a.lr:g} (warmup {a.warmup}, cosine to {a.lr * a.min_lr_ratio:g} at "
              f"step {a.decay_steps}), weight decay {a.weight_decay:g}, clip {a.grad_clip:g}")
     mem = sum(m.allocated_bytes().values())
     job.say(f"memory   engine allocations per rank: {mem / 2**20:.1f} MiB "
              f"(model {4 * job.n_params / 2**20:.1f} MiB in fp32, unsharded)")
-    c = job.shape
-    emb = c["vocab_size"] * c["hidden_size"]
-    job.flops_per_token = P.flops_per_token(job.n_params, emb, c["num_hidden_layers"], c["hidden_size"], a.seq_len)
-    job.peak, peak_from = P.peak_tflops(job.device, job.param_dtype == torch.bfloat16, a.peak_tflops)
-    mfu = f"MFU against {peak_from}" if job.peak else f"MFU n/a ({peak_from})"
+    mfu = f"MFU against {job.peak_from}" if job.peak else f"MFU n/a ({job.peak_from})"
     job.say(f"perf     {job.flops_per_token / 1e6:.2f} MFLOP/token (6 N + 12 L H S); {mfu}")
     every = f"every {a.save_every} steps and at the end" if a.save_every else "at the end"
-    tb = f", TensorBoard {a.tensorboard}" if job.tb.writer is not None else ""
+    tb = f", TensorBoard {a.tensorboard}" if job.outputs.tb.writer is not None else ""
     job.say(f"out      {a.out}: metrics.jsonl, loss.png, checkpoints/ ({every}, keep {a.keep}){tb}")
-    if job.tb.problem:
-        job.say(f"note     {job.tb.problem}")
-    if job.main and job.lock.note:
-        job.say(f"note     {job.lock.note}")
-    for note in job.plan.get("notes", []):
+    if job.outputs.tb.problem:
+        job.say(f"note     {job.outputs.tb.problem}")
+    if job.main and job.run_dir.lock.note:
+        job.say(f"note     {job.run_dir.lock.note}")
+    for note in job.plan.notes:
         job.say(f"note     {note}")
-    if getattr(job, "rewound", None):
-        r = job.rewound
-        job.say(f"rewind   back to step {r['step']}: the continuation after it ({job.plan['rewind']['what']}) "
+    if job.run_dir.rewound:
+        r = job.run_dir.rewound
+        job.say(f"rewind   back to step {r['step']}: the continuation after it ({job.plan.rewind.what}) "
                  f"is set aside in {r['set_aside']} (moved, nothing deleted; recorded in events.jsonl)")
     if job.changes:
         job.say(f"note     settings changed from the checkpoint's: {R.describe_changes(job.changes)}; "
                  "recorded in events.jsonl")
-    for path in job.plan["foreign"]:
+    for path in job.plan.foreign:
         job.say(f"note     skipped {path}: no {C.MANIFEST}, not a complete checkpoint (not used by --resume, "
                  "left in place)")
     if getattr(job, "data_resume", None):
@@ -161,10 +196,10 @@ def metrics_row(job, lr: float, outcome, dt: float) -> tuple[dict, tuple]:
     """The metrics.jsonl row of the step just taken (``outcome``: its ``StepOutcome``, ``dt`` its
     seconds), and the progress bar's (memory GB, tokens/s per device, MFU) unrounded."""
     mem = P.peak_memory_gb(job.device)
-    tok_s_dev = job.tokens_per_step / dt / job.world
+    tok_s_dev = job.batch.tokens / dt / job.world
     mfu = job.flops_per_token * tok_s_dev / (job.peak * 1e12) if job.peak else None
     row = dict(step=job.step, loss=outcome.loss, lr=lr, grad_norm=outcome.grad_norm,
-               tokens=job.tokens_seen, tokens_per_s=round(job.tokens_per_step / dt, 1),
+               tokens=job.tokens_seen, tokens_per_s=round(job.batch.tokens / dt, 1),
                tokens_per_s_per_device=round(tok_s_dev, 1), mfu=round(mfu, 5) if mfu is not None else None,
                step_time_s=round(dt, 4), mem_gb=round(mem, 4),
                epoch=round(job.batches.epoch_of(job.cursor), 4))
@@ -204,9 +239,8 @@ def export(job):
             theirs = hf(input_ids=probe.cpu()).logits.float()
         check = dict(missing=len(info["missing_keys"]), unexpected=len(info["unexpected_keys"]),
                      max_abs_diff=float((theirs - ours).abs().max()))
-    if job.main:
-        job.events.write(dict(event="export", path=a.export_hf, dtype=a.export_dtype, check=check,
-                               seconds=round(time.perf_counter() - t0, 3)))
+    job.outputs.event(dict(event="export", path=a.export_hf, dtype=a.export_dtype, check=check,
+                           seconds=round(time.perf_counter() - t0, 3)))
     return a.export_hf, check
 
 
@@ -215,7 +249,7 @@ def summary(job, sample, exported):
     st = job.step_times
     if st:
         med = sorted(st)[len(st) // 2]
-        tps = job.tokens_per_step / med
+        tps = job.batch.tokens / med
         mfu = job.flops_per_token * tps / job.world / (job.peak * 1e12) if job.peak else None
         job.say(f"done     {job.trained_steps} steps in {P.fmt_time(job.train_time)} (median {med * 1e3:.0f} ms/step, "
                  f"{tps:,.0f} tokens/s = {tps / job.world:,.0f} per device, MFU {P.fmt_mfu(mfu)}, peak memory "
@@ -225,11 +259,11 @@ def summary(job, sample, exported):
         job.say(f"loss     {P.loss_windows(job.losses_before, job.session_losses, start, job.step)}{val} "
                  f"(nats/token; uniform guess {math.log(job.shape['vocab_size']):.2f})")
     elif a.export_only:
-        job.say(f"done     export only: the weights of step {job.step} ({job.plan['resume_path']})")
+        job.say(f"done     export only: the weights of step {job.step} ({job.plan.resume_path})")
     else:
         job.say(f"done     nothing to train: already at step {job.step} (--steps {a.steps})")
     if job.stopped_by:
-        job.say(f"stopped  by {job.stopped_by} at step {job.step}; checkpoint {job.last_checkpoint}; "
+        job.say(f"stopped  by {job.stopped_by} at step {job.step}; checkpoint {job.saver.last_good()}; "
                  "continue with --resume")
     if sample is not None:
         job.say("sample   " + repr(sample[:300]))
@@ -243,22 +277,19 @@ def summary(job, sample, exported):
         weights = files[0] if len(files) == 1 else f"{len(files)} safetensors files + model.safetensors.index.json"
         job.say(f"export   {path}: config.json + {weights} ({a.export_dtype}){extra}")
     if not a.export_only:
-        job.say(f"files    {job.metrics_path}, {job.png_path}, "
-                 f"{getattr(job, 'last_checkpoint', '(no checkpoint)')}")
-    for path in getattr(job, "pinned", []):  # [Note: loss spikes] in faults.py
+        last = job.saver.last if job.saver.last is not None else "(no checkpoint)"
+        job.say(f"files    {job.outputs.metrics_path}, {job.outputs.png_path}, {last}")
+    for path in job.saver.pinned:  # [Note: loss spikes] in faults.py
         job.say(f"pinned   {path}: the newest checkpoint before a skip streak; --keep leaves it (delete it by hand)")
 
 
 def close(job, sample, exported) -> None:
     """Rank 0, at the end of a run that trained: the plot, the summary, the closing event; the files closed."""
-    a = job.args
-    P.plot_loss(job.metrics_path, job.png_path,
+    a, out = job.args, job.outputs
+    P.plot_loss(out.metrics_path, out.png_path,
                 title=f"{a.preset if not a.init_from_hf else 'from HF'}: {P.fmt_count(job.n_params)} params, "
-                      f"{job.world} ranks", final_val=(job.step, job.val_loss),
-                events_path=os.path.join(a.out, "events.jsonl"))
+                      f"{job.world} ranks", final_val=(job.step, job.val_loss), events_path=out.events_path)
     job.summary(sample, exported)
-    job.events.write(dict(event="stopped" if job.stopped_by else "end", step=job.step,
-                          loss=job.last_loss, val_loss=job.val_loss))
-    job.metrics.close()
-    job.events.close()
-    job.tb.close()
+    out.event(dict(event="stopped" if job.stopped_by else "end", step=job.step, loss=job.last_loss,
+                   val_loss=job.val_loss))
+    out.close()

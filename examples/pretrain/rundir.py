@@ -10,14 +10,14 @@ here:
 
 - two jobs in one directory: the lock (``ops.OutLock``) is taken before the directory is looked at
   -- also a new one, which the lock makes -- so the plan below is made by the lock's holder only
-  and a second job stops with "in use by another job" (``take_out_lock``);
+  and a second job stops with "in use by another job" (``RunDir.take_lock``);
 - going back (``--resume PATH`` of a checkpoint older than the run's newest): the continuation
   after it -- its checkpoints and metrics rows -- would mix with the new one. Such a resume needs
   ``--rewind``, which *sets the continuation aside*: it is moved (never deleted) to
   ``abandoned/<time>-after-step_K/`` (checkpoints/, metrics.jsonl, loss.png and rewind.json, what
   was moved and why) and recorded as a ``rewind`` event in events.jsonl; the checkpoints and
   metrics left are the current line's. The moves are renames in one filesystem; ``rewind.json``
-  is written first, so a rewind a kill interrupted is finished by the next job (``plan_run``);
+  is written first, so a rewind a kill interrupted is finished by the next job (``RunDir.make_plan``);
 - other data or model settings on resume: the data stream (cursor, windows, order) is no longer
   the run's. ``check_settings`` refuses unless ``--allow-change`` accepts the setting, and an
   accepted change is recorded in events.jsonl.
@@ -31,12 +31,13 @@ import socket
 import time
 import traceback
 import zlib
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch.distributed as dist
 
 from pretrain import progress as P
-from pretrain.ops import JobError
+from pretrain.ops import JobError, OutLock, agree
 from yafsdp import checkpoint as C
 from yafsdp.checkpoint.files import OLD_PREFIX, fsync_dir, write_json_atomic
 
@@ -45,30 +46,91 @@ RECORD = "rewind.json"
 
 
 # ------------------------------------------------------------------------------------- the plan
-def plan_run(job) -> dict:
-    """Collective, after ``job.take_lock()``: rank 0 finishes an interrupted rewind, decides fresh
-    start / resume / rewind (``plan_output``) and sends the plan to every rank; a problem is a
-    JobError on every rank together."""
-    box = [None, None]
-    if job.main:
-        try:
-            notes = finish_interrupted_rewinds(job.args.out)
-            box[0] = plan_output(job.args, job.env)
-            box[0]["notes"] = notes + box[0].get("notes", [])
-        except (JobError, C.CheckpointError) as e:
-            box[1] = str(e)
-        except OSError as e:
-            box[1] = f"--out {job.args.out!r}: {C.describe_os_error(e)}"
-        except Exception as e:  # noqa: BLE001 - unexpected: still stop every rank together
-            traceback.print_exc()
-            box[1] = f"rank 0: {type(e).__name__}: {e}"
-    dist.broadcast_object_list(box, src=0)
-    if box[1] is not None:
-        raise JobError(box[1])
-    return box[0]
+@dataclass(frozen=True)
+class Rewind:
+    """What a ``--resume PATH --rewind`` sets aside: the continuation after ``checkpoint``."""
+
+    step: int  # the checkpoint's step: everything after it goes to abandoned/
+    checkpoint: str  # the checkpoint resumed from
+    what: str  # the continuation in words (describe_continuation), for the header
 
 
-def plan_output(args, env) -> dict:
+@dataclass(frozen=True)
+class RunPlan:
+    """What this job does with ``--out``: decided by rank 0 under the lock (``plan_output``), the
+    same on every rank. A fresh start has no ``resume_path``."""
+
+    ck_root: str  # --out/checkpoints
+    resume_path: str | None = None  # the checkpoint the job loads
+    wipe: bool = False  # delete the run's files before writing (--overwrite; a restart before any checkpoint)
+    discarded: str | None = None  # with wipe: the line said before (what is deleted: describe_run)
+    foreign: tuple[str, ...] = ()  # step_* directories without a manifest: reported, never used or deleted
+    rewind: Rewind | None = None  # --rewind: the continuation to set aside before training
+    notes: tuple[str, ...] = ()  # the header's notes about --out
+
+
+class RunDir:
+    """The run directory ``--out`` as this job uses it: the lock (rank 0 holds it for the whole
+    job), the plan made under it and the rewind done in it (see [Note: one line per run
+    directory]). Rank 0 decides and acts; every rank holds the same plan."""
+
+    def __init__(self, out: str, main: bool):
+        self.out, self.main = out, main
+        self.lock = OutLock(out) if main else None
+        self.plan: RunPlan | None = None  # make_plan
+        self.rewound: dict | None = None  # rewind(): the record of what was set aside
+
+    def take_lock(self) -> None:
+        """Collective: rank 0 locks --out (once; a new --out is made for the lock); a job already
+        there stops every rank. Before anything reads --out."""
+        err = None
+        if self.main and self.lock.fd is None:
+            try:
+                self.lock.acquire()
+            except JobError as e:
+                err = str(e)
+        agree(err)
+
+    def release(self) -> None:  # rank 0: the job ends
+        if self.lock is not None:
+            self.lock.release()
+
+    def make_plan(self, args, env) -> RunPlan:
+        """Collective, holding the lock: rank 0 finishes an interrupted rewind, decides fresh start /
+        resume / rewind (``plan_output``) and sends the plan to every rank; a problem is a JobError
+        on every rank together."""
+        box = [None, None]
+        if self.main:
+            try:
+                notes = finish_interrupted_rewinds(self.out)
+                plan = plan_output(args, env)
+                box[0] = replace(plan, notes=(*notes, *plan.notes))
+            except (JobError, C.CheckpointError) as e:
+                box[1] = str(e)
+            except OSError as e:
+                box[1] = f"--out {self.out!r}: {C.describe_os_error(e)}"
+            except Exception as e:  # noqa: BLE001 - unexpected: still stop every rank together
+                traceback.print_exc()
+                box[1] = f"rank 0: {type(e).__name__}: {e}"
+        dist.broadcast_object_list(box, src=0)
+        if box[1] is not None:
+            raise JobError(box[1])
+        self.plan = box[0]
+        return self.plan
+
+    def rewind(self) -> None:
+        """Collective: rank 0 sets the plan's continuation aside (``set_aside``); every rank then goes
+        on or stops together."""
+        err = None
+        if self.main:
+            try:
+                self.rewound = set_aside(self.out, self.plan.rewind)
+            except OSError as e:
+                err = f"--rewind: setting the continuation aside failed: {C.describe_os_error(e)}; nothing was deleted"
+        agree(err)
+
+
+def plan_output(args, env) -> RunPlan:
     """Decide fresh start vs resume (and whether it is a rewind); a problem becomes an error before
     anything is written. Reads --out: call it holding the lock."""
     out = args.out
@@ -81,7 +143,7 @@ def plan_output(args, env) -> dict:
         mode = "latest"  # export the newest complete checkpoint
     if env.restart_count > 0 and not args.export_only:
         mode = restart_mode(args, complete, out)
-    plan = dict(resume_path=None, wipe=False, ck_root=ck_root, foreign=C.foreign_dirs(ck_root), rewind=None)
+    resume_path, wipe, discarded, rewind, notes = None, False, None, None, ()
     if os.path.exists(out) and not os.path.isdir(out):
         raise JobError(f"--out {out!r} exists and is not a directory")
     if mode is None:
@@ -91,32 +153,33 @@ def plan_output(args, env) -> dict:
                 f"--out {out!r} already holds a run ({what}); pass --resume to continue it, --overwrite to "
                 "discard it, or choose another --out"
             )
-        plan["wipe"] = args.overwrite and (complete or has_metrics)
-        if plan["wipe"]:
-            plan["discarded"] = describe_run(out, complete, metrics)
+        wipe = bool(args.overwrite and (complete or has_metrics))
+        if wipe:
+            discarded = f"overwrite discarded the run in {out}: {describe_run(out, complete, metrics)}"
     elif mode in ("latest", "auto"):
         if complete:
-            plan.update(resume_path=complete[-1][1])
+            resume_path = complete[-1][1]
         elif mode == "latest":
             partial = C.incomplete_checkpoints(ck_root)
             extra = f" (only incomplete ones: {', '.join(os.path.basename(x) for x in partial)})" if partial else ""
             flag = "--export-only" if args.export_only and args.resume is None else "--resume"
             raise JobError(f"{flag}: nothing to {'export' if flag == '--export-only' else 'resume'}, no complete "
                            f"checkpoint in {ck_root!r}{extra}")
-        else:
-            plan["wipe"] = has_metrics  # a restart before the first checkpoint: start the run again
+        elif has_metrics:  # a restart (or --resume auto) before the first checkpoint: start the run again
+            wipe, discarded = True, (f"start    no complete checkpoint in {ck_root} to resume: the run starts "
+                                     f"again; discarded {describe_run(out, complete, metrics)}")
     else:
         if not os.path.isdir(mode):
             raise JobError(f"--resume {mode!r}: no such checkpoint directory")
-        plan.update(resume_path=mode.rstrip("/"))
-    if plan["resume_path"] and not args.export_only:
-        plan["rewind"] = rewind_plan(args, plan["resume_path"], complete, metrics)
-        if args.rewind and plan["rewind"] is None:
-            plan["notes"] = [f"--rewind: no checkpoint after {os.path.basename(plan['resume_path'])} in {ck_root}; "
-                             "nothing set aside"]
+        resume_path = mode.rstrip("/")
+    if resume_path and not args.export_only:
+        rewind = rewind_plan(args, resume_path, complete, metrics)
+        if args.rewind and rewind is None:
+            notes = (f"--rewind: no checkpoint after {os.path.basename(resume_path)} in {ck_root}; nothing set aside",)
     if args.export_hf and os.path.isdir(args.export_hf) and os.listdir(args.export_hf) and env.restart_count == 0:
         raise JobError(f"--export-hf {args.export_hf!r} exists and is not empty; choose a new directory")
-    return plan
+    return RunPlan(ck_root=ck_root, resume_path=resume_path, wipe=wipe, discarded=discarded,
+                   foreign=tuple(C.foreign_dirs(ck_root)), rewind=rewind, notes=notes)
 
 
 def restart_mode(args, complete: list, out: str):
@@ -139,7 +202,7 @@ def restart_mode(args, complete: list, out: str):
 
 
 def describe_run(out: str, complete: list, metrics: str) -> str:
-    """What --overwrite is about to delete in ``out``: checkpoints, metrics steps, other files."""
+    """What a wipe (``RunPlan.wipe``) is about to delete in ``out``: checkpoints, metrics steps, other files."""
     parts = []
     if complete:
         names = [os.path.basename(p) for _, p in complete]
@@ -188,7 +251,7 @@ def _later(step: int, resume_path: str, complete: list, metrics: str) -> tuple[l
     return cks, rows
 
 
-def rewind_plan(args, resume_path: str, complete: list, metrics: str) -> dict | None:
+def rewind_plan(args, resume_path: str, complete: list, metrics: str) -> Rewind | None:
     """None when ``resume_path`` continues the run (no later checkpoint: metrics rows after it are
     the unsaved tail of a stopped job, recomputed identically); else what a rewind sets aside --
     refused unless ``--rewind`` (see [Note: one line per run directory])."""
@@ -203,7 +266,7 @@ def rewind_plan(args, resume_path: str, complete: list, metrics: str) -> dict | 
             f"from it abandons that continuation. Pass --rewind as well to set it aside in "
             f"{os.path.join(args.out, ABANDONED)}/ (moved, nothing deleted; recorded in events.jsonl), or --resume "
             f"without a path to continue from {os.path.basename(cks[-1])}")
-    return dict(step=k, checkpoint=resume_path, what=what)
+    return Rewind(step=k, checkpoint=resume_path, what=what)
 
 
 def describe_continuation(cks: list[str], rows: list[int]) -> str:
@@ -214,17 +277,17 @@ def describe_continuation(cks: list[str], rows: list[int]) -> str:
     return "; ".join(parts) or "nothing"
 
 
-def set_aside(out: str, rewind: dict) -> dict:
-    """Rank 0, holding the lock: move the continuation after ``rewind['step']`` into a new
+def set_aside(out: str, rewind: Rewind) -> dict:
+    """Rank 0, holding the lock: move the continuation after ``rewind.step`` into a new
     ``abandoned/<time>-after-step_K/`` (see [Note: one line per run directory]); returns the record."""
-    k = rewind["step"]
+    k = rewind.step
     base = os.path.join(out, ABANDONED, f"{time.strftime('%Y%m%d-%H%M%S')}-after-step_{k}")
     dest, n = base, 1
     while os.path.exists(dest):
         n += 1
         dest = f"{base}-{n}"
     os.makedirs(dest)
-    record = dict(event="rewind", step=k, checkpoint=rewind["checkpoint"], set_aside=dest, launcher=launcher_id(),
+    record = dict(event="rewind", step=k, checkpoint=rewind.checkpoint, set_aside=dest, launcher=launcher_id(),
                   done=False)
     write_json_atomic(os.path.join(dest, RECORD), record)  # first: an interrupted rewind is finished later
     return _finish_rewind(out, dest, record)
@@ -385,17 +448,3 @@ def _ranks_only(saved: dict, now: dict) -> bool:
 
 def describe_changes(changes: dict) -> str:
     return "; ".join(f"{k} {_show(k, a, {})} -> {_show(k, b, {})}" for k, (a, b) in changes.items())
-
-
-def take_out_lock(job) -> None:
-    """Collective: rank 0 locks --out (once; a new --out is made for the lock); a job already
-    there stops every rank. Before anything reads --out: see [Note: one line per run directory]."""
-    from pretrain.ops import agree
-
-    err = None
-    if job.main and job.lock.fd is None:
-        try:
-            job.lock.acquire()
-        except JobError as e:
-            err = str(e)
-    agree(err)

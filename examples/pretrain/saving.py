@@ -1,6 +1,7 @@
-"""The job's checkpoints: what a checkpoint of the job holds (``checkpoint``: the training state, the
-settings a resume checks, the RNG states), the guard that no checkpoint holds a NaN (``check_finite``),
-and --async-save, the checkpoints written in the background (yafsdp.checkpoint.AsyncSaver).
+"""The job's checkpoints: what a checkpoint of the job holds (``contents``: the training state, the
+settings a resume checks; the RNG states), and ``Saver``, which writes them: synchronously or with
+--async-save in the background (yafsdp.checkpoint.AsyncSaver), rotated by --keep, pinned at a skip
+streak, and refused when a weight is NaN/inf (``Saver.check_finite``).
 
 The training loop is blocked for the staging copy only (see [Note: asynchronous saves] in
 yafsdp/checkpoint/background.py). ``saved`` is printed when the checkpoint is complete (the loop
@@ -26,85 +27,14 @@ from pretrain.ops import Diverged, JobError
 from yafsdp import checkpoint as C
 
 
-def _write(job, bar, msg: str) -> None:
-    if job.main:
-        bar.write(msg) if bar is not None else print(msg, flush=True)
-
-
-def _failed(job, e: C.CheckpointError, step: int):
-    last = job.newest_checkpoint()
-    return JobError(f"step {step} was not saved: {e}; last complete checkpoint: {last or 'none'}")
-
-
-def save(job, bar, state: dict, meta: dict, rank_state) -> None:
-    """Stage this step's checkpoint and write it in the background (collective)."""
+def contents(job) -> tuple[dict, dict]:
+    """Collective (streamed data: every rank's position): what a checkpoint of the job holds besides
+    the model and the optimizer -- its training state (step, data position, token count, the loss
+    guard's history) and the meta a resume checks (model shape, settings, optimizer, tokenizer)."""
     a = job.args
-    t0 = time.perf_counter()
-    try:
-        if getattr(job, "saver", None) is None:
-            job.saver_step = None
-            job.saver = C.AsyncSaver(job.model, job.opt)  # collective: its writer's gloo group
-        job.saver.wait()  # the previous save (at most one in flight): its failure stops the run here
-    except C.CheckpointError as e:
-        raise _failed(job, e, job.step if job.saver_step is None else job.saver_step) from None
-    poll(job, bar)  # the previous one's "saved", if it completed while we waited
-    wait_s = time.perf_counter() - t0
-    try:
-        staged = job.saver.save(job.plan["ck_root"], job.step, state=state, rank_state=rank_state, meta=meta,
-                                keep=a.keep)
-    except C.CheckpointError as e:
-        raise _failed(job, e, job.step) from None
-    job.saver_step = job.step
-    waited = f"; waited {wait_s:.1f} s for the previous save to finish" if wait_s >= 0.05 else ""
-    _write(job, bar, f"saving   step {job.step} in the background (training blocked {staged.staged_s:.2f} s{waited}; "
-                     f"staging copy {staged.staging_bytes / 2**20:.0f} MiB of host memory on this rank)")
-    if job.main:
-        job.events.write(dict(event="save_staged", step=job.step, path=staged.path,
-                              seconds=round(staged.staged_s + wait_s, 3)))
-
-
-def poll(job, bar) -> None:
-    """Print ``saved`` for a background save that has completed (rank 0 only prints)."""
-    saver = getattr(job, "saver", None)
-    done = saver.poll() if saver is not None else None
-    if done is None:
-        return
-    path, seconds = done
-    job.last_checkpoint = path
-    if job.main:
-        job.events.write(dict(event="save", step=job.saver_step, path=path, seconds=round(seconds, 3),
-                              background=True))
-    _write(job, bar, f"saved    {path} ({seconds:.1f} s in the background)")
-
-
-def drain(job, bar, quiet: bool = False) -> None:
-    """Wait for the save in flight. Raises its failure as a JobError; ``quiet`` (an exception is
-    already on its way): prints it instead.""" 
-    saver = getattr(job, "saver", None)
-    if saver is None:
-        return
-    if saver.in_flight:  # a signal, an exception or the end of the run waits for it: say so
-        _write(job, bar, f"waiting  for the background save of step {job.saver_step} to finish before "
-                         f"{'the error is raised' if quiet else 'going on'}")
-    try:
-        saver.wait()
-        poll(job, bar)
-    except C.CheckpointError as e:
-        err = _failed(job, e, job.saver_step)
-        if quiet:
-            _write(job, bar, f"error    {err}")
-        else:
-            raise err from None
-
-
-def checkpoint(job, bar) -> None:
-    """Collective: the checkpoint of this step (synchronous, or ``--async-save``'s background write
-    for the periodic ones; ``bar`` None: the run's last save)."""
-    a = job.args
-    t0 = time.perf_counter()
     state = dict(step=job.step, cursor=job.cursor, tokens=job.tokens_seen,
                  elapsed=job.elapsed_before + time.perf_counter() - job.t_session,
-                 global_batch=a.batch_size * job.world * a.grad_accum, seq_len=a.seq_len, seed=a.seed,
+                 global_batch=job.batch.sequences, seq_len=a.seq_len, seed=a.seed,
                  loss_history=list(job.guard.recent) if getattr(job, "guard", None) is not None else [])
     if hasattr(job.batches, "state"):  # streamed data: every rank's position (see [Note: streamed positions])
         states = [None] * job.world
@@ -115,61 +45,149 @@ def checkpoint(job, bar) -> None:
                 # what the run looked like when this was written ([Note: loss spikes] in faults.py)
                 loss=getattr(job, "last_loss", None), skipped_steps=getattr(job, "skipped_steps", 0),
                 tokenizer="bytes" if isinstance(job.tokenizer, D.ByteTokenizer) else job.tokenizer.name)
-    check_finite(job)
-    if a.async_save and bar is not None:  # periodic saves; the run's last one is synchronous
-        return save(job, bar, state, meta, get_rng_state(job.device))
-    with warnings.catch_warnings(record=True) as notes:
-        warnings.simplefilter("always", C.CheckpointWarning)
+    return state, meta
+
+
+class Saver:
+    """The job's checkpoints in ``ck_root`` (every rank holds one; rank 0 prints and records): each
+    save -- synchronous, or --async-save's background write -- with rotation by ``keep``, the pins
+    that rotation leaves, and the newest complete checkpoint (the last good one: no save happens
+    inside a skip streak)."""
+
+    def __init__(self, model, opt, device, ck_root: str, keep: int, background: bool, outputs,
+                 resumed_from: str | None):
+        self.model, self.opt, self.device = model, opt, device
+        self.ck_root, self.keep = ck_root, keep
+        self.background = background  # --async-save: the periodic saves are written in the background
+        self.outputs = outputs  # pretrain.outputs.Outputs: where rank 0 says and records each save
+        self.resumed_from = resumed_from  # the checkpoint the job loaded, if any
+        self.last: str | None = None  # this job's newest complete save
+        self.pinned: list[str] = []  # kept beyond --keep (the newest before a skip streak)
+        self.reported: set[str] = set()  # checkpoint warnings already printed
+        self.writer: C.AsyncSaver | None = None  # made by the first background save (collective)
+        self.writer_step: int | None = None  # the step of the background save in flight, or the last one
+
+    def newest(self) -> str | None:
+        """The newest complete checkpoint: the last save, else the checkpoint the job resumed from."""
+        return self.last or self.resumed_from
+
+    def last_good(self) -> str:
+        return self.newest() or "none yet"
+
+    def _failed(self, e: C.CheckpointError, step: int) -> JobError:
+        return JobError(f"step {step} was not saved: {e}; last complete checkpoint: {self.newest() or 'none'}")
+
+    def save(self, step: int, state: dict, meta: dict, bar) -> None:
+        """Collective: the checkpoint of ``step`` (``state`` and ``meta``: see ``contents``), after
+        ``check_finite``; in the background with --async-save unless ``bar`` is None (the run's last
+        save is synchronous)."""
+        t0 = time.perf_counter()
+        self.check_finite(step)
+        if self.background and bar is not None:
+            return self._save_background(step, state, meta, get_rng_state(self.device), bar)
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always", C.CheckpointWarning)
+            try:
+                path = C.save_checkpoint(self.ck_root, step, self.model, self.opt, state=state,
+                                         rank_state=get_rng_state(self.device), meta=meta, keep=self.keep)
+            except C.CheckpointError as e:
+                raise self._failed(e, step) from None
+        for w in notes:
+            if issubclass(w.category, C.CheckpointWarning) and str(w.message) not in self.reported:
+                self.reported.add(str(w.message))
+                self.outputs.say(bar, f"note     {w.message}")
+        dt = time.perf_counter() - t0
+        self.outputs.event(dict(event="save", step=step, path=path, seconds=round(dt, 3)))
+        self.outputs.say(bar, f"saved    {path} ({dt:.1f} s)")
+        self.last = path
+
+    def _save_background(self, step: int, state: dict, meta: dict, rank_state, bar) -> None:
+        """Stage ``step``'s checkpoint and write it in the background (collective)."""
+        t0 = time.perf_counter()
         try:
-            path = C.save_checkpoint(job.plan["ck_root"], job.step, job.model, job.opt, state=state,
-                                     rank_state=get_rng_state(job.device), meta=meta, keep=a.keep)
+            if self.writer is None:
+                self.writer_step = None
+                self.writer = C.AsyncSaver(self.model, self.opt)  # collective: its writer's gloo group
+            self.writer.wait()  # the previous save (at most one in flight): its failure stops the run here
         except C.CheckpointError as e:
-            last = job.newest_checkpoint()
-            raise JobError(f"step {job.step} was not saved: {e}; last complete checkpoint: "
-                           f"{last or 'none'}") from None
-    for w in notes:
-        if issubclass(w.category, C.CheckpointWarning) and str(w.message) not in job.reported:
-            job.reported.add(str(w.message))
-            msg = f"note     {w.message}"
-            if job.main:
-                bar.write(msg) if bar is not None else print(msg, flush=True)
-    dt = time.perf_counter() - t0
-    if job.main:
-        job.events.write(dict(event="save", step=job.step, path=path, seconds=round(dt, 3)))
-        msg = f"saved    {path} ({dt:.1f} s)"
-        if bar is not None:
-            bar.write(msg)
-        else:
-            print(msg, flush=True)
-    job.last_checkpoint = path
+            raise self._failed(e, step if self.writer_step is None else self.writer_step) from None
+        self.poll(bar)  # the previous one's "saved", if it completed while we waited
+        wait_s = time.perf_counter() - t0
+        try:
+            staged = self.writer.save(self.ck_root, step, state=state, rank_state=rank_state, meta=meta,
+                                      keep=self.keep)
+        except C.CheckpointError as e:
+            raise self._failed(e, step) from None
+        self.writer_step = step
+        waited = f"; waited {wait_s:.1f} s for the previous save to finish" if wait_s >= 0.05 else ""
+        self.outputs.say(bar, f"saving   step {step} in the background (training blocked {staged.staged_s:.2f} s"
+                              f"{waited}; staging copy {staged.staging_bytes / 2**20:.0f} MiB of host memory on this "
+                              "rank)")
+        self.outputs.event(dict(event="save_staged", step=step, path=staged.path,
+                                seconds=round(staged.staged_s + wait_s, 3)))
 
+    def poll(self, bar) -> None:
+        """Print ``saved`` for a background save that has completed (rank 0 only prints)."""
+        done = self.writer.poll() if self.writer is not None else None
+        if done is None:
+            return
+        path, seconds = done
+        self.last = path
+        self.outputs.event(dict(event="save", step=self.writer_step, path=path, seconds=round(seconds, 3),
+                                background=True))
+        self.outputs.say(bar, f"saved    {path} ({seconds:.1f} s in the background)")
 
-def pin(job, path: str, reason: str) -> None:
-    """Rank 0: ``path`` is kept beyond --keep (see yafsdp.checkpoint.pin_checkpoint)."""
-    try:
-        meta = C.read_manifest(path).get("meta", {})
-    except C.CheckpointError:
-        meta = {}
-    C.pin_checkpoint(path, reason, step=job.step, loss=meta.get("loss"))
+    def drain(self, bar, quiet: bool = False) -> None:
+        """Wait for the background save in flight. Raises its failure as a JobError; ``quiet`` (an
+        exception is already on its way): prints it instead."""
+        if self.writer is None:
+            return
+        if self.writer.in_flight:  # a signal, an exception or the end of the run waits for it: say so
+            self.outputs.say(bar, f"waiting  for the background save of step {self.writer_step} to finish before "
+                                  f"{'the error is raised' if quiet else 'going on'}")
+        try:
+            self.writer.wait()
+            self.poll(bar)
+        except C.CheckpointError as e:
+            err = self._failed(e, self.writer_step)
+            if quiet:
+                self.outputs.say(bar, f"error    {err}")
+            else:
+                raise err from None
 
+    def pin_newest(self, step: int, reason: str, bar) -> None:
+        """A skip streak begins at ``step``: the newest checkpoint is pinned (never rotated out by
+        --keep; see yafsdp.checkpoint.pin_checkpoint), once."""
+        path = self.newest()
+        if not path or path in self.pinned:
+            return
+        if self.outputs.main:
+            try:
+                meta = C.read_manifest(path).get("meta", {})
+            except C.CheckpointError:
+                meta = {}
+            C.pin_checkpoint(path, f"newest checkpoint before the {reason} streak at step {step}", step=step,
+                             loss=meta.get("loss"))
+        self.pinned.append(path)
+        self.outputs.note(bar, f"pinned   {path}: the newest checkpoint before the skip streak at step {step} "
+                               "(--keep never deletes it)", dict(event="pinned", step=step, path=path, reason=reason))
 
-@torch.no_grad()
-def check_finite(job) -> None:
-    """Collective: refuse to save NaN/inf weights or optimizer state (one all-reduce per save).
-    Skipped steps (see [Note: non-finite steps]) keep them finite; this is the last guard, so
-    that no checkpoint -- and no rotation by --keep -- ever replaces finite ones with garbage."""
-    bad = torch.zeros((), device=job.device)
-    for i in job.model.shard_info():
-        bad += torch.logical_not(torch.isfinite(i.param)).sum()
-        for v in job.opt.state.get(i.param, {}).values():
-            if isinstance(v, torch.Tensor) and v.is_floating_point():
-                bad += torch.logical_not(torch.isfinite(v)).sum()
-    dist.all_reduce(bad)
-    if bad.item() > 0:
-        last = job.newest_checkpoint() or "none"
-        raise Diverged(f"training diverged: {int(bad.item())} weights or optimizer-state values are NaN/inf at "
-                       f"step {job.step}; not saved, the last complete checkpoint ({last}) is kept. Resume "
-                       "from it with a lower --lr or a longer --warmup")
+    @torch.no_grad()
+    def check_finite(self, step: int) -> None:
+        """Collective: refuse to save NaN/inf weights or optimizer state (one all-reduce per save).
+        Skipped steps (see [Note: non-finite steps]) keep them finite; this is the last guard, so
+        that no checkpoint -- and no rotation by --keep -- ever replaces finite ones with garbage."""
+        bad = torch.zeros((), device=self.device)
+        for i in self.model.shard_info():
+            bad += torch.logical_not(torch.isfinite(i.param)).sum()
+            for v in self.opt.state.get(i.param, {}).values():
+                if isinstance(v, torch.Tensor) and v.is_floating_point():
+                    bad += torch.logical_not(torch.isfinite(v)).sum()
+        dist.all_reduce(bad)
+        if bad.item() > 0:
+            raise Diverged(f"training diverged: {int(bad.item())} weights or optimizer-state values are NaN/inf at "
+                           f"step {step}; not saved, the last complete checkpoint ({self.newest() or 'none'}) is "
+                           "kept. Resume from it with a lower --lr or a longer --warmup")
 
 
 def get_rng_state(device) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 import yafsdp
 from pretrain import data as D
+from pretrain import progress as P
 from pretrain import stream as S
 from pretrain import rundir as R
 from pretrain.ckpt_auto import job_checkpointing
@@ -60,6 +62,28 @@ def model_config(args, tokenizer) -> tuple[dict, object]:
         shape["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
     return shape, cfg
 
+
+@dataclass(frozen=True)
+class BatchShape:
+    """One optimizer step's batch, fixed by the flags and the world size: ``per_rank`` windows of
+    ``seq_len`` tokens in each of ``accum`` micro-batches on each of ``ranks`` ranks."""
+
+    per_rank: int  # --batch-size
+    ranks: int  # the world size
+    accum: int  # --grad-accum
+    seq_len: int  # --seq-len (a window holds seq_len + 1 tokens: inputs and targets)
+
+    @property
+    def sequences(self) -> int:
+        """The global batch: windows per optimizer step (the data cursor's advance)."""
+        return self.per_rank * self.ranks * self.accum
+
+    @property
+    def tokens(self) -> int:
+        """Tokens trained on per optimizer step."""
+        return self.sequences * self.seq_len
+
+
 class Setup:
     """The stages before training: ``prepare`` (nothing built yet), ``build``, ``initialise``. A job
     built on this one overrides the hooks that differ (``load_data``, ``make_model``,
@@ -71,8 +95,8 @@ class Setup:
             raise JobError(f"--hsdp {a.hsdp} does not divide the world size {self.world}: HSDP needs {a.hsdp} "
                            f"replicas of equal size; launch a multiple of {a.hsdp} ranks (e.g. --hsdp = the number "
                            "of nodes) or pick --hsdp among the divisors of the world size")
-        self.take_lock()  # before --out is read, also a new one: see [Note: one line per run directory]
-        self.plan = R.plan_run(self)
+        self.run_dir.take_lock()  # before --out is read, also a new one: see [Note: one line per run directory]
+        self.run_dir.make_plan(a, self.env)
         err = None
         try:
             self.tokenizer = D.make_tokenizer(a.tokenizer)
@@ -81,8 +105,8 @@ class Setup:
             self.settings = R.run_settings(a, self.world, self.batches, self.config, self.model_settings())
             self.manifest = None
             self.changes = {}
-            if self.plan["resume_path"]:
-                self.manifest = C.read_manifest(self.plan["resume_path"])
+            if self.plan.resume_path:
+                self.manifest = C.read_manifest(self.plan.resume_path)
                 self.check_resumable(self.manifest.get("meta", {}))
         except (JobError, D.DataError, C.CheckpointError) as e:
             err = str(e)
@@ -90,14 +114,19 @@ class Setup:
             traceback.print_exc()
             err = f"rank {self.rank}: {type(e).__name__}: {e}"
         agree(err)
-        if self.plan["resume_path"]:  # every file's size and checksum, before building anything
+        if self.plan.resume_path:  # every file's size and checksum, before building anything
             try:
-                C.verify_checkpoint(self.plan["resume_path"])
+                C.verify_checkpoint(self.plan.resume_path)
             except C.CheckpointError as e:
                 raise JobError(f"{e}; nothing was changed. Delete that checkpoint to fall back to an older one, "
                                f"or pass --resume PATH --rewind") from None
-        if self.plan["rewind"]:
-            self.rewind()
+        if self.plan.rewind:
+            self.run_dir.rewind()
+
+    @property
+    def plan(self) -> R.RunPlan:
+        """What the job does with --out: a fresh start, a resume, a rewind (``RunDir.make_plan``)."""
+        return self.run_dir.plan
 
     def check_resumable(self, meta: dict, saved_settings: dict | None = None) -> None:
         """The checkpoint fits this run: the model's shapes (else refused), and the settings that
@@ -108,7 +137,7 @@ class Setup:
             diff = ", ".join(f"{k} {saved.get(k)} (checkpoint) vs {self.shape.get(k)} (this run)"
                              for k in SHAPE_KEYS if saved.get(k) != self.shape.get(k))
             raise JobError(
-                f"checkpoint {self.plan['resume_path']!r} was written for a different model: {diff}; "
+                f"checkpoint {self.plan.resume_path!r} was written for a different model: {diff}; "
                 f"resume with the --preset/--tokenizer/--init-from-hf of the run that wrote it "
                 f"(it was: {meta.get('preset_args', '?')})"
             )
@@ -116,23 +145,12 @@ class Setup:
         step = self.manifest.get("step", 0) if self.manifest else 0
         if saved_settings and not self.args.export_only and step < self.args.steps:
             self.changes = R.check_settings(saved_settings, self.settings, self.args.allowed_changes,
-                                            self.plan["resume_path"])
+                                            self.plan.resume_path)
 
     def model_settings(self) -> dict:
         """What a derived job adds to the ``model`` setting a resume keeps (see [Note: settings a
         resume keeps]); here nothing beyond the architecture."""
         return {}
-
-    def rewind(self) -> None:
-        """Collective: rank 0 sets the continuation after the resumed checkpoint aside (see
-        [Note: one line per run directory]); every rank then goes on or stops together."""
-        err = None
-        if self.main:
-            try:
-                self.rewound = R.set_aside(self.args.out, self.plan["rewind"])
-            except OSError as e:
-                err = f"--rewind: setting the continuation aside failed: {C.describe_os_error(e)}; nothing was deleted"
-        agree(err)
 
     def load_data(self):
         """``self.corpus``, the training windows ``self.batches`` and the held-out ``self.val``
@@ -249,6 +267,10 @@ class Setup:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         self.n_params = sum(p.numel() for p in model.parameters())
+        c = self.shape  # the step's FLOPs and the device's peak, for MFU ([Note: model FLOPs utilisation])
+        self.flops_per_token = P.flops_per_token(self.n_params, c["vocab_size"] * c["hidden_size"],
+                                                 c["num_hidden_layers"], c["hidden_size"], a.seq_len)
+        self.peak, self.peak_from = P.peak_tflops(self.device, bf16, a.peak_tflops)
         self.model = yafsdp.YaFSDP(model, config=config, device=self.device,
                                    **hsdp_mesh(a.hsdp, self.world, self.device))
         self.ckpt_choice = job_checkpointing(self)  # --checkpointing / --memory-budget (docs/activation_checkpointing.md)
@@ -261,9 +283,9 @@ class Setup:
         a, m = self.args, self.model
         self.step, self.cursor, self.tokens_seen, self.elapsed_before = 0, 0, 0, 0.0
         self.resumed_from = self.data_resume = None
-        if self.plan["resume_path"]:
+        if self.plan.resume_path:
             try:
-                loaded = C.load_checkpoint(self.plan["resume_path"], m, self.opt, verify=False)
+                loaded = C.load_checkpoint(self.plan.resume_path, m, self.opt, verify=False)
             except C.CheckpointError as e:
                 raise JobError(str(e)) from None
             st = loaded.state
@@ -287,7 +309,7 @@ class Setup:
         self.data_resume = None
         if isinstance(self.batches, S.StreamBatches):
             if "stream" not in st:
-                raise JobError(f"checkpoint {self.plan['resume_path']!r} holds no streamed-data position (it was "
+                raise JobError(f"checkpoint {self.plan.resume_path!r} holds no streamed-data position (it was "
                                "written by a run over non-streamed data); resume with that run's --data")
             self.data_resume = self.batches.stream.restore(st["stream"])
 

@@ -144,12 +144,12 @@ def test_rewind_plan_restart_and_interrupted_rewind(tmp_path, monkeypatch):
     four = os.path.join(ck, "step_00000004")
     fresh = argparse.Namespace(restart_count=0)
     # Continuing the newest checkpoint is no rewind (rows after it: the unsaved tail).
-    assert R.plan_output(_args(out, resume="latest"), fresh)["rewind"] is None
+    assert R.plan_output(_args(out, resume="latest"), fresh).rewind is None
     with pytest.raises(R.JobError, match=r"is step 4, but the run in .* went on after it \(checkpoint\(s\) "
                                          r"step_00000006, step_00000008; metrics.jsonl steps 5-9\).*Pass --rewind"):
         R.plan_output(_args(out, resume=four), fresh)
     plan = R.plan_output(_args(out, resume=four, rewind=True), fresh)
-    assert plan["rewind"]["step"] == 4 and plan["resume_path"] == four
+    assert plan.rewind.step == 4 and plan.resume_path == four
 
     # A rewind a kill interrupted after its record and one move is finished by the next job.
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t")
@@ -173,12 +173,12 @@ def test_rewind_plan_restart_and_interrupted_rewind(tmp_path, monkeypatch):
     _fake_checkpoint(ck, 5)
     restart = argparse.Namespace(restart_count=1)
     plan = R.plan_output(_args(out, resume=four, rewind=True), restart)
-    assert plan["resume_path"].endswith("step_00000005") and plan["rewind"] is None
+    assert plan.resume_path.endswith("step_00000005") and plan.rewind is None
     monkeypatch.setattr(R, "launcher_id", lambda: "otherhost:1")
     plan = R.plan_output(_args(out, resume=four, rewind=True), restart)
-    assert plan["resume_path"] == four and plan["rewind"]["step"] == 4
+    assert plan.resume_path == four and plan.rewind.step == 4
     # Without --rewind a restart of `--resume PATH` continues from the newest checkpoint past PATH.
-    assert R.plan_output(_args(out, resume=four), restart)["resume_path"].endswith("step_00000005")
+    assert R.plan_output(_args(out, resume=four), restart).resume_path.endswith("step_00000005")
 
 
 def test_validation_points_drop_the_abandoned_line(tmp_path):
@@ -300,6 +300,23 @@ def test_two_jobs_on_a_new_out(tmp_path):
     assert winner.returncode == 0 and "stopped  by SIGTERM" in wo, we[-2000:]
     steps = [r["step"] for r in metrics(out2)]
     assert steps == list(range(1, len(steps) + 1))
+
+
+def test_a_restart_before_the_first_checkpoint_starts_the_run_again(tmp_path):
+    """A torchrun restart (or ``--resume auto``) in an --out that holds metrics but no complete
+    checkpoint -- the first attempt died before its first save -- starts the run again, saying what
+    it discards. The plan used to leave the wipe's description out, and the job then stopped with a
+    KeyError on rank 0 at every restart."""
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps(dict(step=1, loss=9.0)) + "\n")
+    p = run_job(["--steps", "2", "--save-every", "0", "--resume", "auto", "--out", out], nproc=0)
+    said = [line for line in p.stdout.splitlines() if line.startswith("start    ")]
+    assert said == [f"start    no complete checkpoint in {out}/checkpoints to resume: the run starts again; "
+                    "discarded metrics.jsonl (1 steps, 1-1, last loss 9.0000)"], p.stdout[-2000:]
+    assert [r["step"] for r in metrics(out)] == [1, 2] and metrics(out)[0]["loss"] != 9.0
+    assert [e["event"] for e in events(out)][0] == "start"
 
 
 def test_the_lock_makes_a_new_out_and_a_refused_job_leaves_none(tmp_path):
