@@ -68,9 +68,11 @@ def run_job(data: str, out: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", wrap,
            os.path.join(ROOT, "examples", "pretrain_llama.py"), "--preset", "tiny", "--steps", "3", "--no-progress",
            "--sample-tokens", "0", "--val-fraction", "0", "--data", data, "--out", out, "--overwrite"]
+    metrics = os.path.join(out, "metrics.jsonl")
+    if os.path.exists(metrics):  # an earlier run's rows would read as this run's first step at once
+        os.remove(metrics)
     t0 = time.time()
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = os.path.join(out, "metrics.jsonl")
     first = None
     while p.poll() is None:
         if first is None and os.path.exists(metrics) and os.path.getsize(metrics):
