@@ -544,7 +544,7 @@ class Runtime:
         torchft's managed replica groups (yafsdp/integrations/torchft.py). The engine is a flat one
         underneath (its fold scale stays ``1 / shard_size``); it counts as replicated from here on, so
         every reader of the gradients completes them through ``sync`` first."""
-        if not isinstance(self.replica_sync, NoReplicas):
+        if type(self.replica_sync) is not NoReplicas:  # a flat engine's own, not another adopted one
             raise RuntimeError("yafsdp: this engine's gradients are already all-reduced across replicas "
                                f"({type(self.replica_sync).__name__}); one replica sync per engine")
         self.replica_sync = self.grad_path.replicas = sync

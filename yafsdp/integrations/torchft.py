@@ -99,30 +99,17 @@ def _require_torchft():
     return Manager, ProcessGroupGloo
 
 
-class _ManagedSync:
-    """A flat engine's replica sync (NoReplicas' interface) whose ``sync()`` runs the managed
-    all-reduce of the grad shards across the quorum. See [Note: torchft replicas]."""
-
-    replicas = 1  # the engine's own view: the fold scale stays 1 / shard_size
-    replica = 0
-    group = None
+class _ManagedSync(NoReplicas):
+    """A flat engine's replica sync (nothing repaired or all-reduced behind a fold, as NoReplicas) whose
+    ``sync()`` runs the managed all-reduce of the grad shards across the quorum. See [Note: torchft replicas]."""
 
     def __init__(self, owner: "FaultTolerantReplicas"):
+        super().__init__()  # replicas = 1: the engine's own view, the fold scale stays 1 / shard_size
         self.owner = owner
         self.backwards = 0  # backward calls that reduced, since the engine was attached
-        self.stats = dict(all_reduces=0, elements=0, overlapped=0, deferred=0, syncs=0, rescaled=0)
 
     def begin_backward(self) -> None:
         self.backwards += 1
-
-    def repair(self, unit, target, fresh) -> None:
-        pass
-
-    def folded(self, unit, target, last: bool = True) -> bool:
-        return False
-
-    def finish_backward(self) -> None:
-        pass
 
     def sync(self) -> bool:
         return self.owner.sync_grads()
@@ -149,7 +136,7 @@ class FaultTolerantReplicas:
                 f"yafsdp.integrations.torchft: the model is already HSDP over a replicate group of "
                 f"{model.replicas} ranks; under torchft each replica group is a flat YaFSDP over its own ranks "
                 "(build it without mesh= / a (shard, replicate) pair) and torchft joins the groups")
-        if not isinstance(rt.replica_sync, NoReplicas):
+        if type(rt.replica_sync) is not NoReplicas:
             raise TorchFTError("yafsdp.integrations.torchft: this model already has fault-tolerant replicas "
                                "(one FaultTolerantReplicas per model)")
         if (extra_state is None) != (load_extra_state is None):
