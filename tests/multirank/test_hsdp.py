@@ -446,3 +446,195 @@ def test_lora_on_a_mesh(tmp_path_factory):
         want = ref(**x).logits
         loaded = peft.PeftModel.from_pretrained(tiny_llama(), r["path"])
         assert (loaded(**x).logits - want).abs().max().item() < 1e-5
+
+
+# ------------------------------------------------------------------------ asynchronous saves of HSDP
+def _steps(model, opt, rank, first, n):
+    for step in range(first, first + n):
+        loss_of(model, "llama", batch("llama", step, 0, rank)).backward()
+        model.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+
+
+def _fail_data_file(name_part):
+    """DCP's data files whose name holds ``name_part``, opened by the writer thread: EIO. Returns the undo."""
+    import errno
+    import threading
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    real = FileSystem.create_stream
+
+    def create_stream(self, path, mode):
+        if "w" in mode and name_part in str(path) and threading.current_thread().name.startswith("yafsdp-ckpt"):
+            raise OSError(errno.EIO, "injected I/O error", str(path))
+        return real(self, path, mode)
+
+    FileSystem.create_stream = create_stream
+    return lambda: setattr(FileSystem, "create_stream", real)
+
+
+def _async_2x2(rank, world, root):
+    """AsyncSaver on a 2x2 mesh: saves at steps 2 and 4 (training on while each is written), a
+    failed write of one writer at step 6, a stopped writer against a short timeout; resumes."""
+    import threading
+    import time
+
+    from yafsdp import checkpoint as ckpt
+    from yafsdp.checkpoint import write as W
+
+    out = {}
+    model, opt = _ckpt_model((2, 2))
+    _steps(model, opt, rank, 0, 2)
+    saver = ckpt.AsyncSaver(model, opt)
+    out["default_timeout"] = saver.timeout_s  # the default group's (run_ranks: 300 s)
+    staged = saver.save(root, 2, state=dict(step=2), rank_state=rank * 10 + 2, keep=1)
+    out["staging"] = (staged.staging_bytes, model.memory_plan(async_save=True).checkpoint_staging,
+                      len(opt.param_groups[0]["params"]))
+    _steps(model, opt, rank, 2, 2)  # while step 2 is written
+    out["sd4"], out["opt4"] = model.full_state_dict(), _full_opt(model, opt)
+    saver.save(root, 4, state=dict(step=4), rank_state=rank * 10 + 4, keep=1)  # waits for step 2
+    _steps(model, opt, rank, 4, 2)
+    out["path4"] = saver.wait()
+    out["sd6"] = model.full_state_dict()
+    out["files4"] = sorted(os.listdir(out["path4"]))
+    out["manifest4"] = ckpt.read_manifest(out["path4"])
+
+    # one writer's data file fails (global rank 1: replica 0, shard 1): every rank raises, step 4 stays
+    undo = _fail_data_file("__1_") if rank == 1 else (lambda: None)
+    try:
+        saver.save(root, 6, state=dict(step=6), rank_state=rank, keep=1)
+        out["fail"] = saver.wait()
+    except ckpt.CheckpointError as e:
+        out["fail"] = str(e)
+    finally:
+        undo()
+    out["after_fail"] = ([s for s, _ in ckpt.list_checkpoints(root)], ckpt.incomplete_checkpoints(root))
+    out["usable_after_fail"] = saver.save(os.path.join(root, "again"), 6).path == saver.wait()  # an agreed verdict
+    saver.close()
+
+    # resumed on the same mesh: the uninterrupted run's weights, bit for bit
+    again, aopt = _ckpt_model((2, 2), "groups")
+    loaded = ckpt.load_checkpoint(ckpt.latest_checkpoint(root), again, aopt)
+    out["resumed"] = (loaded.step, loaded.state, loaded.rank_state)
+    _steps(again, aopt, rank, 4, 2)
+    out["resumed_sd6"] = again.full_state_dict()
+    out["resumed_agree"] = _replicas_agree(again)
+    # loaded by a flat world of 4: the saved state exactly, each rank its own rank_state
+    flat, fopt = _ckpt_model(None)
+    floaded = ckpt.load_checkpoint(out["path4"], flat, fopt)
+    out["flat"] = (flat.full_state_dict(), _full_opt(flat, fopt), floaded.rank_state)
+
+    # a writer stopped in its write (rank 1, until rank 0 has its answer): the others' collectives give
+    # up after the writer's timeout instead of waiting for it; the saver refuses to save again
+    gone = os.path.join(root, "stopped")
+    released = os.path.join(root, "released")
+    real_crc = W.crc32
+
+    def stopped_crc32(path, *a):
+        if threading.current_thread().name.startswith("yafsdp-ckpt"):
+            deadline = time.monotonic() + 60
+            while not os.path.exists(released) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return real_crc(path, *a)
+
+    dist.barrier()
+    short = ckpt.AsyncSaver(model, opt, timeout=2.0)
+    if rank == 1:
+        W.crc32 = stopped_crc32
+    t0 = time.monotonic()
+    try:
+        short.save(gone, 8)
+        out["stopped"] = short.wait()
+    except ckpt.CheckpointError as e:
+        out["stopped"] = str(e)
+    out["stopped_s"] = time.monotonic() - t0
+    if rank == 0:
+        open(released, "w").close()
+    W.crc32 = real_crc
+    try:
+        short.save(gone, 9)
+        out["refused"] = None
+    except ckpt.CheckpointError as e:
+        out["refused"] = str(e)
+    out["stopped_left"] = ckpt.latest_checkpoint(gone)
+    return out
+
+
+def _async_load_2(rank, world, path):
+    """The 2x2 asynchronous checkpoint loaded by a flat world of 2."""
+    from yafsdp import checkpoint as ckpt
+
+    model, opt = _ckpt_model(None)
+    loaded = ckpt.load_checkpoint(path, model, opt)
+    return model.full_state_dict(), _full_opt(model, opt), loaded.rank_state
+
+
+@pytest.fixture(scope="module")
+def async_runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("hsdp_async"))
+    r4 = run_ranks(_async_2x2, 4, os.path.join(root, "ckpt"))
+    r2 = run_ranks(_async_load_2, 2, r4[0]["path4"])
+    return r4, r2
+
+
+def _same_dict(a, b):
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_async_save_on_a_mesh_resumes_exactly(async_runs):
+    """AsyncSaver with HSDP (2x2): replica 0 writes (2 DCP files, the world and the mesh in the
+    manifest) and stages, the other replica copies nothing; each checkpoint holds its step's state
+    although training went on during the write; resumed on the mesh it gives the uninterrupted
+    run's weights bit for bit, and flat worlds of 4 and 2 load the saved state exactly, each rank
+    its own rank_state."""
+    r4, r2 = async_runs
+    r0 = r4[0]
+    assert r0["path4"].endswith("step_00000004") and all(r["path4"] == r0["path4"] for r in r4)
+    assert len([f for f in r0["files4"] if f.endswith(".distcp")]) == 2, r0["files4"]
+    assert r0["manifest4"]["world_size"] == 4 and r0["manifest4"]["mesh"] == [2, 2]
+    assert r0["default_timeout"] == 300.0
+    for rank, r in enumerate(r4):
+        staged, planned, n_params = r["staging"]
+        if rank < 2:  # replica 0: the plan's staging copy but for AdamW's step counters
+            assert staged == planned + 4 * n_params, (rank, staged, planned, n_params)
+        else:
+            assert staged == 0, (rank, staged)
+        step, state, rank_state = r["resumed"]
+        assert (step, state, rank_state) == (4, {"step": 4}, rank * 10 + 4), (rank, r["resumed"])
+        assert r["resumed_agree"]
+        assert r["flat"][2] == rank * 10 + 4
+    assert rel_l2(r0["sd6"], r0["sd4"]) > 1e-4  # it trained on after the save
+    assert _same_dict(r0["resumed_sd6"], r0["sd6"])
+    sd, opt, _ = r0["flat"]
+    assert _same_dict(sd, r0["sd4"]) and _same_dict(opt, r0["opt4"])
+    sd, opt, _ = r2[0]
+    assert _same_dict(sd, r0["sd4"]) and _same_dict(opt, r0["opt4"])
+    assert [r[2] for r in r2] == [4, 14]
+
+
+def test_async_save_on_a_mesh_failures(async_runs):
+    """A writer's failed data file (global rank 1) is raised on every rank of both replicas with the
+    same message, naming the rank and the file; step 4 stays the newest checkpoint, nothing partial
+    is left, and the saver saves again. A writer stopped in its write: the other ranks' wait()
+    raises after the 2 s timeout rather than waiting for it, every rank's saver then refuses to save
+    (its groups are out of step), and nothing is published."""
+    r4, _ = async_runs
+    msgs = [r["fail"] for r in r4]
+    assert len(set(msgs)) == 1, msgs
+    msg = msgs[0]
+    assert msg.startswith("the background save of step 6 failed: saving checkpoint into") and \
+        "failed on rank 1: [Errno 5] injected I/O error" in msg and "__1_0.distcp" in msg, msg
+    assert "earlier checkpoints are untouched" in msg, msg
+    for r in r4:
+        assert r["after_fail"] == ([4], []), r["after_fail"]
+        assert r["usable_after_fail"]
+        assert r["stopped"] and r["stopped"].startswith("the background save of step 8 failed"), r["stopped"]
+        assert "cannot be used again" in r["refused"] and "step 9 was not saved" in r["refused"], r["refused"]
+        assert r["stopped_left"] is None
+    # rank 0 (the stopped writer's peer) gave up after the timeout, not at the writer's release
+    assert "a collective of the background writer failed on global rank 0" in r4[0]["stopped"], r4[0]["stopped"]
+    assert "writer's timeout (2 s" in r4[0]["stopped"] and "Earlier checkpoints are untouched" in r4[0]["stopped"]
+    assert r4[0]["stopped_s"] < 30, r4[0]["stopped_s"]
+    assert r4[1]["stopped_s"] >= r4[0]["stopped_s"]

@@ -23,10 +23,30 @@ gloo groups do not share connections, so neither waits for nor mismatches with t
 
 A failure of the background phase is kept and raised by the next ``save``, by ``wait`` and by
 ``close`` -- on every rank alike, since ``_save`` agrees on its verdict across the writer group.
+The writer's groups have a timeout (``timeout=``; by default the default group's, which the jobs
+set from their deadlines): a rank that stops or dies while the others write makes their collectives
+fail after it instead of blocking the writer -- and every ``wait`` on it -- for good. Such a failure
+leaves the writer's groups in an unknown state (a rank may still be inside the collective the others
+gave up), so the saver refuses further saves, saying so; a storage error does not (its verdict was
+agreed).
 The thread is not a daemon: an interpreter that exits (the end of a script, an exception) waits
 for the write to end. The staging buffers are kept for the next save (no reallocation); their
 size is ``staging_bytes`` -- host memory on top of the engine's plan, the size of this rank's part
 of the checkpoint.
+
+[Note: asynchronous saves of HSDP]
+As a synchronous save (see [Note: checkpoints of HSDP] in checkpoint/__init__.py), replica 0
+writes and the other replicas wait for its verdict. ``save`` gathers the ``rank_state`` of this
+rank's replicate group on the engine's replicate group (the training's, between steps, on the
+calling thread: ``save`` is collective), and only replica 0 stages: the other replicas hold the
+same shards, so they copy nothing (their ``staging_bytes`` is 0). The constructor makes two gloo
+groups: the writers (replica 0's ranks: DCP, checksums, manifest, exactly the flat writer over
+its shard group) and the verdict group (the world: global rank 0, shard 0 of replica 0, broadcasts
+the writers' agreed outcome). Every rank's writer thread ends in that broadcast, so ``wait`` gives
+every rank of every replica the same path or the same error, and the checkpoint is published
+(and an older one rotated out) by replica 0 only once all of its writers' files are checksummed,
+as in a flat save. The other replicas wait in the broadcast for the whole write: the timeout
+must exceed the time of a save.
 
 [Note: one save at a time per root]
 A save removes the ``.tmp.*`` directories it finds under its root (killed saves), which would
@@ -45,8 +65,12 @@ import time
 import warnings
 from dataclasses import dataclass
 
+from datetime import timedelta
+
+import torch
 import torch.distributed as dist
 
+from ..comm.groups import broadcast_object, gather_object
 from .contents import collect, stage
 from .files import CheckpointError, CheckpointWarning, checkpoint_dir
 from .write import _save
@@ -91,27 +115,40 @@ class Staged:
 
 
 class AsyncSaver:
-    """Asynchronous checkpoints of ``model`` (a flat ``yafsdp.YaFSDP``) and ``optimizer``; see
-    [Note: asynchronous saves]. Collective to construct (every rank of the default group, which
-    the engine must shard over, or pass ``writer_group``: a gloo group of the engine's ranks)."""
+    """Asynchronous checkpoints of ``model`` (a ``yafsdp.YaFSDP``, flat or HSDP) and ``optimizer``;
+    see [Note: asynchronous saves] and [Note: asynchronous saves of HSDP]. Collective to construct
+    (every rank of the default group, which a flat engine must shard over, or pass ``writer_group``:
+    a gloo group of the engine's ranks; an HSDP engine covers the world and makes its own).
+    ``timeout`` (seconds, or a timedelta): the deadline of each of the writer's collectives; by
+    default the default process group's timeout. It must exceed the longest write of one rank's
+    files (and, with HSDP, a whole save)."""
 
-    def __init__(self, model, optimizer=None, *, writer_group=None):
+    def __init__(self, model, optimizer=None, *, writer_group=None, timeout: float | timedelta | None = None):
+        timeout = _writer_timeout(timeout)
+        self.verdicts = None  # HSDP: the world's gloo group on which replica 0 tells every rank the outcome
         if getattr(model, "replicate_group", None) is not None:
-            raise CheckpointError("AsyncSaver: asynchronous saves of an HSDP engine (mesh=...) are not supported "
-                                  "yet; use save_checkpoint (synchronous)")
-        if writer_group is None:
+            if writer_group is not None:
+                raise CheckpointError(
+                    "AsyncSaver: writer_group= is for a flat engine sharded over a subgroup; an HSDP engine "
+                    f"(mesh {tuple(model.mesh_shape)}) covers the world and its writer groups are made here: drop "
+                    "writer_group=")
+            writer_group, self.verdicts = _hsdp_groups(model, timeout)
+        elif writer_group is None:
             if dist.get_world_size(model.process_group) != dist.get_world_size():
                 raise CheckpointError(
                     "AsyncSaver: the engine shards over a subgroup of the world; pass writer_group= (a gloo group "
-                    "of the engine's ranks, created with torch.distributed.new_group(ranks, backend='gloo'))")
-            writer_group = dist.new_group(backend="gloo")  # the writer thread's own collectives
+                    "of the engine's ranks, created with torch.distributed.new_group(ranks, backend='gloo', "
+                    "timeout=...))")
+            writer_group = dist.new_group(backend="gloo", timeout=timeout)  # the writer thread's own collectives
         self.model, self.optimizer, self.group = model, optimizer, writer_group
+        self.timeout_s = timeout.total_seconds()
         self._buffers: dict = {}  # the staging copy's host tensors, reused by every save
         self.staging_bytes = 0
         self._thread: threading.Thread | None = None
         self._step: int | None = None
         self._outcome: tuple | None = None  # (path, error, seconds) of the finished write
         self._reported = False
+        self._broken: str | None = None  # a collective of the writer's groups failed: why (no save after it)
 
     # ----------------------------------------------------------------- the save
     def save(self, root: str, step: int, *, state: dict | None = None, rank_state=None, meta: dict | None = None,
@@ -121,25 +158,60 @@ class AsyncSaver:
         weights right after: the checkpoint holds the state of this call)."""
         t0 = time.perf_counter()
         self.wait()
+        if self._broken is not None:
+            raise CheckpointError(
+                f"AsyncSaver: step {step} was not saved: an earlier background save failed in a collective of the "
+                f"writer's groups ({self._broken}); a rank may still be inside it, so they cannot be used again. "
+                "Make a new AsyncSaver (collective) or save with save_checkpoint")
         wait_for_root(root, "AsyncSaver.save", step)  # another saver's write into this root
         waited = time.perf_counter() - t0
         self.model.check_idle("AsyncSaver.save")
         t1 = time.perf_counter()
-        rank = dist.get_rank(self.model.process_group)
-        collected = collect(self.model, self.optimizer, state, {rank: rank_state})
-        entries, nbytes = stage(collected[0], self._buffers)
+        if self.verdicts is None:
+            rank_states = {dist.get_rank(self.model.process_group): rank_state}
+            writes, world_record = True, None
+        else:  # see [Note: asynchronous saves of HSDP]: replica 0 writes its replicate group's rank_states
+            rank_states = dict(gather_object((dist.get_rank(), rank_state), self.model.replicate_group))
+            writes, world_record = self.model.replica == 0, dist.get_world_size()
+        staged_entries, nbytes = None, 0
+        if writes:
+            collected = collect(self.model, self.optimizer, state, rank_states)
+            entries, nbytes = stage(collected[0], self._buffers)
+            staged_entries = (entries, collected[1])
         self.staging_bytes = nbytes
         staged = time.perf_counter() - t1
 
         def write():
             t = time.perf_counter()
+            path, error = None, None
             try:
-                path = _save(root, step, self.model, self.optimizer, state, {}, meta, keep, None,
-                             group=self.group, collected=(entries, collected[1]))
-                self._outcome = (path, None, time.perf_counter() - t)
-            except BaseException as e:  # noqa: BLE001 - kept for the caller's thread
-                self._outcome = (None, e, time.perf_counter() - t)
+                try:
+                    if staged_entries is not None:
+                        path = _save(root, step, self.model, self.optimizer, state, {}, meta, keep, world_record,
+                                     group=self.group, collected=staged_entries)
+                except BaseException as e:  # noqa: BLE001 - kept for the caller's thread
+                    error = e
+                broken = error is not None and not isinstance(error, CheckpointError)  # a collective failed
+                if self.verdicts is not None:  # replica 0's outcome on every rank, its groups' state with it
+                    try:
+                        mine = None if error is None else (_describe(error), broken)
+                        verdict = broadcast_object(mine, self.verdicts)
+                        if verdict is not None and error is None:
+                            error, broken = CheckpointError(verdict[0]), verdict[1]
+                        path = None if error is not None else checkpoint_dir(root, step)
+                    except BaseException as e:  # noqa: BLE001 - a rank stopped or died: the timeout
+                        error, broken = (error if error is not None else e), True
+                if broken:  # said once here, raised by wait() as every failure
+                    self._broken = _describe(error)
+                    stalled = CheckpointError(
+                        f"a collective of the background writer failed on global rank {dist.get_rank()} "
+                        f"({self._broken}): a rank stopped or died while the others wrote, or its write took longer "
+                        f"than the writer's timeout ({self.timeout_s:g} s: AsyncSaver(timeout=...), the job's "
+                        f"--save-timeout). Earlier checkpoints are untouched; step {step} counts only if "
+                        f"latest_checkpoint({root!r}) names it (a partial save is removed by the next save)")
+                    stalled.__cause__, error = error, stalled
             finally:
+                self._outcome = (path, error, time.perf_counter() - t)
                 with _LOCK:
                     if _IN_FLIGHT.get(_key(root), (None,))[0] is threading.current_thread():
                         del _IN_FLIGHT[_key(root)]
@@ -174,8 +246,7 @@ class AsyncSaver:
         path, error, _ = self._outcome
         if error is not None:
             step, self._outcome = self._step, None
-            msg = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
-            raise CheckpointError(f"the background save of step {step} failed: {msg}") from error
+            raise CheckpointError(f"the background save of step {step} failed: {_describe(error)}") from error
         return path
 
     def close(self) -> str | None:
@@ -184,3 +255,43 @@ class AsyncSaver:
             return self.wait()
         finally:
             self._buffers = {}
+
+
+def _describe(error: BaseException) -> str:
+    """A failure's message as ``wait`` raises it (a CheckpointError's own; else type: message)."""
+    if isinstance(error, CheckpointError):
+        return str(error)
+    return f"{type(error).__name__}: {error}".strip()
+
+
+def _writer_timeout(timeout) -> timedelta:
+    """``timeout`` as a timedelta; None: the default group's timeout (the process group's deadline a
+    launcher or the job set), else torch's default for gloo."""
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif timeout is not None:
+        seconds = timeout
+    else:
+        return _default_group_timeout()
+    if not (isinstance(seconds, (int, float)) and seconds == seconds and 0 < seconds < float("inf")):
+        raise CheckpointError(f"AsyncSaver: timeout must be a finite number of seconds > 0, got {timeout!r}")
+    return timedelta(seconds=seconds)
+
+
+def _default_group_timeout() -> timedelta:
+    group = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no such backend on the group, or a torch without these names
+            continue
+    return dist.distributed_c10d._get_default_timeout("gloo")
+
+
+def _hsdp_groups(model, timeout: timedelta):
+    """Collective over the world: (the writers' gloo group, replica 0's ranks; the verdict's gloo
+    group, the world). See [Note: asynchronous saves of HSDP]."""
+    mine = (model.replica, dist.get_rank())
+    writers = sorted(g for replica, g in gather_object(mine) if replica == 0)
+    return (dist.new_group(writers, backend="gloo", timeout=timeout),
+            dist.new_group(backend="gloo", timeout=timeout))

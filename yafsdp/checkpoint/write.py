@@ -96,7 +96,7 @@ def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, wo
         mine = {f: dict(bytes=os.path.getsize(os.path.join(tmp, f)), crc32=crc32(os.path.join(tmp, f)))
                 for f in files[rank::world]}
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        who = _failing_rank(e, rank)
+        who = _failing_rank(e, rank, group)
         problem = f"saving checkpoint into {tmp!r} failed on rank {who}: {_root_cause(e)}"
         if is_out_of_space(e, tmp):  # checked before the partial save is removed
             problem = f"{space_problem(root, free, needed)} (saving into {tmp!r} failed on rank {who}: " \
@@ -141,11 +141,17 @@ def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, wo
     return final
 
 
-def _failing_rank(e: BaseException, rank: int) -> int:
-    """The rank whose write failed: DCP raises every rank's failures on every rank."""
+def _failing_rank(e: BaseException, rank: int, group=None) -> int:
+    """The global rank whose write failed (DCP raises every rank's failures on every rank, keyed by
+    their rank in ``group``: a writer group's ranks are not the world's under HSDP or a subgroup)."""
     if isinstance(e, CheckpointException) and e.failures:
-        return min(e.failures)
-    return rank
+        rank = min(e.failures)
+    if group is None:
+        return rank
+    try:
+        return dist.get_global_rank(group, rank)
+    except (ValueError, RuntimeError):  # not a registered group (a test's stand-in): its own numbering
+        return rank
 
 
 def _root_cause(e: BaseException) -> str:
