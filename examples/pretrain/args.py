@@ -219,8 +219,6 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     args.allowed_changes = allowed
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
-    if args.async_save and args.hsdp > 1:
-        p.error("--async-save is not supported with --hsdp yet (HSDP checkpoints are saved synchronously); drop one")
     from yafsdp.export import ExportError, parse_size
 
     try:

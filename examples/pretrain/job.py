@@ -92,7 +92,8 @@ class Job(Setup):
         self.outputs = O.Outputs(a.out, self.main, a.tensorboard, a.export_only)
         self.outputs.open(self.plan, self.step, None if a.export_only else O.run_record(self))
         self.saver = S.Saver(self.model, self.opt, self.device, ck_root=self.plan.ck_root, keep=a.keep,
-                             background=a.async_save, outputs=self.outputs, resumed_from=self.plan.resume_path)
+                             background=a.async_save, outputs=self.outputs, resumed_from=self.plan.resume_path,
+                             writer_timeout=a.save_timeout)
 
     def header(self):
         O.header(self)

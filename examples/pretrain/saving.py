@@ -55,10 +55,13 @@ class Saver:
     inside a skip streak)."""
 
     def __init__(self, model, opt, device, ck_root: str, keep: int, background: bool, outputs,
-                 resumed_from: str | None):
+                 resumed_from: str | None, writer_timeout: float | None = None):
         self.model, self.opt, self.device = model, opt, device
         self.ck_root, self.keep = ck_root, keep
         self.background = background  # --async-save: the periodic saves are written in the background
+        # the background writer's collectives give up after --save-timeout (a rank stopped or died while
+        # the others write), the deadline the watchdog gives a save
+        self.writer_timeout = writer_timeout
         self.outputs = outputs  # pretrain.outputs.Outputs: where rank 0 says and records each save
         self.resumed_from = resumed_from  # the checkpoint the job loaded, if any
         self.last: str | None = None  # this job's newest complete save
@@ -107,7 +110,8 @@ class Saver:
         try:
             if self.writer is None:
                 self.writer_step = None
-                self.writer = C.AsyncSaver(self.model, self.opt)  # collective: its writer's gloo group
+                # collective: its writer's gloo groups (HSDP: replica 0 writes, every replica hears the verdict)
+                self.writer = C.AsyncSaver(self.model, self.opt, timeout=self.writer_timeout)
             self.writer.wait()  # the previous save (at most one in flight): its failure stops the run here
         except C.CheckpointError as e:
             raise self._failed(e, step if self.writer_step is None else self.writer_step) from None

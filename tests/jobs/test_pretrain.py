@@ -436,3 +436,45 @@ def test_crafted_checkpoint_runs_no_code(runs, tmp_path):
     p = run_job(["--resume", "--steps", "13", "--out", run], nproc=0, check=False)
     assert p.returncode != 0 and "step_00000012/.metadata' refers to io.open" in p.stderr, p.stderr[-2000:]
     assert not os.path.exists(marker)
+
+
+def _training_state(path: str, tmp) -> dict:
+    """A checkpoint's weights and optimizer state (``model.*``, ``optim.*``), read with DCP's own
+    converter; the job's state and the RNG states (times, per rank) are left out."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dst = str(tmp / (os.path.basename(os.path.dirname(os.path.dirname(path))) + ".pt"))
+    dcp_to_torch_save(path, dst)
+    return {k: v for k, v in torch.load(dst, weights_only=False).items() if k.startswith(("model.", "optim."))}
+
+
+def test_hsdp_async_save_resumes_exactly(tmp_path):
+    """--hsdp 2 --async-save at world 4 (2 replicas x 2 shard ranks): the periodic saves are written in
+    the background by replica 0 ('saving ... in the background', then 'saved' once complete, on the
+    manifest the world and the mesh); the run restarted from the asynchronous step-2 checkpoint (the
+    later ones removed) repeats the losses bit for bit and ends with the same weights and optimizer
+    state."""
+    ref, again = str(tmp_path / "ref"), str(tmp_path / "again")
+    args = ["--steps", "4", "--save-every", "2", "--hsdp", "2", "--async-save"]
+    p = run_job(args + ["--out", ref], 4)
+    assert "HSDP 2 replicas x 2 shard ranks" in p.stdout
+    staged = p.stdout.index("saving   step 2 in the background (training blocked")
+    done = p.stdout.index("saved    ", staged)
+    assert "step_00000002 (" in p.stdout[done:done + 300] and "in the background)" in p.stdout[done:done + 300]
+    assert [(e["step"], e.get("background")) for e in events(ref) if e["event"] == "save"] == [(2, True), (4, None)]
+    step2 = os.path.join(ref, "checkpoints", "step_00000002")
+    assert len([f for f in os.listdir(step2) if f.endswith(".distcp")]) == 2  # replica 0's shard group
+    with open(os.path.join(step2, "checkpoint.json")) as f:
+        manifest = json.load(f)
+    assert manifest["world_size"] == 4 and manifest["mesh"] == [2, 2]
+
+    shutil.copytree(ref, again)
+    shutil.rmtree(os.path.join(again, "checkpoints", "step_00000004"))
+    q = run_job(args + ["--resume", "--out", again], 4)
+    assert [e["checkpoint"] for e in events(again) if e["event"] == "resume"] == [
+        os.path.join(again, "checkpoints", "step_00000002")], q.stdout[-2000:]
+    assert losses(again) == losses(ref) and len(losses(ref)) == 4
+    last = [_training_state(os.path.join(d, "checkpoints", "step_00000004"), tmp_path) for d in (ref, again)]
+    assert set(last[0]) == set(last[1]) and any(k.startswith("optim.") for k in last[0])
+    for k, v in last[0].items():
+        assert torch.equal(v, last[1][k]) if isinstance(v, torch.Tensor) else v == last[1][k], k
