@@ -144,6 +144,8 @@ def save_checkpoint(
 # what a checkpoint holds]), such a checkpoint loads with any other mesh or a flat world, and a
 # flat one loads on a mesh: every rank of every replica reads its own shard. The other replicas wait
 # for the whole save in one broadcast: the process group's timeout must exceed the time of a save.
+# An asynchronous save writes the same checkpoint from replica 0's staging copy: see [Note:
+# asynchronous saves of HSDP] in background.py.
 
 
 # ------------------------------------------------------------------------------------------ load
