@@ -514,6 +514,24 @@ def _async_2x2(rank, world, root):
     out["usable_after_fail"] = saver.save(os.path.join(root, "again"), 6).path == saver.wait()  # an agreed verdict
     saver.close()
 
+    # replica 0 on global ranks 0 and 2 (shard groups {0, 2} and {1, 3}): the failing writer is named by
+    # its global rank, not by its rank among the writers
+    groups = [dist.new_group(r) for r in ([0, 2], [1, 3], [0, 1], [2, 3])]
+    strided = yafsdp.YaFSDP(tiny_llama(tie=True), process_group=(groups[rank % 2], groups[2 + rank // 2]))
+    sopt = _opt(strided.parameters())
+    _steps(strided, sopt, rank, 0, 1)
+    ssaver = ckpt.AsyncSaver(strided, sopt)
+    undo = _fail_data_file("__1_") if rank == 2 else (lambda: None)
+    try:
+        ssaver.save(os.path.join(root, "strided"), 1)
+        out["strided_fail"] = ssaver.wait()
+    except ckpt.CheckpointError as e:
+        out["strided_fail"] = str(e)
+    finally:
+        undo()
+    out["strided_replica"] = strided.replica
+    ssaver.close()
+
     # resumed on the same mesh: the uninterrupted run's weights, bit for bit
     again, aopt = _ckpt_model((2, 2), "groups")
     loaded = ckpt.load_checkpoint(ckpt.latest_checkpoint(root), again, aopt)
@@ -617,7 +635,8 @@ def test_async_save_on_a_mesh_resumes_exactly(async_runs):
 def test_async_save_on_a_mesh_failures(async_runs):
     """A writer's failed data file (global rank 1) is raised on every rank of both replicas with the
     same message, naming the rank and the file; step 4 stays the newest checkpoint, nothing partial
-    is left, and the saver saves again. A writer stopped in its write: the other ranks' wait()
+    is left, and the saver saves again; where replica 0 is global ranks 0 and 2, the second writer's
+    failure names global rank 2. A writer stopped in its write: the other ranks' wait()
     raises after the 2 s timeout rather than waiting for it, every rank's saver then refuses to save
     (its groups are out of step), and nothing is published."""
     r4, _ = async_runs
@@ -627,6 +646,9 @@ def test_async_save_on_a_mesh_failures(async_runs):
     assert msg.startswith("the background save of step 6 failed: saving checkpoint into") and \
         "failed on rank 1: [Errno 5] injected I/O error" in msg and "__1_0.distcp" in msg, msg
     assert "earlier checkpoints are untouched" in msg, msg
+    assert [r["strided_replica"] for r in r4] == [0, 1, 0, 1]  # replica 0: global ranks 0 and 2
+    for r in r4:
+        assert "failed on rank 2: [Errno 5] injected I/O error" in r["strided_fail"], r["strided_fail"]
     for r in r4:
         assert r["after_fail"] == ([4], []), r["after_fail"]
         assert r["usable_after_fail"]
