@@ -64,7 +64,6 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-
 from datetime import timedelta
 
 import torch
