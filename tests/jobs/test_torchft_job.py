@@ -249,3 +249,42 @@ def test_torchft_flags_are_checked(monkeypatch, capsys):
     assert (args.torchft, args.replica_group, args.replica_groups) == (True, 1, 2)
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE")
     assert "TORCHFT_LIGHTHOUSE is not set" in refused(["--torchft", "--replica-group", "0", "--replica-groups", "2"])
+
+
+class _OtherGroup:
+    """A stand-in for ReplicaGroups: one other group of the quorum whose sums are ``theirs``."""
+
+    def __init__(self, theirs):
+        self.theirs, self.participants = torch.tensor(theirs), 2
+
+    def agree(self, stats):
+        stats += self.theirs
+        return self.participants * 1
+
+
+def _verdicts(rank, world):
+    from pretrain import faults as F
+    from pretrain.job import agree_on_step
+    from pretrain.ops import StopSignal
+
+    out = []
+    for theirs in ([3.0, 0.0, 0.0], [3.0, 0.0, 1.0], [3.0, 1.0, 0.0], [40.0, 0.0, 0.0]):
+        guard = F.LossGuard(3.0)
+        guard.recent = [2.0] * 8
+        o = agree_on_step(torch.tensor(2.0), 1.5, StopSignal(), world, torch.device("cpu"), guard=guard,
+                          groups=_OtherGroup(theirs))
+        out.append((o.loss, bool(o.skipped), o.stop, bool(o.spike), o.replicas, len(guard.recent)))
+    return out
+
+
+def test_a_steps_verdicts_are_the_quorums():
+    """agree_on_step under --torchft: the loss is the mean over the quorum's ranks; another group's
+    NaN/inf, stop signal or spiking loss decides this group's step alike; the loss guard is not told
+    of the loss (the job does so once the quorum commits)."""
+    from dist_utils import run_ranks
+
+    (got,) = run_ranks(_verdicts, 1, timeout_s=60)
+    assert got == [(2.5, False, False, False, 2, 8),   # (2 + 3) / 2 ranks
+                   (2.5, True, False, False, 2, 8),    # the other group's NaN/inf: skipped here too
+                   (2.5, False, True, False, 2, 8),    # its stop signal stops this group too
+                   (21.0, True, False, True, 2, 8)]    # a spike of the quorum's mean loss: skipped alike
