@@ -92,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.export_hf or args.export_only:
         p.error("--export-hf/--export-only are the pretraining job's; this job writes --out/adapter and, with "
                 "--merge-export DIR, the merged model")
+    if args.torchft:
+        p.error("--torchft is the pretraining job's (examples/pretrain_llama.py); run the fine-tune without it")
     if args.lora_r < 1:
         p.error(f"--lora-r must be >= 1, got {args.lora_r}")
     if args.lora_alpha <= 0:

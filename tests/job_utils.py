@@ -2,6 +2,7 @@
 shared by the job's tests (test_pretrain.py, test_job_ops.py, test_examples.py)."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -63,3 +64,17 @@ def tree_digest(path: str) -> dict[str, str]:
 
 def close(a, b, rel=1e-4):
     return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
+
+
+@contextlib.contextmanager
+def lighthouse(min_replicas: int = 1):
+    """A torchft lighthouse in this process (its address, http://host:port), for the jobs' replica
+    groups under --torchft: a quorum waits 1 s for late groups, a group silent for 1 s is dropped."""
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=1000,
+                              heartbeat_timeout_ms=1000)
+    try:
+        yield server.address()
+    finally:
+        server.shutdown()

@@ -166,6 +166,22 @@ def build_parser(prog: str = "pretrain_llama.py",
     g.add_argument("--on-spike", default="skip", choices=["skip", "stop", "warn"],
                    help="skip: no optimizer step, counted with the non-finite steps towards --max-skipped-steps; "
                    "stop: exit 3 at once; warn: say so and go on")
+    g = p.add_argument_group("replica groups under torchft (docs/hsdp.md)")
+    g.add_argument("--torchft", action="store_true",
+                   help="this torchrun is one replica group of a torchft run: it shards the model over its own ranks, "
+                   "the gradients are averaged across the live groups through torchft (lighthouse: "
+                   "$TORCHFT_LIGHTHOUSE); a group that dies does not stop the others, and rejoins with their state")
+    g.add_argument("--replica-group", type=int, default=None, metavar="G",
+                   help="with --torchft: this group's index, 0 .. --replica-groups - 1 (the same across its restarts)")
+    g.add_argument("--replica-groups", type=int, default=None, metavar="R",
+                   help="with --torchft: the run's replica groups (each reads its own part of every step's batch)")
+    g.add_argument("--torchft-timeout", type=float, default=60.0, metavar="S",
+                   help="with --torchft: the deadline of the all-reduce across groups, of the commit and of a "
+                   "restarted group's state transfer; a group that hangs is dropped after it")
+    g.add_argument("--torchft-wait", type=float, default=300.0, metavar="S",
+                   help="with --torchft: the first step of a launch waits up to about S seconds for all "
+                   "--replica-groups groups to join, so that the run starts with all of them (0: start with the "
+                   "groups that are there; the others join later and take the state then)")
     return p
 
 
@@ -219,6 +235,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     args.allowed_changes = allowed
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+    check_torchft(p, args)
     from yafsdp.export import ExportError, parse_size
 
     try:
@@ -229,6 +246,34 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     return args
 
 
+
+
+def check_torchft(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--torchft and its group flags: both group flags with it, neither without it; no --hsdp (the
+    replicate dimension is torchft's); a lighthouse to ask."""
+    if not args.torchft:
+        for name in ("replica_group", "replica_groups"):
+            if getattr(args, name) is not None:
+                p.error(f"--{name.replace('_', '-')} is a flag of --torchft runs; add --torchft (and start a "
+                        "torchft lighthouse) or drop it")
+        return
+    if args.replica_group is None or args.replica_groups is None:
+        p.error("--torchft needs --replica-group G and --replica-groups R: this torchrun's group index and the "
+                "run's number of groups")
+    if args.replica_groups < 1 or not 0 <= args.replica_group < args.replica_groups:
+        p.error(f"--replica-group must be in 0 .. --replica-groups - 1 = {args.replica_groups - 1}, got "
+                f"{args.replica_group} (and --replica-groups >= 1, got {args.replica_groups})")
+    if args.hsdp > 1:
+        p.error(f"--torchft with --hsdp {args.hsdp}: under torchft each torchrun is one replica group sharding the "
+                "model over its own ranks, and torchft is the replicate dimension; drop --hsdp and launch one "
+                "torchrun per replica group")
+    if args.torchft_timeout <= 0:
+        p.error(f"--torchft-timeout must be > 0 seconds, got {args.torchft_timeout}")
+    if args.torchft_wait < 0:
+        p.error(f"--torchft-wait must be >= 0 seconds, got {args.torchft_wait}")
+    if not os.environ.get("TORCHFT_LIGHTHOUSE"):
+        p.error("--torchft: TORCHFT_LIGHTHOUSE is not set; start a lighthouse (torchft_lighthouse --min_replicas 1 "
+                "--bind [::]:29510) and export TORCHFT_LIGHTHOUSE=http://HOST:29510 for every replica group")
 
 
 def lr_at(args, step: int) -> float:

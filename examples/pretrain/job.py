@@ -45,7 +45,11 @@ class Job(Setup):
         self.rank, self.world, self.device = env.rank, env.world, env.device
         self.main = env.rank == 0
         self.run_dir = R.RunDir(args.out, self.main)  # the lock (rank 0), the plan, a rewind
-        self.batch = BatchShape(args.batch_size, env.world, args.grad_accum, args.seq_len)  # one step's batch
+        # one step's batch; under --torchft the run's, over every replica group ([Note: the job under torchft])
+        groups = args.replica_groups if getattr(args, "torchft", False) else 1
+        self.batch = BatchShape(args.batch_size, env.world * groups, args.grad_accum, args.seq_len)
+        self.data_rank = env.world * args.replica_group + env.rank if groups > 1 else env.rank  # its part of a batch
+        self.ft = None  # --torchft: pretrain.torchft_groups.ReplicaGroups (made by build)
         self.outputs: O.Outputs | None = None  # the run's files and lines (open_output)
         self.saver: S.Saver | None = None  # the run's checkpoints (open_output)
         self.wd = None  # the watchdog, set by main (watch)
@@ -129,15 +133,29 @@ class Job(Setup):
         try:
             while self.step < a.steps:
                 t0 = time.perf_counter()
+                if self.ft is not None:  # the quorum; a restarted group takes the live state here
+                    self.ft.begin()
+                    if self.ft.recovered:
+                        self.note(bar, f"rejoined step {self.step}: took the live state of the run from another "
+                                       f"replica group (this group was at step {self.ft.recovered[0]})",
+                                  dict(event="recovered", step=self.step, was=self.ft.recovered[0],
+                                       replicas=self.ft.participants))
+                    if self.step >= a.steps:
+                        break
                 lr = lr_at(a, self.step + 1)
                 self.in_step = True  # (left set by an exception: its report names the step being taken)
                 outcome = self.train_step(lr, stop)
-                self.step += 1
                 self.in_step = False
+                if not outcome.committed:  # --torchft: nothing of this step counts; it is taken again
+                    self.note(bar, f"retry    step {self.step + 1}: the quorum of {self.ft.participants} replica "
+                                   "group(s) did not commit it (a group failed); taken again at the next quorum",
+                              dict(event="uncommitted", step=self.step + 1, replicas=self.ft.participants))
+                    continue
+                self.step += 1
                 if self.wd is not None:
                     self.wd.step(self.step)
                 self.cursor += self.batch.sequences
-                self.tokens_seen += self.batch.tokens
+                self.tokens_seen += self.batch.tokens if self.ft is None else self.ft.step_tokens(self.batch.tokens)
                 dt = time.perf_counter() - t0
                 step_times.append(dt)
                 self.record_step(bar, lr, outcome, dt)
@@ -190,8 +208,8 @@ class Job(Setup):
         for micro in range(a.grad_accum):
             td = time.perf_counter()
             self.mark("data")
-            x = self.faults.corrupt(self.batches.micro_batch(self.cursor, micro, self.rank, self.world, a.batch_size),
-                                    self.shape["vocab_size"])
+            x = self.batches.micro_batch(self.cursor, micro, self.data_rank, self.batch.ranks, a.batch_size)
+            x = self.faults.corrupt(x, self.shape["vocab_size"])
             if int(x.max()) >= self.shape["vocab_size"]:
                 raise JobError(f"--data holds token id {int(x.max())} >= vocab {self.shape['vocab_size']} "
                                f"(micro-batch {micro} of step {self.step + 1} on rank {self.rank}; wrong "
@@ -207,9 +225,14 @@ class Job(Setup):
         comm_s = POSITION.comm_wait_s - comm0
         timing = (data_s, time.perf_counter() - t0 - data_s - comm_s, comm_s)
         outcome = agree_on_step(total / a.grad_accum, norm, stop, self.world, self.device, timing=timing,
-                                rank=self.rank, guard=self.guard)
-        if not outcome.skipped:
-            opt.step()
+                                rank=self.rank, guard=self.guard, groups=self.ft)
+        if self.ft is None:
+            if not outcome.skipped:
+                opt.step()
+        else:  # the quorum commits the step, or none of it counts ([Note: the job under torchft])
+            outcome.committed = self.ft.commit(update=not outcome.skipped)
+            if outcome.committed and not outcome.skipped:
+                self.guard.good(outcome.loss)
         opt.zero_grad(set_to_none=True)
         return outcome
 
@@ -373,10 +396,12 @@ class StepOutcome:
     spike: str = ""  # why the loss is a spike, "" if it is not ([Note: loss spikes] in faults.py)
     median: float | None = None  # that median
     timing: list | None = None  # per rank (data, compute, comm wait) seconds ([Note: stragglers])
+    committed: bool = True  # --torchft: the quorum committed the step (else nothing of it counts)
+    replicas: int | None = None  # --torchft: the replica groups in the step's quorum
 
 
 def agree_on_step(mean: torch.Tensor, norm, stop: StopSignal, world: int, device, timing=(0.0, 0.0, 0.0),
-                  rank: int = 0, guard: "F.LossGuard | None" = None) -> StepOutcome:
+                  rank: int = 0, guard: "F.LossGuard | None" = None, groups=None) -> StepOutcome:
     """Collective: the step's loss, grad norm, non-finite and spike verdicts, stop flag and every
     rank's timing, the same on every rank.
 
@@ -385,7 +410,12 @@ def agree_on_step(mean: torch.Tensor, norm, stop: StopSignal, world: int, device
     step timing, and it comes before the optimizer step: every rank skips a bad step together (no
     update, gradients dropped) instead of writing NaN into the weights, the optimizer state and then
     every checkpoint. --max-skipped-steps in a row stop the run (exit 3). A loss spike (see
-    [Note: loss spikes] in faults.py) is judged on the agreed mean loss, so alike on every rank."""
+    [Note: loss spikes] in faults.py) is judged on the agreed mean loss, so alike on every rank.
+
+    ``groups`` (--torchft: the job's ``ReplicaGroups``): the loss, stop and NaN/inf sums are then
+    summed over the quorum's replica groups too, so every group decides alike, and the guard is
+    told of a good loss by the caller once the quorum has committed the step ([Note: the job under
+    torchft])."""
     norm = torch.as_tensor(norm, device=device).detach().float()
     bad = torch.logical_not(torch.isfinite(mean) & torch.isfinite(norm)).float()
     slots = torch.zeros(3 * world, device=device)
@@ -393,17 +423,19 @@ def agree_on_step(mean: torch.Tensor, norm, stop: StopSignal, world: int, device
     stats = torch.cat([torch.stack([mean, torch.tensor(float(stop.signum is not None), device=device), bad, norm]),
                        slots])
     dist.all_reduce(stats)
+    ranks = world if groups is None else groups.agree(stats[:3])
     values = stats.tolist()
     loss_sum, n_stop, n_bad, norm_sum = values[:4]
-    loss = loss_sum / world
+    loss = loss_sum / ranks
     spike = guard.spike(loss) if n_bad == 0 and guard is not None else ""
     median = guard.median() if guard is not None else None
     skip = n_bad > 0 or (spike and guard.action != "warn")
-    if guard is not None and not skip:
+    if guard is not None and not skip and groups is None:
         guard.good(loss)
     return StepOutcome(loss=loss, grad_norm=norm_sum / world,  # the same global norm on every rank
                        skipped=skip, stop=n_stop > 0, spike=spike, median=median,
-                       timing=[values[4 + 3 * r: 7 + 3 * r] for r in range(world)])
+                       timing=[values[4 + 3 * r: 7 + 3 * r] for r in range(world)],
+                       replicas=None if groups is None else groups.participants)
 
 def main(argv=None, job_cls=Job) -> int:
     """Run ``job_cls`` through its stages; a JobError (every rank together) is one line on stderr
@@ -443,6 +475,8 @@ def main(argv=None, job_cls=Job) -> int:
         dist.barrier()  # every rank raises a JobError together; see [Note: teardown before exit]
     finally:
         wd.stop()
+        if job is not None and job.ft is not None:
+            job.ft.shutdown()  # torchft's manager server and checkpoint transport
         wd.on_hang = wd.on_error = None  # they hold the job (its model, the process group): [Note: teardown before exit] in ops.py
         if job is not None:
             job.run_dir.release()

@@ -132,6 +132,8 @@ def header(job):
         ac += f" | {a.gather_dtype} weight gathers ({n8} units)"
     if a.hsdp > 1:
         ac += f" | HSDP {a.hsdp} replicas x {job.world // a.hsdp} shard ranks"
+    if getattr(a, "torchft", False):  # [Note: the job under torchft]
+        ac += f" | torchft replica group {a.replica_group} of {a.replica_groups}"
     job.say(f"yafsdp {yafsdp.__version__} | {job.name} | {job.world} rank(s) on {job.env.nodes} node(s) | "
              f"{job.device.type} ({job.env.backend}) | {dtype} compute, fp32 master | ZeRO-{a.zero_stage}{ac}")
     job.say(f"flags    {non_default_flags(a, job.parse_args)}")
@@ -196,7 +198,7 @@ def metrics_row(job, lr: float, outcome, dt: float) -> tuple[dict, tuple]:
     """The metrics.jsonl row of the step just taken (``outcome``: its ``StepOutcome``, ``dt`` its
     seconds), and the progress bar's (memory GB, tokens/s per device, MFU) unrounded."""
     mem = P.peak_memory_gb(job.device)
-    tok_s_dev = job.batch.tokens / dt / job.world
+    tok_s_dev = job.batch.tokens / dt / job.batch.ranks
     mfu = job.flops_per_token * tok_s_dev / (job.peak * 1e12) if job.peak else None
     row = dict(step=job.step, loss=outcome.loss, lr=lr, grad_norm=outcome.grad_norm,
                tokens=job.tokens_seen, tokens_per_s=round(job.batch.tokens / dt, 1),
@@ -205,6 +207,8 @@ def metrics_row(job, lr: float, outcome, dt: float) -> tuple[dict, tuple]:
                epoch=round(job.batches.epoch_of(job.cursor), 4))
     if outcome.skipped:
         row["skipped"] = True
+    if outcome.replicas is not None:  # --torchft: the replica groups that took the step
+        row["replicas"] = outcome.replicas
     return row, (mem, tok_s_dev, mfu)
 
 
@@ -250,9 +254,9 @@ def summary(job, sample, exported):
     if st:
         med = sorted(st)[len(st) // 2]
         tps = job.batch.tokens / med
-        mfu = job.flops_per_token * tps / job.world / (job.peak * 1e12) if job.peak else None
+        mfu = job.flops_per_token * tps / job.batch.ranks / (job.peak * 1e12) if job.peak else None
         job.say(f"done     {job.trained_steps} steps in {P.fmt_time(job.train_time)} (median {med * 1e3:.0f} ms/step, "
-                 f"{tps:,.0f} tokens/s = {tps / job.world:,.0f} per device, MFU {P.fmt_mfu(mfu)}, peak memory "
+                 f"{tps:,.0f} tokens/s = {tps / job.batch.ranks:,.0f} per device, MFU {P.fmt_mfu(mfu)}, peak memory "
                  f"{P.peak_memory_gb(job.device):.2f} GB on rank 0); step {job.step}/{a.steps}")
         val = f"; val {job.val_loss:.4f}" if job.val_loss is not None else ""
         start = job.step - job.trained_steps

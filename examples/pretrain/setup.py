@@ -102,7 +102,7 @@ class Setup:
             self.tokenizer = D.make_tokenizer(a.tokenizer)
             self.shape, self.config = model_config(a, self.tokenizer)
             self.load_data()
-            self.settings = R.run_settings(a, self.world, self.batches, self.config, self.model_settings())
+            self.settings = R.run_settings(a, self.batch.ranks, self.batches, self.config, self.model_settings())
             self.manifest = None
             self.changes = {}
             if self.plan.resume_path:
@@ -200,6 +200,10 @@ class Setup:
         reading its first window (a bad file, column or token stops every rank before --out is
         written)."""
         a = self.args
+        if getattr(a, "torchft", False):
+            raise JobError(f"--torchft with streamed --data {a.data!r}: a restarted replica group cannot take a "
+                           "streamed position from another group; prepare the data as .bin (examples/prepare_data.py) "
+                           "or read it whole (a .txt/.jsonl file without --stream)")
         vocab = self.shape["vocab_size"]
         shards, desc = S.text_shards(a.data, a.text_key, a.data_split)
         train = S.TextStream(shards, self.tokenizer, a.seq_len, self.rank, self.world, vocab)
@@ -277,6 +281,10 @@ class Setup:
         if a.compile:
             self.model.compile_units()
         self.opt, self.opt_name = make_optimizer(self.model, a, self.device)
+        if getattr(a, "torchft", False):  # this torchrun is one replica group ([Note: the job under torchft])
+            from pretrain.torchft_groups import ReplicaGroups
+
+            self.ft = ReplicaGroups(self)
 
     def initialise(self):
         """Weights and state: from a checkpoint, a HF checkpoint, or the seeded init."""
@@ -302,6 +310,8 @@ class Setup:
                               f"rank(s), loaded by {self.world})")
         else:
             self.init_weights()
+        if self.ft is not None:  # torchft's step is the job's
+            self.ft.resumed(loaded.state if self.plan.resume_path else None, self.step)
 
     def restore_data(self, st: dict) -> None:
         """A streamed loader continues from the positions in the checkpoint's state (see

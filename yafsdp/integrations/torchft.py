@@ -122,13 +122,16 @@ class FaultTolerantReplicas:
     ``optimizer``: the one that steps its ``parameters()``; ``replica_group``: this group's index
     (a stable name across restarts: ``replica_id`` is ``"yafsdp_<index>"``); ``lighthouse``:
     its address (default ``$TORCHFT_LIGHTHOUSE``); ``min_replicas``: the fewest groups a step may
-    commit with; ``timeout``: the deadline of a cross-group collective, of ``should_commit`` and
-    of the state transfer (a hung group is dropped after it); ``extra_state`` / ``load_extra_state``:
+    commit with; ``timeout``: the deadline of a cross-group collective and of the state transfer
+    (a hung group is dropped after it); ``commit_timeout``: the deadline of ``should_commit``
+    (default ``3 * timeout``: one rank of a group may reach it a collective deadline or two after
+    another, when the all-reduce of the gradients and a later sum across groups timed out on that
+    rank only); ``extra_state`` / ``load_extra_state``:
     the caller's state a restarted group must take from a live one (the data position), picklable."""
 
     def __init__(self, model, optimizer, *, replica_group: int, lighthouse: str | None = None,
                  min_replicas: int = 1, timeout: float = 60.0, quorum_timeout: float | None = None,
-                 extra_state=None, load_extra_state=None):
+                 commit_timeout: float | None = None, extra_state=None, load_extra_state=None):
         Manager, ProcessGroupGloo = _require_torchft()
         rt = model._rt
         if getattr(model, "replicate_group", None) is not None:
@@ -151,6 +154,7 @@ class FaultTolerantReplicas:
         self._extra_state, self._load_extra_state = extra_state, load_extra_state
         self._synced_at: int | None = None  # backward calls counted when this step's all-reduce ran
         self._in_step = False
+        self._commit_timeout = timedelta(seconds=commit_timeout if commit_timeout is not None else 3 * timeout)
         rank, world = dist.get_rank(), dist.get_world_size()
         store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         _clear_stale_manager_keys(store_addr, store_port, rank)
@@ -217,14 +221,32 @@ class FaultTolerantReplicas:
         self._synced_at = self._sync.backwards
         return True
 
-    def step(self) -> bool:
+    @torch.no_grad()
+    def sum_across_groups(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (floating point, the same shape on every group) summed over the quorum's groups, in
+        place (a step's loss, its verdicts). Collective over the quorum; when it fails the values are
+        not to be trusted, and the step does not commit (:meth:`step` returns False)."""
+        if not self._in_step:
+            raise TorchFTError("yafsdp.integrations.torchft: sum_across_groups outside a step; call ft.start_step() "
+                               "first")
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()
+        return t
+
+    def step(self, update: bool = True) -> bool:
         """The end of a step: the managed all-reduce if not yet run, ``should_commit``, and the
-        optimizer's step only when the quorum commits. Returns whether it committed."""
+        optimizer's step only when the quorum commits. Returns whether it committed.
+
+        ``update`` False: a step every group decided to skip (a non-finite or spiking loss, judged
+        alike on every group) is still committed -- the step count advances, as a skipped step
+        advances a run -- but the optimizer does not step."""
         self.sync_grads()
         try:
-            if not self.manager.should_commit():
+            if not self.manager.should_commit(timeout=self._commit_timeout):
                 return False
-            self.optimizer.step()  # its pre-hook finds the gradients complete
+            if update:
+                self.optimizer.step()  # its pre-hook finds the gradients complete
             return True
         finally:
             self._in_step = False
