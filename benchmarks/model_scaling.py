@@ -58,6 +58,16 @@ Assumptions (all flags):
     python benchmarks/model_scaling.py --compute measure --preset cpu-6x256   # compute measured here
     python benchmarks/model_scaling.py --compute measure --device cuda --preset llama3-8b --layers 4 \\
         --batch 1 --seq 8192 --save-compute runs/compute_h100.json      # one GPU, no process group
+    python benchmarks/model_scaling.py --study zeropp --preset llama3-70b   # qwZ, hpZ, qgZ, HSDP: 64-4,096 GPUs
+    python benchmarks/model_scaling.py --study tp --preset llama3-405b --compute flops --mfu 0.57  # TP 8 x sharding
+
+The scale-out options (``--study``, the cost of each collective in benchmarks/scaling_options.py, its
+assumptions written into every report): ``--study zeropp`` predicts full sharding with compact gathers
+(qwZ), a secondary shard inside the node for the backward gather (hpZ), quantized gradient reduction
+across nodes (qgZ), their combination and HSDP, at 64-4,096 GPUs, for each cross-node line rate of
+``--nic-gbit`` and each way a flat ring crosses nodes (``--cross rail,spread``: [Note: the two-level
+network]); ``--study tp`` predicts tensor parallel of degree ``--tp`` inside a node with sharding across
+nodes, against full sharding and against the FSDP2-like schedule with the same layout.
 """
 from __future__ import annotations
 

@@ -426,8 +426,7 @@ def study_tp(a, model, cmp) -> dict:
                                              nvlink=res[key]["links"]["nvlink"] + tp_nvlink)
                 res["FSDP2 + TP"]["links"]["nvlink"] += tp_nvlink
                 full_mem = p.device_total + st.act
-                tp_mem = p.model_state + (p.device_total - p.model_state - p.optimizer_state) / t + \
-                    p.optimizer_state * 0 + st.act
+                tp_mem = p.model_state + (p.device_total - p.model_state) / t + st.act  # buffers / t
                 base = res["FSDP2-like"]["step"]
                 for name, r in res.items():
                     rows.append(dict(cross=cross, nic_gbit=gbit, world=w, config=name, step=r["step"],
@@ -485,7 +484,7 @@ def draw_study(rows, path, title, key):
     import matplotlib.pyplot as plt
 
     rates = sorted({r["nic_gbit"] for r in rows})
-    fig, axes = plt.subplots(1, len(rates), figsize=(4.6 * len(rates), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(rates), figsize=(4.2 * len(rates) + 2.2, 3.8), squeeze=False)
     configs = list(dict.fromkeys(r[key] for r in rows))
     colors = {c: f"C{i}" for i, c in enumerate(configs)}
     for ax, g in zip(axes[0], rates):
@@ -497,15 +496,20 @@ def draw_study(rows, path, title, key):
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=colors[c], markersize=3,
                             label=c if cross == "rail" else None, alpha=1.0 if cross == "rail" else 0.6)
         worlds = sorted({r["world"] for r in rows})
+        comp = sorted({(r["world"], 1e3 * r["compute"]) for r in rows if r["nic_gbit"] == g and r["cross"] == "rail"
+                       and r[key] == configs[1]})
+        ax.plot([p[0] for p in comp], [p[1] for p in comp], ":", color="grey", label="compute only" if ax is axes[0][0]
+                else None)
         ax.set_xscale("log", base=2)
         ax.set_xticks(worlds, [str(x) for x in worlds])
         ax.set_xlabel("GPUs")
         ax.set_title(f"{g:g} Gb/s per GPU (solid: rail, dashed: spread)", fontsize=8)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("predicted step time (ms)")
-    axes[0][-1].legend(fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1 - 2.0 / fig.get_size_inches()[0], 1))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -542,7 +546,8 @@ ZEROPP_ASSUMPTIONS = """
 - Full sharding ("full"): gathers in bf16 and reduce-scatters in fp32 over all GPUs, the embedding not
   re-gathered for backward.
 - +qwZ: gather_dtype="int8": the plan's records (1 byte per value + an fp32 scale per 128 values) in
-  every gather of the decoder layers and the head, each followed by its expand on the comm lane.
+  every gather of the units the plan gathers compact, each followed by its expand on the comm lane.
+  gather_dtype="fp8" moves the same bytes (its records are 1.03 bytes per value too): the same figures.
 - +hpZ (secondary shard): the forward gather as before, plus a copy of this GPU's 1/8 of the gathered
   unit (in the gathered format) kept until the unit's backward; the backward gather runs over the 8
   GPUs of the node from it (no NIC bytes). Memory: 1/8 of every gathered unit whose backward reads its
