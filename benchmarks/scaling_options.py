@@ -382,10 +382,14 @@ def study_tp(a, model, cmp) -> dict:
     lane (exposed: torch's TP without async TP) and, as a bound, hidden (async TP)."""
     from _common import md_table, versions, write_json
 
-    st = _Setup(a, model, cmp, recompute=a.recompute)
-    ms, t, n = st.ms, a.tp, a.gpus_per_node
+    t, n = a.tp, a.gpus_per_node
     if n % t:
         raise SystemExit(f"model_scaling: --tp {t} must divide --gpus-per-node {n}")
+    bad = [w for w in a.worlds if w % n]
+    if bad:
+        raise SystemExit(f"model_scaling: --study tp needs whole nodes of {n} GPUs; --worlds has {bad}")
+    st = _Setup(a, model, cmp, recompute=a.recompute)
+    ms = st.ms
     cfg = model.config
     tokens = t * a.batch * a.seq  # the TP group's micro-batch: each GPU's share of tokens as in full sharding
     rows, sections = [], []

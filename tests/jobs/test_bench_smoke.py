@@ -409,3 +409,5 @@ def test_scaling_studies(monkeypatch, tmp_path):
         assert rows[("spread", w, "TP x yafsdp")]["nic"] == tp["nic"]
         assert tp["tp_comm"] > 0 and tp["step"] > rows[("rail", w, "TP x yafsdp, async TP")]["step"]
         assert tp["memory"] < full["memory"]
+    with pytest.raises(SystemExit, match=r"whole nodes of 8 GPUs; --worlds has \[12\]"):
+        ms.main(["--study", "tp", "--preset", "llama3-8b", "--worlds", "12,16", "--png", "", "--json", os.devnull])
