@@ -58,6 +58,16 @@ Assumptions (all flags):
     python benchmarks/model_scaling.py --compute measure --preset cpu-6x256   # compute measured here
     python benchmarks/model_scaling.py --compute measure --device cuda --preset llama3-8b --layers 4 \\
         --batch 1 --seq 8192 --save-compute runs/compute_h100.json      # one GPU, no process group
+    python benchmarks/model_scaling.py --study zeropp --preset llama3-70b   # qwZ, hpZ, qgZ, HSDP: 64-4,096 GPUs
+    python benchmarks/model_scaling.py --study tp --preset llama3-405b --compute flops --mfu 0.57  # TP 8 x sharding
+
+The scale-out options (``--study``, the cost of each collective in benchmarks/scaling_options.py, its
+assumptions written into every report): ``--study zeropp`` predicts full sharding with compact gathers
+(qwZ), a secondary shard inside the node for the backward gather (hpZ), quantized gradient reduction
+across nodes (qgZ), their combination and HSDP, at 64-4,096 GPUs, for each cross-node line rate of
+``--nic-gbit`` and each way a flat ring crosses nodes (``--cross rail,spread``: [Note: the two-level
+network]); ``--study tp`` predicts tensor parallel of degree ``--tp`` inside a node with sharding across
+nodes, against full sharding and against the FSDP2-like schedule with the same layout.
 """
 from __future__ import annotations
 
@@ -92,7 +102,7 @@ def parse(argv=None):
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100 SXM: 989)")
     ap.add_argument("--mfu", type=float, default=0.45, help="assumed model-FLOPs utilisation of unit compute")
-    ap.add_argument("--worlds", default="8,16,32,64,128,256,512,1024")
+    ap.add_argument("--worlds", default=None, help="default 8,16,...,1024; with --study 64,128,...,4096")
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--intra-busbw", type=float, default=360.0, help="GB/s, NVLink all-gather bus bandwidth")
     ap.add_argument("--inter-busbw", type=float, default=48.0, help="GB/s per GPU (its NIC) across nodes")
@@ -108,10 +118,25 @@ def parse(argv=None):
                     help="only print (JSON) the bytes one rank puts into each collective kind per step for these "
                     "meshes (replicas x shard), overlapped and deferred; tests/jobs/test_bench_smoke.py checks them "
                     "against the engine's counts")
+    ap.add_argument("--study", default=None, choices=["zeropp", "tp"],
+                    help="zeropp: the ZeRO++ options (compact gathers, secondary shard, quantized gradient "
+                    "reduction) and HSDP; tp: tensor parallel in a node x sharding across; see study_zeropp / study_tp")
+    ap.add_argument("--nic-gbit", default="100,200,400",
+                    help="--study: line rates per GPU across nodes, Gb/s, each taken at --nic-efficiency")
+    ap.add_argument("--nic-efficiency", type=float, default=0.96, help="achieved / line rate (400 Gb/s -> 48 GB/s)")
+    ap.add_argument("--cross", default="rail,spread",
+                    help="--study: how a flat ring crosses nodes ([Note: the two-level network] in "
+                    "benchmarks/scaling_options.py): rail, spread or both")
+    ap.add_argument("--tp", type=int, default=8, help="--study tp: tensor-parallel degree (inside a node)")
+    ap.add_argument("--recompute", action="store_true",
+                    help="--study tp: full activation checkpointing (a layer's forward and its TP collectives again "
+                    "in backward)")
     ap.add_argument("--png", default="runs/model_scaling.png")
     ap.add_argument("--json", default="runs/model_scaling.json")
     ap.add_argument("--md", default=None)
     a = ap.parse_args(argv)
+    if a.worlds is None:
+        a.worlds = "64,128,256,512,1024,2048,4096" if a.study else "8,16,32,64,128,256,512,1024"
     a.worlds = [int(w) for w in a.worlds.split(",")]
     a.argv = " ".join(sys.argv)
     return a
@@ -276,14 +301,28 @@ class Net:
 
 
 def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_free=None, replicas: int = 1,
-                    overlap: bool = True, accum: int = 1, gather_bytes=None, expand=None) -> dict:
+                    overlap: bool = True, accum: int = 1, gather_bytes=None, expand=None, link=None) -> dict:
     """Two lanes (compute, comm) of one ZeRO-3 step of the yafsdp protocol; see the docstring.
     ``world``: the shard group; ``replicas`` > 1: HSDP, its all-reduce overlapped (with the last of
     ``accum`` backward passes) or deferred (after it). ``gather_bytes``: per unit, the bytes one
     gather moves (default: padded elements x param_dtype); ``expand``: per unit, seconds of the
-    expand kernel behind its gather on the comm stream (fp8 gathers).
+    expand kernel behind its gather on the comm stream (fp8 gathers). ``link``: the cost of each
+    collective from ``benchmarks/scaling_options.py`` (``link(kind, unit, nbytes, phase) -> Cost``:
+    the secondary shard, quantized reductions, a tensor-parallel layout), which also counts the bytes
+    each GPU sends over NVLink and over its NIC (``links``); default: ``net`` as above.
     Also counts the bytes put into each kind of collective (``bytes``; the engine's
     ``schedule.counted`` is checked against it in tests/jobs/test_bench_smoke.py)."""
+    links = dict(nvlink=0.0, nic=0.0)
+
+    def wire(kind, unit, nbytes, phase=""):
+        """(seconds on the wire, seconds of kernels behind it on the comm lane) of one collective."""
+        if link is None:
+            return (net.all_reduce(nbytes, replicas) if kind == "all_reduce" else net.time(nbytes, world)), 0.0
+        c = link(kind, unit, nbytes, phase)
+        links["nvlink"] += c.nvlink
+        links["nic"] += c.nic
+        return c.seconds, c.extra
+
     nbytes = dict(gather=0, reduce=0, all_reduce=0)
     pe = 2 if a.param_dtype == "bf16" else 4
     gather_bytes = gather_bytes or {u: n * pe for u, n in sizes.items()}
@@ -302,15 +341,15 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
 
     weight_free = weight_free or {}
 
-    def gather(unit, issue_after):
+    def gather(unit, issue_after, phase="forward"):
         nonlocal comm, comm_busy
         s = slot_of[unit]
         if owner.get(s) == unit:
             return
         start = max(comm, release.get(s, 0.0), issue_after)
-        d = net.time(gather_bytes[unit], world)
+        d, extra = wire("gather", unit, gather_bytes[unit], phase)
         nbytes["gather"] += gather_bytes[unit]
-        comm = start + d + expand.get(unit, 0.0)
+        comm = start + d + expand.get(unit, 0.0) + extra
         comm_busy += d
         comm_iv.append((start, comm))
         owner[s] = unit
@@ -330,7 +369,7 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
 
     def bw_gather(unit, issue_after):  # an embedding's backward reads no weights: no re-gather
         if not weight_free.get(unit):
-            gather(unit, issue_after)
+            gather(unit, issue_after, "backward")
 
     for micro in range(accum):  # accumulation: buffers still holding a unit keep it (no step in between)
         last = micro == accum - 1
@@ -361,33 +400,33 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
             if last_use and unit not in reduced:
                 reduced.add(unit)
                 rs_start = max(comm, end)
-                d = net.time(sizes[unit] * re_, world)
+                d, extra = wire("reduce", unit, sizes[unit] * re_)
                 nbytes["reduce"] += sizes[unit] * re_
-                comm = rs_start + d
+                comm = rs_start + d + extra
                 comm_busy += d
                 comm_iv.append((rs_start, comm))
                 if replicas > 1 and overlap and last:  # the unit's fp32 grad shard, right behind its fold
                     shard_bytes = sizes[unit] // world * 4
-                    d = net.all_reduce(shard_bytes, replicas)
+                    d, extra = wire("all_reduce", unit, shard_bytes)
                     nbytes["all_reduce"] += shard_bytes
-                    comm_iv.append((comm, comm + d))
-                    comm += d
+                    comm_iv.append((comm, comm + d + extra))
+                    comm += d + extra
                     comm_busy += d
                     all_reduce += d
                 grad_free[gs] = comm
     end = max(comp, comm)
     if replicas > 1 and not overlap:  # deferred: every grad shard at once, before the optimizer
         shard_bytes = sum(sizes[u] // world for u in reduced) * 4
-        d = net.all_reduce(shard_bytes, replicas)
+        d, extra = wire("all_reduce", None, shard_bytes)
         nbytes["all_reduce"] += shard_bytes
-        comm_iv.append((end, end + d))
-        end += d
+        comm_iv.append((end, end + d + extra))
+        end += d + extra
         comm_busy += d
         all_reduce += d
     t_opt = 28 * local / hbm
     end = end + t_opt
     out = _lanes(compute_iv, comm_iv, end, comm_busy)
-    out.update(bytes=nbytes, all_reduce=all_reduce, shard=world, replicas=replicas)
+    out.update(bytes=nbytes, all_reduce=all_reduce, shard=world, replicas=replicas, links=links)
     return out
 
 
@@ -508,21 +547,8 @@ def predicted_bytes(model, shard: int, replicas: int, param_dtype: str = "fp32",
 
 
 # ---------------------------------------------------------------------------- main
-def main(argv=None):
-    a = parse(argv)
-    model = build_llama(a.preset, device="meta")
-    if a.bytes:
-        import json
-
-        out = {}
-        for mesh in a.bytes.split(","):
-            r, sh = (int(x) for x in mesh.split("x"))
-            out[mesh] = {how: predicted_bytes(model, sh, r, a.param_dtype, a.reduce_dtype,
-                                              overlap=(how == "overlapped"), accum=a.grad_accum)
-                         for how in ("overlapped", "deferred")}
-        print(json.dumps(out))
-        return out
-    cfg = model.config
+def resolve_compute(a, cfg) -> dict:
+    """Per-role (forward, backward) seconds of unit compute as ``--compute`` asks (see the docstring)."""
     if a.compute == "auto" and a.compute_json:  # a file named is the file used
         a.compute = "json"
     elif a.compute == "auto":  # (the committed measurements are of bf16 compute)
@@ -543,9 +569,43 @@ def main(argv=None):
             raise SystemExit(f"model_scaling: {a.compute_json} was measured for {shape[0]} at batch {shape[1]} x seq "
                              f"{shape[2]}, not {a.preset} at batch {a.batch} x seq {a.seq}: measure this shape "
                              "(--compute measure --save-compute) or use --compute flops")
+    return cmp
+
+
+# Shapes beyond yafsdp.presets, built from a preset with overrides (Meta's config.json of Llama-3.1-405B)
+SHAPES = {"llama3-405b": ("llama3-70b", dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                                             num_attention_heads=128, num_key_value_heads=8))}
+
+
+def build_model(name: str):
+    """The meta-device model of preset ``name`` (or of a shape in ``SHAPES``)."""
+    base, over = SHAPES.get(name, (name, {}))
+    return build_llama(base, device="meta", **over)
+
+
+def main(argv=None):
+    a = parse(argv)
+    model = build_model(a.preset)
+    if a.bytes:
+        import json
+
+        out = {}
+        for mesh in a.bytes.split(","):
+            r, sh = (int(x) for x in mesh.split("x"))
+            out[mesh] = {how: predicted_bytes(model, sh, r, a.param_dtype, a.reduce_dtype,
+                                              overlap=(how == "overlapped"), accum=a.grad_accum)
+                         for how in ("overlapped", "deferred")}
+        print(json.dumps(out))
+        return out
+    cmp = resolve_compute(a, model.config)
     if a.save_compute:
         write_json(a.save_compute, cmp)
+    if a.study:
+        from scaling_options import study_tp, study_zeropp
+
+        return (study_zeropp if a.study == "zeropp" else study_tp)(a, model, cmp)
     uses = [Use(name, *cmp[role], 0) for name, role, _ in unit_uses(model)]
+
     net = Net(a.intra_busbw * 1e9, a.inter_busbw * 1e9, a.gpus_per_node, a.latency_us * 1e-6, a.hop_us * 1e-6)
     n_param_tensors = len(list(model.parameters()))
     root = {u.unit for u in uses if not u.unit.startswith("model.layers.")}
