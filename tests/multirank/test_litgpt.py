@@ -17,7 +17,8 @@ and JSON data made here:
   ``model.state_dict()`` is DDP's, and ``merge_lora`` on it runs; from a plain base checkpoint
   (``strict=False``), the LoRA weights start from ``reset_parameters()`` and train.
 - The set-up module's ``state_dict()`` / ``load_state_dict(strict=False)`` directly: missing and unexpected
-  keys as ``nn.Module`` reports them, a tied pair loaded from either name, every rank answered.
+  keys as ``nn.Module`` reports them, a tied pair loaded from either name, every rank answered; a strict load
+  with keys missing, ``keep_vars=True`` and ``assign=True`` refused, nothing changed.
 """
 from __future__ import annotations
 
@@ -237,10 +238,20 @@ def _module_state(rank: int) -> dict:
     new = torch.full_like(want["lm_head.weight"], 0.5)
     partial = {"lm_head.weight": new, "transformer.ln_f.weight": torch.full_like(want["transformer.ln_f.weight"], 2.0),
                "not.a.key": torch.zeros(1)}
+    refused = {}
+    for name, call in (("strict", lambda: model.load_state_dict(partial)), ("keep_vars", lambda: model.state_dict(
+            keep_vars=True)), ("assign", lambda: model.load_state_dict(partial, strict=False, assign=True))):
+        try:
+            call()
+            refused[name] = None
+        except (ValueError, RuntimeError) as e:
+            refused[name] = str(e)
+    untouched = all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
     res = model.load_state_dict(partial, strict=False)
     after = model.state_dict()
     changed = {k for k in want if not torch.equal(after[k], want[k])}
-    return {"same": same, "missing": sorted(res.missing_keys), "unexpected": res.unexpected_keys,
+    return {"same": same, "refused": refused, "untouched": untouched,
+            "missing": sorted(res.missing_keys), "unexpected": res.unexpected_keys,
             "changed": sorted(changed), "tied": torch.equal(after["transformer.wte.weight"], new),
             "expected_missing": sorted(k for k in want if k not in partial and k != "transformer.wte.weight")}
 
@@ -294,7 +305,11 @@ def test_lora_finetune_matches_ddp_and_saves_the_adapter(runs):
 def test_module_state_dict_and_partial_load(runs):
     for r in runs:
         m = r["module_state"]
-        assert m["same"]
+        assert m["same"] and m["untouched"]
+        refused = m["refused"]
+        assert "missing keys" in refused["strict"] and "not.a.key" in refused["strict"], refused
+        assert "keep_vars=True" in refused["keep_vars"] and "fabric.save" in refused["keep_vars"], refused
+        assert "assign=True" in refused["assign"], refused
         assert m["unexpected"] == ["not.a.key"] and m["missing"] == m["expected_missing"], m
         assert m["changed"] == ["lm_head.weight", "transformer.ln_f.weight", "transformer.wte.weight"], m
         assert m["tied"]
