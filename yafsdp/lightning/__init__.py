@@ -46,7 +46,9 @@ Lightning is patched. The differences from FSDP, each for a reason:
   with the unsharded model state dict under the LightningModule's keys (or the Fabric module's) and
   the unsharded optimizer state keyed by parameter name (``full_optim_state_dict``). Both resume
   exactly. ``fabric.save`` / ``fabric.load`` / ``fabric.load_raw`` and ``trainer.save_checkpoint`` /
-  ``ckpt_path=`` go through them; a module's own ``state_dict()`` stays refused.
+  ``ckpt_path=`` go through them. A module's own ``state_dict()`` stays refused, except that of the
+  module Fabric set up, which is collective with DDP's results for scripts written for DDP ([Note: the
+  set-up module's state_dict] in lightning/module_state.py).
 - **Gradient clipping** is the engine's global norm (``model.clip_grad_norm_``, after the scaler's
   unscale); ``no_backward_sync`` is ``model.no_sync()``, which reduces every micro-batch (DDP's result,
   not its skipped communication).

@@ -20,6 +20,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_z
 from ..wrapper.api import YaFSDP
 from .common import StrategySetupError, start_process_group, _NoSync, _adopt_precision, _check_engine, \
     _engine_dtype, _is_sharded, _load_file, _load_sharded, _meta_context, _save_sharded, _wrap
+from .module_state import route_module_state
 
 
 class YaFSDPFabricStrategy(FabricParallelStrategy):
@@ -100,6 +101,7 @@ class YaFSDPFabricStrategy(FabricParallelStrategy):
             _check_engine(module, dtype, type(module.module).__name__)
         else:
             module = _wrap(module, self.engine_options, dtype, self.root_device, type(module).__name__)
+            route_module_state(module, self.root_device)  # See [Note: the set-up module's state_dict]
         self._engines_set_up.append(module)
         return module
 
