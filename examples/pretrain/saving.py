@@ -36,6 +36,8 @@ def contents(job) -> tuple[dict, dict]:
                  elapsed=job.elapsed_before + time.perf_counter() - job.t_session,
                  global_batch=job.batch.sequences, seq_len=a.seq_len, seed=a.seed,
                  loss_history=list(job.guard.recent) if getattr(job, "guard", None) is not None else [])
+    if hasattr(job.batches, "order"):  # the cursor's meaning: the window order (see [Note: window order])
+        state["order"] = job.batches.order
     if hasattr(job.batches, "state"):  # streamed data: every rank's position (see [Note: streamed positions])
         states = [None] * job.world
         dist.all_gather_object(states, job.batches.state())
