@@ -330,7 +330,10 @@ class ConcatTokens:
         self._fds = {}
 
     def __del__(self):
-        self.close()
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit ``os`` may be gone; the OS closes them then
+            pass
 
 
 class TokenView:

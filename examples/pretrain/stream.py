@@ -80,15 +80,18 @@ def _files_under(folder: str) -> list[str]:
 
 
 def split_files(folder: str, split: str) -> list[str]:
-    """The data files of ``split`` in ``folder`` as ``datasets`` resolves a local folder (``train-*``,
-    ``train/``, ``data/train-*``, ...; a folder without split names is all ``train``)."""
-    from datasets.data_files import DataFilesDict, get_data_patterns
+    """The data files of ``split`` in ``folder`` as ``datasets.load_dataset(folder)`` resolves them:
+    the ``configs`` of its README.md where it has them, else by name (``train-*``, ``train/``,
+    ``data/train-*``, ...; a folder without split names is all ``train``); a ``save_to_disk``
+    folder's ``.arrow`` files (not its ``state.json``)."""
+    import datasets
 
     try:
-        patterns = get_data_patterns(folder)
-        files = DataFilesDict.from_patterns(patterns, base_path=folder)
+        found = datasets.load_dataset_builder(folder).config.data_files or {}
     except Exception as e:  # noqa: BLE001 - datasets raises several kinds
-        raise DataError(f"--data {folder!r}: no data files found ({type(e).__name__}: {e})") from None
+        raise DataError(f"--data {folder!r}: datasets finds no data files in it ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:300]})") from None
+    files = {str(k): list(v) for k, v in found.items()}
     if split not in files:
         raise DataError(f"--data {folder!r} has no split {split!r} (it has {', '.join(sorted(files))}); "
                         "set --data-split / --val-split")
