@@ -162,7 +162,7 @@ class Setup:
         if kind == "bins":
             tokens = S.bin_shards(a.data, a.data_dtype)
             corpus = D.Corpus(tokens, f"{a.data} ({len(tokens.paths)} .bin shards, {len(tokens):,} {a.data_dtype} ids, "
-                                      "memory-mapped)", -1)
+                                      "read by window)", -1)
         else:
             corpus = D.load_corpus(a.data, self.tokenizer, text_key=a.text_key, bin_dtype=a.data_dtype)
         if a.val_data or a.val_split:

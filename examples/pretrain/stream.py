@@ -1,8 +1,8 @@
 """Streamed training data: corpora read as they are trained on, never whole into memory.
 
 Two kinds (``open_source`` picks them from ``--data``):
-- ``.bin`` shards (a folder of them): token ids, memory-mapped and read in the batch order of
-  ``data.Batches`` over their concatenation (``BinShards``); the cursor stays the whole position.
+- ``.bin`` shards (a folder of them): token ids read window by window (``data.ConcatTokens``) in the
+  batch order of ``data.Batches`` over their concatenation; the cursor stays the whole position.
 - text rows (``TextStream``): parquet, arrow, csv or jsonl files (one, or a folder of them: its files
   of ``--data-split`` the way ``datasets`` finds splits), or a Hugging Face dataset name read with
   ``datasets.load_dataset(name, split=--data-split, streaming=True)``. Each rank reads only its part,

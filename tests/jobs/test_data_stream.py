@@ -125,7 +125,7 @@ def test_input_kinds_give_the_same_documents(tmp_path):
         st.close()
         ref = ref or got
         assert all(np.array_equal(a, b) for a, b in zip(ref, got)), path
-    # .bin shards: Batches over the memory-mapped folder == over the concatenated ids
+    # .bin shards: Batches over the folder read by window == over the concatenated ids
     ids = D.load_corpus(str(jl), TOK).tokens
     bins = tmp_path / "bins"
     bins.mkdir()
