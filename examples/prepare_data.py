@@ -8,7 +8,7 @@ arrow, csv or jsonl file or folder of shards, or a Hugging Face dataset name. Ea
 file, or one of a dataset's shards) is tokenized by one of ``--workers`` processes into
 ``OUT_DIR/shard-<k>.bin`` (ids, EOS after each document), in input order, so the folder of
 ``.bin`` files is the corpus in the same document order; train on it with ``--data OUT_DIR``
-(memory-mapped, the cursor as the position). A progress bar counts the shards done and the ids
+(read window by window, the cursor as the position). A progress bar counts the shards done and the ids
 written. Writes each shard to a temporary name and renames it, so an interrupted run leaves no
 partial shard behind.
 """

@@ -5,26 +5,42 @@ Data sources (``--data``):
   per file;
 - a text file (any other extension): one document, UTF-8;
 - ``.jsonl``: one JSON object per line, its ``--text-key`` field (default ``text``) a document;
-- ``.bin``: pre-tokenized ids, a flat array of ``--data-dtype`` (default uint16) read with
-  ``numpy.memmap`` (nanoGPT's format); documents are already separated by the tokenizer's EOS;
+- ``.bin``: pre-tokenized ids, a flat array of ``--data-dtype`` (default uint16) read by
+  slices with ``os.pread`` (nanoGPT's format; see [Note: reading .bin files]); documents are already
+  separated by the tokenizer's EOS;
 - a directory: its ``*.txt`` and ``*.jsonl`` files, in name order.
 Text is encoded with the byte-level tokenizer (default) or a local HF tokenizer (``--tokenizer``);
 each document is followed by the tokenizer's EOS id.
 
 [Note: batch order]
 The token stream is cut into windows of ``seq_len + 1`` tokens starting at multiples of
-``seq_len``. Epoch ``e`` visits the windows in the order of a permutation seeded by
-``(seed, e)``; sample ``g`` of the run (counting from 0 over all epochs) is window
-``perm_e[g mod W]`` with ``e = g div W``. A step takes the next ``world x grad_accum x batch``
-samples from a global ``cursor``: micro-batch ``m`` of rank ``r`` gets samples
-``cursor + (m x world + r) x batch + [0, batch)``. The cursor is all the data position there is:
-it goes into every checkpoint, so a resumed run sees exactly the samples the uninterrupted one
-would. Changing the world size keeps the sample sequence; with ``batch`` and
-``world x grad_accum`` unchanged it also keeps each step's samples and their split into
-micro-batches.
+``seq_len``. Epoch ``e`` visits the windows in an order keyed by ``(seed, e)``; sample ``g`` of
+the run (counting from 0 over all epochs) is window ``order_e(g mod W)`` with ``e = g div W``.
+A step takes the next ``world x grad_accum x batch`` samples from a global ``cursor``:
+micro-batch ``m`` of rank ``r`` gets samples ``cursor + (m x world + r) x batch + [0, batch)``.
+The cursor is all the data position there is: it goes into every checkpoint, with the name of
+the order, so a resumed run sees exactly the samples the uninterrupted one would. Changing the
+world size keeps the sample sequence; with ``batch`` and ``world x grad_accum`` unchanged it also
+keeps each step's samples and their split into micro-batches.
+
+[Note: window order]
+``order_e`` is a permutation of ``0 .. W-1`` computed per sample, so nothing grows with the
+corpus (``FeistelOrder``, named "feistel" in the checkpoint): a balanced Feistel network of six
+rounds on ``2b`` bits, ``2^(2b)`` the first even power of two >= ``W`` (at least 4), each round
+``L, R = R, L xor F(R, k_i)`` with ``F`` the splitmix64 finaliser of ``R xor k_i`` cut to ``b``
+bits and the round keys ``k_i`` a BLAKE2b hash of ``(seed, e, i)``. A Feistel network is a
+bijection of its ``2^(2b)`` values whatever ``F`` is; an index whose image is ``>= W`` is mapped
+again until it lands below ``W`` ("cycle walking"), which keeps a bijection of ``0 .. W-1``
+(the walk follows the permutation's cycle from the index, and that cycle returns to ``0 .. W-1``)
+and takes fewer than 4 steps on average (the domain is under ``4 W``).
+Before the order was named, epoch ``e`` was ``numpy.random.Generator(PCG64([seed, e]))
+.permutation(W)``, one int64 per window held in memory (``PermutationOrder``, named
+"pcg64-permutation"); a checkpoint whose data position has no order name was written with it and
+resumes with it, so its run continues the same token stream.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -130,7 +146,7 @@ def make_tokenizer(path: str | None):
 # ---------------------------------------------------------------------------------------- corpora
 @dataclass
 class Corpus:
-    tokens: np.ndarray  # 1-D integer ids (possibly a read-only memmap)
+    tokens: np.ndarray  # 1-D integer ids (a .bin: a ConcatTokens, read by slices)
     source: str  # for the header: what was read
     documents: int  # -1 if unknown (.bin)
 
@@ -213,10 +229,7 @@ def load_corpus(data: str | None, tokenizer, *, text_key: str = "text", bin_dtyp
                 f"--data {data!r}: {size} bytes is not a whole number of {bin_dtype} token ids "
                 "(wrong file, truncated, or wrong --data-dtype)"
             )
-        try:
-            tokens = np.memmap(data, dtype=dtype, mode="r")
-        except OSError as e:
-            raise DataError(f"--data {data!r}: cannot map it ({e})") from None
+        tokens = ConcatTokens([data], bin_dtype)
         return Corpus(tokens, f"{data} ({len(tokens):,} pre-tokenized {bin_dtype} ids)", -1)
     if data.endswith(".jsonl"):
         docs = _jsonl_docs(data, text_key)
@@ -224,6 +237,127 @@ def load_corpus(data: str | None, tokenizer, *, text_key: str = "text", bin_dtyp
             raise DataError(f"--data {data!r}: no documents")
         return Corpus(_encode_docs(docs, tokenizer), f"{data} ({len(docs)} documents)", len(docs))
     return Corpus(_encode_docs([_read_text(data)], tokenizer), data, 1)
+
+
+# [Note: reading .bin files]
+# A ``.bin`` is read by slices with ``os.pread`` into fresh arrays, not memory-mapped. The pages a
+# read of a mapping touches stay mapped into the process, and the kernel maps the cached pages
+# around each fault with them (measured: 1.5 MB per window of 512 bytes, whole page-cache folios),
+# so random windows of a mapped corpus grow the resident set toward the corpus's size (a 48 MB file
+# was wholly resident after 320 windows of 256 ids): not memory the job holds, but counted in its
+# RSS, its peak and a container's limit. ``pread`` costs
+# one system call per window and leaves only the copies; the file stays in the page cache, shared
+# with the other ranks. At most ``MAX_OPEN`` files are open at once (a corpus of many shards
+# otherwise meets the limit on open files); the least recently opened is closed first.
+MAX_OPEN = 64
+
+
+class ConcatTokens:
+    """Token ids of one or several ``.bin`` files as one read-only 1-D sequence; only the slices
+    asked for are read (see [Note: reading .bin files])."""
+
+    def __init__(self, paths: list[str], dtype: str):
+        try:
+            self.dtype = np.dtype(dtype)
+        except TypeError:
+            raise DataError(f"--data-dtype {dtype!r} is not a NumPy dtype") from None
+        if self.dtype.kind not in "ui":
+            raise DataError(f"--data-dtype {dtype!r} must be an integer dtype (uint16, uint32, ...)")
+        self.paths, sizes = [], []
+        for p in paths:
+            try:
+                size = os.path.getsize(p)
+            except OSError as e:
+                raise DataError(f"--data {p!r}: cannot read it ({e.strerror})") from None
+            if size == 0:
+                raise DataError(f"--data {p!r}: an empty shard (0 bytes); delete it or write it again")
+            if size % self.dtype.itemsize:
+                raise DataError(f"--data {p!r}: {size} bytes is not a whole number of {dtype} token ids "
+                                "(wrong file, truncated, or wrong --data-dtype)")
+            self.paths.append(p)
+            sizes.append(size // self.dtype.itemsize)
+        self.starts = np.cumsum([0] + sizes)
+        self.n = int(self.starts[-1])
+        self._fds: dict[int, int] = {}  # file index -> open descriptor, oldest first
+
+    def __len__(self) -> int:
+        return self.n
+
+    def file_at(self, i: int) -> tuple[str, int]:
+        """The file holding global index ``i`` and the index inside it."""
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.paths[k], i - int(self.starts[k])
+
+    def __getitem__(self, sl) -> "TokenView":
+        return TokenView(self, 0, self.n)[sl]
+
+    def __array__(self, dtype=None, copy=None):
+        return TokenView(self, 0, self.n).__array__(dtype)
+
+    def _fd(self, k: int) -> int:
+        fd = self._fds.get(k)
+        if fd is None:
+            if len(self._fds) >= MAX_OPEN:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            try:
+                fd = self._fds[k] = os.open(self.paths[k], os.O_RDONLY)
+            except OSError as e:
+                raise DataError(f"--data {self.paths[k]!r}: cannot read it ({e.strerror})") from None
+        return fd
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        """Ids ``a .. b - 1`` in a new array (only those bytes of those files are read)."""
+        out = np.empty(max(0, b - a), dtype=self.dtype)
+        view, size = memoryview(out).cast("B"), self.dtype.itemsize
+        k = int(np.searchsorted(self.starts, a, side="right")) - 1 if b > a else 0
+        pos = 0
+        while a < b:
+            s, e = int(self.starts[k]), int(self.starts[k + 1])
+            want, off = (min(b, e) - a) * size, (a - s) * size
+            while want:  # pread may return fewer bytes than asked (a large read)
+                chunk = os.pread(self._fd(k), want, off)
+                if not chunk:
+                    raise DataError(f"--data {self.paths[k]!r}: ends early (was it changed while the job read it?)")
+                view[pos:pos + len(chunk)] = chunk
+                pos, off, want = pos + len(chunk), off + len(chunk), want - len(chunk)
+            a = min(b, e)
+            k += 1
+        return out
+
+    def close(self) -> None:
+        for fd in getattr(self, "_fds", {}).values():
+            os.close(fd)
+        self._fds = {}
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit ``os`` may be gone; the OS closes them then
+            pass
+
+
+class TokenView:
+    """``base[a:b]`` of a ``ConcatTokens``, not read until it is made an array (``np.asarray``):
+    slicing one (``data.split``, ``Batches``) reads nothing."""
+
+    def __init__(self, base: ConcatTokens, a: int, b: int):
+        self.base, self.a, self.b = base, a, b
+
+    def __len__(self) -> int:
+        return self.b - self.a
+
+    def __getitem__(self, sl) -> "TokenView":
+        if not isinstance(sl, slice) or sl.step not in (None, 1):
+            raise TypeError(".bin token files take contiguous slices only")
+        a, b, _ = sl.indices(len(self))
+        return TokenView(self.base, self.a + a, self.a + max(a, b))
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self.base.read(self.a, self.b)
+        return arr.astype(dtype) if dtype is not None else arr
+
+    def file_at(self, i: int) -> tuple[str, int]:
+        return self.base.file_at(self.a + i)
 
 
 def write_bin(tokens: np.ndarray, path: str, dtype: str = "uint16") -> None:
@@ -235,10 +369,108 @@ def write_bin(tokens: np.ndarray, path: str, dtype: str = "uint16") -> None:
 
 
 # ----------------------------------------------------------------------------------- batch order
+
+
+_U64 = (1 << 64) - 1
+
+
+def _mix64(z):
+    """splitmix64's finaliser: of a uint64 array (wrapping arithmetic), or of an int below 2^64."""
+    if isinstance(z, np.ndarray):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
+class FeistelOrder:
+    """Epoch ``epoch``'s order of ``n`` windows keyed by ``seed``, computed per index: no array per
+    window. See [Note: window order]."""
+
+    name = "feistel"
+    ROUNDS = 6
+    VECTOR = 256  # from this many indices on, the arithmetic runs on uint64 arrays (the same values)
+
+    def __init__(self, n: int, seed: int, epoch: int):
+        self.n = n
+        self.half = max(1, ((n - 1).bit_length() + 1) // 2)  # the domain 2^(2 half) >= n, at least 4
+        self.mask = (1 << self.half) - 1
+        self.keys = [int.from_bytes(hashlib.blake2b(f"window order {seed} {epoch} {i}".encode(), digest_size=8)
+                                    .digest(), "little") for i in range(self.ROUNDS)]
+
+    def _encrypt(self, x: int) -> int:
+        left, right = x >> self.half, x & self.mask
+        for k in self.keys:
+            left, right = right, left ^ (_mix64(right ^ k) & self.mask)
+        return (left << self.half) | right
+
+    def _encrypt_array(self, x: np.ndarray) -> np.ndarray:
+        half, mask = np.uint64(self.half), np.uint64(self.mask)
+        left, right = x >> half, x & mask
+        for k in self.keys:
+            left, right = right, left ^ (_mix64(right ^ np.uint64(k)) & mask)
+        return (left << half) | right
+
+    def __call__(self, i) -> np.ndarray:
+        """The windows at positions ``i`` (ints, each in ``0 .. n-1``) of this epoch, as int64."""
+        i = np.asarray(i, dtype=np.int64)
+        if i.size < self.VECTOR:
+            out = []
+            for x in i.tolist():
+                x = self._encrypt(x)
+                while x >= self.n:  # cycle walking: map again until inside 0 .. n-1
+                    x = self._encrypt(x)
+                out.append(x)
+            return np.asarray(out, dtype=np.int64).reshape(i.shape)
+        x = self._encrypt_array(i.astype(np.uint64))
+        out = x >= self.n
+        while out.any():
+            x[out] = self._encrypt_array(x[out])
+            out = x >= self.n
+        return x.astype(np.int64)
+
+
+class PermutationOrder:
+    """The order before [Note: window order]: a stored permutation of all windows (8 bytes each),
+    kept so that a checkpoint written with it resumes the same token stream."""
+
+    name = "pcg64-permutation"
+
+    def __init__(self, n: int, seed: int, epoch: int):
+        self.perm = np.random.Generator(np.random.PCG64([seed, epoch])).permutation(n)
+
+    def __call__(self, i: np.ndarray) -> np.ndarray:
+        return self.perm[np.asarray(i, dtype=np.int64)]
+
+
+ORDERS = {o.name: o for o in (FeistelOrder, PermutationOrder)}
+DEFAULT_ORDER = FeistelOrder.name  # a fresh run's order
+UNNAMED_ORDER = PermutationOrder.name  # a checkpoint's data position without a name was written in it
+
+
+def order_of_state(state: dict, path: str) -> str:
+    """The window order a checkpoint's ``state`` continues in (see [Note: window order]);
+    DataError naming the checkpoint if this version does not know it."""
+    if "order" in state:
+        name = state["order"]
+    elif "stream" in state:  # a streamed run's: it had no window order
+        name = DEFAULT_ORDER
+    else:
+        name = UNNAMED_ORDER
+    if name not in ORDERS:
+        raise DataError(f"checkpoint {path!r}: its data position is in the window order {name!r}, which this "
+                        f"version of the job does not know (it knows {', '.join(ORDERS)}); resume it with the "
+                        "version that wrote it, or start a new run")
+    return name
+
+
 class Batches:
     """Windows of a token stream in a seeded, epoch-wise shuffled order. See [Note: batch order]."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, source: str = "data", vocab: int | None = None):
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, source: str = "data", vocab: int | None = None,
+                 order: str | None = None):
         self.tokens = tokens
         self.vocab = vocab  # each window read is checked against it (None: not checked)
         self.source = source
@@ -250,32 +482,46 @@ class Batches:
                 f"{source} has {len(tokens)} tokens, fewer than --seq-len + 1 = {seq_len + 1}; use a shorter "
                 "--seq-len or more data"
             )
-        self._epoch = -1
-        self._perm: np.ndarray | None = None
+        self.use_order(order or DEFAULT_ORDER)
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:
-            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
-            self._perm, self._epoch = rng.permutation(self.windows), epoch
-        return self._perm
+    def use_order(self, name: str) -> None:
+        """Visit the windows in the order ``name`` (a key of ``ORDERS``) from now on."""
+        self.order = name
+        self._epoch, self._order = -1, None
 
-    def sample(self, g: int) -> np.ndarray:
-        epoch, i = divmod(g, self.windows)
-        start = int(self._order(epoch)[i]) * self.seq_len
-        w = np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
-        if self.vocab is not None and int(w.max()) >= self.vocab:
-            j = start + int(np.argmax(w >= self.vocab))
+    def window_index(self, g) -> np.ndarray:
+        """The windows of samples ``g`` (an int or int64 array; see [Note: batch order])."""
+        g = np.atleast_1d(np.asarray(g, dtype=np.int64))
+        epoch, i = np.divmod(g, self.windows)
+        out = np.empty_like(g)
+        for e in np.unique(epoch):
+            if e != self._epoch:
+                self._order, self._epoch = ORDERS[self.order](self.windows, self.seed, int(e)), int(e)
+            sel = epoch == e
+            out[sel] = self._order(i[sel])
+        return out
+
+    def window(self, w: int) -> np.ndarray:
+        """Window ``w``'s ``seq_len + 1`` ids as int64, checked against the vocabulary."""
+        start = w * self.seq_len
+        win = np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+        if self.vocab is not None and int(win.max()) >= self.vocab:
+            j = start + int(np.argmax(win >= self.vocab))
             where = f"{self.source} at token {j:,}"
             if hasattr(self.tokens, "file_at"):
                 f, k = self.tokens.file_at(j)
                 where = f"--data {f!r} at token {k:,}"
-            raise DataError(f"{where}: token id {int(w.max())} >= the model's vocabulary {self.vocab} "
+            raise DataError(f"{where}: token id {int(win.max())} >= the model's vocabulary {self.vocab} "
                             "(wrong --tokenizer or --data-dtype, or a corrupt file)")
-        return w
+        return win
+
+    def sample(self, g: int) -> np.ndarray:
+        return self.window(int(self.window_index(g)[0]))
 
     def batch(self, first: int, count: int) -> torch.Tensor:
         """Samples ``first .. first + count - 1`` as a (count, seq_len + 1) int64 tensor."""
-        return torch.from_numpy(np.stack([self.sample(first + k) for k in range(count)]))
+        idx = self.window_index(np.arange(first, first + count))
+        return torch.from_numpy(np.stack([self.window(int(w)) for w in idx]))
 
     def micro_batch(self, cursor: int, micro: int, rank: int, world: int, batch: int) -> torch.Tensor:
         return self.batch(cursor + (micro * world + rank) * batch, batch)
@@ -487,12 +733,10 @@ class ExampleBatches(Batches):
         self.seq_len = examples.shape[-1] - 1
         self.seed = seed
         self.windows = len(examples)
-        self._epoch = -1
-        self._perm = None
+        self.use_order(DEFAULT_ORDER)
 
-    def sample(self, g: int) -> np.ndarray:
-        epoch, i = divmod(g, self.windows)
-        return self.examples[int(self._order(epoch)[i])]
+    def window(self, w: int) -> np.ndarray:
+        return self.examples[w]
 
     def in_order(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Examples ``first .. first + count - 1`` in file order, and a weight per row: rows past

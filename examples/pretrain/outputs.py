@@ -183,7 +183,7 @@ def header(job):
         job.say(f"note     skipped {path}: no {C.MANIFEST}, not a complete checkpoint (not used by --resume, "
                  "left in place)")
     if getattr(job, "data_resume", None):
-        job.say(f"data     streamed position restored: {job.data_resume}")
+        job.say(f"data     {job.data_resume}")
     if job.resumed_from and job.resumed_from[2] not in (None, gb) and not a.export_only:
         job.say(f"note     the checkpoint's global batch was {job.resumed_from[2]} sequences, this run's is {gb}: "
                  "the data order continues, the step contents differ")

@@ -38,6 +38,8 @@ def contents(job) -> tuple[dict, dict]:
                  loss_history=list(job.guard.recent) if getattr(job, "guard", None) is not None else [])
     if getattr(job, "ft", None) is not None:  # --torchft: torchft's committed step
         state["torchft"] = job.ft.state_dict()
+    if hasattr(job.batches, "order"):  # the cursor's meaning: the window order (see [Note: window order])
+        state["order"] = job.batches.order
     if hasattr(job.batches, "state"):  # streamed data: every rank's position (see [Note: streamed positions])
         states = [None] * job.world
         dist.all_gather_object(states, job.batches.state())

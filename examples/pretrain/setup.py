@@ -162,7 +162,7 @@ class Setup:
         if kind == "bins":
             tokens = S.bin_shards(a.data, a.data_dtype)
             corpus = D.Corpus(tokens, f"{a.data} ({len(tokens.paths)} .bin shards, {len(tokens):,} {a.data_dtype} ids, "
-                                      "memory-mapped)", -1)
+                                      "read by window)", -1)
         else:
             corpus = D.load_corpus(a.data, self.tokenizer, text_key=a.text_key, bin_dtype=a.data_dtype)
         if a.val_data or a.val_split:
@@ -315,13 +315,25 @@ class Setup:
 
     def restore_data(self, st: dict) -> None:
         """A streamed loader continues from the positions in the checkpoint's state (see
-        [Note: streamed positions]); the cursor is the whole position of the other sources."""
+        [Note: streamed positions]); the cursor is the whole position of the other sources, in the
+        window order the checkpoint names (see [Note: window order])."""
         self.data_resume = None
         if isinstance(self.batches, S.StreamBatches):
             if "stream" not in st:
                 raise JobError(f"checkpoint {self.plan.resume_path!r} holds no streamed-data position (it was "
                                "written by a run over non-streamed data); resume with that run's --data")
-            self.data_resume = self.batches.stream.restore(st["stream"])
+            self.data_resume = f"streamed position restored: {self.batches.stream.restore(st['stream'])}"
+            return
+        try:
+            order = D.order_of_state(st, self.plan.resume_path)
+        except D.DataError as e:
+            raise JobError(str(e)) from None
+        if order != self.batches.order:
+            for b in (self.batches, self.val):
+                if b is not None:
+                    b.use_order(order)
+            self.data_resume = (f"window order {order!r} kept from the checkpoint (the run began before the order "
+                                f"was named; it holds one int64 per window in memory: {self.batches.windows:,} windows)")
 
     def init_weights(self):
         """A fresh run's weights: from --init-from-hf, or the seeded init."""

@@ -1,8 +1,8 @@
 """Streamed training data: corpora read as they are trained on, never whole into memory.
 
 Two kinds (``open_source`` picks them from ``--data``):
-- ``.bin`` shards (a folder of them): token ids, memory-mapped and read in the batch order of
-  ``data.Batches`` over their concatenation (``BinShards``); the cursor stays the whole position.
+- ``.bin`` shards (a folder of them): token ids read window by window (``data.ConcatTokens``) in the
+  batch order of ``data.Batches`` over their concatenation; the cursor stays the whole position.
 - text rows (``TextStream``): parquet, arrow, csv or jsonl files (one, or a folder of them: its files
   of ``--data-split`` the way ``datasets`` finds splits), or a Hugging Face dataset name read with
   ``datasets.load_dataset(name, split=--data-split, streaming=True)``. Each rank reads only its part,
@@ -43,7 +43,7 @@ import zlib
 import numpy as np
 import torch
 
-from pretrain.data import DataError
+from pretrain.data import ConcatTokens, DataError, TokenView  # noqa: F401 - the .bin readers live in data
 
 TEXT_EXT = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".jsonl": "json", ".json": "json"}
 _NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -80,15 +80,18 @@ def _files_under(folder: str) -> list[str]:
 
 
 def split_files(folder: str, split: str) -> list[str]:
-    """The data files of ``split`` in ``folder`` as ``datasets`` resolves a local folder (``train-*``,
-    ``train/``, ``data/train-*``, ...; a folder without split names is all ``train``)."""
-    from datasets.data_files import DataFilesDict, get_data_patterns
+    """The data files of ``split`` in ``folder`` as ``datasets.load_dataset(folder)`` resolves them:
+    the ``configs`` of its README.md where it has them, else by name (``train-*``, ``train/``,
+    ``data/train-*``, ...; a folder without split names is all ``train``); a ``save_to_disk``
+    folder's ``.arrow`` files (not its ``state.json``)."""
+    import datasets
 
     try:
-        patterns = get_data_patterns(folder)
-        files = DataFilesDict.from_patterns(patterns, base_path=folder)
+        found = datasets.load_dataset_builder(folder).config.data_files or {}
     except Exception as e:  # noqa: BLE001 - datasets raises several kinds
-        raise DataError(f"--data {folder!r}: no data files found ({type(e).__name__}: {e})") from None
+        raise DataError(f"--data {folder!r}: datasets finds no data files in it ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:300]})") from None
+    files = {str(k): list(v) for k, v in found.items()}
     if split not in files:
         raise DataError(f"--data {folder!r} has no split {split!r} (it has {', '.join(sorted(files))}); "
                         "set --data-split / --val-split")
@@ -99,79 +102,6 @@ def split_files(folder: str, split: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------- .bin shards
-class ConcatTokens:
-    """Token ids of several memory-mapped ``.bin`` files as one read-only 1-D sequence (only the
-    slices asked for are read)."""
-
-    def __init__(self, paths: list[str], dtype: str):
-        try:
-            self.dtype = np.dtype(dtype)
-        except TypeError:
-            raise DataError(f"--data-dtype {dtype!r} is not a NumPy dtype") from None
-        if self.dtype.kind not in "ui":
-            raise DataError(f"--data-dtype {dtype!r} must be an integer dtype (uint16, uint32, ...)")
-        self.paths, self.maps = [], []
-        for p in paths:
-            size = os.path.getsize(p)
-            if size == 0:
-                raise DataError(f"--data {p!r}: an empty shard (0 bytes); delete it or write it again")
-            if size % self.dtype.itemsize:
-                raise DataError(f"--data {p!r}: {size} bytes is not a whole number of {dtype} token ids "
-                                "(wrong file, truncated, or wrong --data-dtype)")
-            self.paths.append(p)
-            self.maps.append(np.memmap(p, dtype=self.dtype, mode="r"))
-        self.starts = np.cumsum([0] + [len(m) for m in self.maps])
-        self.n = int(self.starts[-1])
-
-    def __len__(self) -> int:
-        return self.n
-
-    def file_at(self, i: int) -> tuple[str, int]:
-        """The file holding global index ``i`` and the index inside it."""
-        k = int(np.searchsorted(self.starts, i, side="right")) - 1
-        return self.paths[k], i - int(self.starts[k])
-
-    def __getitem__(self, sl) -> "TokenView":
-        return TokenView(self, 0, self.n)[sl]
-
-    def read(self, a: int, b: int) -> np.ndarray:
-        """Ids ``a .. b - 1`` (only those files' pages are read)."""
-        if b <= a:
-            return np.zeros(0, dtype=self.dtype)
-        k = int(np.searchsorted(self.starts, a, side="right")) - 1
-        parts = []
-        while a < b:
-            s, e = int(self.starts[k]), int(self.starts[k + 1])
-            parts.append(self.maps[k][a - s:min(b, e) - s])
-            a = min(b, e)
-            k += 1
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-
-class TokenView:
-    """``base[a:b]`` of a ``ConcatTokens``, not read until it is made an array (``np.asarray``):
-    slicing one (``data.split``, ``Batches``) reads nothing."""
-
-    def __init__(self, base: ConcatTokens, a: int, b: int):
-        self.base, self.a, self.b = base, a, b
-
-    def __len__(self) -> int:
-        return self.b - self.a
-
-    def __getitem__(self, sl) -> "TokenView":
-        if not isinstance(sl, slice) or sl.step not in (None, 1):
-            raise TypeError("streamed .bin shards take contiguous slices only")
-        a, b, _ = sl.indices(len(self))
-        return TokenView(self.base, self.a + a, self.a + max(a, b))
-
-    def __array__(self, dtype=None, copy=None):
-        arr = self.base.read(self.a, self.b)
-        return arr.astype(dtype) if dtype is not None else arr
-
-    def file_at(self, i: int) -> tuple[str, int]:
-        return self.base.file_at(self.a + i)
-
-
 def bin_shards(data: str, dtype: str) -> ConcatTokens:
     files = [f for f in _files_under(data) if f.endswith(".bin")]
     return ConcatTokens(files, dtype)

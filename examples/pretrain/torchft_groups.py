@@ -73,7 +73,7 @@ class ReplicaGroups:
         j = self.job
         return dict(step=j.step, cursor=j.cursor, tokens=j.tokens_seen, loss_history=list(j.guard.recent),
                     skipped_steps=j.skipped_steps, skipped_in_row=j.skipped_in_row, spikes_seen=j.spikes_seen,
-                    rng=get_rng_state(j.device))
+                    rng=get_rng_state(j.device), order=j.batches.order)
 
     def load_job_state(self, st: dict) -> None:
         j = self.job
@@ -82,6 +82,10 @@ class ReplicaGroups:
         j.guard.recent = [float(x) for x in st["loss_history"]]
         j.skipped_steps, j.skipped_in_row, j.spikes_seen = st["skipped_steps"], st["skipped_in_row"], st["spikes_seen"]
         set_rng_state(st["rng"], j.args.seed, j.rank, j.step, j.device)
+        if st["order"] != j.batches.order:  # the live group resumed a run begun in an older window order
+            for b in (j.batches, j.val):
+                if b is not None:
+                    b.use_order(st["order"])
 
     # ------------------------------------------------------------------------------- the step
     WAIT_TRY_S = 0.2

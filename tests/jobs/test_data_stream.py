@@ -125,7 +125,7 @@ def test_input_kinds_give_the_same_documents(tmp_path):
         st.close()
         ref = ref or got
         assert all(np.array_equal(a, b) for a, b in zip(ref, got)), path
-    # .bin shards: Batches over the memory-mapped folder == over the concatenated ids
+    # .bin shards: Batches over the folder read by window == over the concatenated ids
     ids = D.load_corpus(str(jl), TOK).tokens
     bins = tmp_path / "bins"
     bins.mkdir()
@@ -265,3 +265,40 @@ def test_dataset_name_is_streamed_by_shard(tmp_path, monkeypatch):
         assert all(np.array_equal(a.next_window(), b.next_window()) for _ in range(6))
         a.close()
         b.close()
+
+
+def test_local_dataset_folders_resolve_like_load_dataset(tmp_path):
+    """A ``save_to_disk`` folder (Dataset, DatasetDict) streams its .arrow files, not its JSON state;
+    a folder whose README.md declares ``configs`` gives each split the files the config names (the
+    validation files are not trained on) -- as ``datasets.load_dataset(folder)`` would."""
+    import datasets
+
+    texts = docs(40)
+    ref_shards, _ = S.text_shards(write_parquet_shards(str(tmp_path / "pq"), texts, 1), "text", "train")
+    ref = stream_of(ref_shards, 0, 1)
+    want = [ref.next_window() for _ in range(8)]
+    ref.close()
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts}),
+                          "test": datasets.Dataset.from_dict({"text": ["held out"]})}).save_to_disk(str(tmp_path / "dd"))
+    for folder in ("saved", "dd"):
+        path = str(tmp_path / folder)
+        assert S.stream_kind(path) == "text"
+        files = S.split_files(path, "train")
+        assert [os.path.splitext(f)[1] for f in files] == [".arrow"], files
+        shards, _ = S.text_shards(path, "text", "train")
+        st = stream_of(shards, 0, 1)
+        assert all(np.array_equal(a, st.next_window()) for a in want), folder
+        st.close()
+    assert S.split_files(str(tmp_path / "dd"), "test")[0].endswith(os.path.join("test", "data-00000-of-00001.arrow"))
+    cfg = tmp_path / "cfg"
+    write_parquet_shards(str(cfg / "corpus"), texts, 2, prefix="part")
+    write_parquet_shards(str(cfg / "extra"), ["held out"] * 5, 1, prefix="part")
+    (cfg / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+                                   "    path: corpus/*.parquet\n  - split: validation\n    path: extra/*.parquet\n---\n")
+    assert [os.path.relpath(f, cfg) for f in S.split_files(str(cfg), "train")] == \
+        [os.path.join("corpus", "part-00000-of-00002.parquet"), os.path.join("corpus", "part-00001-of-00002.parquet")]
+    assert [os.path.relpath(f, cfg) for f in S.split_files(str(cfg), "validation")] == \
+        [os.path.join("extra", "part-00000-of-00001.parquet")]
+    with pytest.raises(D.DataError, match=r"cfg' has no split 'test' \(it has train, validation\)"):
+        S.split_files(str(cfg), "test")

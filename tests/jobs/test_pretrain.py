@@ -246,7 +246,7 @@ def test_corpus_formats_agree(runs, tmp_path):
     emb = D.load_corpus(None, tok)
     assert "embedded corpus" in emb.source and emb.documents >= 6 and len(emb.tokens) > 100_000
     b = D.load_corpus(runs["bin"], tok)
-    assert isinstance(b.tokens, np.memmap) and np.array_equal(np.asarray(b.tokens), emb.tokens)
+    assert isinstance(b.tokens, D.ConcatTokens) and np.array_equal(np.asarray(b.tokens), emb.tokens)
     (tmp_path / "a.txt").write_text("hello")
     (tmp_path / "b.jsonl").write_text(json.dumps({"body": "world"}) + "\n")
     d = D.load_corpus(str(tmp_path), tok, text_key="body")
