@@ -192,7 +192,8 @@ class GradPath:
         return (lay.world_size == 2 and self.replicas.replicas == 1
                 and len(lay.params) == 1 and lay.numel == lay.padded_numel
                 and rt.compute_dtype == torch.float32 and rt.reduce_dtype == torch.float32
-                and not unit.chunk_buffers[0].pieces and unit.flat_param.grad is None
+                and not unit.chunk_buffers[0].pieces and unit.chunk_buffers[0].quant_reduce is None
+                and unit.flat_param.grad is None
                 and self.schedule.reduce_rows_ok())
 
     # ------------------------------------------------------------------ the sharded lookup
