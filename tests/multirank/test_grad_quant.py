@@ -142,8 +142,36 @@ COMPOSED = {  # what grad_quant composes with (each against the same options wit
 }
 
 
+def _streams(rank, world):
+    """The CUDA schedule on simulated streams (yafsdp.streamcheck): a quantized reduce's stages, its fold and
+    HSDP's quantized all-reduce touch their rooms and buffers in the order the events make -- no race."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from yafsdp.streamcheck import StreamChecker
+
+    out = []
+    for kw in (dict(grad_quant_node=NODE), dict(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")),
+                                                 grad_quant_node=2)):
+        with StreamChecker() as chk:
+            model = yafsdp.YaFSDP(tiny_llama(tie=True), param_dtype=torch.bfloat16, grad_quant="int8", **kw)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+            chk.watch(model)
+            with chk.recording():
+                for step, accum in enumerate((2, 2, 1)):
+                    for micro in range(accum):
+                        (loss_of(model, "llama", batch("llama", step, micro, rank)) / accum).backward()
+                    model.clip_grad_norm_(1.0)
+                    opt.step()
+                    opt.zero_grad(set_to_none=step % 2 == 0)
+        kernels = [entry[1:4] for entry in chk.log if entry[0] == "kernel"]
+        comm_ops = {op for stream, op, label in kernels
+                    if stream == "comm" and label.startswith(("yafsdp.reduce", "yafsdp.all_reduce"))}
+        stray = [k for k in kernels if k[2].startswith(("yafsdp.reduce", "yafsdp.all_reduce")) and k[0] != "comm"]
+        out.append(([str(r) for r in chk.races], comm_ops, stray))
+    return out
+
+
 def _world4(rank, world):
-    out = {"reduce": _reduce(rank, world)}
+    out = {"reduce": _reduce(rank, world), "streams": _streams(rank, world)}
     q = dict(grad_quant="int8", grad_quant_node=NODE)
     out["probe"] = {"off": _probe(rank, world), "int8": _probe(rank, world, **q),
                     "fp8": _probe(rank, world, grad_quant="fp8", grad_quant_node=NODE),
@@ -300,6 +328,16 @@ def test_training_with_quantized_reduction_stays_close_and_composes():
         assert max(abs(a - b) for a, b in zip(l_off, l_on)) < 5e-3 * abs(l_off[0]), (name, l_off, l_on)
         diff = max((sd_on[k].float() - sd_off[k].float()).abs().max().item() for k in sd_off)
         assert diff < 2e-2, (name, diff)
+
+
+def test_the_stream_schedule_runs_the_quantized_reduce_race_free_on_the_comm_stream():
+    for rank, res in enumerate(_results(4)):
+        cases = res["streams"]
+        for races, comm_ops, stray in cases:
+            assert not races, f"rank {rank}:\n" + "\n".join(races[:5])
+            assert not stray, stray[:5]
+            # the node stage, the records' all-to-all (and HSDP's all-gather) and the fp32 sum, on comm
+            assert {"c10d.send", "c10d.recv_", "aten.add_"} <= comm_ops, comm_ops
 
 
 # ------------------------------------------------------------------- one node group: the option off
