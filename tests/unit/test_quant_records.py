@@ -1,6 +1,7 @@
 """grad_quant in one process: the options' checks, the plan's rooms, and the half step of one record that
 the error bound of a quantized reduce is made of ([Note: the error of a quantized reduce] in
-yafsdp/comm/quant_reduce.py). The collectives themselves run in tests/multirank/test_grad_quant.py."""
+yafsdp/comm/quant_reduce.py), and the node stage in place on simulated groups. The collectives on gloo run in
+tests/multirank/test_grad_quant.py."""
 import threading
 
 import pytest
