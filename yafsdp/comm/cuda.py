@@ -8,7 +8,7 @@ from collections import Counter
 
 import torch
 
-from .collectives import all_gather, all_to_all, reduce_scatter
+from .collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from ..tools.trace import span
 from .schedule import Schedule, StreamAPI, _GradSync, _WeightSync
 
@@ -170,7 +170,7 @@ class StreamSchedule(Schedule):
     def all_reduce_behind(self, grad, unit):
         # inside a reduce's `then`: the current stream is the comm stream, behind the fold
         with span("all_reduce", unit), self._timed("all_reduce", unit):
-            self._all_reduce_across(grad, unit, async_op=False)
+            self._all_reduce_across(grad, unit, False, all_reduce)
 
     def host_waits_compute(self):
         self.streams.current_stream().synchronize()
@@ -181,7 +181,7 @@ class StreamSchedule(Schedule):
             with self.streams.use(self.comm):
                 self.comm.wait_event(self.grads_final)
                 with self._timed("all_reduce", unit):
-                    self._all_reduce_across(grad, unit, async_op=False)
+                    self._all_reduce_across(grad, unit, False, all_reduce)
                 self.replicated.record(self.comm)
             self.streams.current_stream().wait_event(self.replicated)
 

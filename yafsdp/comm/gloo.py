@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .collectives import _info, all_gather, all_to_all, reduce_scatter
+from .collectives import _info, all_gather, all_reduce, all_to_all, reduce_scatter
 from ..tools.trace import span
 from .schedule import Schedule, _GradSync, _WeightSync, _wait
 
@@ -118,7 +118,7 @@ class HandleSchedule(Schedule):
         rec = self.recorder
         with span("all_reduce", unit):
             t = rec.now() if rec else None
-            work = self._all_reduce_across(grad, unit, async_op=True)
+            work = self._all_reduce_across(grad, unit, True, all_reduce)
             self.replicating.append((work, unit))
             if rec:
                 rec.comm("all_reduce", unit, work, issued=t)

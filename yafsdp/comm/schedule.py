@@ -110,7 +110,6 @@ from typing import Callable
 
 import torch
 
-from .collectives import all_reduce
 from .groups import CollectiveError
 from .progress import waiting
 
@@ -178,10 +177,11 @@ class Schedule:
         """All-reduce across replicas with ``across(grad, async_op)`` from now on (grad_quant)."""
         self.across = across
 
-    def _all_reduce_across(self, grad: torch.Tensor, unit: str, async_op: bool):
-        """The all-reduce of ``grad`` across the replicas, plain or quantized, counted."""
+    def _all_reduce_across(self, grad: torch.Tensor, unit: str, async_op: bool, plain: Callable):
+        """The all-reduce of ``grad`` across the replicas, counted: ``plain`` (``collectives.all_reduce``,
+        as the concrete schedule's module names it) or the quantized one."""
         if self.across is None:
-            work = all_reduce(grad, self.replicate_group, async_op=async_op)
+            work = plain(grad, self.replicate_group, async_op=async_op)
             self._count("all_reduce", unit, grad)
             return work
         for kind, n in self.across.counted(grad):
