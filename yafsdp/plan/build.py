@@ -14,7 +14,8 @@ from ..engine.placement import placement_class
 from ..layout.units import discover, weight_free_backward
 from .activations import activation_estimate
 from .staging import persistent_buffer_bytes, staging_bytes
-from ..layout.sizing import OPTIMIZER_BYTES, as_dtype, dtype_name, itemsize, plan_buffers, quant_plan, unit_align, unit_shape
+from ..layout.sizing import (OPTIMIZER_BYTES, as_dtype, dtype_name, itemsize, plan_buffers, quant_plan, unit_align,
+                             unit_shape)
 from .report import MemoryPlan, UnitRow
 
 
