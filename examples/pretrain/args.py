@@ -99,6 +99,12 @@ def build_parser(prog: str = "pretrain_llama.py",
                         "gathered as its records, e.g. fp8: float8 e4m3 + a float32 scale per 128 (~1.03 instead of "
                         "2 bytes per parameter); the fp32 master, gradients and optimizer are unchanged. bf16: "
                         "gather in the compute dtype")
+    g.add_argument("--grad-quant", default="none", choices=OPTIONS["grad_quant"].texts(),
+                   help="YaFSDP grad_quant= (docs/grad_quant.md): gradients sent across node groups (and HSDP's "
+                   "replicas) as 8-bit blocks with an fp32 scale per 128, summed in fp32; none: in the reduce dtype")
+    g.add_argument("--grad-quant-node", type=int, default=1, metavar="L",
+                   help="with --grad-quant: consecutive ranks of a shard group on one node (their reduce stays full "
+                   "precision), e.g. the GPUs per node")
     g.add_argument("--hsdp", type=int, default=1, metavar="R",
                    help="HSDP: R replicas (e.g. R = nodes), each sharding the model over world / R ranks; gathers "
                    "and reduce-scatters stay inside a replica, gradients are all-reduced across replicas once per "

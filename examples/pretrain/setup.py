@@ -263,6 +263,8 @@ class Setup:
         options = dict(self.wrap_options())
         if a.gather_dtype != "bf16":  # See [Note: gather formats] in yafsdp/formats/base.py
             options["gather_dtype"] = a.gather_dtype
+        if a.grad_quant != "none":  # See [Note: quantized gradient reduction] in yafsdp/comm/quant_reduce.py
+            options.update(grad_quant=a.grad_quant, grad_quant_node=a.grad_quant_node)
         # The engine's options, checked as YaFSDP(...) and the plan check them (yafsdp/layout/config.py),
         # before the model is built.
         config = yafsdp.build_config(param_dtype=self.param_dtype, zero_stage=a.zero_stage, **options)

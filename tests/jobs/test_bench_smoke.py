@@ -216,6 +216,21 @@ def test_bench_hsdp_and_the_byte_model(tmp_path):
     assert predicted["2x2"]["overlapped"]["all_reduce"] > 0 == predicted["1x4"]["overlapped"]["all_reduce"]
 
 
+def test_bench_grad_quant_small(tmp_path):
+    """benchmarks/bench_grad_quant.py with the tiny preset: the bytes per link from the engine's counters (the
+    quantized reduce sends less across node groups than the plain one) and one short run of the job."""
+    md = tmp_path / "gq.md"
+    text = _run("bench_grad_quant.py", "--preset", "tiny", "--steps", "2", "--tail", "1", "--margin", "10",
+                "--train", "int8, node 2", "--out", str(tmp_path / "runs"), "--md", str(md), timeout=600)
+    rows = {}
+    for r in text.splitlines():  # the bytes table first (the convergence table repeats a name)
+        if r.startswith("| "):
+            rows.setdefault(r.split("|")[1].strip(), r.split("|"))
+    assert float(rows["int8, node 2"][4]) < float(rows["fp32 reduce"][4]) / 4  # gradients across node groups
+    assert float(rows["HSDP 2x2, int8"][4]) < float(rows["HSDP 2x2"][4]) / 3
+    assert "| int8, node 2" in md.read_text() and "within margin" in md.read_text()
+
+
 def test_bench_finetune_cpu(tmp_path):
     """bench_finetune.py at world 2 on the tiny preset: LoRA under yafsdp with and without offload and under
     FSDP2, interleaved; every engine trains the same PEFT model to the same loss; the frozen base's NF4

@@ -35,9 +35,10 @@ class CheckedSchedule:
         check_collective(f"gather of unit {unit!r}", self.group)
         self.inner.gather(sync, out, shard, unit, expand, stage)
 
-    def reduce(self, sync, out, full, unit, then, pieces=False):
-        check_collective(f"{'all-to-all' if pieces else 'reduce-scatter'} of unit {unit!r}", self.group)
-        self.inner.reduce(sync, out, full, unit, then, pieces)
+    def reduce(self, sync, out, full, unit, then, pieces=False, collective=None):
+        what = "quantized reduce" if collective is not None else "all-to-all" if pieces else "reduce-scatter"
+        check_collective(f"{what} of unit {unit!r}", self.group)
+        self.inner.reduce(sync, out, full, unit, then, pieces, collective)
 
     def reduce_rows_into(self, target, full, unit):
         check_collective(f"reduce-scatter of unit {unit!r}", self.group)

@@ -140,15 +140,19 @@ class StreamSchedule(Schedule):
     def released(self, sync):
         sync.released.record(self.streams.current_stream())
 
-    def reduce(self, sync, out, full, unit, then, pieces=False):
-        collective = all_to_all if pieces else reduce_scatter
+    def reduce(self, sync, out, full, unit, then, pieces=False, collective=None):
         with span("reduce", unit):
             sync.grads_ready.record(self.streams.current_stream())
             with self.streams.use(self.comm):
                 self.comm.wait_event(sync.grads_ready)
                 with self._timed("reduce", unit):
-                    collective(out, full, self.group, async_op=False)  # on the comm stream
-                    self._count("reduce", unit, full)
+                    if collective is not None:  # quantized: [Note: quantized gradient reduction] in quant_reduce.py
+                        collective(out, full, async_op=False)  # every stage on the comm stream
+                        for kind, n in collective.counted(full):
+                            self.counted[(kind, unit)] += n
+                    else:
+                        (all_to_all if pieces else reduce_scatter)(out, full, self.group, async_op=False)
+                        self._count("reduce", unit, full)
                 then()  # on the comm stream too: fold, host landing, all-reduce across replicas
                 sync.done.record(self.comm)
 
@@ -166,8 +170,7 @@ class StreamSchedule(Schedule):
     def all_reduce_behind(self, grad, unit):
         # inside a reduce's `then`: the current stream is the comm stream, behind the fold
         with span("all_reduce", unit), self._timed("all_reduce", unit):
-            all_reduce(grad, self.replicate_group, async_op=False)
-        self._count("all_reduce", unit, grad)
+            self._all_reduce_across(grad, unit, False, all_reduce)
 
     def host_waits_compute(self):
         self.streams.current_stream().synchronize()
@@ -178,8 +181,7 @@ class StreamSchedule(Schedule):
             with self.streams.use(self.comm):
                 self.comm.wait_event(self.grads_final)
                 with self._timed("all_reduce", unit):
-                    all_reduce(grad, self.replicate_group, async_op=False)
-                self._count("all_reduce", unit, grad)
+                    self._all_reduce_across(grad, unit, False, all_reduce)
                 self.replicated.record(self.comm)
             self.streams.current_stream().wait_event(self.replicated)
 

@@ -52,16 +52,21 @@ class HandleSchedule(Schedule):
                 with span("expand", sync.unit):
                     expand()
 
-    def reduce(self, sync, out, full, unit, then, pieces=False):
+    def reduce(self, sync, out, full, unit, then, pieces=False, collective=None):
         rec = self.recorder
         with span("reduce", unit):
             t = rec.now() if rec else None
-            if pieces:
+            if collective is not None:  # quantized: [Note: quantized gradient reduction] in quant_reduce.py
+                work = collective(out, full, async_op=True)
+                for kind, n in collective.counted(full):
+                    self.counted[(kind, unit)] += n
+            elif pieces:
                 work = all_to_all(out, full, self.group, async_op=True)
             else:
                 work = reduce_scatter(out, full, self.group, async_op=True, local=True)
             sync.pending = (work, then, unit)
-            self._count("reduce", unit, full)
+            if collective is None:
+                self._count("reduce", unit, full)
             if rec:
                 rec.comm("reduce", unit, work, issued=t)
 
@@ -113,9 +118,8 @@ class HandleSchedule(Schedule):
         rec = self.recorder
         with span("all_reduce", unit):
             t = rec.now() if rec else None
-            work = all_reduce(grad, self.replicate_group, async_op=True)
+            work = self._all_reduce_across(grad, unit, True, all_reduce)
             self.replicating.append((work, unit))
-            self._count("all_reduce", unit, grad)
             if rec:
                 rec.comm("all_reduce", unit, work, issued=t)
 

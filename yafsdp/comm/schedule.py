@@ -169,6 +169,25 @@ class Schedule:
     gathered: Counter
     counted: Counter  # (kind, unit) -> bytes this rank put into collectives of that kind (see _count)
 
+    # grad_quant with HSDP: the quantized all-reduce across replicas (comm.quant_reduce.QuantAllReduce),
+    # or None: torch's SUM all-reduce. Set once by the engine (use_across).
+    across = None
+
+    def use_across(self, across) -> None:
+        """All-reduce across replicas with ``across(grad, async_op)`` from now on (grad_quant)."""
+        self.across = across
+
+    def _all_reduce_across(self, grad: torch.Tensor, unit: str, async_op: bool, plain: Callable):
+        """The all-reduce of ``grad`` across the replicas, counted: ``plain`` (``collectives.all_reduce``,
+        as the concrete schedule's module names it) or the quantized one."""
+        if self.across is None:
+            work = plain(grad, self.replicate_group, async_op=async_op)
+            self._count("all_reduce", unit, grad)
+            return work
+        for kind, n in self.across.counted(grad):
+            self.counted[(kind, unit)] += n
+        return self.across(grad, async_op)
+
     def _count(self, kind: str, unit: str, t: torch.Tensor) -> None:
         """Bytes per collective kind and unit: a gather's gathered size, a reduce's full size, an
         all-reduce's size (benchmarks/model_scaling.py's byte model is checked against these)."""
@@ -200,12 +219,15 @@ class Schedule:
         """The compute side's use of this weight buffer ended (the next gather may overwrite it)."""
 
     def reduce(self, sync: _GradSync, out: torch.Tensor, full: torch.Tensor, unit: str,
-               then: Callable[[], None], pieces: bool = False) -> None:
+               then: Callable[[], None], pieces: bool = False, collective=None) -> None:
         """Issue the reduce-scatter of ``full`` (a grad buffer) into ``out``; ``then()`` runs on the
         comm side right behind it (CUDA: on the comm stream, before the buffer's ``done``; gloo: at the
         reduce's wait) -- the rest of the gradient's path, engine/grad_path.py. ``pieces``: an all-to-all
         instead, ``out`` (as large as ``full``) receives every rank's piece of this rank's shard (see
-        [Note: narrow reduce, fp32 accumulation] in reduce_accum.py)."""
+        [Note: narrow reduce, fp32 accumulation] in reduce_accum.py). ``collective``: the quantized
+        reduce instead, ``collective(out, full, async_op)`` returning a handle (or None when done), with
+        ``collective.counted(full)`` its bytes (see [Note: quantized gradient reduction] in
+        quant_reduce.py)."""
         raise NotImplementedError
 
     def on_host(self, unit: str, fn: Callable[[], None]) -> None:

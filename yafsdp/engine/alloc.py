@@ -40,7 +40,8 @@ from . import shards
 from ..comm.collectives import reduces_in_place
 from .buffers import GradBuffer, ShardAlias, WeightBuffer
 from ..layout.flat import alias
-from ..layout.sizing import landing_layout, plan_buffers
+from ..layout.sizing import landing_layout, plan_buffers, quant_plan
+from . import grad_quant
 from .unit import FlatGroup
 
 __all__ = ["allocate", "Storage", "STORAGE_FIELDS"]
@@ -165,6 +166,9 @@ def allocate(self, outsized_ratio: float) -> "Storage":
     # See [Note: one plan, one allocator] in yafsdp/plan/__init__.py.
     # See [Note: reduce-scatter in place] in comm/collectives.py.
     in_place = reduces_in_place(dist.get_backend(self.group), self.world_size)
+    # grad_quant: see [Note: quantized gradient reduction] in comm/quant_reduce.py
+    quant = quant_plan(self.config.grad_quant, self.config.grad_quant_node, self.world_size,
+                       dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1, in_place)
     st.buffer_plan = plan = plan_buffers(
         [u.name for u in self.units], [u.shape for u in self.units],
         self.small.shape if self.small is not None else None,
@@ -177,13 +181,15 @@ def allocate(self, outsized_ratio: float) -> "Storage":
         alias_world1=self.world_size == 1 and place.aliases_world1,
         direct_grads=(self.reduce_dtype == torch.float32 and self.reduce_accum_dtype is None
                       and self.replicate_group is None),
+        quant=quant,
     )
     rank = dist.get_rank(self.group) if in_place else None
     st.grad_buffers: list[GradBuffer] = [
         GradBuffer(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule, s.accum_capacity,
-                   in_place_rank=rank)
+                   in_place_rank=rank, quant_bytes=s.quant_bytes)
         for s in plan.grad
     ]
+    grad_quant.connect(self, st.grad_buffers, quant)
     st.weight_buffers: list[WeightBuffer] = [
         WeightBuffer(s.name, s.capacity, s.dtype, dev, self.schedule, s.staging_bytes, s.landing_bytes)
         for s in plan.weight

@@ -192,7 +192,7 @@ class GradBuffer:
     accumulator)."""
 
     def __init__(self, name: str, capacity: int, shard_capacity: int, dtype: torch.dtype, device: torch.device,
-                 schedule, accum_capacity: int = 0, in_place_rank: int | None = None):
+                 schedule, accum_capacity: int = 0, in_place_rank: int | None = None, quant_bytes: int = 0):
         self.name = name
         # Unit gradients, written by the unit's backward gate, read by the reduce-scatter.
         self.data = torch.zeros(capacity, dtype=dtype, device=device)
@@ -208,6 +208,12 @@ class GradBuffer:
         # (fp32 accumulation only; else empty).
         self.accum = torch.zeros(accum_capacity, dtype=torch.float32, device=device)
         self.pieces = accum_capacity > 0
+        # grad_quant: the room of the quantized reduce (1-D uint8: its fp32 sum -- the reduced shard the
+        # fold reads --, scratch, node-stage output and records), and the collective that uses it (a
+        # comm.quant_reduce.QuantReduce bound to the room, set by engine/grad_quant.py; None: the plain reduce). See
+        # [Note: quantized gradient reduction] in comm/quant_reduce.py.
+        self.quant = torch.zeros(quant_bytes, dtype=torch.uint8, device=device)
+        self.quant_reduce = None
         self.schedule = schedule
         self.sync = schedule.grad_sync()  # the schedule's ordering state for this buffer
 
@@ -224,6 +230,11 @@ class GradBuffer:
         """Reduce-scatter the first ``numel`` elements into this buffer's output for it; ``arrive(reduced
         shard)`` runs on the comm side behind it (see ``Schedule.reduce``). With fp32 accumulation
         ``arrive`` gets every rank's piece instead: (world, shard_numel), rank order."""
+        if self.quant_reduce is not None:  # See [Note: quantized gradient reduction] in comm/quant_reduce.py
+            full = self.data[:numel]
+            total = self.quant_reduce.output(full)
+            self.schedule.reduce(self.sync, total, full, unit, lambda: arrive(total), collective=self.quant_reduce)
+            return
         if self.pieces:
             pieces = self.staging[:numel]
             self.schedule.reduce(self.sync, pieces, self.data[:numel], unit,

@@ -2,7 +2,9 @@
 
 1. **write** -- the gate's gradients into the unit's grad buffer (``reduce_dtype``), padding zeroed;
 2. **reduce** -- the reduce-scatter of the buffer over the shard group (in place on NCCL, into the
-   buffer's staging on gloo; an all-to-all of pieces with fp32 accumulation), issued by the schedule;
+   buffer's staging on gloo; an all-to-all of pieces with fp32 accumulation; with ``grad_quant`` the
+   node stage and the 8-bit records across node groups, summed in fp32 into the buffer's room:
+   [Note: quantized gradient reduction] in comm/quant_reduce.py), issued by the schedule;
 3. **land** -- behind it on the comm side: the reduced shard where the grad shard lives (with offload
    a device -> host copy into the unit's landing, the rest then runs on the host; placement.py);
 4. **fold** -- ``grad shard (+)= reduced / world`` (the one post-divide; a shard already all-reduced
@@ -192,7 +194,8 @@ class GradPath:
         return (lay.world_size == 2 and self.replicas.replicas == 1
                 and len(lay.params) == 1 and lay.numel == lay.padded_numel
                 and rt.compute_dtype == torch.float32 and rt.reduce_dtype == torch.float32
-                and not unit.chunk_buffers[0].pieces and unit.flat_param.grad is None
+                and not unit.chunk_buffers[0].pieces and unit.chunk_buffers[0].quant_reduce is None
+                and unit.flat_param.grad is None
                 and self.schedule.reduce_rows_ok())
 
     # ------------------------------------------------------------------ the sharded lookup

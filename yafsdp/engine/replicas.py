@@ -32,6 +32,11 @@ the next all-reduce yields ``X + sum of the new contributions``, as DDP would. T
 covers gradients kept across optimizer steps (``zero_grad`` not called). A fold into a shard
 whose ``.grad`` is None overwrites it and needs no scaling.
 
+With ``grad_quant`` the all-reduce is the quantized one (``Schedule.use_across``: a reduce-scatter of
+8-bit records summed in fp32, then an all-gather of the summed pieces as records; [Note: quantized
+gradient reduction] in comm/quant_reduce.py). Every replica, the owner of a piece included, takes the
+dequantized values, so a ``SYNCED`` shard holds the same bits on every replica as with the plain one.
+
 When ``.grad`` is complete (the average over all replicas): after ``opt.step()``'s pre-hook,
 ``clip_grad_norm_`` or ``model.sync_grads()``; between the backward calls of a step it holds this
 replica's part of the average (its local sum / (shard_size * replicas)).

@@ -233,6 +233,8 @@ class Runtime:
             out[s.name + "_staging"] = s.staging
             if s.accum.numel():
                 out[s.name + "_accum"] = s.accum
+            if s.quant.numel():  # grad_quant: see [Note: quantized gradient reduction] in comm/quant_reduce.py
+                out[s.name + "_quant"] = s.quant
         return out
 
     def stored_shards(self) -> Iterator[StoredShard]:

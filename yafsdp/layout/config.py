@@ -18,6 +18,10 @@ options declared before its own (``checked``), so the field order puts ``reduce_
 
 - ``reduce_accum_dtype=torch.float32`` with ``offload``: the reduced shard goes to the host in
   ``reduce_dtype``, one value per element, not every rank's piece (reduce_accum.py).
+- ``grad_quant`` with ``reduce_accum_dtype``: the quantized reduce sums what crosses nodes in fp32
+  already; its node stage is a reduce-scatter in ``reduce_dtype`` (comm/quant_reduce.py).
+  ``grad_quant_node`` above 1 without ``grad_quant`` quantizes nothing. Whether ``grad_quant_node``
+  divides the shard group's size is checked where the group is known (``YaFSDP``, the plan).
 - ``grad_chunks`` above 1 with ``offload``: an offloaded reduce goes through the host landing whole.
 - Lifted: ``offload`` with a compact ``gather_dtype`` ("fp8", "int8": the optimizer's copy-out
   and the encode pass write the record into a host staging record, ``gather_host``, that is
@@ -40,6 +44,7 @@ __all__ = ["MixedPrecision", "Offload", "EngineConfig", "Option", "OPTIONS", "bu
            "OFFLOAD_CHOICES", "DTYPE_NAMES", "options_doc"]
 
 OFFLOAD_CHOICES = (None, "optimizer", "all")
+GRAD_QUANT_CHOICES = ("int8", "fp8")  # the gather formats a quantized reduce sends (comm/quant_reduce.py)
 # how the plan, its CLI and the jobs write the floating-point dtypes an option takes
 DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -142,6 +147,37 @@ def _reduce_accum(name, v, checked):  # See [Note: refused combinations]
     return check_reduce_accum(v, checked["reduce_dtype"], checked["offload"])
 
 
+def _grad_quant(name, v, checked):  # See [Note: refused combinations]
+    if v is None:
+        return None
+    fmt = formats.get(v) if isinstance(v, (str, torch.dtype)) and _known_format(v) else None
+    if fmt is None or fmt.name not in GRAD_QUANT_CHOICES:
+        raise ValueError(f"{name}={v!r} is not supported; use None (reduce in reduce_dtype) or one of "
+                         f"{list(GRAD_QUANT_CHOICES)} (8-bit codes with an fp32 scale per 128 values)")
+    if checked["reduce_accum_dtype"] is not None:
+        raise ValueError(f"{name}={fmt.name!r} with reduce_accum_dtype={checked['reduce_accum_dtype']!r} is not "
+                         "supported: the quantized reduce already sums what crosses nodes in fp32 (its node stage "
+                         "reduces in reduce_dtype); pass one of them, or reduce_dtype=torch.float32 for an fp32 "
+                         "node stage")
+    return fmt.name
+
+
+def _known_format(v) -> bool:
+    try:
+        formats.get(v)
+    except (KeyError, ValueError):
+        return False
+    return True
+
+
+def _grad_quant_node(name, v, checked):
+    v = _positive(int, "positive int")(name, v, checked)
+    if v > 1 and checked["grad_quant"] is None:
+        raise ValueError(f"{name}={v} without grad_quant quantizes nothing; pass grad_quant='int8' or 'fp8' too, or "
+                         f"leave {name} at 1")
+    return v
+
+
 def _gather_values() -> tuple:
     return (None, *(f.name for f in formats.gather_formats()))
 
@@ -190,6 +226,15 @@ class EngineConfig:
     reduce_accum_dtype: torch.dtype | None = option(
         None, "torch.float32 with a 16-bit reduce_dtype: the pieces are sent in reduce_dtype and summed in fp32 "
         "(docs/reduce.md); refused with offload", _reduce_accum, lambda: (None, torch.float32))
+    # See [Note: quantized gradient reduction] in comm/quant_reduce.py
+    grad_quant: str | None = option(
+        None, "int8 or fp8: what a reduce-scatter sends across node groups, and HSDP's all-reduce across "
+        "replicas, goes as 8-bit codes with an fp32 scale per 128 values, summed in fp32 by the receiver "
+        "(docs/grad_quant.md); refused with reduce_accum_dtype", _grad_quant, lambda: (None, *GRAD_QUANT_CHOICES))
+    grad_quant_node: int = option(
+        1, "with grad_quant: consecutive ranks of the shard group that share a node (a divisor of its size); the "
+        "reduce among them runs in reduce_dtype and only the exchange between node groups is quantized (1: every "
+        "exchange; the shard group's size: only HSDP's all-reduce across replicas)", _grad_quant_node)
     # See [Note: chunked outsized gradients] in layout/sizing.py
     chunk_outsized_grads: bool = option(
         True, "True: an outsized unit's gradient is reduced in chunks through the grad pair; False: it gets a "

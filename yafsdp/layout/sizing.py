@@ -11,6 +11,7 @@ import torch
 from .. import formats
 from .flat import FlatLayout
 from ..formats import PLAIN, Format
+from ..comm.quant_reduce import all_reduce_room_bytes, reduce_room_bytes
 
 GiB = 1024**3
 
@@ -44,11 +45,50 @@ class BufferSpec:
     # (shard_capacity) is then the all-to-all's landing, world x shard. See [Note: narrow reduce,
     # fp32 accumulation] in reduce_accum.py. Else 0.
     accum_capacity: int = 0
+    # grad slots with grad_quant: bytes of the quantized reduce's room (its fp32 sum, scratch, stage and
+    # records; the "replica" slot: HSDP's quantized all-reduce). See [Note: quantized gradient
+    # reduction] in comm/quant_reduce.py. Else 0.
+    quant_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
         return ((self.capacity + self.shard_capacity) * itemsize(self.dtype) + self.staging_bytes + self.landing_bytes
-                + 4 * self.accum_capacity)
+                + 4 * self.accum_capacity + self.quant_bytes)
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """What ``grad_quant`` asks of the buffers (see [Note: quantized gradient reduction] in
+    comm/quant_reduce.py): ``nodes`` node groups of ``node`` ranks in the shard group (``nodes`` 1: its
+    reduce is not quantized), ``replicas`` (HSDP; above 1 their all-reduce is), ``staged``: the backend
+    does not reduce in place (the node stage's output needs room)."""
+
+    codec: Format
+    nodes: int
+    node: int
+    replicas: int
+    staged: bool
+
+    def reduce_bytes(self, shard: int, reduce_dtype: torch.dtype) -> int:
+        if self.nodes == 1:
+            return 0
+        return reduce_room_bytes(self.codec, self.nodes, self.node, shard, reduce_dtype, self.staged)
+
+
+def quant_plan(grad_quant: str | None, grad_quant_node: int, world: int, replicas: int,
+               reduce_in_place: bool) -> QuantPlan | None:
+    """The :class:`QuantPlan` of the options for a shard group of ``world`` ranks, or None (nothing is
+    quantized); refuses a ``grad_quant_node`` that does not divide ``world``, by value."""
+    if grad_quant is None:
+        return None
+    if world % grad_quant_node:
+        raise ValueError(
+            f"yafsdp.YaFSDP: grad_quant_node={grad_quant_node} does not divide the shard group's {world} ranks; pass "
+            f"the ranks of one node (consecutive ranks of the shard group), a divisor of {world}")
+    nodes = world // grad_quant_node
+    if nodes == 1 and replicas == 1:
+        return None
+    return QuantPlan(formats.get(grad_quant), nodes, grad_quant_node, replicas, not reduce_in_place)
 
 
 @dataclass
@@ -255,6 +295,7 @@ def plan_buffers(
     reduce_in_place: bool = False,
     alias_world1: bool = False,
     direct_grads: bool = False,
+    quant: QuantPlan | None = None,
 ) -> BufferPlan:
     """The weight and grad buffers for units with ``layouts`` (and the small group): pure, no
     allocation. See [Note: one plan, one allocator]. ``reduce_in_place``: the backend reduce-scatters
@@ -263,7 +304,10 @@ def plan_buffers(
     unit whole and nothing is offloaded, so a unit without a compact group gets no weight buffer
     (``weight_of`` -1): its parameters alias its own shards ([Note: the world-1 alias]).
     ``direct_grads``: moreover the gradients are reduced in fp32 with nothing to accumulate in pieces
-    and no replicas, so no unit gets a grad buffer ([Note: world-1 gradients])."""
+    and no replicas, so no unit gets a grad buffer ([Note: world-1 gradients]). ``quant``
+    (``grad_quant``): each grad slot gets the room of its quantized reduce, and with replicas one slot
+    more, ``replica``, holds the room of their quantized all-reduce ([Note: quantized gradient
+    reduction] in comm/quant_reduce.py)."""
     staged = accumulate_fp32 or not reduce_in_place
     sizes = [lay.weight_numel for lay in layouts]
     outsized = [False] * len(layouts)
@@ -292,7 +336,8 @@ def plan_buffers(
         # piece of the shard: as large as the buffer), plus one fp32 shard to sum into.
         grad.append(BufferSpec(name, "grad", capacity, (capacity if accumulate_fp32 else shard) if staged else 0,
                                reduce_dtype, role,
-                               accum_capacity=shard if accumulate_fp32 else 0))
+                               accum_capacity=shard if accumulate_fp32 else 0,
+                               quant_bytes=quant.reduce_bytes(shard, reduce_dtype) if quant else 0))
         return len(grad) - 1
 
     # Grad buffers serve the units with a trainable group; a unit that is all frozen has none.
@@ -307,7 +352,8 @@ def plan_buffers(
         for k in range(min(2, len(regular_t))):
             grad.append(BufferSpec(f"grad{k}", "grad", world * width,
                                    (world * width if accumulate_fp32 else width) if staged else 0,
-                                   reduce_dtype, "buffers", accum_capacity=width if accumulate_fp32 else 0))
+                                   reduce_dtype, "buffers", accum_capacity=width if accumulate_fp32 else 0,
+                                   quant_bytes=quant.reduce_bytes(width, reduce_dtype) if quant else 0))
         pair = list(range(len(grad) - min(2, len(regular_t)), len(grad)))
         chunk_slots = pair
         for j, i in enumerate(regular_t):
@@ -336,6 +382,10 @@ def plan_buffers(
     # less. With the world-1 alias's switch off every unit keeps its buffers.
     if alias_world1 and ALIAS_WORLD1 and direct_grads:
         grad, grad_of, grad_chunk, chunk_slots = [], [-1] * n_all, [0] * n_all, []
+    if quant is not None and quant.replicas > 1 and grad:  # segments of the largest shard a slot reduces
+        segment = max(s.capacity // layouts_world(layouts, small) for s in grad)
+        grad.append(BufferSpec("replica", "grad", 0, 0, reduce_dtype, "replicas",
+                               quant_bytes=all_reduce_room_bytes(quant.codec, quant.replicas, segment)))
 
     # [Note: the world-1 alias] At world 1 a unit's shard is the whole unit (shard_start 0, shard_numel
     # the padded numel), so "gathering" it into a weight buffer copies its compute shard (the master
@@ -371,6 +421,14 @@ def plan_buffers(
     if small is not None and not aliased[len(layouts)]:
         weight_of[len(layouts)] = weight_slot("weight_small", [len(layouts)], "small")
     return BufferPlan(weight, grad, weight_of, grad_of, outsized, grad_chunk, chunk_slots)
+
+
+def layouts_world(layouts: list[UnitShape], small: UnitShape | None) -> int:
+    """The shard group's size the layouts were cut for."""
+    for lay in [*layouts, small]:
+        if lay is not None and lay.trainable is not None:
+            return lay.trainable.world_size
+    return 1
 
 
 def dtype_name(dt: torch.dtype) -> str:

@@ -14,7 +14,8 @@ from ..engine.placement import placement_class
 from ..layout.units import discover, weight_free_backward
 from .activations import activation_estimate
 from .staging import persistent_buffer_bytes, staging_bytes
-from ..layout.sizing import OPTIMIZER_BYTES, as_dtype, dtype_name, itemsize, plan_buffers, unit_align, unit_shape
+from ..layout.sizing import (OPTIMIZER_BYTES, as_dtype, dtype_name, itemsize, plan_buffers, quant_plan, unit_align,
+                             unit_shape)
 from .report import MemoryPlan, UnitRow
 
 
@@ -134,6 +135,8 @@ def memory_plan(
             grad_chunks=cfg.grad_chunks, reduce_in_place=reduces_in_place(plan_backend(backend), world_size),
             alias_world1=world_size == 1 and place.aliases_world1,
             direct_grads=reduce_dtype == torch.float32 and accum is None and replicas == 1,
+            quant=quant_plan(cfg.grad_quant, cfg.grad_quant_node, world_size, replicas,
+                             reduces_in_place(plan_backend(backend), world_size)),
         )
         module = model
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)

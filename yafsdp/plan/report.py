@@ -184,6 +184,8 @@ class MemoryPlan:
                 out[s.name + "_staging"] = s.shard_capacity * itemsize(s.dtype)
                 if s.accum_capacity:
                     out[s.name + "_accum"] = 4 * s.accum_capacity
+                if s.quant_bytes:
+                    out[s.name + "_quant"] = s.quant_bytes
         return out
 
     def rows(self) -> list[tuple[str, int]]:

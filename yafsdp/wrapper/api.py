@@ -71,6 +71,8 @@ class YaFSDP(nn.Module):
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype = torch.float32,
         reduce_accum_dtype: torch.dtype | None = None,
+        grad_quant: str | None = None,
+        grad_quant_node: int = 1,
         zero_stage: int = 3,
         device: torch.device | str | None = None,
         align_bytes: int = 16,
