@@ -19,6 +19,8 @@ options declared before its own (``checked``), so the field order puts ``reduce_
 - ``reduce_accum_dtype=torch.float32`` with ``offload``: the reduced shard goes to the host in
   ``reduce_dtype``, one value per element, not every rank's piece (reduce_accum.py).
 - ``grad_chunks`` above 1 with ``offload``: an offloaded reduce goes through the host landing whole.
+- ``secondary_shard`` above 1 with ``zero_stage=2``: ZeRO-2 has no backward gather to narrow. (Its
+  size against the shard group's is checked where the group is known: the engine, the plan.)
 - Lifted: ``offload`` with a compact ``gather_dtype`` ("fp8", "int8": the optimizer's copy-out
   and the encode pass write the record into a host staging record, ``gather_host``, that is
   uploaded as the param_dtype staging copy is: placement.py),
@@ -142,6 +144,17 @@ def _reduce_accum(name, v, checked):  # See [Note: refused combinations]
     return check_reduce_accum(v, checked["reduce_dtype"], checked["offload"])
 
 
+def _secondary_shard(name, v, checked):  # See [Note: refused combinations]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"{name}={v!r} is not an int >= 0 (0: off; N: the backward gathers within groups of N "
+                         "consecutive ranks, the ranks of a node); docs/zeropp.md")
+    if v > 1 and checked["zero_stage"] == 2:
+        raise ValueError(f"{name}={v} with zero_stage=2 is refused: ZeRO-2 keeps every unit's gathered weights "
+                         "until backward, so there is no backward gather to narrow; use zero_stage=3 with "
+                         f"{name}={v}, or drop {name}")
+    return v
+
+
 def _gather_values() -> tuple:
     return (None, *(f.name for f in formats.gather_formats()))
 
@@ -202,6 +215,12 @@ class EngineConfig:
         True, "True: on gloo at world 2 (fp32, ZeRO-3, no offload, no HSDP) an untied outsized nn.Embedding is "
         "looked up from the shards instead of gathered, bit for bit the same values "
         "(docs/reduce.md#the-sharded-lookup-of-an-embedding); False: always gathered", _bool)
+    # See [Note: the secondary shard] in engine/secondary.py
+    secondary_shard: int = option(
+        0, "N > 1: after a unit's forward gather each rank keeps 1/N of it, so the backward (and recompute) "
+        "gathers run within groups of N consecutive ranks of the shard group (a node: ZeRO++'s hpZ; "
+        "docs/zeropp.md); a divisor of the shard group's size below it; refused with zero_stage=2; 0 or 1: off",
+        _secondary_shard)
 
     @property
     def mixed_precision(self) -> "MixedPrecision":
