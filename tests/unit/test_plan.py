@@ -708,3 +708,31 @@ def test_grad_buffer_reduces_into_its_own_slice():
     gb = GradBuffer("grad0", 64, 16, torch.float32, torch.device("cpu"), sched)
     gb.reduce("u", 40, 10, lambda r: None)
     assert sched.calls[0][0].data_ptr() == gb.staging.data_ptr()
+
+
+def test_plan_of_the_secondary_shard():
+    """``secondary_shard=N`` ([Note: the secondary shard] in engine/secondary.py): the layers, which
+    alternate over the pair, keep 1/N of their gathered bytes; the weight-free embedding and the head
+    that shares the outsized buffer only with it (never evicted before its backward) keep none; the
+    store is one role, the sum of the rows, on the device; off (0 or 1) it is absent. The allocation
+    itself is compared in tests/multirank/test_secondary_shard.py (it needs a group to split)."""
+    from yafsdp.layout.sizing import round16
+
+    with torch.device("meta"):
+        meta = _build(kind="llama", vocab=1031, layers=4)
+    for opts in (dict(), dict(param_dtype=torch.bfloat16, gather_dtype="int8")):
+        off = memory_plan(meta, world_size=8, **opts)
+        plan = memory_plan(meta, world_size=8, secondary_shard=4, **opts)
+        rows = {u.name: u for u in plan.units}
+        assert [rows[n].outsized for n in ("model.embed_tokens", "lm_head")] == [True, True]
+        layers = [n for n in rows if n.startswith("model.layers.")]
+        assert rows["model.embed_tokens"].secondary_bytes == rows["lm_head"].secondary_bytes == 0
+        for n in layers:  # 1/4 of what the gather brings (records for int8), each group on a 16-byte line
+            assert rows[n].gather_bytes // 4 <= rows[n].secondary_bytes <= rows[n].gather_bytes // 4 + 16 * 2, n
+        assert plan.engine_bytes()["secondary"] == sum(u.secondary_bytes for u in plan.units) > 0
+        assert plan.engine_total == off.engine_total + plan.secondary
+        assert plan.placement()["secondary"] == "device" and "secondary" not in off.engine_bytes()
+        assert all(u.secondary_bytes == round16(u.secondary_bytes) for u in plan.units)
+        said = "secondary shard: backward gathers within groups of 4 ranks for " + ", ".join(layers) + ";"
+        assert said in plan.format()
+        assert memory_plan(meta, world_size=8, secondary_shard=1, **opts).engine_bytes() == off.engine_bytes()
