@@ -12,6 +12,8 @@ name both options. Each world is spawned once (see ``_world4`` / ``_world8``).
 """
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -71,13 +73,19 @@ def _train(rank, world, opts, *, tie=False, ckpt=False, accum=1, steps=STEPS, la
                 counted={k: v for k, v in model.schedule.counted.items() if k[0] != "reduce"})
 
 
-def _reload(rank, world, opts):
-    """forward + backward, then a load of other weights between steps, then forward + backward: the
-    second backward must not gather the pieces kept before the load."""
+def _reload(rank, world, opts, path):
+    """forward + backward, then other weights loaded (the state-dict load; the streamed HF load, which
+    reads into the shards in place without bumping a version), each followed by forward + backward:
+    no backward may gather the pieces kept before a load."""
+    from yafsdp.hf import load_hf_weights
+
     model = yafsdp.YaFSDP(tiny_llama(), **opts)
     other = {k: v * 0.5 for k, v in model.full_state_dict().items()}
     loss_of(model, "llama", batch("llama", 0, 0, rank)).backward()
     model.load_full_state_dict(other)
+    model.zero_grad()
+    loss_of(model, "llama", batch("llama", 2, 0, rank)).backward()
+    load_hf_weights(model, path)
     model.zero_grad()
     loss = loss_of(model, "llama", batch("llama", 1, 0, rank))
     loss.backward()
@@ -96,7 +104,11 @@ def _world4(rank, world):
     out = {}
     for name, (opts, kw) in W4.items():
         out[name] = [_train(rank, world, dict(opts, secondary_shard=s), **kw) for s in (0, 2)]
-    out["reload"] = [_reload(rank, world, dict(secondary_shard=s)) for s in (0, 2)]
+    with tempfile.TemporaryDirectory() as path:  # each rank its own copy of other weights in HF's format
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in tiny_llama(seed=1).state_dict().items()}, f"{path}/model.safetensors")
+        out["reload"] = [_reload(rank, world, dict(secondary_shard=s), path) for s in (0, 2)]
     refused = {}
     for size in (3, 4):  # not a divisor of 4; all of it
         try:
