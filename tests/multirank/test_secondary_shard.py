@@ -5,10 +5,10 @@ An all-gather moves bytes, so the weights every step computes with are those of 
 bit for bit: each case is trained with the option on and off and the losses, grad norms and final
 weights are asserted identical, and the plain cases are also held to fp32 parity with one process
 training the unwrapped model on the global batch. World 4 with groups of 2 (accumulation, a tied head
-with activation checkpointing, int8 gathers in bf16 with offload, a load between forward and backward);
-world 8 with groups of 2 and 4, and HSDP (2 replicas x 4 ranks, groups of 2). The collectives are
-counted by the size of the group they ran on; the memory plan equals the allocations; the refusals
-name both options. Each world is spawned once (see ``_world4`` / ``_world8``).
+with activation checkpointing, int8 gathers in bf16 with offload, an NF4 frozen base with offload="all",
+loads between steps); world 8 with groups of 2 and 4, and HSDP (2 replicas x 4 ranks, groups of 2). The
+collectives are counted by the size of the group they ran on; the memory plan equals the allocations;
+the refusals name both options. Each world is spawned once (see ``_world4`` / ``_world8``).
 """
 from __future__ import annotations
 
@@ -28,7 +28,15 @@ from yafsdp.plan import memory_plan
 STEPS = 2
 
 
-def _train(rank, world, opts, *, tie=False, ckpt=False, accum=1, steps=STEPS, layers=3, count=False):
+def _llama(tie=False, ckpt=False, layers=3, freeze=()):
+    model = tiny_llama(tie=tie, checkpointing=ckpt, layers=layers)
+    for name, p in model.named_parameters():
+        if any(f in name for f in freeze):
+            p.requires_grad_(False)
+    return model
+
+
+def _train(rank, world, opts, *, tie=False, ckpt=False, accum=1, steps=STEPS, layers=3, count=False, freeze=()):
     """Train ``steps`` steps; returns the losses, grad norms, final weights, the plans and allocations,
     and (``count``) per step the number of all-gathers on each group size."""
     import yafsdp.comm.gloo as gloo
@@ -40,7 +48,7 @@ def _train(rank, world, opts, *, tie=False, ckpt=False, accum=1, steps=STEPS, la
         sizes.append(dist.get_world_size(group))
         return real(out, shard, group, *a, **kw)
 
-    model = yafsdp.YaFSDP(tiny_llama(tie=tie, checkpointing=ckpt, layers=layers), **opts)
+    model = yafsdp.YaFSDP(_llama(tie, ckpt, layers, freeze), **opts)
     opt = make_optimizer(model.parameters())
     losses, norms, per_step = [], [], []
     gloo.all_gather = counting
@@ -62,7 +70,7 @@ def _train(rank, world, opts, *, tie=False, ckpt=False, accum=1, steps=STEPS, la
     finally:
         gloo.all_gather = real
     with torch.device("meta"):
-        meta = tiny_llama(tie=tie, checkpointing=ckpt, layers=layers)
+        meta = _llama(tie, ckpt, layers, freeze)
     meta_opts = {k: v for k, v in opts.items() if k not in ("mesh", "process_group")}
     plans = (memory_plan(meta, world_size=model.world_size, rank=model.rank, **meta_opts), model.memory_plan())
     kept = {u.name: sum(round16(p.numel() * p.element_size()) for p in u.secondary.pieces) if u.secondary else 0
@@ -97,6 +105,9 @@ W4 = {
     "plain_accum2": (dict(), dict(accum=2, count=True)),
     "tied_ckpt": (dict(), dict(tie=True, ckpt=True)),
     "int8_bf16_offload": (dict(gather_dtype="int8", param_dtype=torch.bfloat16, offload="optimizer"), dict()),
+    # a QLoRA-like base: frozen q/k/mlp stored and gathered as NF4 records, the frozen shards on the host
+    "nf4_frozen_offload_all": (dict(quantize_frozen="nf4", param_dtype=torch.bfloat16, offload="all"),
+                               dict(freeze=("q_proj", "k_proj", "mlp"))),
 }
 
 
