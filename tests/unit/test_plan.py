@@ -42,6 +42,14 @@ CASES = [
      dict(param_dtype=torch.bfloat16, quantize_frozen="nf4", gather_dtype="int8")),
 ]
 
+# secondary_shard (engine/secondary.py): only where the shard group has a divisor below its size (world 4)
+SECONDARY_CASES = [
+    ("llama_outsized_int8_bf16_secondary", dict(kind="llama", vocab=1031, layers=4),
+     dict(param_dtype=torch.bfloat16, gather_dtype="int8", secondary_shard=2)),
+    ("llama_nf4_bf16_secondary", dict(kind="llama", freeze=True, vocab=257),
+     dict(param_dtype=torch.bfloat16, quantize_frozen="nf4", secondary_shard=2)),
+]
+
 
 def _build(kind, freeze=False, **kw):
     if kind == "llama":
@@ -55,7 +63,7 @@ def _build(kind, freeze=False, **kw):
 
 def _compare(rank, world):
     out = {}
-    for name, build_kw, opts in CASES:
+    for name, build_kw, opts in CASES + (SECONDARY_CASES if world == 4 else []):
         with torch.device("meta"):
             meta = _build(**build_kw)
         plan = memory_plan(meta, world_size=world, rank=rank, **opts)
@@ -78,6 +86,7 @@ def _check(name, rank, res):
         if fmt in name:
             assert any(k.endswith("_staging") and k.startswith("weight") for k in allocated), allocated
     assert own_plan == allocated, (name, rank)
+    assert ("secondary" in allocated) == ("secondary" in name), (name, allocated)
     if "outsized" in name:  # See [Note: chunked outsized gradients]: no grad buffer of their own unless asked
         assert ("grad_outsized" in allocated) == name.endswith("_own") and "weight_outsized" in allocated, allocated
     if "accum" in name:  # the landing is as large as its grad buffer, the accumulator one fp32 shard
