@@ -661,6 +661,9 @@ def test_qlora_offload_8b_fake_pg_confirms_the_plan():
     (["--world-size", "0"], "--world-size 0: give the number of ranks"),
     (["--world-size", "4", "--rank", "4"], "--rank 4 is not a rank of the 4 ranks"),
     (["--batch", "0"], "--batch 0: give a positive number"),
+    (["--world-size", "16", "--hsdp", "2", "--secondary-shard", "3"],
+     "secondary_shard=3 does not divide the shard group's 8 ranks"),
+    (["--zero-stage", "2", "--secondary-shard", "2"], "secondary_shard=2 with zero_stage=2 is refused"),
 ])
 def test_plan_cli_refuses_with_usage_not_a_traceback(argv, says, capsys):
     """A refused combination of options (yafsdp.layout.config.build_config's own refusals among them) is the
