@@ -15,7 +15,8 @@ import yafsdp
 from dist_utils import hsdp_groups, run_ranks
 from models import batch, loss_of, tiny_llama
 from yafsdp import formats
-from yafsdp.comm.quant_reduce import (QuantAllReduce, QuantReduce, _consecutive_subgroups, _decode, _padded,
+from yafsdp.comm.subgroups import consecutive_subgroups, strided_subgroups
+from yafsdp.comm.quant_reduce import (QuantAllReduce, QuantReduce, _decode, _padded,
                                       _record, all_reduce_room_bytes, error_bound, reduce_room_bytes)
 
 WORLD, NODE = 4, 2
@@ -47,7 +48,8 @@ CASES = ("random", "cancel", "cancel_signal", "outlier", "zeros", "one_value")
 
 def _reduce(rank, world):
     """Every case through QuantReduce (both formats) and QuantAllReduce (over the world as 4 replicas)."""
-    node_group, cross_group = _consecutive_subgroups(dist.group.WORLD, NODE)
+    node_group = consecutive_subgroups(dist.group.WORLD, NODE)
+    cross_group = strided_subgroups(dist.group.WORLD, NODE)
     out = {}
     for name in CODECS:
         codec = formats.get(name)

@@ -492,3 +492,60 @@ def test_span_labels_only_for_a_listener(monkeypatch):
         torch.ones(2).add_(1)
     assert opened == ["yafsdp.reduce u1", "yafsdp.gather u2"]
     assert any(e.name == "yafsdp.gather u2" for e in prof.events())
+
+
+# ---------------------------------------------------------------------------------- the secondary shard
+def _secondary_case(rank, world, fault):
+    """World 4 in groups of 2 (``secondary_shard=2``, [Note: the secondary shard] in engine/secondary.py)
+    under the checker: int8 records kept behind each forward gather and gathered within the pair for
+    backward and for the checkpoint recomputes, bf16, FusedAdamW, accumulation 2. ``fault``: the piece
+    copied on the compute stream, which does not wait for the gather's ``ready``."""
+    from yafsdp.engine.secondary import SecondaryShard
+
+    kind, module, _ = _build(dict(ckpt=True))
+    with StreamChecker() as chk:
+        model = yafsdp.YaFSDP(module, param_dtype=torch.bfloat16, gather_dtype="int8", secondary_shard=2)
+        if fault:
+            streams = model.schedule.streams
+
+            def keeper(self, piece, gathered, then=None):
+                compute = streams.current_stream()  # the host issues the gather from the compute side
+                n = piece.numel()
+                part = gathered[self.index * n:(self.index + 1) * n]
+
+                def keep():
+                    with streams.use(compute):
+                        piece.copy_(part)
+                    if then is not None:
+                        then()
+
+                return keep
+
+            SecondaryShard.keeper = keeper
+        opt = _optimizer("fused_adamw", model.parameters())
+        chk.watch(model)
+        with chk.recording():
+            for step in range(2):
+                for micro in range(2):
+                    (loss_of(model, kind, batch(kind, step, micro, rank)) / 2).backward()
+                model.clip_grad_norm_(1.0)
+                opt.step()
+                opt.zero_grad()
+    kernels = [entry for entry in chk.log if entry[0] == "kernel"]
+    on_secondary = {(e[1], e[3].split("#")[0]) for e in kernels if any(n == "secondary" for n, *_ in e[4] + e[5])}
+    return [str(r) for r in chk.races], sorted(on_secondary), dict(model.schedule.counted)
+
+
+def _secondary_cases(rank, world):
+    return [_secondary_case(rank, world, False), _secondary_case(rank, world, True)]  # the fault last: it patches
+
+
+def test_secondary_shard_is_race_free_and_a_piece_kept_off_the_comm_stream_is_reported():
+    for rank, (clean, faulty) in enumerate(run_ranks(_secondary_cases, 4)):
+        races, on_secondary, counted = clean
+        assert not races, f"rank {rank}:\n" + "\n".join(races[:5])
+        # the store is written behind the whole-group gathers and read by the pair's, on the comm stream only
+        assert on_secondary and {s for s, _ in on_secondary} == {"comm"}, on_secondary
+        assert any(kind == "secondary_gather" for kind, _ in counted), counted
+        # the copy reads the gathered records before the comm stream's gather is known to have written them
+        assert any(r.startswith("race on 'weight") for r in faulty[0]), faulty[0][:5]

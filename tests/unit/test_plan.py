@@ -42,6 +42,14 @@ CASES = [
      dict(param_dtype=torch.bfloat16, quantize_frozen="nf4", gather_dtype="int8")),
 ]
 
+# secondary_shard (engine/secondary.py): only where the shard group has a divisor below its size (world 4)
+SECONDARY_CASES = [
+    ("llama_outsized_int8_bf16_secondary", dict(kind="llama", vocab=1031, layers=4),
+     dict(param_dtype=torch.bfloat16, gather_dtype="int8", secondary_shard=2)),
+    ("llama_nf4_bf16_secondary", dict(kind="llama", freeze=True, vocab=257),
+     dict(param_dtype=torch.bfloat16, quantize_frozen="nf4", secondary_shard=2)),
+]
+
 
 def _build(kind, freeze=False, **kw):
     if kind == "llama":
@@ -55,7 +63,7 @@ def _build(kind, freeze=False, **kw):
 
 def _compare(rank, world):
     out = {}
-    for name, build_kw, opts in CASES:
+    for name, build_kw, opts in CASES + (SECONDARY_CASES if world == 4 else []):
         with torch.device("meta"):
             meta = _build(**build_kw)
         plan = memory_plan(meta, world_size=world, rank=rank, **opts)
@@ -78,6 +86,7 @@ def _check(name, rank, res):
         if fmt in name:
             assert any(k.endswith("_staging") and k.startswith("weight") for k in allocated), allocated
     assert own_plan == allocated, (name, rank)
+    assert ("secondary" in allocated) == ("secondary" in name), (name, allocated)
     if "outsized" in name:  # See [Note: chunked outsized gradients]: no grad buffer of their own unless asked
         assert ("grad_outsized" in allocated) == name.endswith("_own") and "weight_outsized" in allocated, allocated
     if "accum" in name:  # the landing is as large as its grad buffer, the accumulator one fp32 shard
@@ -652,6 +661,9 @@ def test_qlora_offload_8b_fake_pg_confirms_the_plan():
     (["--world-size", "0"], "--world-size 0: give the number of ranks"),
     (["--world-size", "4", "--rank", "4"], "--rank 4 is not a rank of the 4 ranks"),
     (["--batch", "0"], "--batch 0: give a positive number"),
+    (["--world-size", "16", "--hsdp", "2", "--secondary-shard", "3"],
+     "secondary_shard=3 does not divide the shard group's 8 ranks"),
+    (["--zero-stage", "2", "--secondary-shard", "2"], "secondary_shard=2 with zero_stage=2 is refused"),
 ])
 def test_plan_cli_refuses_with_usage_not_a_traceback(argv, says, capsys):
     """A refused combination of options (yafsdp.layout.config.build_config's own refusals among them) is the
@@ -708,3 +720,31 @@ def test_grad_buffer_reduces_into_its_own_slice():
     gb = GradBuffer("grad0", 64, 16, torch.float32, torch.device("cpu"), sched)
     gb.reduce("u", 40, 10, lambda r: None)
     assert sched.calls[0][0].data_ptr() == gb.staging.data_ptr()
+
+
+def test_plan_of_the_secondary_shard():
+    """``secondary_shard=N`` ([Note: the secondary shard] in engine/secondary.py): the layers, which
+    alternate over the pair, keep 1/N of their gathered bytes; the weight-free embedding and the head
+    that shares the outsized buffer only with it (never evicted before its backward) keep none; the
+    store is one role, the sum of the rows, on the device; off (0 or 1) it is absent. The allocation
+    itself is compared in tests/multirank/test_secondary_shard.py (it needs a group to split)."""
+    from yafsdp.layout.sizing import round16
+
+    with torch.device("meta"):
+        meta = _build(kind="llama", vocab=1031, layers=4)
+    for opts in (dict(), dict(param_dtype=torch.bfloat16, gather_dtype="int8")):
+        off = memory_plan(meta, world_size=8, **opts)
+        plan = memory_plan(meta, world_size=8, secondary_shard=4, **opts)
+        rows = {u.name: u for u in plan.units}
+        assert [rows[n].outsized for n in ("model.embed_tokens", "lm_head")] == [True, True]
+        layers = [n for n in rows if n.startswith("model.layers.")]
+        assert rows["model.embed_tokens"].secondary_bytes == rows["lm_head"].secondary_bytes == 0
+        for n in layers:  # 1/4 of what the gather brings (records for int8), each group on a 16-byte line
+            assert rows[n].gather_bytes // 4 <= rows[n].secondary_bytes <= rows[n].gather_bytes // 4 + 16 * 2, n
+        assert plan.engine_bytes()["secondary"] == sum(u.secondary_bytes for u in plan.units) > 0
+        assert plan.engine_total == off.engine_total + plan.secondary
+        assert plan.placement()["secondary"] == "device" and "secondary" not in off.engine_bytes()
+        assert all(u.secondary_bytes == round16(u.secondary_bytes) for u in plan.units)
+        said = "secondary shard: backward gathers within groups of 4 ranks for " + ", ".join(layers) + ";"
+        assert said in plan.format()
+        assert memory_plan(meta, world_size=8, secondary_shard=1, **opts).engine_bytes() == off.engine_bytes()

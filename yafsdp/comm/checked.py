@@ -31,9 +31,10 @@ class CheckedSchedule:
     def __getattr__(self, name):
         return getattr(self.__dict__["inner"], name)
 
-    def gather(self, sync, out, shard, unit, expand=None, stage=None):
-        check_collective(f"gather of unit {unit!r}", self.group)
-        self.inner.gather(sync, out, shard, unit, expand, stage)
+    def gather(self, sync, out, shard, unit, expand=None, stage=None, group=None):
+        # a secondary gather is checked over the whole shard group too: every rank issues it in the same order
+        check_collective(f"{'gather' if group is None else 'secondary gather'} of unit {unit!r}", self.group)
+        self.inner.gather(sync, out, shard, unit, expand, stage, group)
 
     def reduce(self, sync, out, full, unit, then, pieces=False, collective=None):
         what = "quantized reduce" if collective is not None else "all-to-all" if pieces else "reduce-scatter"

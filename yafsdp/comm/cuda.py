@@ -119,7 +119,7 @@ class StreamSchedule(Schedule):
             return contextlib.nullcontext()
         return _StreamTiming(rec, kind, unit, self.comm)
 
-    def gather(self, sync, out, shard, unit, expand=None, stage=None):
+    def gather(self, sync, out, shard, unit, expand=None, stage=None, group=None):
         with span("gather", unit), self.streams.use(self.comm):
             self.comm.wait_event(sync.released)
             self.comm.wait_event(self.copies_ready)
@@ -127,11 +127,12 @@ class StreamSchedule(Schedule):
                 stage.copy_(shard, non_blocking=True)
                 shard = stage
             with self._timed("gather", unit):
-                all_gather(out, shard, self.group, async_op=False)  # on the comm stream (torch >= 2.8)
-            if expand is not None:  # See [Note: expanding a compact gather]
+                # on the comm stream (torch >= 2.8); `group`: a secondary shard's subgroup
+                all_gather(out, shard, self.group if group is None else group, async_op=False)
+            if expand is not None:  # See [Note: expanding a compact gather]; a secondary shard is kept here too
                 with span("expand", unit):
                     expand()
-            self._count("gather", unit, out)
+            self._count("gather" if group is None else "secondary_gather", unit, out)
             sync.ready.record(self.comm)
 
     def wait_gathered(self, sync):

@@ -28,7 +28,7 @@ class HandleSchedule(Schedule):
     def grad_sync(self) -> _GradSync:
         return _GradSync()
 
-    def gather(self, sync, out, shard, unit, expand=None, stage=None):
+    def gather(self, sync, out, shard, unit, expand=None, stage=None, group=None):
         self.wait_gathered(sync)  # a previous gather into this buffer must land (and expand) first
         if stage is not None:  # its input was this buffer's landing too: [Note: the frozen landing]
             stage.copy_(shard)
@@ -36,10 +36,10 @@ class HandleSchedule(Schedule):
         rec = self.recorder
         with span("gather", unit):
             t = rec.now() if rec else None  # before the issuing call, which may itself move data
-            sync.work = all_gather(out, shard, self.group, async_op=True, local=True)
+            sync.work = all_gather(out, shard, self.group if group is None else group, async_op=True, local=True)
             sync.unit = unit
             sync.expand = expand
-            self._count("gather", unit, out)
+            self._count("gather" if group is None else "secondary_gather", unit, out)
             if rec:
                 rec.comm("gather", unit, sync.work, issued=t)
 

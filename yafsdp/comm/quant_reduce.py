@@ -314,29 +314,3 @@ def error_bound(codec, partials: torch.Tensor, own: int | None, contributions: t
     if requantized is not None:
         bound = bound + half_step(codec, requantized) + 4 * e * requantized.double().abs()
     return bound
-
-
-# ---------------------------------------------------------------------------- groups
-def _consecutive_subgroups(group, size: int):
-    """Collective over the world: ``(node group, cross group)`` of this rank, where the shard group
-    ``group`` (every replica's, with HSDP) is cut into runs of ``size`` consecutive ranks (a node) and
-    the cross group joins the ranks with the same index in every run. A group of one rank is None.
-    Every rank creates every such group, in one order, as ``dist.new_group`` requires."""
-    from .groups import gather_object
-
-    world = dist.get_world_size(group)
-    mine = tuple(dist.get_global_rank(group, r) if group is not dist.group.WORLD else r for r in range(world))
-    every = sorted(set(gather_object(mine)))  # every shard group (HSDP: one per replica), by its ranks
-    node_group = cross_group = None
-    for ranks in every:
-        if size > 1:
-            for k in range(0, world, size):
-                g = dist.new_group(list(ranks[k:k + size]))
-                if ranks == mine and k <= mine.index(dist.get_rank()) < k + size:
-                    node_group = g
-        if size < world:
-            for l in range(size):
-                g = dist.new_group(list(ranks[l::size]))
-                if ranks == mine and mine.index(dist.get_rank()) % size == l:
-                    cross_group = g
-    return node_group, cross_group

@@ -203,12 +203,14 @@ class Schedule:
         """The compute copies (all-gather inputs) were just written on the compute side."""
 
     def gather(self, sync: _WeightSync, out: torch.Tensor, shard: torch.Tensor, unit: str,
-               expand: Callable[[], None] | None = None, stage: torch.Tensor | None = None) -> None:
+               expand: Callable[[], None] | None = None, stage: torch.Tensor | None = None, group=None) -> None:
         """Issue the all-gather of ``shard`` into ``out`` (a weight buffer's storage or staging
         area); ``expand()``, when given, runs after it has landed and before the buffer counts as
-        gathered (see [Note: expanding a compact gather]). ``stage`` (offload="all"): a device
-        tensor the host ``shard`` is first copied into, the collective's input then (see
-        [Note: the frozen landing] in layout/sizing.py)."""
+        gathered (see [Note: expanding a compact gather]; also where a secondary shard is kept).
+        ``stage`` (offload="all"): a device tensor the host ``shard`` is first copied into, the
+        collective's input then (see [Note: the frozen landing] in layout/sizing.py). ``group``: a
+        subgroup of the shard group to gather over instead of the whole (``shard`` is then a secondary
+        shard's piece, counted as kind "secondary_gather": [Note: the secondary shard] in engine/secondary.py)."""
         raise NotImplementedError
 
     def wait_gathered(self, sync: _WeightSync) -> None:

@@ -40,8 +40,9 @@ from . import shards
 from ..comm.collectives import reduces_in_place
 from .buffers import GradBuffer, ShardAlias, WeightBuffer
 from ..layout.flat import alias
-from ..layout.sizing import landing_layout, plan_buffers, quant_plan
+from ..layout.sizing import landing_layout, plan_buffers, plan_secondary, quant_plan, round16, secondary_pieces
 from . import grad_quant
+from .secondary import SecondaryShard
 from .unit import FlatGroup
 
 __all__ = ["allocate", "Storage", "STORAGE_FIELDS"]
@@ -58,6 +59,7 @@ class Storage:
     compute_host: torch.Tensor | None = None  # offload: the host side of the compute copy
     grad_landing: torch.Tensor | None = None  # offload: reduce_dtype host landing of the reduced shards
     gather_store: torch.Tensor | None = None  # 1-D uint8 records of the gather format (fp8, int8)
+    secondary: torch.Tensor | None = None  # 1-D uint8: the units' secondary shards (engine/secondary.py)
     gather_host: torch.Tensor | None = None  # offload: the host side of the records
     frozen_store: torch.Tensor | None = None  # 1-D param_dtype frozen shards
     nf4_store: torch.Tensor | None = None  # 1-D uint8 NF4 records
@@ -208,6 +210,21 @@ def allocate(self, outsized_ratio: float) -> "Storage":
     for u, width in zip(self.all, plan.grad_chunk):  # See [Note: chunked outsized gradients] in layout/sizing.py
         u.grad_chunk = width
         u.chunk_buffers = [st.grad_buffers[i] for i in plan.chunk_slots] if width else []
+    # 1-D uint8, on the device: every unit's secondary shard end to end (empty when secondary_shard is
+    # off). See [Note: the secondary shard] in secondary.py.
+    size = self.secondary_size
+    at = plan_secondary([u.shape for u in self.units], plan.weight_of[:len(self.units)],
+                        [u.weight_free_bw for u in self.units], self.compute_dtype, size)
+    st.secondary = torch.zeros(at[-1], dtype=torch.uint8, device=dev)
+    for u, a in zip(self.units, at):
+        if a < 0:
+            continue
+        pieces = []
+        for g, n in zip(u.groups, secondary_pieces(u.shape, self.compute_dtype, size)):
+            raw = st.secondary[a:a + n]
+            pieces.append(raw if g.kind.format.compact else raw.view(self.compute_dtype))
+            a += round16(n)
+        u.secondary = SecondaryShard(pieces, self.secondary_group, dist.get_rank(self.secondary_group), size)
     for u in self.all:
         u.landing_at = landing_layout(u.shape, self.compute_dtype)[0]
         if isinstance(u.buffer, ShardAlias):  # at world 1 a group's shard is all of it (shard_start 0)

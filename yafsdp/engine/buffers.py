@@ -71,18 +71,25 @@ class WeightBuffer:
         if self.deferred is not None and self.deferred is not unit:
             self.deferred = None
         self.owner, self.owner_version = unit, unit.version
-        for g in unit.groups:
+        sec = unit.secondary  # See [Note: the secondary shard] in secondary.py
+        within = sec is not None and sec.holds(unit)
+        for i, g in enumerate(unit.groups):
             out = self.data[g.buffer_offset:g.buffer_offset + g.layout.padded_numel]
-            stage = self._landing(unit, g)
-            kw = {} if stage is None else {"stage": stage}
             if not g.kind.format.compact:
-                self.schedule.gather(self.sync, out, g.compute, unit.name, **kw)
-                self.schedule.gathered[g.kind.name] += out.numel() * out.element_size()
+                target, then = out, None
             else:  # the records into the staging area, then the expand: [Note: expanding a compact gather]
-                staging = self.staging[g.staging_offset:g.staging_offset + g.staging_bytes]
-                self.schedule.gather(self.sync, staging, g.compute, unit.name, functools.partial(g.expand, out, staging),
-                                     **kw)
-                self.schedule.gathered[g.kind.name] += g.staging_bytes
+                target = self.staging[g.staging_offset:g.staging_offset + g.staging_bytes]
+                then = functools.partial(g.expand, out, target)
+            if within:  # the pieces kept after the forward's gather, within the subgroup
+                self.schedule.gather(self.sync, target, sec.pieces[i], unit.name, then, group=sec.group)
+            else:
+                stage = self._landing(unit, g)
+                kw = {} if stage is None else {"stage": stage}
+                keep = then if sec is None else sec.keeper(sec.pieces[i], target, then)
+                self.schedule.gather(self.sync, target, g.compute, unit.name, keep, **kw)
+            self.schedule.gathered[g.kind.name] += target.numel() * target.element_size()
+        if sec is not None and not within:
+            sec.version = unit.version
 
     def _landing(self, unit, g) -> torch.Tensor | None:
         """Where a host shard of ``g`` goes on the device before its gather (offload="all"), or None."""

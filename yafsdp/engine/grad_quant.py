@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..comm.quant_reduce import QuantAllReduce, QuantReduce, _consecutive_subgroups
+from ..comm.quant_reduce import QuantAllReduce, QuantReduce
+from ..comm.subgroups import consecutive_subgroups, strided_subgroups
 from ..layout.sizing import QuantPlan
 
 __all__ = ["connect"]
@@ -20,7 +21,8 @@ def connect(rt, grad_buffers: list, plan: QuantPlan | None) -> None:
         return
     regular = [gb for gb in grad_buffers if gb.name != "replica"]
     if plan.nodes > 1:
-        node_group, cross_group = _consecutive_subgroups(rt.group, plan.node)
+        node_group = consecutive_subgroups(rt.group, plan.node, what="grad_quant_node") if plan.node > 1 else None
+        cross_group = strided_subgroups(rt.group, plan.node, what="grad_quant_node")
         qr = QuantReduce(plan.codec, rt.world_size, dist.get_rank(rt.group), plan.node, node_group, cross_group,
                          in_place=not plan.staged)
         for gb in regular:

@@ -48,7 +48,8 @@ from .replicas import NoReplicas, make_replicas
 from .shard_hooks import fire as fire_shard_hooks
 from ..layout.config import EngineConfig
 from .grad_path import GradPath
-from ..layout.sizing import unit_align, unit_shape
+from ..layout.sizing import check_secondary, unit_align, unit_shape
+from ..comm.subgroups import consecutive_subgroups
 from ..tools.trace import span
 from .unit import FlatGroup, Phase, StoredShard, Unit, current_task, frozen_kind, in_backward, stored_kind, trainable_kind
 from ..layout.units import UnitSpec, weight_free_backward
@@ -156,6 +157,11 @@ class Runtime:
         # (weak reference, requires_grad, name) of every original parameter: changing requires_grad
         # after wrapping would have no effect, so it is refused (see check_frozen).
         self.originals: list[tuple[weakref.ref, bool, str]] = []
+        # secondary_shard: the subgroup size (0: off) and this rank's subgroup of the shard group, made
+        # once here (collective over the world). See [Note: the secondary shard] in secondary.py.
+        self.secondary_size = check_secondary(config.secondary_shard, world_size)
+        self.secondary_group = (consecutive_subgroups(group, self.secondary_size, what="secondary_shard")
+                                if self.secondary_size else None)
         self.storage = allocate(self, outsized_ratio)  # every tensor the engine owns (alloc.Storage)
         # HSDP: the grad shards' all-reduce across replicas (see [Note: the cross-replica all-reduce]);
         # a flat engine's does nothing (NoReplicas).
@@ -171,6 +177,7 @@ class Runtime:
     compute_host = _stored("compute_host")
     grad_landing = _stored("grad_landing")
     gather_store = _stored("gather_store")
+    secondary = _stored("secondary")
     gather_host = _stored("gather_host")
     frozen_store = _stored("frozen_store")
     nf4_store = _stored("nf4_store")
@@ -222,6 +229,8 @@ class Runtime:
             out[self.gather_format.name] = self.gather_store
         if self.gather_host is not None:  # offload: its host side
             out[self.gather_format.name + "_host"] = self.gather_host
+        if self.secondary.numel():  # See [Note: the secondary shard] in secondary.py
+            out["secondary"] = self.secondary
         for s in self.weight_buffers:
             out[s.name] = s.data
             if s.staging.numel():
@@ -257,6 +266,9 @@ class Runtime:
         wait for the compute side's writes."""
         for s in (*self.weight_buffers, *self.alias_buffers):
             s.invalidate()
+        for u in self.units:  # a load need not bump a version: [Note: the secondary shard] in secondary.py
+            if u.secondary is not None:
+                u.secondary.forget()
         # Every compute copy is rewritten from its master at the next step entry, whether or not the
         # loader's writes bumped the shards' version counters (a compact group's record is derived
         # from the master and never stored: [Note: gather formats] in formats/base.py).

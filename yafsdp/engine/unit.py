@@ -186,6 +186,8 @@ class Unit:
         self.used: list[int] = []
         self.forward_versions: tuple | None = None  # its shards' versions at its last forward use
         self.landing_at = 0  # offload="all": byte offset of its NF4 record in its weight buffer's landing
+        # secondary_shard: its SecondaryShard (engine/secondary.py), or None when it keeps none
+        self.secondary = None
         self.fw_interval = None  # the recorder's open forward interval (yafsdp.trace), if recording
         self.bw_interval = None  # the recorder's open backward interval
         # param index -> the gated weight of this unit's latest grad-enabled use (a view of its buffer whose

@@ -23,6 +23,8 @@ options declared before its own (``checked``), so the field order puts ``reduce_
   ``grad_quant_node`` above 1 without ``grad_quant`` quantizes nothing. Whether ``grad_quant_node``
   divides the shard group's size is checked where the group is known (``YaFSDP``, the plan).
 - ``grad_chunks`` above 1 with ``offload``: an offloaded reduce goes through the host landing whole.
+- ``secondary_shard`` above 1 with ``zero_stage=2``: ZeRO-2 has no backward gather to narrow. (Its
+  size against the shard group's is checked where the group is known: the engine, the plan.)
 - Lifted: ``offload`` with a compact ``gather_dtype`` ("fp8", "int8": the optimizer's copy-out
   and the encode pass write the record into a host staging record, ``gather_host``, that is
   uploaded as the param_dtype staging copy is: placement.py),
@@ -175,6 +177,16 @@ def _grad_quant_node(name, v, checked):
     if v > 1 and checked["grad_quant"] is None:
         raise ValueError(f"{name}={v} without grad_quant quantizes nothing; pass grad_quant='int8' or 'fp8' too, or "
                          f"leave {name} at 1")
+
+
+def _secondary_shard(name, v, checked):  # See [Note: refused combinations]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"{name}={v!r} is not an int >= 0 (0: off; N: the backward gathers within groups of N "
+                         "consecutive ranks, the ranks of a node); docs/zeropp.md")
+    if v > 1 and checked["zero_stage"] == 2:
+        raise ValueError(f"{name}={v} with zero_stage=2 is refused: ZeRO-2 keeps every unit's gathered weights "
+                         "until backward, so there is no backward gather to narrow; use zero_stage=3 with "
+                         f"{name}={v}, or drop {name}")
     return v
 
 
@@ -247,6 +259,12 @@ class EngineConfig:
         True, "True: on gloo at world 2 (fp32, ZeRO-3, no offload, no HSDP) an untied outsized nn.Embedding is "
         "looked up from the shards instead of gathered, bit for bit the same values "
         "(docs/reduce.md#the-sharded-lookup-of-an-embedding); False: always gathered", _bool)
+    # See [Note: the secondary shard] in engine/secondary.py
+    secondary_shard: int = option(
+        0, "N > 1: after a unit's forward gather each rank keeps 1/N of it, so the backward (and recompute) "
+        "gathers run within groups of N consecutive ranks of the shard group (a node: ZeRO++'s hpZ; "
+        "docs/zeropp.md); a divisor of the shard group's size below it; refused with zero_stage=2; 0 or 1: off",
+        _secondary_shard)
 
     @property
     def mixed_precision(self) -> "MixedPrecision":

@@ -439,3 +439,57 @@ def as_dtype(dt) -> torch.dtype | None:
     if dt is None or isinstance(dt, torch.dtype):
         return dt
     return _DTYPES[str(dt).lower()]
+
+
+# ---------------------------------------------------------------------------- the secondary shard
+# See [Note: the secondary shard] in engine/secondary.py.
+def check_secondary(size: int, world: int) -> int:
+    """``secondary_shard`` against the shard group's ``world`` ranks: the subgroup size in use (0:
+    off). Refuses a size that does not divide the group or spans all of it, naming both."""
+    if size <= 1:
+        return 0
+    if world % size or size == world:
+        what = "does not divide" if world % size else "is all of"
+        divisors = [d for d in range(2, world) if world % d == 0]
+        raise ValueError(
+            f"yafsdp: secondary_shard={size} {what} the shard group's {world} ranks; the backward gathers run within "
+            f"groups of secondary_shard consecutive ranks, so it must be a divisor of {world} below it "
+            f"({', '.join(map(str, divisors)) or 'none at this size'}), or 0 (off)")
+    return size
+
+
+def secondary_pieces(shape: UnitShape, compute_dtype: torch.dtype, size: int) -> list[int]:
+    """Bytes of this rank's 1/``size`` of each of a unit's gathered groups, in group order: the
+    param_dtype values of a group gathered in param_dtype, the records of a compact one (fp8, int8,
+    NF4: the staging area's bytes)."""
+    out = []
+    for lay in shape.groups:
+        if lay is shape.trainable and shape.gather_record:
+            whole = shape.gather_staging
+        elif lay is shape.nf4:
+            whole = lay.world_size * shape.nf4_record
+        else:
+            whole = lay.padded_numel * itemsize(compute_dtype)
+        assert whole % size == 0, (whole, size)
+        out.append(whole // size)
+    return out
+
+
+def plan_secondary(layouts: list[UnitShape], weight_of: list[int], weight_free: list[bool],
+                   compute_dtype: torch.dtype, size: int) -> list[int]:
+    """Per unit (the small group excluded): the byte offset of its secondary shard in the one
+    secondary store, or -1 when it keeps none; the store's size last. A unit keeps one when its
+    backward reads its weights and its weight buffer is shared with another such unit (only then can
+    its gathered weights be gone by its backward); each of its groups' pieces starts on a 16-byte line."""
+    if size <= 1:
+        return [-1] * len(layouts) + [0]
+    needs = [i for i, lay in enumerate(layouts) if weight_of[i] >= 0 and not weight_free[i]]
+    sharers = {}
+    for i in needs:
+        sharers.setdefault(weight_of[i], []).append(i)
+    at, off = [-1] * len(layouts), 0
+    for i in needs:
+        if len(sharers[weight_of[i]]) >= 2:
+            at[i] = off
+            off += sum(round16(n) for n in secondary_pieces(layouts[i], compute_dtype, size))
+    return at + [off]

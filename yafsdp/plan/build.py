@@ -14,8 +14,8 @@ from ..engine.placement import placement_class
 from ..layout.units import discover, weight_free_backward
 from .activations import activation_estimate
 from .staging import persistent_buffer_bytes, staging_bytes
-from ..layout.sizing import (OPTIMIZER_BYTES, as_dtype, dtype_name, itemsize, plan_buffers, quant_plan, unit_align,
-                             unit_shape)
+from ..layout.sizing import (OPTIMIZER_BYTES, as_dtype, check_secondary, dtype_name, itemsize, plan_buffers,
+                             plan_secondary, quant_plan, round16, secondary_pieces, unit_align, unit_shape)
 from .report import MemoryPlan, UnitRow
 
 
@@ -107,6 +107,7 @@ def memory_plan(
         gather_dtype = eng.gather_dtype
         module = eng.module
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
+        secondary_shard = eng.engine_config.secondary_shard
     else:
         if world_size is None:
             raise ValueError("yafsdp.plan.memory_plan: world_size= is required for a model that is not wrapped")
@@ -140,7 +141,16 @@ def memory_plan(
         )
         module = model
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
+        secondary_shard = cfg.secondary_shard
 
+    # See [Note: the secondary shard] in yafsdp/engine/secondary.py: the allocator's rule and sizes
+    try:
+        secondary_size = check_secondary(secondary_shard, world_size)
+    except ValueError as e:
+        raise ValueError(str(e).replace("yafsdp:", "yafsdp.plan.memory_plan:", 1)) from None
+    secondary_at = plan_secondary(layouts, slots.weight_of[:len(layouts)], weight_free, compute_dtype, secondary_size)
+    secondary_of = [sum(round16(n) for n in secondary_pieces(lay, compute_dtype, secondary_size)) if a >= 0 else 0
+                    for lay, a in zip(layouts, secondary_at)]
     all_layouts = layouts + ([small] if small is not None else [])
     shard = sum(lay.trainable_shard for lay in all_layouts)
     frozen_shard = sum(lay.frozen_shard for lay in all_layouts)
@@ -156,7 +166,7 @@ def memory_plan(
             names[i], lay.numel, lay.weight_numel, lay.trainable_shard + lay.frozen_shard + lay.nf4_shard,
             slots.weight[slots.weight_of[i]].name if slots.weight_of[i] >= 0 else "its shard (world 1)",
             _grad_slot_name(slots, i, lay), slots.outsized[i], weight_free[i],
-            _gather_bytes(lay, cbytes), lay.gather.name if lay.gather_record else None,
+            _gather_bytes(lay, cbytes), lay.gather.name if lay.gather_record else None, secondary_of[i],
         )
         for i, lay in enumerate(layouts)
     ]
@@ -177,6 +187,7 @@ def memory_plan(
                          + cbytes * sum(g.padded_numel for g in (lay.frozen, lay.nf4) if g is not None)
                          for lay in all_layouts), default=0),
         gather_host=record_bytes if place.optimizer_on_host else 0,
+        secondary_shard=secondary_size, secondary=secondary_at[-1],
     )
     if async_save:
         plan.checkpoint_staging = staging_bytes(

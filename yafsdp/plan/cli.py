@@ -136,6 +136,7 @@ def _check(a, ap: argparse.ArgumentParser) -> None:
     any model is built: the engine options go through ``build_config`` (the check ``YaFSDP`` makes,
     whose message names the value and what to pass instead), the sizes and the budget here."""
     from ..layout.config import build_config
+    from ..layout.sizing import check_secondary
     from .choose import parse_bytes
 
     if a.world_size < 1:
@@ -159,9 +160,13 @@ def _check(a, ap: argparse.ArgumentParser) -> None:
         except ValueError as e:
             ap.error(f"--budget: {e}")
     try:
-        build_config(who="options", **_engine_options(a))
+        cfg = build_config(who="options", **_engine_options(a))
     except (TypeError, ValueError) as e:  # a refused combination of options: the parser's error, not a traceback
         ap.error(str(e).removeprefix("options: "))
+    try:  # the secondary shard's groups against the shard group (one replica's ranks with --hsdp)
+        check_secondary(cfg.secondary_shard, a.world_size // a.hsdp)
+    except ValueError as e:
+        ap.error(str(e).removeprefix("yafsdp: "))
 
 
 def _choose(model, *, budget, checkpointing, **options) -> MemoryPlan:

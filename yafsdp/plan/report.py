@@ -25,6 +25,9 @@ class UnitRow:
     # names it
     gather_bytes: int = 0
     gather_dtype: str | None = None
+    # secondary_shard: bytes of its secondary shard on each rank (0: it keeps none, its backward gather,
+    # if any, spans the shard group). See [Note: the secondary shard] in yafsdp/engine/secondary.py.
+    secondary_bytes: int = 0
 
     @property
     def compact(self) -> bool:
@@ -75,6 +78,10 @@ class MemoryPlan:
     # host bytes the streaming HF loader adds at its peak (yafsdp.integrations.hf_stream.load_host_bytes)
     load_host: int = 0
     export_unit: int = 0  # bytes of the largest unit gathered whole (yafsdp.hf.export_hf streams units)
+    # secondary_shard=N (0: off): the size of the subgroups the backward gathers run in, and the bytes
+    # of the units' secondary shards (the role "secondary"; per unit: UnitRow.secondary_bytes)
+    secondary_shard: int = 0
+    secondary: int = 0
 
     # Bytes by role -----------------------------------------------------------------------
     def _slot_bytes(self, role: str, kind: str | None = None) -> int:
@@ -171,6 +178,8 @@ class MemoryPlan:
             out.update(compute_host=self.compute_host, grad_landing=self.grad_landing)
         if self._place.optimizer_on_host and self.gather_dtype is not None:  # as YaFSDP.allocated_bytes(), 0 included
             out[f"{self.gather_dtype}_host"] = self.gather_host
+        if self.secondary:
+            out["secondary"] = self.secondary
         for s in self.slots:
             if s.kind == "weight":
                 out[s.name] = s.capacity * itemsize(s.dtype)
@@ -207,6 +216,8 @@ class MemoryPlan:
                                                    and not self.weight_buffers else " (per unit, ZeRO-2)" if self.zero_stage == 2 else " (x2)")
              + (" + NF4 staging" if self.quantize_frozen else "")
              + (" + frozen landing" if self._place.host_frozen else ""), self.weight_buffers),
+            *([(f"secondary shards (1/{self.secondary_shard} of each unit re-gathered in backward)",
+                self.secondary)] if self.secondary_shard else []),
             ("grad buffers (x2, + staging)", self.grad_buffers),
             ("small group (weight + grad)", self.small_group),
             ("outsized-unit buffers", self.outsized_buffers),
@@ -263,6 +274,12 @@ class MemoryPlan:
         free = [u.name for u in self.units if u.weight_free_bw]
         if free and self.zero_stage == 3:
             lines.append(f"  not re-gathered for backward (weight-free backward): {', '.join(free)}")
+        if self.secondary_shard:
+            kept = [u.name for u in self.units if u.secondary_bytes]
+            named = ", ".join(kept) if len(kept) <= 4 else f"{len(kept)} units ({kept[0]} ... {kept[-1]})"
+            lines.append(f"  secondary shard: backward gathers within groups of {self.secondary_shard} ranks for "
+                         f"{named or 'no unit'}; the others keep none (weight-free backward, or alone in their "
+                         "weight buffer: not re-gathered)")
         w = max(len(r) for r, _ in self.rows())
         host_rows = set(self._host_rows())
         split = self._place.optimizer_on_host or self.checkpoint_staging  # rows on both sides: say where

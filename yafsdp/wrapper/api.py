@@ -80,6 +80,7 @@ class YaFSDP(nn.Module):
         chunk_outsized_grads: bool = True,
         grad_chunks: int = 1,
         sharded_lookup: bool = True,
+        secondary_shard: int = 0,
         quantize_frozen: str | None = None,
         offload: str | None = None,
         gather_dtype: str | None = None,
