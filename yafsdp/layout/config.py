@@ -177,6 +177,7 @@ def _grad_quant_node(name, v, checked):
     if v > 1 and checked["grad_quant"] is None:
         raise ValueError(f"{name}={v} without grad_quant quantizes nothing; pass grad_quant='int8' or 'fp8' too, or "
                          f"leave {name} at 1")
+    return v
 
 
 def _secondary_shard(name, v, checked):  # See [Note: refused combinations]
