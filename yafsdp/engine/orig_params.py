@@ -241,6 +241,10 @@ def _resolve_in_backward(args, kwargs):
             if unit is None or rt is None or not unit.buffer.holds(unit):
                 ok = False
                 return a
+            if a._yafsdp_info.tp is not None:  # a local tensor would stand for a DTensor: refused
+                from .tp import refuse_recompute
+
+                refuse_recompute(unit.name)
             gated = unit.last_gated.get(a._yafsdp_index) if a.requires_grad else None
             if gated is not None:  # a reentrant recompute backpropagates through what it reads: via the gate
                 return gated

@@ -1,0 +1,232 @@
+"""Tensor parallel inside the data-parallel shards (yafsdp/layout/dtensor.py, yafsdp/engine/tp.py).
+
+World 4 as a (dp 2, tp 2) DeviceMesh: torch's own TP (``parallelize_module`` with ColwiseParallel /
+RowwiseParallel, and SequenceParallel norms) applied to a tiny HF Llama on ``mesh["tp"]``, then
+``yafsdp.YaFSDP(model, mesh=mesh["dp"])``. Each case trains 3 AdamW steps with the engine's
+``clip_grad_norm_`` against two independent references on every rank: the same TP model without the
+engine (its DTensor gradients averaged over dp by all-reduce, torch's ``clip_grad_norm_`` over the DTensor
+grads), and one process training the unsharded model on the global batch. Losses, gradient norms and the
+full state dict (gathered over dp and TP) agree as tightly as the other fp32 parity tests. The world is
+spawned once and runs every case, then the refusals.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import yafsdp
+import yafsdp.checkpoint
+from dist_utils import run_ranks
+from models import tiny_llama
+from parity import LR, MAX_NORM, rel_l2, rel_seq
+
+STEPS = 3
+SEQ = 10  # sequence parallelism splits the sequence over TP: a multiple of the TP degree
+VOCAB = 67  # uneven over TP: the head's and the embedding's rows split 34 / 33
+
+CASES = {  # name -> sequence parallel, zero stage, backward calls per step
+    "sp_z3": dict(sp=True, zero=3, accum=1),
+    "sp_z2_accum2": dict(sp=True, zero=2, accum=2),
+    "tp_z3_accum2": dict(sp=False, zero=3, accum=2),
+}
+
+
+def tp_plan(model, tp_mesh, sp: bool):
+    """torch's TP on an HF Llama (torchtitan's plan, written for HF's module names): attention and MLP
+    colwise/rowwise, the embedding rowwise, the head colwise; ``sp``: the norms sequence-parallel and the
+    decoder layers' residual stream split over the sequence. HF builds the causal mask and the rotary
+    tables from the embedding's output, so the embedding's output stays whole and the first layer takes its
+    share of the sequence."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    seq = Shard(1) if sp else Replicate()
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
+    if sp:
+        plan["model.norm"] = SequenceParallel()
+        plan["model.layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                    use_local_output=True)
+    for i in range(len(model.model.layers)):
+        layer = f"model.layers.{i}"
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"{layer}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"{layer}.{name}"] = RowwiseParallel(output_layouts=seq)
+        if sp:
+            plan[f"{layer}.input_layernorm"] = SequenceParallel()
+            plan[f"{layer}.post_attention_layernorm"] = SequenceParallel()
+            plan[f"{layer}.self_attn"] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()})
+            plan[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return parallelize_module(model, tp_mesh, plan)
+
+
+def _batch(step: int, micro: int, dp_rank: int):
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + dp_rank)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _opt(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, foreach=False)
+
+
+def _train(model, opt, case, dp_rank, dp_group, clip, grads_done=lambda: None):
+    losses, norms = [], []
+    for step in range(STEPS):
+        total = 0.0
+        for micro in range(case["accum"]):
+            loss = model(**_batch(step, micro, dp_rank)).loss
+            (loss / case["accum"]).backward()
+            total += loss.item() / case["accum"]
+        grads_done()
+        t = torch.tensor(total)
+        dist.all_reduce(t, group=dp_group)
+        losses.append(t.item() / dist.get_world_size(dp_group))
+        norms.append(float(clip()))
+        opt.step()
+        opt.zero_grad()
+    return losses, norms
+
+
+def _tp_reference(case, mesh):
+    """The same TP model without the engine: grads averaged over dp by all-reduce, torch's clip."""
+    from torch.distributed.tensor import DTensor
+
+    model = tp_plan(tiny_llama(vocab=VOCAB), mesh["tp"], case["sp"])
+    dp = mesh["dp"].get_group()
+    opt = _opt(model.parameters())
+
+    def average():
+        for p in model.parameters():
+            local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(local, group=dp)
+            local.div_(dist.get_world_size(dp))
+
+    def clip():  # the global norm from the full gradients (a DTensor's gathered over TP)
+        grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+        total = torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt()
+        coef = torch.clamp(MAX_NORM / (total + 1e-6), max=1.0)
+        for p in model.parameters():
+            p.grad.mul_(coef)
+        return total
+
+    losses, norms = _train(model, opt, case, mesh["dp"].get_local_rank(), dp, clip, average)
+    sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    return losses, norms, sd
+
+
+def _unsharded(case, dp: int):
+    """One process, the global batch (every dp rank's), the plain model."""
+    model = tiny_llama(vocab=VOCAB)
+    opt = _opt(model.parameters())
+    losses, norms = [], []
+    for step in range(STEPS):
+        total = 0.0
+        for micro in range(case["accum"]):
+            parts = [_batch(step, micro, r) for r in range(dp)]
+            loss = model(**{k: torch.cat([p[k] for p in parts]) for k in parts[0]}).loss
+            (loss / case["accum"]).backward()
+            total += loss.item() / case["accum"]
+        losses.append(total)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _sharded(case, mesh):
+    model = tp_plan(tiny_llama(vocab=VOCAB), mesh["tp"], case["sp"])
+    model = yafsdp.YaFSDP(model, mesh=mesh["dp"], zero_stage=case["zero"])
+    assert (model.tp_size, model.world_size) == (2, 2)
+    opt = _opt(model.parameters())
+    losses, norms = _train(model, opt, case, mesh["dp"].get_local_rank(), model.process_group,
+                           lambda: model.clip_grad_norm_(MAX_NORM))
+    sd = model.full_state_dict()
+    assert (sd != {}) == (dist.get_rank() == 0) == model.coordinator, "only global rank 0 gets the full state dict"
+    return losses, norms, sd
+
+
+def _compare(got, want, what):
+    (gl, gn, gsd), (wl, wn, wsd) = got, want
+    assert rel_seq(gl, wl) < 1e-5, (what, "losses", gl, wl)
+    assert rel_seq(gn, wn) < 1e-5, (what, "grad norms", gn, wn)
+    assert gsd.keys() == wsd.keys(), (what, sorted(set(gsd) ^ set(wsd)))
+    for k in wsd:
+        assert gsd[k].shape == wsd[k].shape and gsd[k].dtype == wsd[k].dtype, (what, k, gsd[k].shape, wsd[k].shape)
+    assert rel_l2(gsd, wsd) < 1e-4, (what, "weights", rel_l2(gsd, wsd))
+
+
+def _refused(fn) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    raise AssertionError(f"not refused: {fn}")
+
+
+def _refusals(mesh, tmp):
+    """What a TP engine refuses, by name: the message of each refusal; the module unchanged after one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    def tp_model(**kw):
+        return tp_plan(tiny_llama(vocab=VOCAB, **kw), mesh["tp"], sp=True)
+
+    out = {}
+    model = tp_model()
+    for name, value in (("quantize_frozen", "nf4"), ("offload", "optimizer"), ("gather_dtype", "fp8")):
+        out[name] = _refused(lambda: yafsdp.YaFSDP(model, mesh=mesh["dp"], **{name: value}))
+    out["world group"] = _refused(lambda: yafsdp.YaFSDP(model))  # the TP ranks inside the shard group
+    out["bad units"] = _refused(lambda: yafsdp.YaFSDP(model, mesh=mesh["dp"], units=[model.model.layers[0]]))
+    assert all(isinstance(p, DTensor) for p in model.model.layers[0].parameters()), "a refused wrap changed the model"
+    hsdp = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    out["hsdp"] = _refused(lambda: yafsdp.YaFSDP(tp_plan(tiny_llama(vocab=VOCAB), hsdp["tp"], sp=True),
+                                                 mesh=hsdp["replicate", "shard"]))
+    out["checkpointing"] = _refused(lambda: yafsdp.YaFSDP(tp_model(checkpointing=True), mesh=mesh["dp"]))
+    wrapped = yafsdp.YaFSDP(model, mesh=mesh["dp"])
+    out["compile_units"] = _refused(wrapped.compile_units)
+    out["full_parameter"] = _refused(lambda: wrapped.full_parameter("lm_head.weight"))
+    out["named_grad_norms"] = _refused(wrapped.named_grad_norms)
+    out["load_full_state_dict"] = _refused(lambda: wrapped.load_full_state_dict({}))
+    out["iter_full_state_dict"] = _refused(lambda: next(wrapped.iter_full_state_dict()))
+    out["save_checkpoint"] = _refused(lambda: yafsdp.checkpoint.save_checkpoint(tmp, 1, wrapped))
+    out["init_shards_"] = _refused(lambda: yafsdp.init.init_shards_(wrapped, yafsdp.init.normal_init()))
+    return out
+
+
+def _world(rank, world, tmp):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for name, case in CASES.items():
+        got = _sharded(case, mesh)
+        ref = _tp_reference(case, mesh)
+        if rank == 0:
+            plain = _unsharded(case, 2)
+            _compare(got, ref, f"{name} against TP alone")
+            _compare(got, plain, f"{name} against the unsharded model")
+            _compare(ref, plain, f"{name}: TP alone against the unsharded model")  # the references agree
+            out[name] = (got[0], got[1])
+    out["refused"] = _refusals(mesh, tmp)
+    return out
+
+
+def test_tp_dp_parity(tmp_path):
+    res = run_ranks(_world, 4, str(tmp_path))
+    assert set(res[0]) == set(CASES) | {"refused"}
+    refused = res[0]["refused"]
+    for option in ("quantize_frozen", "offload", "gather_dtype"):
+        assert option in refused[option] and "tensor-parallel" in refused[option], refused[option]
+    assert "mesh=mesh['dp']" in refused["world group"] and "share ranks" in refused["world group"]
+    assert "no parameters" in refused["bad units"] or "in no unit" in refused["bad units"], refused["bad units"]
+    assert "HSDP" in refused["hsdp"] and "tensor-parallel" in refused["hsdp"]
+    assert "checkpointing" in refused["checkpointing"] and "tensor-parallel" in refused["checkpointing"]
+    assert "compile_units" in refused["compile_units"] and "tensor-parallel" in refused["compile_units"]
+    for method in ("full_parameter", "named_grad_norms", "load_full_state_dict", "iter_full_state_dict",
+                   "save_checkpoint", "init_shards_"):
+        assert method in refused[method] and "tensor-parallel" in refused[method], (method, refused[method])
