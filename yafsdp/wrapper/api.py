@@ -553,6 +553,8 @@ class YaFSDP(nn.Module):
         """Collective inverse of :meth:`full_state_dict`: rank 0's dict goes to every rank's shards.
         Other ranks may pass ``None`` or ``{}``. Checked on rank 0 first; nothing is modified on error."""
         self.check_idle("load_full_state_dict")
+        if self._tp is not None:  # global rank 0's full tensors split over TP first
+            state_dict = tp_state.split_over_tp(self._tp, self._keys, state_dict, self.rank)
         if self.replicate_group is None:
             load_full(self._rt, self._keys, state_dict, self.process_group, self.rank, self.world_size)
         else:  # replica 0 loads (global rank 0's dict), then every replica takes its shards
