@@ -1,7 +1,7 @@
 """Tensor parallel inside the data-parallel shards (yafsdp/layout/dtensor.py, yafsdp/engine/tp.py).
 
 World 4 as a (dp 2, tp 2) DeviceMesh: torch's own TP (``parallelize_module`` with ColwiseParallel /
-RowwiseParallel, and SequenceParallel norms) applied to a tiny HF Llama on ``mesh["tp"]``, then
+RowwiseParallel, SequenceParallel norms, loss parallel) applied to a tiny HF Llama on ``mesh["tp"]``, then
 ``yafsdp.YaFSDP(model, mesh=mesh["dp"])``. Each case trains 3 AdamW steps with the engine's
 ``clip_grad_norm_`` against two independent references on every rank: the same TP model without the
 engine (its DTensor gradients averaged over dp by all-reduce, torch's ``clip_grad_norm_`` over the DTensor
@@ -10,6 +10,8 @@ full state dict (gathered over dp and TP) agree as tightly as the other fp32 par
 spawned once and runs every case, then the refusals.
 """
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -25,14 +27,16 @@ STEPS = 3
 SEQ = 10  # sequence parallelism splits the sequence over TP: a multiple of the TP degree
 VOCAB = 67  # uneven over TP: the head's and the embedding's rows split 34 / 33
 
-CASES = {  # name -> sequence parallel, zero stage, backward calls per step; reload: the full state dict's round trip
+# name -> sequence parallel, zero stage, backward calls per step; lp: loss parallel (the head's logits stay split
+# over the vocabulary, torch's loss_parallel() computes the cross-entropy); reload: the full state dict's round trip
+CASES = {
     "sp_z3": dict(sp=True, zero=3, accum=1, reload=True),
-    "sp_z2_accum2": dict(sp=True, zero=2, accum=2),
+    "sp_lp_z2_accum2": dict(sp=True, lp=True, zero=2, accum=2),
     "tp_z3_accum2": dict(sp=False, zero=3, accum=2),
 }
 
 
-def tp_plan(model, tp_mesh, sp: bool):
+def tp_plan(model, tp_mesh, sp: bool, loss_parallel: bool = False):
     """torch's TP on an HF Llama (torchtitan's plan, written for HF's module names): attention and MLP
     colwise/rowwise, the embedding rowwise, the head colwise; ``sp``: the norms sequence-parallel and the
     decoder layers' residual stream split over the sequence. HF builds the causal mask and the rotary
@@ -44,7 +48,8 @@ def tp_plan(model, tp_mesh, sp: bool):
 
     seq = Shard(1) if sp else Replicate()
     plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
+            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                       use_local_output=not loss_parallel)}
     if sp:
         plan["model.norm"] = SequenceParallel()
         plan["model.layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
@@ -75,13 +80,17 @@ def _opt(params):
 
 
 def _train(model, opt, case, dp_rank, dp_group, clip, grads_done=lambda: None):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
     losses, norms = [], []
     for step in range(STEPS):
         total = 0.0
         for micro in range(case["accum"]):
-            loss = model(**_batch(step, micro, dp_rank)).loss
-            (loss / case["accum"]).backward()
-            total += loss.item() / case["accum"]
+            with loss_parallel() if case.get("lp") else contextlib.nullcontext():
+                loss = model(**_batch(step, micro, dp_rank)).loss
+                (loss / case["accum"]).backward()
+            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).item() / case["accum"]
         grads_done()
         t = torch.tensor(total)
         dist.all_reduce(t, group=dp_group)
@@ -96,7 +105,7 @@ def _tp_reference(case, mesh):
     """The same TP model without the engine: grads averaged over dp by all-reduce, torch's clip."""
     from torch.distributed.tensor import DTensor
 
-    model = tp_plan(tiny_llama(vocab=VOCAB), mesh["tp"], case["sp"])
+    model = tp_plan(tiny_llama(vocab=VOCAB), mesh["tp"], case["sp"], case.get("lp", False))
     dp = mesh["dp"].get_group()
     opt = _opt(model.parameters())
 
@@ -139,7 +148,7 @@ def _unsharded(case, dp: int):
 
 
 def _sharded(case, mesh):
-    model = tp_plan(tiny_llama(vocab=VOCAB), mesh["tp"], case["sp"])
+    model = tp_plan(tiny_llama(vocab=VOCAB), mesh["tp"], case["sp"], case.get("lp", False))
     model = yafsdp.YaFSDP(model, mesh=mesh["dp"], zero_stage=case["zero"])
     assert (model.tp_size, model.world_size) == (2, 2)
     opt = _opt(model.parameters())
