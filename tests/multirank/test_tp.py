@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import yafsdp
 import yafsdp.checkpoint
+from yafsdp.integrations.tp_plans import llama_tp_plan
 from dist_utils import run_ranks
 from models import tiny_llama
 from parity import LR, MAX_NORM, rel_l2, rel_seq
@@ -37,36 +38,10 @@ CASES = {
 
 
 def tp_plan(model, tp_mesh, sp: bool, loss_parallel: bool = False):
-    """torch's TP on an HF Llama (torchtitan's plan, written for HF's module names): attention and MLP
-    colwise/rowwise, the embedding rowwise, the head colwise; ``sp``: the norms sequence-parallel and the
-    decoder layers' residual stream split over the sequence. HF builds the causal mask and the rotary
-    tables from the embedding's output, so the embedding's output stays whole and the first layer takes its
-    share of the sequence."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    """torch's TP on an HF Llama with yafsdp's plan for it (yafsdp/integrations/tp_plans.py)."""
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    seq = Shard(1) if sp else Replicate()
-    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                       use_local_output=not loss_parallel)}
-    if sp:
-        plan["model.norm"] = SequenceParallel()
-        plan["model.layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                                    use_local_output=True)
-    for i in range(len(model.model.layers)):
-        layer = f"model.layers.{i}"
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[f"{layer}.{name}"] = ColwiseParallel()
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[f"{layer}.{name}"] = RowwiseParallel(output_layouts=seq)
-        if sp:
-            plan[f"{layer}.input_layernorm"] = SequenceParallel()
-            plan[f"{layer}.post_attention_layernorm"] = SequenceParallel()
-            plan[f"{layer}.self_attn"] = PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()})
-            plan[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return parallelize_module(model, tp_mesh, plan)
+    return parallelize_module(model, tp_mesh, llama_tp_plan(model, sequence_parallel=sp, loss_parallel=loss_parallel))
 
 
 def _batch(step: int, micro: int, dp_rank: int):

@@ -52,7 +52,9 @@ class YaFSDP(nn.Module):
     - ``process_group`` (default None: the world): the shard group, or a pair ``(shard_group,
       replicate_group)`` for HSDP. Refused together with ``mesh``, and when this rank is not in it.
     - ``mesh`` (default None): a 1-D DeviceMesh (full sharding) or a 2-D one named ``("replicate",
-      "shard")`` (HSDP); other shapes and names are refused (tensor / pipeline parallel are not handled).
+      "shard")`` (HSDP); other shapes and names are refused. A model whose parameters are DTensors of
+      torch's tensor parallel (``parallelize_module`` on ``mesh["tp"]``): the data-parallel dim,
+      ``mesh["dp"]`` (docs/tp.md; pipeline parallel is not handled).
     - ``device`` (default None: the current CUDA device with NCCL, else the CPU): where buffers and
       collectives live.
     - ``config`` (default None): a ``yafsdp.EngineConfig`` (``yafsdp.build_config(...)``) standing for
