@@ -4,10 +4,10 @@ World 4 as a (dp 2, tp 2) DeviceMesh: torch's own TP (``parallelize_module`` wit
 RowwiseParallel, SequenceParallel norms, loss parallel) applied to a tiny HF Llama on ``mesh["tp"]``, then
 ``yafsdp.YaFSDP(model, mesh=mesh["dp"])``. Each case trains 3 AdamW steps with the engine's
 ``clip_grad_norm_`` against two independent references on every rank: the same TP model without the
-engine (its DTensor gradients averaged over dp by all-reduce, torch's ``clip_grad_norm_`` over the DTensor
-grads), and one process training the unsharded model on the global batch. Losses, gradient norms and the
-full state dict (gathered over dp and TP) agree as tightly as the other fp32 parity tests. The world is
-spawned once and runs every case, then the refusals.
+engine (its DTensor gradients averaged over dp by all-reduce, the global norm from the full gradients), and
+one process training the unsharded model on the global batch. Losses, gradient norms and the full state dict
+(gathered over dp and TP) agree as tightly as the other fp32 parity tests. The world is spawned once and runs
+every case, then the refusals. World 8: HSDP x TP, replicate 2 x shard 2 x tp 2, one case the same way.
 """
 from __future__ import annotations
 
@@ -122,22 +122,25 @@ def _unsharded(case, dp: int):
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _sharded(case, mesh):
-    model = tp_plan(tiny_llama(vocab=VOCAB), mesh["tp"], case["sp"], case.get("lp", False))
-    model = yafsdp.YaFSDP(model, mesh=mesh["dp"], zero_stage=case["zero"])
-    assert (model.tp_size, model.world_size) == (2, 2)
+def _sharded(case, tp_mesh, wrap_mesh, dp_mesh):
+    """TP on ``tp_mesh``, the engine on ``wrap_mesh`` (mesh["dp"], or HSDP's mesh["replicate", "shard"]);
+    ``dp_mesh``: the data-parallel ranks as one dim (the batches and the loss's average)."""
+    model = tp_plan(tiny_llama(vocab=VOCAB), tp_mesh, case["sp"], case.get("lp", False))
+    model = yafsdp.YaFSDP(model, mesh=wrap_mesh, zero_stage=case["zero"])
+    assert (model.tp_size, model.replicas * model.world_size) == (2, dp_mesh.size())
     opt = _opt(model.parameters())
-    losses, norms = _train(model, opt, case, mesh["dp"].get_local_rank(), model.process_group,
-                           lambda: model.clip_grad_norm_(MAX_NORM))
+    dp_rank = dp_mesh.get_local_rank()
+    assert dp_rank == model.replica * model.world_size + model.rank
+    losses, norms = _train(model, opt, case, dp_rank, dp_mesh.get_group(), lambda: model.clip_grad_norm_(MAX_NORM))
     assert model.memory_plan().engine_bytes() == model.allocated_bytes()  # the plan of the local layouts
     sd = model.full_state_dict()
     assert (sd != {}) == (dist.get_rank() == 0) == model.coordinator, "only global rank 0 gets the full state dict"
     if case.get("reload"):
-        _reload(model, sd, case, mesh)
+        _reload(model, sd, case, tp_mesh, wrap_mesh, dp_rank)
     return losses, norms, sd
 
 
-def _reload(model, sd, case, mesh):
+def _reload(model, sd, case, tp_mesh, wrap_mesh, dp_rank):
     """Global rank 0's full state dict loaded into the same model built on the meta device, TP applied, wrapped:
     the same full state dict back bit for bit, and the same loss; a wrong shape refused on every rank."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -145,8 +148,8 @@ def _reload(model, sd, case, mesh):
     with torch.device("meta"):
         fresh = tiny_llama(vocab=VOCAB)
     fresh.model.rotary_emb = LlamaRotaryEmbedding(fresh.config)  # real buffers (not in the state dict)
-    fresh = tp_plan(fresh, mesh["tp"], case["sp"])
-    fresh = yafsdp.YaFSDP(fresh, mesh=mesh["dp"], zero_stage=case["zero"])
+    fresh = tp_plan(fresh, tp_mesh, case["sp"])
+    fresh = yafsdp.YaFSDP(fresh, mesh=wrap_mesh, zero_stage=case["zero"])
     assert fresh.needs_load
     if dist.get_rank() == 0:
         bad = dict(sd, **{"lm_head.weight": sd["lm_head.weight"][:-1]})
@@ -156,7 +159,7 @@ def _reload(model, sd, case, mesh):
     back = fresh.full_state_dict()
     if dist.get_rank() == 0:
         assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
-    inputs = _batch(STEPS, 0, mesh["dp"].get_local_rank())
+    inputs = _batch(STEPS, 0, dp_rank)
     with torch.no_grad():
         assert fresh(**inputs).loss.item() == model(**inputs).loss.item()
 
@@ -181,7 +184,6 @@ def _refused(fn) -> str:
 
 def _refusals(mesh, tmp):
     """What a TP engine refuses, by name: the message of each refusal; the module unchanged after one."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     def tp_model(**kw):
@@ -194,9 +196,6 @@ def _refusals(mesh, tmp):
     out["world group"] = _refused(lambda: yafsdp.YaFSDP(model))  # the TP ranks inside the shard group
     out["bad units"] = _refused(lambda: yafsdp.YaFSDP(model, mesh=mesh["dp"], units=[model.model.layers[0]]))
     assert all(isinstance(p, DTensor) for p in model.model.layers[0].parameters()), "a refused wrap changed the model"
-    hsdp = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
-    out["hsdp"] = _refused(lambda: yafsdp.YaFSDP(tp_plan(tiny_llama(vocab=VOCAB), hsdp["tp"], sp=True),
-                                                 mesh=hsdp["replicate", "shard"]))
     out["checkpointing"] = _refused(lambda: yafsdp.YaFSDP(tp_model(checkpointing=True), mesh=mesh["dp"]))
     wrapped = yafsdp.YaFSDP(model, mesh=mesh["dp"])
     out["compile_units"] = _refused(wrapped.compile_units)
@@ -214,15 +213,32 @@ def _world(rank, world, tmp):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out = {}
     for name, case in CASES.items():
-        got = _sharded(case, mesh)
-        ref = _tp_reference(case, mesh)
-        if rank == 0:
-            plain = _unsharded(case, 2)
-            _compare(got, ref, f"{name} against TP alone")
-            _compare(got, plain, f"{name} against the unsharded model")
-            _compare(ref, plain, f"{name}: TP alone against the unsharded model")  # the references agree
-            out[name] = (got[0], got[1])
+        _case(out, name, case, mesh, _sharded(case, mesh["tp"], mesh["dp"], mesh["dp"]))
     out["refused"] = _refusals(mesh, tmp)
+    return out
+
+
+def _case(out, name, case, mesh, got):
+    """``got`` (losses, norms, full state dict) against TP alone on ``mesh`` (dims "dp", "tp") and the unsharded
+    model on the global batch."""
+    ref = _tp_reference(case, mesh)
+    if dist.get_rank() == 0:
+        plain = _unsharded(case, mesh["dp"].size())
+        _compare(got, ref, f"{name} against TP alone")
+        _compare(got, plain, f"{name} against the unsharded model")
+        _compare(ref, plain, f"{name}: TP alone against the unsharded model")  # the references agree
+        out[name] = (got[0], got[1])
+
+
+def _world8(rank, world):
+    """HSDP x TP: replicate 2 x shard 2 x TP 2 (a 3-D mesh; the engine on mesh["replicate", "shard"])."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh3 = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))  # the same ranks, data parallel as one dim
+    out = {}
+    case = dict(sp=True, zero=3, accum=2, reload=True)
+    _case(out, "hsdp_sp_z3_accum2", case, mesh, _sharded(case, mesh3["tp"], mesh3["replicate", "shard"], mesh["dp"]))
     return out
 
 
@@ -234,9 +250,13 @@ def test_tp_dp_parity(tmp_path):
         assert option in refused[option] and "tensor-parallel" in refused[option], refused[option]
     assert "mesh=mesh['dp']" in refused["world group"] and "share ranks" in refused["world group"]
     assert "no parameters" in refused["bad units"] or "in no unit" in refused["bad units"], refused["bad units"]
-    assert "HSDP" in refused["hsdp"] and "tensor-parallel" in refused["hsdp"]
     assert "checkpointing" in refused["checkpointing"] and "tensor-parallel" in refused["checkpointing"]
     assert "compile_units" in refused["compile_units"] and "tensor-parallel" in refused["compile_units"]
     for method in ("full_parameter", "named_grad_norms", "iter_full_state_dict",
                    "save_checkpoint", "init_shards_"):
         assert method in refused[method] and "tensor-parallel" in refused[method], (method, refused[method])
+
+
+def test_hsdp_tp_parity():
+    res = run_ranks(_world8, 8)
+    assert set(res[0]) == {"hsdp_sp_z3_accum2"}

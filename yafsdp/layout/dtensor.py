@@ -26,7 +26,8 @@ TP-only model's ``.grad.to_local()`` would hold after that reduction.
 What needs the global view is done with it: the gradient norm counts a sharded parameter's
 elements over data parallel and TP, a replicated one's over data parallel only (engine/tp.py);
 ``full_state_dict()`` gathers each parameter over the data-parallel mesh, then over TP
-(wrapper/tp_state.py). What is not done yet is refused by name (:func:`refuse_options` and the
+(wrapper/tp_state.py). With HSDP (a ("replicate", "shard", "tp") mesh) the shard and replicate groups each
+hold one TP coordinate; the replicas' all-reduce of the grad shards runs on local tensors as without TP. What is not done yet is refused by name (:func:`refuse_options` and the
 wrapper's methods).
 """
 from __future__ import annotations
@@ -103,7 +104,7 @@ TP_REFUSED = {
 }
 
 
-def refuse_options(cfg, replicate_group) -> None:
+def refuse_options(cfg) -> None:
     """The options that do not run with TP yet, refused naming both (``cfg``: the EngineConfig)."""
     for name, what in TP_REFUSED.items():
         value = getattr(cfg, name)
@@ -111,17 +112,12 @@ def refuse_options(cfg, replicate_group) -> None:
             raise WrapError(
                 f"yafsdp.YaFSDP: {name}={value!r} ({what}) together with tensor-parallel (DTensor) parameters is "
                 f"not supported yet; drop {name}, or wrap a model without tensor parallelism")
-    if replicate_group is not None:
-        raise WrapError(
-            "yafsdp.YaFSDP: HSDP (a ('replicate', 'shard') mesh or a (shard_group, replicate_group) pair) together "
-            "with tensor-parallel (DTensor) parameters is not supported yet; pass mesh=mesh['dp'] (full sharding "
-            "over the data-parallel dim), or wrap a model without tensor parallelism")
 
 
-def find(module: nn.Module, group) -> TPLayout | None:
+def find(module: nn.Module, group, replicate_group=None) -> TPLayout | None:
     """The DTensor parameters of ``module`` and their TP mesh, checked (nothing is changed yet); None when
-    there is none. ``group``: the engine's shard group, which must be orthogonal to the TP mesh (each
-    holding this rank and no other rank of the other)."""
+    there is none. ``group`` (the engine's shard group) and ``replicate_group`` (HSDP's, or None) must each be
+    orthogonal to the TP mesh (holding this rank and no other rank of it)."""
     from torch.distributed.tensor import DTensor
 
     found, named = [], {}  # named: id(DTensor) -> (its first name, the DTensor)
@@ -157,13 +153,17 @@ def find(module: nn.Module, group) -> TPLayout | None:
                 "Shard(dim) or Replicate() on the TP mesh (what ColwiseParallel, RowwiseParallel and SequenceParallel "
                 "make)")
     tp_group = mesh.get_group()
-    mine = set(dist.get_process_group_ranks(group))
     theirs = set(dist.get_process_group_ranks(tp_group))
-    both = mine & theirs
-    if both != {dist.get_rank()}:
-        raise WrapError(
-            f"yafsdp.YaFSDP: the data-parallel group (ranks {sorted(mine)}) and the TP mesh of the DTensor parameters "
-            f"(ranks {sorted(theirs)}) share ranks {sorted(both)}; the engine must shard over the data-parallel dim "
-            "only: build init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), apply TP on mesh['tp'] and "
-            "pass yafsdp.YaFSDP(model, mesh=mesh['dp'])")
+    for what, g in (("data-parallel group", group), ("replicate group", replicate_group)):
+        if g is None:
+            continue
+        mine = set(dist.get_process_group_ranks(g))
+        both = mine & theirs
+        if both != {dist.get_rank()}:
+            raise WrapError(
+                f"yafsdp.YaFSDP: the {what} (ranks {sorted(mine)}) and the TP mesh of the DTensor parameters (ranks "
+                f"{sorted(theirs)}) share ranks {sorted(both)}; the engine must run over the data-parallel dims only: "
+                "build init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), apply TP on mesh['tp'] and "
+                "pass yafsdp.YaFSDP(model, mesh=mesh['dp']) (HSDP: a ('replicate', 'shard', 'tp') mesh and "
+                "mesh=mesh['replicate', 'shard'])")
     return TPLayout(mesh, tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group), found)

@@ -112,12 +112,12 @@ class YaFSDP(nn.Module):
             replicate = None  # one replica: plain full sharding
         # Tensor-parallel (DTensor) parameters: found and checked here, before anything changes; see [Note:
         # tensor parallel inside the data-parallel shards] in layout/dtensor.py. None without TP.
-        self._tp = dtensor.find(module, group)
+        self._tp = dtensor.find(module, group, replicate)
         if self._tp is not None:
-            dtensor.refuse_options(cfg, replicate)
+            dtensor.refuse_options(cfg)
             tp_state.check_module(module)
         if replicate is not None:
-            check_layout(group, replicate)
+            check_layout(group, replicate, tp=self._tp.size if self._tp is not None else 1)
         self.process_group = group  # the shard group: every gather, reduce-scatter and state-dict collective
         self.replicate_group = replicate  # HSDP: this rank's peers holding the same shard; else None
         self.rank = dist.get_rank(group)  # index of this rank's shard
@@ -555,8 +555,8 @@ class YaFSDP(nn.Module):
         """Collective inverse of :meth:`full_state_dict`: rank 0's dict goes to every rank's shards.
         Other ranks may pass ``None`` or ``{}``. Checked on rank 0 first; nothing is modified on error."""
         self.check_idle("load_full_state_dict")
-        if self._tp is not None:  # global rank 0's full tensors split over TP first
-            state_dict = tp_state.split_over_tp(self._tp, self._keys, state_dict, self.rank)
+        if self._tp is not None:  # global rank 0's full tensors split over TP first (HSDP: inside replica 0)
+            state_dict = tp_state.split_over_tp(self._tp, self._keys, state_dict, self.rank == 0 and self.replica == 0)
         if self.replicate_group is None:
             load_full(self._rt, self._keys, state_dict, self.process_group, self.rank, self.world_size)
         else:  # replica 0 loads (global rank 0's dict), then every replica takes its shards

@@ -103,15 +103,16 @@ def _problem(keys, sd) -> str | None:
 
 
 @torch.no_grad()
-def split_over_tp(tp, keys, state_dict, dp_rank: int) -> dict | None:
+def split_over_tp(tp, keys, state_dict, holder: bool) -> dict | None:
     """Collective over every rank: global rank 0's full ``state_dict`` checked (a problem raised on every
-    rank, nothing modified), then each data-parallel index 0 rank gets its local dict (every key, its TP
-    slice); the other ranks get None (they receive their shards from it in ``load_full``)."""
+    rank, nothing modified), then each ``holder`` (the data-parallel index 0 ranks, HSDP: of replica 0; one per
+    TP coordinate) gets its local dict (every key, its TP slice); the other ranks get None (they receive their
+    shards from it in ``load_full``)."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     problem = _problem(keys, state_dict) if dist.get_rank() == 0 else None
     raise_together(problem, None, ValueError, "yafsdp.YaFSDP.load_full_state_dict: ")
-    if dp_rank != 0:
+    if not holder:
         return None
     first = dist.get_rank() == 0 and tp.rank == 0
     device = _device_of(tp.mesh)
