@@ -23,6 +23,7 @@ from yafsdp.integrations.tp_plans import llama_tp_plan
 from dist_utils import run_ranks
 from models import tiny_llama
 from parity import LR, MAX_NORM, rel_l2, rel_seq
+from yafsdp.engine.shard_grad import plain
 
 STEPS = 3
 SEQ = 10  # sequence parallelism splits the sequence over TP: a multiple of the TP degree
@@ -204,6 +205,15 @@ def _refusals(mesh, tmp):
     out["iter_full_state_dict"] = _refused(lambda: next(wrapped.iter_full_state_dict()))
     out["save_checkpoint"] = _refused(lambda: yafsdp.checkpoint.save_checkpoint(tmp, 1, wrapped))
     out["init_shards_"] = _refused(lambda: yafsdp.init.init_shards_(wrapped, yafsdp.init.normal_init()))
+    # GradScaler: an overflow on one TP rank only (rank 3: dp 1, tp 1) is seen by every rank, which all skip the step
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+    scaler.scale(wrapped(**_batch(0, 0, mesh["dp"].get_local_rank())).loss).backward()
+    out["torch clip"] = _refused(lambda: torch.nn.utils.clip_grad_norm_(wrapped.parameters(), MAX_NORM))
+    opt = _opt(wrapped.parameters())
+    if dist.get_rank() == 3:
+        plain(next(wrapped.parameters()).grad)[0] = float("inf")
+    scaler.unscale_(opt)
+    out["found_inf"] = sum(v.item() for v in scaler._found_inf_per_device(opt).values())
     return out
 
 
@@ -252,6 +262,8 @@ def test_tp_dp_parity(tmp_path):
     assert "no parameters" in refused["bad units"] or "in no unit" in refused["bad units"], refused["bad units"]
     assert "checkpointing" in refused["checkpointing"] and "tensor-parallel" in refused["checkpointing"]
     assert "compile_units" in refused["compile_units"] and "tensor-parallel" in refused["compile_units"]
+    assert "model.clip_grad_norm_" in refused["torch clip"] and "tensor-parallel" in refused["torch clip"]
+    assert [r["refused"]["found_inf"] for r in res] == [1.0] * 4, "an overflow on one TP rank skips every rank's step"
     for method in ("full_parameter", "named_grad_norms", "iter_full_state_dict",
                    "save_checkpoint", "init_shards_"):
         assert method in refused[method] and "tensor-parallel" in refused[method], (method, refused[method])

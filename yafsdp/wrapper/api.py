@@ -150,6 +150,8 @@ class YaFSDP(nn.Module):
         self.schedule = make_schedule(self.device, group, replicate)
         self._rt = Runtime(specs, small, cfg, gather_exclude=gather_exclude, schedule=self.schedule, group=group,
                            rank=self.rank, device=self.device, replicate_group=replicate)
+        if self._tp is not None:
+            self._rt.tp_group = self._tp.group
         self.quantize_frozen = quantize_frozen
         self.offload = offload
         self.gather_dtype = gather_dtype
