@@ -30,11 +30,12 @@ SEQ = 10  # sequence parallelism splits the sequence over TP: a multiple of the 
 VOCAB = 67  # uneven over TP: the head's and the embedding's rows split 34 / 33
 
 # name -> sequence parallel, zero stage, backward calls per step; lp: loss parallel (the head's logits stay split
-# over the vocabulary, torch's loss_parallel() computes the cross-entropy); reload: the full state dict's round trip
+# over the vocabulary, torch's loss_parallel() computes the cross-entropy); ckpt: HF's activation checkpointing (the
+# engine's run only: the references compute the same values without it); reload: the full state dict's round trip
 CASES = {
     "sp_z3": dict(sp=True, zero=3, accum=1, reload=True),
     "sp_lp_z2_accum2": dict(sp=True, lp=True, zero=2, accum=2),
-    "tp_z3_accum2": dict(sp=False, zero=3, accum=2),
+    "tp_ckpt_z3_accum2": dict(sp=False, ckpt=True, zero=3, accum=2),
 }
 
 
@@ -126,7 +127,8 @@ def _unsharded(case, dp: int):
 def _sharded(case, tp_mesh, wrap_mesh, dp_mesh):
     """TP on ``tp_mesh``, the engine on ``wrap_mesh`` (mesh["dp"], or HSDP's mesh["replicate", "shard"]);
     ``dp_mesh``: the data-parallel ranks as one dim (the batches and the loss's average)."""
-    model = tp_plan(tiny_llama(vocab=VOCAB), tp_mesh, case["sp"], case.get("lp", False))
+    model = tp_plan(tiny_llama(vocab=VOCAB, checkpointing=case.get("ckpt", False)), tp_mesh, case["sp"],
+                    case.get("lp", False))
     model = yafsdp.YaFSDP(model, mesh=wrap_mesh, zero_stage=case["zero"])
     assert (model.tp_size, model.replicas * model.world_size) == (2, dp_mesh.size())
     opt = _opt(model.parameters())
@@ -187,6 +189,8 @@ def _refusals(mesh, tmp):
     """What a TP engine refuses, by name: the message of each refusal; the module unchanged after one."""
     from torch.distributed.tensor import DTensor
 
+    from yafsdp.plan import memory_plan
+
     def tp_model(**kw):
         return tp_plan(tiny_llama(vocab=VOCAB, **kw), mesh["tp"], sp=True)
 
@@ -197,7 +201,7 @@ def _refusals(mesh, tmp):
     out["world group"] = _refused(lambda: yafsdp.YaFSDP(model))  # the TP ranks inside the shard group
     out["bad units"] = _refused(lambda: yafsdp.YaFSDP(model, mesh=mesh["dp"], units=[model.model.layers[0]]))
     assert all(isinstance(p, DTensor) for p in model.model.layers[0].parameters()), "a refused wrap changed the model"
-    out["checkpointing"] = _refused(lambda: yafsdp.YaFSDP(tp_model(checkpointing=True), mesh=mesh["dp"]))
+    out["memory_plan"] = _refused(lambda: memory_plan(tp_model(), world_size=2))
     wrapped = yafsdp.YaFSDP(model, mesh=mesh["dp"])
     out["compile_units"] = _refused(wrapped.compile_units)
     out["full_parameter"] = _refused(lambda: wrapped.full_parameter("lm_head.weight"))
@@ -247,8 +251,8 @@ def _world8(rank, world):
     mesh3 = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
     mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))  # the same ranks, data parallel as one dim
     out = {}
-    case = dict(sp=True, zero=3, accum=2, reload=True)
-    _case(out, "hsdp_sp_z3_accum2", case, mesh, _sharded(case, mesh3["tp"], mesh3["replicate", "shard"], mesh["dp"]))
+    case = dict(sp=True, ckpt=True, zero=3, accum=2, reload=True)
+    _case(out, "hsdp_sp_ckpt_z3_accum2", case, mesh, _sharded(case, mesh3["tp"], mesh3["replicate", "shard"], mesh["dp"]))
     return out
 
 
@@ -260,8 +264,8 @@ def test_tp_dp_parity(tmp_path):
         assert option in refused[option] and "tensor-parallel" in refused[option], refused[option]
     assert "mesh=mesh['dp']" in refused["world group"] and "share ranks" in refused["world group"]
     assert "no parameters" in refused["bad units"] or "in no unit" in refused["bad units"], refused["bad units"]
-    assert "checkpointing" in refused["checkpointing"] and "tensor-parallel" in refused["checkpointing"]
     assert "compile_units" in refused["compile_units"] and "tensor-parallel" in refused["compile_units"]
+    assert "model.memory_plan()" in refused["memory_plan"] and "tensor-parallel" in refused["memory_plan"]
     assert "model.clip_grad_norm_" in refused["torch clip"] and "tensor-parallel" in refused["torch clip"]
     assert [r["refused"]["found_inf"] for r in res] == [1.0] * 4, "an overflow on one TP rank skips every rank's step"
     for method in ("full_parameter", "named_grad_norms", "iter_full_state_dict",
@@ -271,4 +275,4 @@ def test_tp_dp_parity(tmp_path):
 
 def test_hsdp_tp_parity():
     res = run_ranks(_world8, 8)
-    assert set(res[0]) == {"hsdp_sp_z3_accum2"}
+    assert set(res[0]) == {"hsdp_sp_ckpt_z3_accum2"}

@@ -41,11 +41,13 @@ def as_dtensors(specs: list, tensors: list) -> list:
 
 
 def refuse_recompute(unit_name: str) -> None:
-    """An activation-checkpoint recompute of a unit with TP parameters: refused (not supported yet)."""
+    """A recompute in backward that runs the hooks of a unit with TP parameters (``torch.utils.checkpoint`` around
+    the unit's call): refused (not supported yet). HF's activation checkpointing recomputes inside the unit's
+    forward and reads the weights through ``orig_params._resolve_in_backward``, which hands them out as DTensors."""
     raise RuntimeError(
-        f"yafsdp: unit {unit_name!r} holds tensor-parallel (DTensor) parameters and is recomputed in backward: "
-        "activation checkpointing together with tensor parallelism is not supported yet; turn off activation "
-        "checkpointing (model.gradient_checkpointing_disable(), or no torch.utils.checkpoint around the blocks)")
+        f"yafsdp: unit {unit_name!r} holds tensor-parallel (DTensor) parameters and is recomputed in backward with "
+        "its hooks (torch.utils.checkpoint around the unit's call): not supported yet with tensor parallelism; "
+        "checkpoint inside the unit's forward instead (HF's model.gradient_checkpointing_enable() does)")
 
 
 def _ranges(unit) -> tuple[list, list]:

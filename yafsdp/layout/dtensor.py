@@ -21,7 +21,9 @@ sequence-parallel norms use gets a ``Partial`` gradient from its shard of the se
 summed over the TP mesh there, as torch's TP does for a plain DTensor parameter (its ``.grad`` is
 ``Partial`` and every reader, the optimizer's step or ``full_tensor()``, reduces it). So the local
 gradient that the engine writes and reduce-scatters over the data-parallel mesh is the one a
-TP-only model's ``.grad.to_local()`` would hold after that reduction.
+TP-only model's ``.grad.to_local()`` would hold after that reduction. An activation-checkpoint recompute inside a
+unit's forward (HF's checkpointing) reads the weights from the gathered buffer as DTensors of the same layout
+(engine/orig_params.py, ``_resolve_in_backward``).
 
 What needs the global view is done with it: the gradient norm counts a sharded parameter's
 elements over data parallel and TP, a replicated one's over data parallel only (engine/tp.py);
@@ -32,6 +34,7 @@ wrapper's methods).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +43,7 @@ from torch import nn
 
 from .units import WrapError
 
-__all__ = ["TPSpec", "TPLayout", "find", "refuse_options", "TP_REFUSED"]
+__all__ = ["TPSpec", "TPLayout", "find", "has_dtensor_params", "refuse_options", "TP_REFUSED"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,12 @@ def refuse_options(cfg) -> None:
             raise WrapError(
                 f"yafsdp.YaFSDP: {name}={value!r} ({what}) together with tensor-parallel (DTensor) parameters is "
                 f"not supported yet; drop {name}, or wrap a model without tensor parallelism")
+
+
+def has_dtensor_params(module: nn.Module) -> bool:
+    """``module`` holds a DTensor parameter (no DTensor exists before torch.distributed.tensor is imported)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and any(isinstance(p, mod.DTensor) for p in module.parameters())
 
 
 def find(module: nn.Module, group, replicate_group=None) -> TPLayout | None:

@@ -37,11 +37,6 @@ def check_method(tp, what: str) -> None:
 
 def check_module(module) -> None:
     """At wrap time, before any change to the module: what a TP engine refuses about the module itself."""
-    if _checkpointing(module):
-        raise WrapError(
-            "yafsdp.YaFSDP: HF gradient checkpointing (activation checkpointing) together with tensor-parallel "
-            "(DTensor) parameters is not supported yet; call model.gradient_checkpointing_disable() before wrapping, "
-            "or wrap a model without tensor parallelism")
     hooked = [name or "<root>" for name, m in module.named_modules()
               if m._state_dict_hooks or m._load_state_dict_pre_hooks]
     if hooked:
@@ -49,14 +44,6 @@ def check_module(module) -> None:
             f"yafsdp.YaFSDP: module {hooked[0]!r} has state_dict hooks; together with tensor-parallel (DTensor) "
             "parameters they are not supported yet (the TP gather of the full state dict maps keys to parameters); "
             "remove the hooks, or wrap a model without tensor parallelism")
-
-
-def _checkpointing(module) -> bool:
-    """HF activation checkpointing is on (its newer name first: the older one warns that it is deprecated)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(module), name):
-            return bool(getattr(module, name))
-    return False
 
 
 @torch.no_grad()
