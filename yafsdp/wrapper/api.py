@@ -548,6 +548,8 @@ class YaFSDP(nn.Module):
                                 "iter_full_state_dict()")
         dtype_of = {key: ref.dtype for key, kind, ref in self._keys.entries if kind == "param"}
         for unit in iter_units(self._rt, self._keys, self.process_group, self.rank):
+            if self._tp is not None and self.rank == 0:  # the data-parallel index 0 ranks: then over TP
+                unit = tp_state.full_over_tp(self._tp, self._keys, unit)
             # See [Note: state_dict hooks] in state_dict.py
             yield self._keys.module_keys({k: v.to("cpu", dtype_of.get(k, v.dtype), copy=True)
                                           for k, v in unit.items()}, partial=True) if unit else {}

@@ -4,7 +4,7 @@ See [Note: tensor parallel inside the data-parallel shards] in layout/dtensor.py
 gathers each unit over the data-parallel mesh as without TP, on the ranks of data-parallel index 0 (one
 per TP coordinate, together a TP group); each TP parameter's local tensor is then gathered over TP
 (``DTensor.full_tensor()`` of its layout) and global rank 0 returns the full tensors under the original
-keys. ``load_full_state_dict()`` is the inverse: global rank 0's full dict is checked against the global
+keys (``iter_full_state_dict()``: the same, one unit at a time). ``load_full_state_dict()`` is the inverse: global rank 0's full dict is checked against the global
 shapes, then split over TP among the data-parallel index 0 ranks (``distribute_tensor`` with each
 parameter's placements; plain parameters and buffers broadcast), and each of them loads its local dict
 into its data-parallel group as without TP.
@@ -21,7 +21,7 @@ from ..layout.units import WrapError
 __all__ = ["full_over_tp", "split_over_tp", "check_method", "check_module", "TP_METHODS"]
 
 # YaFSDP methods (the names they pass to ``check_idle``) that run on a TP engine.
-TP_METHODS = frozenset({"full_state_dict", "load_full_state_dict"})
+TP_METHODS = frozenset({"full_state_dict", "iter_full_state_dict", "load_full_state_dict"})
 
 
 def check_method(tp, what: str) -> None:
