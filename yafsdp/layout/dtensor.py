@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .units import WrapError
+from .units import WrapError, _already_wrapped
 
 __all__ = ["TPSpec", "TPLayout", "find", "has_dtensor_params", "refuse_options", "TP_REFUSED"]
 
@@ -129,6 +129,8 @@ def find(module: nn.Module, group, replicate_group=None) -> TPLayout | None:
     orthogonal to the TP mesh (holding this rank and no other rank of it)."""
     from torch.distributed.tensor import DTensor
 
+    if _already_wrapped(module):  # FSDP2's parameters are DTensors too: discover() refuses it, naming the wrapper
+        return None
     found, named = [], {}  # named: id(DTensor) -> (its first name, the DTensor)
     for mname, m in module.named_modules(remove_duplicate=False):
         for attr, p in m._parameters.items():
