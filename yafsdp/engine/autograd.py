@@ -337,7 +337,7 @@ def _recomputed(alias: torch.Tensor, trainable: bool, name: str) -> torch.Tensor
 
 
 def _same_place(held, t: torch.Tensor) -> bool:
-    if tp.is_dtensor(held) or tp.is_dtensor(t):  # no recompute with TP (tp.refuse_recompute): hand the new one
+    if tp.is_dtensor(held) or tp.is_dtensor(t):  # made anew per use; a recompute reads TP weights via orig_params
         return False
     return (isinstance(held, torch.Tensor) and held.requires_grad and held.data_ptr() == t.data_ptr()
             and held.shape == t.shape and held.stride() == t.stride() and held.dtype == t.dtype)

@@ -373,7 +373,7 @@ class YaFSDP(nn.Module):
     @property
     def coordinator(self) -> bool:
         """True on the one rank that receives ``full_state_dict()`` and writes exports: rank 0 of
-        the shard group (HSDP: of replica 0)."""
+        the shard group (HSDP: of replica 0; tensor parallel: of TP rank 0)."""
         return self.rank == 0 and self.replica == 0 and self.tp_rank == 0
 
     @property
