@@ -61,10 +61,11 @@ def resolve_groups(mesh, process_group):
     return process_group, None
 
 
-def check_layout(shard_group, replicate_group) -> None:
+def check_layout(shard_group, replicate_group, tp: int = 1) -> None:
     """Collective over the world: the groups form a replicas x shard_size grid covering the world,
     each replicate group joins the ranks that hold the same shard, and global rank 0 is shard 0 of
-    replica 0 (it writes what rank 0 writes: state dicts, exports, checkpoint manifests)."""
+    replica 0 (it writes what rank 0 writes: state dicts, exports, checkpoint manifests). ``tp``: the
+    tensor-parallel degree of a model with DTensor parameters (the world is replicas x shard x tp ranks)."""
     me = (dist.get_rank(shard_group), dist.get_world_size(shard_group),
           dist.get_rank(replicate_group), dist.get_world_size(replicate_group))
     everyone = gather_object(me)  # the default group: every rank
@@ -76,10 +77,12 @@ def check_layout(shard_group, replicate_group) -> None:
             f"{[(s, r) for _, s, _, r in everyone]}; every replica must shard over the same number of ranks"
         )
     (shard, replicas), = sizes
-    if shard * replicas != world:
+    if shard * replicas * tp != world:
+        with_tp = f" x {tp} TP ranks" if tp > 1 else ""
         raise HSDPError(
-            f"yafsdp.YaFSDP: {replicas} replicas x {shard} shard ranks = {shard * replicas} ranks, but the world has "
-            f"{world}; HSDP needs the replicate and shard groups to cover the world (use init_device_mesh)"
+            f"yafsdp.YaFSDP: {replicas} replicas x {shard} shard ranks{with_tp} = {shard * replicas * tp} ranks, but "
+            f"the world has {world}; HSDP needs the replicate and shard groups to cover the world (use "
+            "init_device_mesh)"
         )
     peers = gather_object(me[0], replicate_group)
     problem = None

@@ -80,7 +80,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import orig_params
+from . import orig_params, tp
 from .lookup import install_lookup, lookup_now, lookup_unit
 from .runtime import BackwardUse, Runtime, in_backward
 from .unit import Unit, refuse_captured
@@ -232,6 +232,9 @@ class _MemberIndex:
     trainable: list[int]  # positions in pidx of the trainable parameters (those the gate hands out)
     slots_by_param: list[tuple[nn.Module, str, int]]  # (owner, attr, param idx in unit.params)
     frozen: list[bool]  # per parameter of the unit: frozen at wrap time
+    # per position in pidx: the TP layout of a tensor-parallel parameter (None: plain); None when the
+    # member has none. See [Note: tensor parallel inside the data-parallel shards] in layout/dtensor.py
+    tp: list | None = None
 
     @classmethod
     def of(cls, member: Member, params: list) -> "_MemberIndex":
@@ -242,7 +245,7 @@ class _MemberIndex:
                 pidx.append(idx)
             slots.append((owner, attr, pidx.index(idx)))
         return cls(pidx, slots, [k for k, i in enumerate(pidx) if not params[i].frozen],
-                   list(member.assignments), [p.frozen for p in params])
+                   list(member.assignments), [p.frozen for p in params], tp.specs_of(params, pidx))
 
 
 def _gate(rt: Runtime, unit: Unit, pidx: list[int], trainable: list[int], tensors: list, use: BackwardUse):
@@ -271,6 +274,9 @@ def gate_small_group(rt: Runtime, tensors: list) -> None:
         trainable = [i for i in pidx if not small.params[i].frozen]
         tensors = _gate(rt, small, pidx, trainable, tensors, BackwardUse())
         small.last_gated.update({i: tensors[i] for i in trainable})  # as a unit's use: see _pre_hook
+    specs = tp.specs_of(small.params, range(len(small.params)))
+    if specs is not None:  # See [Note: tensor parallel inside the data-parallel shards] in layout/dtensor.py
+        tensors = tp.as_dtensors(specs, tensors)
     for p, t in zip(small.params, tensors):
         for owner, attr in p.owners:
             _hand(owner, attr, t)
@@ -331,6 +337,8 @@ def _recomputed(alias: torch.Tensor, trainable: bool, name: str) -> torch.Tensor
 
 
 def _same_place(held, t: torch.Tensor) -> bool:
+    if tp.is_dtensor(held) or tp.is_dtensor(t):  # made anew per use; a recompute reads TP weights via orig_params
+        return False
     return (isinstance(held, torch.Tensor) and held.requires_grad and held.data_ptr() == t.data_ptr()
             and held.shape == t.shape and held.stride() == t.stride() and held.dtype == t.dtype)
 
@@ -357,6 +365,8 @@ def _pre_hook(rt: Runtime, unit: Unit, index: _MemberIndex, uses: list, small_sl
             if unit.lookup_hooks is not None and lookup_now(unit, module):  # the recompute looks up too
                 unit.lookup_armed = True
                 return None
+            if index.tp is not None or (small_slots and tp.specs_of(rt.small.params, [i for *_, i in small_slots])):
+                tp.refuse_recompute(unit.name)
             rt.unit_recompute(unit)
             for owner, attr, pos in index.slots:  # See [Note: recomputed weights]
                 owner.__dict__[attr] = _recomputed(unit.aliases[index.pidx[pos]], pos in index.trainable, unit.name)
@@ -385,6 +395,8 @@ def _pre_hook(rt: Runtime, unit: Unit, index: _MemberIndex, uses: list, small_sl
             unit.last_gated.update({index.pidx[k]: tensors[k] for k in index.trainable})
             if rt.zero_stage == 3:  # See [Note: releasing by what autograd runs]
                 new_inputs = _attach_inputs_done(rt, unit, use, args, kwargs, passed)
+        if index.tp is not None:  # See [Note: tensor parallel inside the data-parallel shards] in layout/dtensor.py
+            tensors = tp.as_dtensors(index.tp, tensors)
         for owner, attr, pos in index.slots:
             _hand(owner, attr, tensors[pos])
         return new_inputs

@@ -70,6 +70,8 @@ def lookup_unit(rt, unit: Unit) -> bool:
         return False
     p = lay.params[0]
     module = unit.members[0].module
+    if p.tp is not None:  # a TP embedding's rows are split over TP: its module looks them up (layout/dtensor.py)
+        return False
     return (
         rt.zero_stage == 3 and rt.replicas == 1 and rt.offload is None and rt.world_size == 2
         and rt.compute_dtype == torch.float32 and rt.reduce_dtype == torch.float32

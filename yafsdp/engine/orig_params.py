@@ -242,10 +242,13 @@ def _resolve_in_backward(args, kwargs):
                 ok = False
                 return a
             gated = unit.last_gated.get(a._yafsdp_index) if a.requires_grad else None
-            if gated is not None:  # a reentrant recompute backpropagates through what it reads: via the gate
-                return gated
-            t = unit.aliases[a._yafsdp_index].detach()
-            return t.requires_grad_(a.requires_grad)
+            if gated is None:
+                gated = unit.aliases[a._yafsdp_index].detach().requires_grad_(a.requires_grad)
+            if a._yafsdp_info.tp is not None:  # See [Note: tensor parallel inside the data-parallel shards]
+                from .tp import as_dtensors
+
+                gated, = as_dtensors([a._yafsdp_info.tp], [gated])
+            return gated
         if isinstance(a, (list, tuple)):
             return type(a)(sub(x) for x in a)
         return a

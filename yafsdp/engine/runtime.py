@@ -100,6 +100,9 @@ class Runtime:
         # unused.py runs over both)
         self.group = group
         self.replicate_group = replicate_group
+        # a model with tensor-parallel (DTensor) parameters: the TP mesh's group, set by the wrapper; else None.
+        # See [Note: tensor parallel inside the data-parallel shards] in layout/dtensor.py
+        self.tp_group = None
         self.world_size = world_size = dist.get_world_size(group)  # of the shard group (HSDP: one replica)
         self.device = device
         self.compute_dtype = compute_dtype = config.compute_dtype

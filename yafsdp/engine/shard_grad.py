@@ -26,7 +26,7 @@ bit-identical results) except these:
   a DTensor. A norm over some dims (``dim=``) of a shard has no meaning for the unsharded tensor
   and is refused, naming ``model.clip_grad_norm_``.
 - ``torch._amp_foreach_non_finite_check_and_unscale_`` (GradScaler's ``unscale_``): after the
-  local check, ``found_inf`` is all-reduced (MAX) over the shard group and the replicas, so every
+  local check, ``found_inf`` is all-reduced (MAX) over the shard group, the replicas and TP, so every
   rank sees the overflow any rank found, skips the same steps and updates its scale alike (as
   FSDP's ShardedGradScaler does, but with torch's own GradScaler). One 1-element all-reduce per
   ``unscale_``, and nothing at all for runs without a scaler.
@@ -96,8 +96,10 @@ class ShardGrad(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _NORMS:
+            _refuse_tp(args, kwargs)
             return _norm(func, args, kwargs)
         if func is torch._foreach_norm:
+            _refuse_tp(args, kwargs)
             return _foreach_norm(args, kwargs)
         if func is torch._amp_foreach_non_finite_check_and_unscale_:
             return _unscale(args, kwargs)
@@ -171,6 +173,18 @@ def _sync(args) -> None:
             seen.add(id(rt))
             if rt.replicas > 1:
                 rt.sync_replicas()
+
+
+def _refuse_tp(args, kwargs) -> None:
+    """A norm of the grad shards of a model with tensor-parallel parameters: refused (a partial norm over the shard
+    group misses the other TP ranks' slices; see [Note: tensor parallel inside the data-parallel shards] in
+    layout/dtensor.py)."""
+    if any(getattr(t._rt(), "tp_group", None) is not None for t in _shard_grads([*args, *kwargs.values()])):
+        raise RuntimeError(
+            "yafsdp: a norm of the gradient shards of a model with tensor-parallel (DTensor) parameters "
+            "(torch.nn.utils.clip_grad_norm_, p.grad.norm()) is not supported: it would miss the other TP ranks' "
+            "slices. Use model.clip_grad_norm_(max_norm) on the yafsdp.YaFSDP wrapper (the global norm over data "
+            "parallel and TP)")
 
 
 def _shard_grads(args):
@@ -331,9 +345,10 @@ def _unscale(args, kwargs):
         seen.add(id(rt))
         with DisableTorchFunctionSubclass():
             agreed = _all_reduce(rt, found_inf, dist.ReduceOp.MAX)
-            if rt.replicate_group is not None:
-                dev = rt.to_device(agreed)
-                collectives.all_reduce(dev, rt.replicate_group, op=dist.ReduceOp.MAX)
-                agreed = dev.to(found_inf.device)
+            for other in (rt.replicate_group, rt.tp_group):  # HSDP's replicas; TP's ranks (layout/dtensor.py)
+                if other is not None:
+                    dev = rt.to_device(agreed)
+                    collectives.all_reduce(dev, other, op=dist.ReduceOp.MAX)
+                    agreed = dev.to(found_inf.device)
             found_inf.copy_(agreed)
     return out

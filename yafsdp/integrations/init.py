@@ -83,6 +83,11 @@ def init_shards_(model, rule: InitRule, seed: int = 0) -> None:
 
     Not collective: each rank computes only its own slice. Values do not depend on the world size
     (see [Note: world-size independent init]). Padding is left at zero. Clears ``needs_load``."""
+    if getattr(model, "tp_size", 1) > 1:  # a rule keyed by name and offset would fill each TP slice alike
+        raise RuntimeError(
+            "yafsdp.init.init_shards_: not supported yet on a model with tensor-parallel (DTensor) parameters: the "
+            "rule would fill each rank's TP slice as if it were the whole tensor. Initialise the model before "
+            "applying tensor parallelism and wrapping")
     index = 0
     for info in model.shard_info():
         lo, hi = info.shard_start, info.shard_start + info.shard_numel  # this rank's slice of the flat unit

@@ -25,6 +25,9 @@ class ParamInfo:
     # after wrapping: what the owners hold in its place (orig_params.ShardedParameter); see
     # [Note: the module tree after wrapping] in orig_params.py
     resting: object = field(default=None, compare=False, repr=False)
+    # a tensor-parallel parameter's DTensor layout (layout/dtensor.TPSpec; its shape above is the local
+    # one), else None. See [Note: tensor parallel inside the data-parallel shards] in layout/dtensor.py
+    tp: object = field(default=None, compare=False, repr=False)
 
     @property
     def numel(self) -> int:

@@ -11,6 +11,7 @@ from ..comm.collectives import reduces_in_place
 from .. import formats
 from ..layout.config import OPTIONS, EngineConfig, build_config
 from ..engine.placement import placement_class
+from ..layout.dtensor import has_dtensor_params
 from ..layout.units import discover, weight_free_backward
 from .activations import activation_estimate
 from .staging import persistent_buffer_bytes, staging_bytes
@@ -111,6 +112,11 @@ def memory_plan(
     else:
         if world_size is None:
             raise ValueError("yafsdp.plan.memory_plan: world_size= is required for a model that is not wrapped")
+        if has_dtensor_params(model):  # the layouts would be of the global shapes, not the TP slices the engine holds
+            raise ValueError(
+                "yafsdp.plan.memory_plan: the model has tensor-parallel (DTensor) parameters; the plan of an unwrapped "
+                "model does not take a TP degree yet: wrap it (yafsdp.YaFSDP(model, mesh=mesh['dp'])) and call "
+                "model.memory_plan(), which plans the local layouts the engine allocates")
         # the plan also takes dtype names ("bf16"), as its CLI does
         cfg = build_config(config, who="yafsdp.plan.memory_plan",
                            **{k: as_dtype(v) if _is_dtype(k) and isinstance(v, str) else v

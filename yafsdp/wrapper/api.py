@@ -34,6 +34,8 @@ from ..engine.runtime import Runtime, in_backward
 from ..engine.shard_grad import plain
 from .state_dict import StateDictKeys, gather_full, load_full, materialize
 from ..layout.units import discover, mark_wrapped
+from ..layout import dtensor
+from . import tp_state
 
 __all__ = ["YaFSDP"]
 
@@ -50,7 +52,9 @@ class YaFSDP(nn.Module):
     - ``process_group`` (default None: the world): the shard group, or a pair ``(shard_group,
       replicate_group)`` for HSDP. Refused together with ``mesh``, and when this rank is not in it.
     - ``mesh`` (default None): a 1-D DeviceMesh (full sharding) or a 2-D one named ``("replicate",
-      "shard")`` (HSDP); other shapes and names are refused (tensor / pipeline parallel are not handled).
+      "shard")`` (HSDP); other shapes and names are refused. A model whose parameters are DTensors of
+      torch's tensor parallel (``parallelize_module`` on ``mesh["tp"]``): the data-parallel dim,
+      ``mesh["dp"]`` (docs/tp.md; pipeline parallel is not handled).
     - ``device`` (default None: the current CUDA device with NCCL, else the CPU): where buffers and
       collectives live.
     - ``config`` (default None): a ``yafsdp.EngineConfig`` (``yafsdp.build_config(...)``) standing for
@@ -109,8 +113,14 @@ class YaFSDP(nn.Module):
                 raise ValueError(f"yafsdp.YaFSDP: the current rank (global rank {dist.get_rank()}) is not in {what}")
         if replicate is not None and dist.get_world_size(replicate) == 1:
             replicate = None  # one replica: plain full sharding
+        # Tensor-parallel (DTensor) parameters: found and checked here, before anything changes; see [Note:
+        # tensor parallel inside the data-parallel shards] in layout/dtensor.py. None without TP.
+        self._tp = dtensor.find(module, group, replicate)
+        if self._tp is not None:
+            dtensor.refuse_options(cfg)
+            tp_state.check_module(module)
         if replicate is not None:
-            check_layout(group, replicate)
+            check_layout(group, replicate, tp=self._tp.size if self._tp is not None else 1)
         self.process_group = group  # the shard group: every gather, reduce-scatter and state-dict collective
         self.replicate_group = replicate  # HSDP: this rank's peers holding the same shard; else None
         self.rank = dist.get_rank(group)  # index of this rank's shard
@@ -125,7 +135,16 @@ class YaFSDP(nn.Module):
         self.reduce_dtype = reduce_dtype
         self.reduce_accum_dtype = reduce_accum_dtype  # torch.float32: reduce_dtype pieces summed in fp32; else None
 
-        specs, small = discover(module, units)
+        if self._tp is not None:  # the DTensor parameters' local tensors from here on (restored if this fails)
+            self._tp.localize()
+            try:
+                specs, small = discover(module, units)
+            except BaseException:
+                self._tp.restore()
+                raise
+            self._tp.tag([p for s in specs for p in s.params] + small)
+        else:
+            specs, small = discover(module, units)
         # See [Note: compact trainable gathers] in formats/fp8_codec.py
         gather_exclude = formats.default_exclude(module) if cfg.gather_exclude is None else cfg.gather_exclude
         self._keys = StateDictKeys(module, specs, small)  # before any surgery
@@ -134,6 +153,8 @@ class YaFSDP(nn.Module):
         self.schedule = make_schedule(self.device, group, replicate)
         self._rt = Runtime(specs, small, cfg, gather_exclude=gather_exclude, schedule=self.schedule, group=group,
                            rank=self.rank, device=self.device, replicate_group=replicate)
+        if self._tp is not None:
+            self._rt.tp_group = self._tp.group
         self.quantize_frozen = quantize_frozen
         self.offload = offload
         self.gather_dtype = gather_dtype
@@ -314,6 +335,10 @@ class YaFSDP(nn.Module):
         Call it once, after wrapping and before the first step; returns the model."""
         if getattr(self, "_compiled_units", False):
             raise RuntimeError("yafsdp.YaFSDP.compile_units() was already called on this model")
+        if self._tp is not None:
+            raise RuntimeError(
+                "yafsdp.YaFSDP.compile_units() together with tensor-parallel (DTensor) parameters is not supported "
+                "yet; leave the units uncompiled, or wrap a model without tensor parallelism")
         if getattr(self.module, "is_gradient_checkpointing", False):
             import warnings
 
@@ -351,8 +376,18 @@ class YaFSDP(nn.Module):
     @property
     def coordinator(self) -> bool:
         """True on the one rank that receives ``full_state_dict()`` and writes exports: rank 0 of
-        the shard group (HSDP: of replica 0)."""
-        return self.rank == 0 and self.replica == 0
+        the shard group (HSDP: of replica 0; tensor parallel: of TP rank 0)."""
+        return self.rank == 0 and self.replica == 0 and self.tp_rank == 0
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's coordinate on the tensor-parallel mesh of the model's DTensor parameters (0 without TP)."""
+        return self._tp.rank if self._tp is not None else 0
+
+    @property
+    def tp_size(self) -> int:
+        """The tensor-parallel degree of the model's DTensor parameters (1 without TP)."""
+        return self._tp.size if self._tp is not None else 1
 
     @property
     def mesh_shape(self) -> tuple[int, int]:
@@ -375,16 +410,22 @@ class YaFSDP(nn.Module):
 
         HSDP: the gradients are first all-reduced across replicas (if a backward left local
         contributions), so every replica holds the same shards and the norm is taken over the
-        shard group only: each element counted once, not once per replica."""
+        shard group only: each element counted once, not once per replica. Tensor parallel: over the
+        data-parallel and TP meshes, each element of the global model once (engine/tp.py)."""
         rt = self._rt
         rt.sync_replicas()  # recovers an aborted backward first
         check_collective("clip_grad_norm_()", self.process_group)
         norm_type = float(norm_type)
         # The grad shards live where the optimizer runs (rt.host_device: the CPU with offload); the
         # all-reduce runs on the device (NCCL takes device tensors only), the scaling where the grads are.
-        grads = [plain(u.flat_param.grad) for u in rt.all
-                 if u.flat_param is not None and u.flat_param.grad is not None]
-        if norm_type == float("inf"):
+        held = [(u, plain(u.flat_param.grad)) for u in rt.all
+                if u.flat_param is not None and u.flat_param.grad is not None]
+        grads = [g for _, g in held]
+        if self._tp is not None:  # each element of the global model once, over data parallel and TP
+            from ..engine.tp import grad_norm
+
+            total = grad_norm(rt, held, norm_type, self.process_group, self._tp.group)
+        elif norm_type == float("inf"):
             local = (torch.stack([g.abs().max() for g in grads]).max() if grads
                      else torch.zeros((), device=rt.host_device))
             local = rt.to_device(local.float())
@@ -466,6 +507,7 @@ class YaFSDP(nn.Module):
         """Raise unless the engine is between steps (no forward or backward running)."""
         if not self._rt.idle:
             raise RuntimeError(f"yafsdp.YaFSDP.{what} called during forward/backward; call it between steps")
+        tp_state.check_method(self._tp, what)  # a TP engine: the methods that do not run with it yet
         self._rt.quiesce()  # offload: nothing in flight still reads the host shards a load writes
 
     @property
@@ -487,7 +529,10 @@ class YaFSDP(nn.Module):
         self.check_idle("full_state_dict")
         if self.replica != 0:
             return {}
-        return gather_full(self._rt, self._keys, self.process_group, self.rank)
+        out = gather_full(self._rt, self._keys, self.process_group, self.rank)
+        if self._tp is not None and self.rank == 0:  # the data-parallel index 0 ranks: then over TP
+            out = tp_state.full_over_tp(self._tp, self._keys, out)
+        return out
 
     def iter_full_state_dict(self):
         """Collective generator: the full state dict one unit at a time. The coordinator gets a
@@ -506,6 +551,8 @@ class YaFSDP(nn.Module):
                                 "iter_full_state_dict()")
         dtype_of = {key: ref.dtype for key, kind, ref in self._keys.entries if kind == "param"}
         for unit in iter_units(self._rt, self._keys, self.process_group, self.rank):
+            if self._tp is not None and self.rank == 0:  # the data-parallel index 0 ranks: then over TP
+                unit = tp_state.full_over_tp(self._tp, self._keys, unit)
             # See [Note: state_dict hooks] in state_dict.py
             yield self._keys.module_keys({k: v.to("cpu", dtype_of.get(k, v.dtype), copy=True)
                                           for k, v in unit.items()}, partial=True) if unit else {}
@@ -515,6 +562,8 @@ class YaFSDP(nn.Module):
         """Collective inverse of :meth:`full_state_dict`: rank 0's dict goes to every rank's shards.
         Other ranks may pass ``None`` or ``{}``. Checked on rank 0 first; nothing is modified on error."""
         self.check_idle("load_full_state_dict")
+        if self._tp is not None:  # global rank 0's full tensors split over TP first (HSDP: inside replica 0)
+            state_dict = tp_state.split_over_tp(self._tp, self._keys, state_dict, self.rank == 0 and self.replica == 0)
         if self.replicate_group is None:
             load_full(self._rt, self._keys, state_dict, self.process_group, self.rank, self.world_size)
         else:  # replica 0 loads (global rank 0's dict), then every replica takes its shards
