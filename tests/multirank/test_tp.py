@@ -201,7 +201,8 @@ def _refusals(mesh, tmp):
 
     out = {}
     model = tp_model()
-    for name, value in (("quantize_frozen", "nf4"), ("offload", "optimizer"), ("gather_dtype", "fp8")):
+    for name, value in (("quantize_frozen", "nf4"), ("offload", "optimizer"), ("gather_dtype", "fp8"),
+                        ("secondary_shard", 2), ("grad_quant", "int8")):
         out[name] = _refused(lambda: yafsdp.YaFSDP(model, mesh=mesh["dp"], **{name: value}))
     out["world group"] = _refused(lambda: yafsdp.YaFSDP(model))  # the TP ranks inside the shard group
     out["bad units"] = _refused(lambda: yafsdp.YaFSDP(model, mesh=mesh["dp"], units=[model.model.layers[0]]))
@@ -264,7 +265,7 @@ def test_tp_dp_parity(tmp_path):
     res = run_ranks(_world, 4, str(tmp_path))
     assert set(res[0]) == set(CASES) | {"refused"}
     refused = res[0]["refused"]
-    for option in ("quantize_frozen", "offload", "gather_dtype"):
+    for option in ("quantize_frozen", "offload", "gather_dtype", "secondary_shard", "grad_quant"):
         assert option in refused[option] and "tensor-parallel" in refused[option], refused[option]
     assert "mesh=mesh['dp']" in refused["world group"] and "share ranks" in refused["world group"]
     assert "no parameters" in refused["bad units"] or "in no unit" in refused["bad units"], refused["bad units"]

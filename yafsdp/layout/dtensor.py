@@ -100,18 +100,20 @@ class TPLayout:
 
 
 # The engine options and features that do not run with TP parameters yet: refused at wrap time.
-TP_REFUSED = {
-    "quantize_frozen": "the NF4 frozen base",
-    "offload": "optimizer offload",
-    "gather_dtype": "compact fp8/int8 gathers",
+TP_REFUSED = {  # option: (what it is, its value when off)
+    "quantize_frozen": ("the NF4 frozen base", None),
+    "offload": ("optimizer offload", None),
+    "gather_dtype": ("compact fp8/int8 gathers", None),
+    "secondary_shard": ("the secondary shard of the backward gathers", 0),
+    "grad_quant": ("quantized gradient reduction", None),
 }
 
 
 def refuse_options(cfg) -> None:
     """The options that do not run with TP yet, refused naming both (``cfg``: the EngineConfig)."""
-    for name, what in TP_REFUSED.items():
+    for name, (what, off) in TP_REFUSED.items():
         value = getattr(cfg, name)
-        if value is not None:
+        if value != off and not (name == "secondary_shard" and value == 1):
             raise WrapError(
                 f"yafsdp.YaFSDP: {name}={value!r} ({what}) together with tensor-parallel (DTensor) parameters is "
                 f"not supported yet; drop {name}, or wrap a model without tensor parallelism")
