@@ -140,6 +140,7 @@ COMPOSED = {  # what grad_quant composes with (each against the same options wit
     "offload": dict(offload="optimizer"),
     "gather_int8": dict(gather_dtype="int8"),
     "grad_chunks": dict(grad_chunks=2),
+    "secondary_shard": dict(secondary_shard=2),
     "bf16": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
 }
 
