@@ -20,6 +20,7 @@ import torch.distributed as dist
 import yafsdp
 import yafsdp.checkpoint
 from yafsdp.integrations.tp_plans import llama_tp_plan
+from yafsdp.plan import memory_plan
 from dist_utils import run_ranks
 from models import tiny_llama
 from parity import LR, MAX_NORM, rel_l2, rel_seq
@@ -136,6 +137,12 @@ def _sharded(case, tp_mesh, wrap_mesh, dp_mesh):
     assert dp_rank == model.replica * model.world_size + model.rank
     losses, norms = _train(model, opt, case, dp_rank, dp_mesh.get_group(), lambda: model.clip_grad_norm_(MAX_NORM))
     assert model.memory_plan().engine_bytes() == model.allocated_bytes()  # the plan of the local layouts
+    # the plan of the plain model with the TP degree: the same bytes, before any TP or wrap ([Note: the plan of a TP
+    # model] in yafsdp/plan/build.py); this rank's TP coordinate (the uneven vocabulary's rows differ by it)
+    before = memory_plan(tiny_llama(vocab=VOCAB), world_size=model.world_size, rank=model.rank, tp=model.tp_size,
+                         tp_rank=model.tp_rank, replicas=model.replicas, zero_stage=case["zero"])
+    assert before.engine_bytes() == model.allocated_bytes(), (before.engine_bytes(), model.allocated_bytes())
+    assert before.shard_numel == model.memory_plan().shard_numel
     sd = model.full_state_dict()
     assert (sd != {}) == (dist.get_rank() == 0) == model.coordinator, "only global rank 0 gets the full state dict"
     if case.get("reload"):
@@ -193,8 +200,6 @@ def _refused(fn) -> str:
 def _refusals(mesh, tmp):
     """What a TP engine refuses, by name: the message of each refusal; the module unchanged after one."""
     from torch.distributed.tensor import DTensor
-
-    from yafsdp.plan import memory_plan
 
     def tp_model(**kw):
         return tp_plan(tiny_llama(vocab=VOCAB, **kw), mesh["tp"], sp=True)

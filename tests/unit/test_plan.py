@@ -664,6 +664,12 @@ def test_qlora_offload_8b_fake_pg_confirms_the_plan():
     (["--world-size", "16", "--hsdp", "2", "--secondary-shard", "3"],
      "secondary_shard=3 does not divide the shard group's 8 ranks"),
     (["--zero-stage", "2", "--secondary-shard", "2"], "secondary_shard=2 with zero_stage=2 is refused"),
+    (["--world-size", "8", "--tp", "3"], "--tp 3 does not divide --world-size 8"),
+    (["--world-size", "8", "--tp", "4"], "--tp 4: TP degree 4 does not divide the model's num_key_value_heads (2)"),
+    (["--tp", "2", "--tp-rank", "2"], "--tp-rank 2 is not a coordinate of --tp 2"),
+    (["--tp", "2", "--batch", "1"], "--tp 2 with --batch: the activation estimate traces the model without"),
+    (["--tp", "2", "--gather-dtype", "fp8"], "--tp 2: gather_dtype='fp8' (compact fp8/int8 gathers) together with "
+                                             "tensor-parallel"),
 ])
 def test_plan_cli_refuses_with_usage_not_a_traceback(argv, says, capsys):
     """A refused combination of options (yafsdp.layout.config.build_config's own refusals among them) is the
@@ -748,3 +754,46 @@ def test_plan_of_the_secondary_shard():
         said = "secondary shard: backward gathers within groups of 4 ranks for " + ", ".join(layers) + ";"
         assert said in plan.format()
         assert memory_plan(meta, world_size=8, secondary_shard=1, **opts).engine_bytes() == off.engine_bytes()
+
+
+def test_plan_with_a_tp_degree():
+    """``memory_plan(..., tp=N)`` of a plain Llama: each parameter at its local shape under llama_tp_plan
+    (colwise dim 0, rowwise dim 1, the embedding's and the head's vocabulary rows as torch.chunk splits them,
+    norms whole); equal to a real dp x TP engine's allocations: tests/multirank/test_tp.py. Refused: a TP degree
+    that does not split a dimension, a model that is not Llama's, the activation estimate, a TP option."""
+    from yafsdp.integrations.tp_plans import llama_tp_local_shapes
+    from yafsdp.plan.cli import main
+
+    model = tiny_llama(vocab=67)
+    shapes = llama_tp_local_shapes(model, 2, 1)
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    assert shapes[f"{attn}.q_proj.weight"] == (16, 32) and shapes[f"{attn}.k_proj.weight"] == (8, 32)
+    assert shapes[f"{attn}.o_proj.weight"] == (32, 16) and shapes[f"{mlp}.down_proj.weight"] == (32, 22)
+    assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == (33, 32)  # 67 rows: 34 on TP rank 0
+    assert "model.norm.weight" not in shapes and "model.layers.0.input_layernorm.weight" not in shapes
+    local = {r: memory_plan(model, world_size=2, tp=2, tp_rank=r, backend="gloo") for r in (0, 1)}
+    whole = memory_plan(model, world_size=2, backend="gloo")
+    norms = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    assert local[0].num_params - local[1].num_params == 2 * 32  # one vocabulary row each of embedding and head
+    assert local[1].num_params == (whole.num_params - norms) // 2 - 32 + norms
+    assert "TP degree 2" in local[0].notes[-1]
+
+    def refused(**kw):
+        with pytest.raises(ValueError) as e:
+            memory_plan(kw.pop("m", model), world_size=2, **kw)
+        return str(e.value)
+
+    assert "does not divide the model's num_key_value_heads (2)" in refused(tp=4)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        wide = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=42, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=4))
+    assert "does not divide the model's intermediate_size (42)" in refused(m=wide, tp=4)
+    assert "tp_rank=2" in refused(tp=2, tp_rank=2)
+    assert "which is Llama's" in refused(m=Stack(), tp=2) and "model.layers[*].self_attn" in refused(m=Stack(), tp=2)
+    assert "the activation estimate traces the model without tensor parallelism" in refused(tp=2, batch=1, seq=8)
+    assert "quantize_frozen='nf4'" in refused(tp=2, quantize_frozen="nf4")
+    # the CLI: --world-size counts every rank, the plan is sharded over world-size / tp of them
+    cli = main(["--preset", "cpu-4x128", "--world-size", "4", "--tp", "2", "--json"])
+    assert cli.world_size == 2 and cli.num_params < 869_504 // 2 + 4 * 128 * 2

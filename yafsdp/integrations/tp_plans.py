@@ -17,7 +17,7 @@ forward (HF computes the loss in it) and the backward must run.
 """
 from __future__ import annotations
 
-__all__ = ["llama_tp_plan"]
+__all__ = ["llama_tp_local_shapes", "llama_tp_plan"]
 
 
 def llama_tp_plan(model, sequence_parallel: bool = True, loss_parallel: bool = False) -> dict:
@@ -52,3 +52,63 @@ def llama_tp_plan(model, sequence_parallel: bool = True, loss_parallel: bool = F
                                                             desired_input_kwarg_layouts={"hidden_states": Replicate()})
             plan[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return plan
+
+
+def llama_tp_local_shapes(model, tp: int, tp_rank: int = 0) -> dict:
+    """The local shape of each parameter of ``model`` (a plain HF Llama-like causal LM, no DTensors) that
+    :func:`llama_tp_plan` splits, on TP coordinate ``tp_rank`` of a TP degree ``tp``: ``{canonical name
+    (the first in model.named_parameters()): torch.Size}``; the parameters it leaves whole are not listed.
+    What torch's ``ColwiseParallel`` / ``RowwiseParallel`` do to the modules the plan names: a Linear's
+    weight split on dim 0 (column-parallel, its bias too) or dim 1 (row-parallel, its bias whole), an
+    Embedding's on dim 1 (column-parallel) or dim 0 (row-parallel); each split as DTensor's ``Shard``
+    cuts it (``torch.chunk``: the first ranks take ``ceil(n / tp)`` rows, an uneven vocabulary's last
+    rank fewer). Refuses a model the plan does not fit, and a ``tp`` that does not divide the head
+    counts or the MLP width, naming the dimension. Used by ``yafsdp.plan.memory_plan(..., tp=)``."""
+    import torch
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if tp < 1 or not 0 <= tp_rank < tp:
+        raise ValueError(f"yafsdp.integrations.tp_plans: tp={tp}, tp_rank={tp_rank}; give a TP degree of at least 1 "
+                         "and a coordinate 0 <= tp_rank < tp")
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers) or not all(
+            hasattr(b, "self_attn") and hasattr(b, "mlp") for b in layers):
+        raise ValueError(
+            f"yafsdp.integrations.tp_plans: {type(model).__name__} has no model.layers[*].self_attn / .mlp; the "
+            "TP degree plans the layout of llama_tp_plan, which is Llama's (HF LlamaForCausalLM and the causal LMs "
+            "with its module names); for another model apply its TP plan, wrap it and call model.memory_plan()")
+    cfg = getattr(model, "config", None)
+    dims = {d: getattr(cfg, d, None) for d in ("num_attention_heads", "num_key_value_heads", "intermediate_size")}
+    for dim, size in dims.items():
+        if size is not None and size % tp:
+            raise ValueError(
+                f"yafsdp.integrations.tp_plans: TP degree {tp} does not divide the model's {dim} ({size}); "
+                "column-parallel projections split it over the TP ranks: pick a TP degree that divides "
+                + ", ".join(f"{d} ({n})" for d, n in dims.items() if n is not None))
+    canonical = {}
+    for name, p in model.named_parameters():
+        canonical.setdefault(id(p), name)
+    out = {}
+    for mname, style in llama_tp_plan(model, sequence_parallel=False).items():
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            continue  # the norms and the input/output preparations: nothing split
+        module = model.get_submodule(mname)
+        col = isinstance(style, ColwiseParallel)
+        if isinstance(module, nn.Embedding):
+            split = {"weight": 1 if col else 0}
+        elif isinstance(module, nn.Linear):
+            split = {"weight": 0 if col else 1, **({"bias": 0} if col else {})}
+        else:
+            raise ValueError(
+                f"yafsdp.integrations.tp_plans: {mname!r} is a {type(module).__name__}; llama_tp_plan splits "
+                "nn.Linear and nn.Embedding modules only (torch's ColwiseParallel / RowwiseParallel)")
+        for attr, d in split.items():
+            p = module._parameters.get(attr)
+            if p is None:
+                continue
+            shape = list(p.shape)
+            chunk = -(-shape[d] // tp)
+            shape[d] = max(0, min(chunk, shape[d] - tp_rank * chunk))
+            out[canonical[id(p)]] = torch.Size(shape)
+    return out

@@ -44,6 +44,39 @@ def _is_dtype(name: str) -> bool:
     return opt is not None and opt.type.startswith("torch.dtype")
 
 
+# [Note: the plan of a TP model]
+# A wrapped TP engine holds each DTensor parameter's local tensor (layout/dtensor.py), so its plan is that
+# of the local shapes over the data-parallel ranks. The plan of a model that has not been parallelized
+# yet (``tp=N``) needs those shapes without a TP mesh: ``llama_tp_local_shapes`` reads them off
+# ``llama_tp_plan``'s styles as torch would apply them (a Linear split on dim 0 column-parallel, dim 1
+# row-parallel, an Embedding the other way round; norms whole), and the unit discovery's ParamInfos
+# take them before the flat layouts are cut. Everything downstream is the engine's own sizing, so the
+# plan equals a real dp x TP engine's allocations (tests/multirank/test_tp.py checks it at dp 2 x TP 2,
+# uneven vocabulary included). Only Llama's plan is known here: another model is refused by name. The
+# activation estimate traces the unsplit model and is refused with a TP degree.
+def _tp_shapes(model, cfg, tp: int, tp_rank: int, specs, small_params, activations: bool) -> None:
+    """Give the ParamInfos of ``model`` their local shapes under Llama's TP plan (see [Note: the plan of a
+    TP model]); refuses what a TP engine refuses."""
+    from ..integrations.tp_plans import llama_tp_local_shapes
+    from ..layout.dtensor import refuse_options
+
+    if activations:
+        raise ValueError(
+            f"yafsdp.plan.memory_plan: batch/seq with tp={tp}: the activation estimate traces the model without "
+            "tensor parallelism (TP splits the activations of attention and MLP, and sequence parallelism the "
+            "norms'); plan the bytes of the model without batch and seq")
+    try:
+        refuse_options(cfg)
+        shapes = llama_tp_local_shapes(model, tp, tp_rank)
+    except ValueError as e:
+        msg = str(e)
+        for who in ("yafsdp.YaFSDP:", "yafsdp.integrations.tp_plans:"):
+            msg = msg.replace(who, "yafsdp.plan.memory_plan:", 1)
+        raise ValueError(msg) from None
+    for info in [p for s in specs for p in s.params] + list(small_params):
+        info.shape = shapes.get(info.fqn, info.shape)
+
+
 def plan_backend(backend: str | None) -> str:
     """The backend a plan of a plain module assumes (see ``memory_plan``)."""
     if backend is not None:
@@ -69,6 +102,8 @@ def memory_plan(
     backend: str | None = None,
     config=None,
     replicas: int = 1,
+    tp: int = 1,
+    tp_rank: int = 0,
     **engine_options,
 ) -> MemoryPlan:
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
@@ -86,13 +121,21 @@ def memory_plan(
     the initialized default group's, else "nccl" when CUDA is available and "gloo" when not. ``replicas`` (a
     plain module): HSDP's copies of the shard group of ``world_size`` ranks; it changes bytes only where that
     group has one rank ([Note: world-1 gradients] in sizing.py: with replicas the grad buffers stay, their
-    all-reduce runs behind the fold)."""
+    all-reduce runs behind the fold). ``tp`` (a plain module, no DTensor parameters): the TP degree of
+    ``yafsdp.integrations.tp_plans.llama_tp_plan`` applied before the wrap, ``world_size`` then the
+    data-parallel ranks; every parameter is planned at its local shape on TP coordinate ``tp_rank``
+    (``llama_tp_local_shapes``; Llama's plan only, the options TP refuses refused here too). See
+    [Note: the plan of a TP model] in this module."""
     unknown = sorted(set(engine_options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"yafsdp.plan.memory_plan: unexpected keyword arguments {unknown}; the engine options are "
                         f"{sorted(OPTIONS)}")
     if isinstance(getattr(model, "engine_config", None), EngineConfig):  # a wrapped YaFSDP
         eng = model
+        if tp not in (1, eng.tp_size):
+            raise ValueError(
+                f"yafsdp.plan.memory_plan: tp={tp} for a wrapped model whose TP degree is {eng.tp_size}; a wrapped "
+                "model plans the layouts it holds: leave tp out")
         names = [u.name for u in eng.units]
         layouts = [u.shape for u in eng.units]
         small = eng.small.shape if eng.small is not None else None
@@ -114,9 +157,10 @@ def memory_plan(
             raise ValueError("yafsdp.plan.memory_plan: world_size= is required for a model that is not wrapped")
         if has_dtensor_params(model):  # the layouts would be of the global shapes, not the TP slices the engine holds
             raise ValueError(
-                "yafsdp.plan.memory_plan: the model has tensor-parallel (DTensor) parameters; the plan of an unwrapped "
-                "model does not take a TP degree yet: wrap it (yafsdp.YaFSDP(model, mesh=mesh['dp'])) and call "
-                "model.memory_plan(), which plans the local layouts the engine allocates")
+                "yafsdp.plan.memory_plan: the model has tensor-parallel (DTensor) parameters, and their global shapes "
+                "are not what the engine holds: wrap it (yafsdp.YaFSDP(model, mesh=mesh['dp'])) and call "
+                "model.memory_plan(), which plans the local layouts the engine allocates; or plan the model before "
+                "parallelize_module with tp=N (Llama's plan)")
         # the plan also takes dtype names ("bf16"), as its CLI does
         cfg = build_config(config, who="yafsdp.plan.memory_plan",
                            **{k: as_dtype(v) if _is_dtype(k) and isinstance(v, str) else v
@@ -128,6 +172,8 @@ def memory_plan(
         quantize = compute_dtype if quantize_frozen else None
         align = unit_align(compute_dtype, reduce_dtype, align_bytes)
         specs, small_params = discover(model, units)
+        if tp != 1:
+            _tp_shapes(model, cfg, tp, tp_rank, specs, small_params, batch is not None or seq is not None)
         names = [s.name for s in specs]
         weight_free = [weight_free_backward(s) for s in specs]
         layouts = [unit_shape(s.params, world_size, rank, align, quantize, gather_dtype, exclude) for s in specs]
@@ -202,6 +248,9 @@ def memory_plan(
     from ..integrations.hf_stream import load_host_bytes
 
     plan.load_host = load_host_bytes(all_layouts, cbytes)
+    if tp != 1 and not hasattr(model, "engine_config"):
+        plan.notes.append(f"tensor parallel: llama_tp_plan at TP degree {tp}, the local shapes of TP rank {tp_rank}; "
+                          f"world size {world_size}: the data-parallel ranks of one TP coordinate")
     if batch is not None and seq is not None:
         largest_unit_grads = max((lay.trainable.numel for lay in layouts if lay.trainable is not None),
                                  default=0) * cbytes

@@ -22,6 +22,11 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
     ap.add_argument("--world-size", type=int, default=8, help="ranks the model is sharded over")
     ap.add_argument("--hsdp", type=int, default=1, metavar="R",
                     help="HSDP: R replicas, each sharded over world-size / R ranks (the plan is that of one replica)")
+    ap.add_argument("--tp", type=int, default=1, metavar="T",
+                    help="tensor parallel: the model as llama_tp_plan splits it over T ranks (each parameter at its "
+                    "local shape), then sharded over the world-size / (R x T) data-parallel ranks")
+    ap.add_argument("--tp-rank", type=int, default=0,
+                    help="with --tp: the TP coordinate whose slices are planned (an uneven vocabulary's differ)")
     ap.add_argument("--rank", type=int, default=0, help="the rank whose shard is planned (padding differs by rank)")
     ap.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES),
                     help="optimizer whose state is counted (bytes per shard element: adamw 8, sgd-momentum 4)")
@@ -102,8 +107,16 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
 
     a = _parse(argv, prog)
     _check(a, parser(prog))
-    shard = a.world_size // a.hsdp  # HSDP: every memory figure is one replica's (shards over `shard` ranks)
+    # HSDP: every memory figure is one replica's (shards over `shard` ranks); TP: of one TP coordinate's ranks
+    shard = a.world_size // (a.hsdp * a.tp)
     model = build_llama(a.preset, device="meta")
+    if a.tp > 1:  # a TP degree the preset's heads or MLP width cannot be split by: the usage error, by dimension
+        from ..integrations.tp_plans import llama_tp_local_shapes
+
+        try:
+            llama_tp_local_shapes(model, a.tp, a.tp_rank)
+        except ValueError as e:
+            parser(prog).error(f"--tp {a.tp}: " + str(e).removeprefix("yafsdp.integrations.tp_plans: "))
     if a.batch is not None and a.seq is None:
         a.seq = model.config.max_position_embeddings
     if a.frozen_base != "none" or a.lora_rank:
@@ -117,14 +130,16 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
         model, world_size=shard, rank=a.rank, optimizer=a.optimizer,
         batch=a.batch, seq=a.seq, checkpointing=a.checkpointing, attention=a.attention, async_save=a.async_save,
         backend=a.backend, **_engine_options(a), **({"budget": a.budget} if a.budget else {}),
+        **({"tp": a.tp, "tp_rank": a.tp_rank, "replicas": a.hsdp} if a.tp > 1 else {}),
     )
     choice = getattr(plan, "choice", None)
     if a.json:
         extra = {"checkpointing_choice": choice.to_dict()} if choice is not None else {}
         print(json.dumps(dict(preset=a.preset, **plan.to_dict(), **extra), indent=1, default=str))
     else:
-        print(f"preset {a.preset}" + (f" | HSDP: {a.hsdp} replicas x {shard} shard ranks = {a.world_size} ranks"
-                                      if a.hsdp > 1 else ""))
+        print(f"preset {a.preset}" + (f" | HSDP: {a.hsdp} replicas x {shard} shard ranks" if a.hsdp > 1 else "")
+              + (f" | TP {a.tp} (rank {a.tp_rank}) x {shard * a.hsdp} data-parallel ranks" if a.tp > 1 else "")
+              + (f" = {a.world_size} ranks" if a.hsdp > 1 or a.tp > 1 else ""))
         print(plan.format())
         if choice is not None:
             print(choice.format())
@@ -144,8 +159,19 @@ def _check(a, ap: argparse.ArgumentParser) -> None:
     if a.hsdp < 1 or a.world_size % a.hsdp:
         ap.error(f"--hsdp {a.hsdp} does not divide --world-size {a.world_size}; HSDP shards over "
                  "world-size / R ranks, so pick R among the divisors of the world size")
-    if not 0 <= a.rank < a.world_size // a.hsdp:
-        ap.error(f"--rank {a.rank} is not a rank of the {a.world_size // a.hsdp} ranks the model is sharded over")
+    if a.tp < 1 or a.world_size % (a.hsdp * a.tp):
+        hsdp = f" / --hsdp {a.hsdp}" if a.hsdp > 1 else ""
+        ap.error(f"--tp {a.tp} does not divide --world-size {a.world_size}{hsdp}; the data-parallel ranks are "
+                 "world-size / (R x T): pick T among the divisors")
+    if not 0 <= a.tp_rank < a.tp:
+        ap.error(f"--tp-rank {a.tp_rank} is not a coordinate of --tp {a.tp} (0 to {a.tp - 1})")
+    if a.tp > 1 and (a.batch is not None or a.lora_rank):
+        ap.error(f"--tp {a.tp} with " + ("--lora-rank: adapters are refused with tensor parallelism" if a.lora_rank
+                                         else "--batch: the activation estimate traces the model without tensor "
+                                         "parallelism") + "; leave one out")
+    shard = a.world_size // (a.hsdp * a.tp)
+    if not 0 <= a.rank < shard:
+        ap.error(f"--rank {a.rank} is not a rank of the {shard} ranks the model is sharded over")
     for flag, value in (("--batch", a.batch), ("--seq", a.seq)):
         if value is not None and value < 1:
             ap.error(f"{flag} {value}: give a positive number")
@@ -164,9 +190,16 @@ def _check(a, ap: argparse.ArgumentParser) -> None:
     except (TypeError, ValueError) as e:  # a refused combination of options: the parser's error, not a traceback
         ap.error(str(e).removeprefix("options: "))
     try:  # the secondary shard's groups against the shard group (one replica's ranks with --hsdp)
-        check_secondary(cfg.secondary_shard, a.world_size // a.hsdp)
+        check_secondary(cfg.secondary_shard, shard)
     except ValueError as e:
         ap.error(str(e).removeprefix("yafsdp: "))
+    if a.tp > 1:  # the options a TP engine refuses
+        from ..layout.dtensor import refuse_options
+
+        try:
+            refuse_options(cfg)
+        except ValueError as e:
+            ap.error(f"--tp {a.tp}: " + str(e).removeprefix("yafsdp.YaFSDP: "))
 
 
 def _choose(model, *, budget, checkpointing, **options) -> MemoryPlan:
