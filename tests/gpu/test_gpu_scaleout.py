@@ -1,0 +1,373 @@
+"""The scale-out options on CUDA: quantized gradient reduction (``grad_quant``), the secondary shard
+(``secondary_shard``) and tensor parallel x sharding. Skipped without a GPU; the same options are proven
+on gloo by tests/multirank/test_grad_quant.py, test_secondary_shard.py and test_tp.py.
+
+One GPU (marker ``gpu``, run by gpu_suite.sh part1): a world of one cannot form node groups or a secondary
+group of two, and NCCL refuses two ranks on one device, so what runs here is what a world of one can
+check -- the quantized records' encode and expand on device tensors against the CPU, bit for bit; the
+quantized reduce-scatter and all-reduce themselves on device tensors, with their collectives replaced by an
+in-process exchange between threads (one per simulated rank), against the same run on the CPU bit for bit
+and against the fp32 reduce within the bound of [Note: the error of a quantized reduce]; and the
+tensor-parallel path at world 1 under NCCL (a (1, 1) DeviceMesh on CUDA: DTensor parameters wrapped,
+trained, compared with the same TP model without the engine).
+
+Several GPUs (marker ``multigpu``, run by gpu_suite.sh's ``multigpu`` part, skipped below four devices):
+the same options under NCCL across devices -- the quantized reduce-scatter with its node stage in place and
+the replicas' quantized all-reduce at world 4; the engine with ``grad_quant`` and with ``secondary_shard=2``
+at world 4; dp 2 x tp 2 against the TP model without the engine.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import yafsdp
+from dist_utils import run_ranks
+from models import batch, loss_of, tiny_llama
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+needs_four_gpus = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 4,
+                                     reason="needs four CUDA devices (NCCL refuses two ranks on one; node "
+                                            "groups and secondary groups of two need a world of four)")
+
+
+def _bits(t):
+    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype])
+
+
+# ------------------------------------------------------------------------ one GPU: the records and the fold
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_quantized_records_on_cuda_equal_cpu(name):
+    """The records the quantized reduce sends (the format's ``encode_`` of an fp32 block-padded piece) and
+    their values (``expand_`` to fp32): the same bits on the device as on the CPU, blocks of zeros, tiny and
+    huge scales included."""
+    from yafsdp import formats
+
+    codec = formats.get(name)
+    blocks = 97
+    n = codec.block * blocks
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, generator=g) * torch.logspace(-20, 20, blocks).repeat_interleave(codec.block)
+    x[codec.block:2 * codec.block] = 0  # scale 0
+    x[3 * codec.block] = 1e30  # one outlier widens its block only
+    want = torch.zeros(codec.record_bytes(n, torch.float32), dtype=torch.uint8)
+    codec.encode_(want, x)
+    got = torch.zeros_like(want, device="cuda")
+    codec.encode_(got, x.cuda())
+    assert torch.equal(got.cpu(), want), name
+    out_cpu = torch.empty(n)
+    codec.expand_(out_cpu, want, n)
+    out = torch.empty(n, device="cuda")
+    codec.expand_(out, want.cuda(), n)
+    assert torch.equal(_bits(out.cpu()), _bits(out_cpu)), name
+
+
+class _Exchange:
+    """The collectives of yafsdp.comm.quant_reduce between threads of one process, one per simulated rank
+    (a group is the tuple of its global ranks): each call meets its group's other calls at a barrier, then
+    reads the others' inputs. Sums run in group order in the input's dtype."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.me = threading.local()
+        self.barriers: dict[tuple, threading.Barrier] = {}
+        self.posted: dict[tuple, dict[int, torch.Tensor]] = {}
+        self.lock = threading.Lock()
+
+    def _meet(self, group: tuple, value: torch.Tensor) -> dict[int, torch.Tensor]:
+        with self.lock:
+            bar = self.barriers.setdefault(group, threading.Barrier(len(group)))
+            self.posted.setdefault(group, {})[self.me.rank] = value.clone()
+        bar.wait()
+        seen = dict(self.posted[group])
+        bar.wait()  # every member has read before the next call of this group posts
+        return seen
+
+    def all_to_all(self, output, full, group, async_op=True):
+        seen = self._meet(group, full)
+        i = group.index(self.me.rank)
+        for j, r in enumerate(group):
+            output.view(len(group), -1)[j].copy_(seen[r].view(len(group), -1)[i])
+        return None
+
+    def all_gather(self, output, shard, group, async_op=True, local=False):
+        seen = self._meet(group, shard)
+        for j, r in enumerate(group):
+            output.view(len(group), -1)[j].copy_(seen[r])
+        return None
+
+    def reduce_scatter(self, shard_out, full, group, async_op=True, local=False):
+        seen = self._meet(group, full)
+        i, n = group.index(self.me.rank), shard_out.numel()
+        acc = seen[group[0]][i * n:(i + 1) * n].clone()
+        for r in group[1:]:
+            acc += seen[r][i * n:(i + 1) * n]
+        shard_out.copy_(acc)
+        return None
+
+    def run(self, fn):
+        """fn(rank) on every simulated rank, each in its own thread; the results in rank order."""
+        out, errors = [None] * self.world, []
+
+        def body(rank):
+            self.me.rank = rank
+            try:
+                out[rank] = fn(rank)
+            except BaseException as e:  # noqa: BLE001 -- reported below, after every thread ended
+                errors.append((rank, e))
+                for bar in list(self.barriers.values()):
+                    bar.abort()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        if errors:
+            raise AssertionError(f"simulated rank {errors[0][0]} failed") from errors[0][1]
+        assert not any(t.is_alive() for t in threads), "a simulated rank is still waiting at a barrier"
+        return out
+
+
+def simulated_quant_reduce(name, device, world, node, dtype, case, monkeypatch):
+    """Every rank's reduced shard (fp32) of QuantReduce with its node stage in place (NCCL's way) and of
+    QuantAllReduce over the world as replicas, on ``device``, the collectives exchanged between threads."""
+    from test_grad_quant import S, contributions
+
+    from yafsdp import formats
+    from yafsdp.comm import quant_reduce as qr_mod
+
+    ex = _Exchange(world)
+    for f in ("all_to_all", "all_gather", "reduce_scatter"):
+        monkeypatch.setattr(qr_mod, f, getattr(ex, f))
+    # QuantAllReduce asks torch.distributed for its group's size and its rank in it
+    monkeypatch.setattr(qr_mod, "dist", types.SimpleNamespace(get_world_size=len,
+                                                              get_rank=lambda group: group.index(ex.me.rank)))
+    codec = formats.get(name)
+    c = contributions(case)
+
+    def rank_fn(rank):
+        n_here, l_here = divmod(rank, node)
+        node_group = tuple(range(n_here * node, (n_here + 1) * node))
+        cross_group = tuple(range(l_here, world, node))
+        qr = qr_mod.QuantReduce(codec, world, rank, node, node_group if node > 1 else None, cross_group,
+                                in_place=True)
+        room = torch.zeros(qr_mod.reduce_room_bytes(codec, world // node, node, S, dtype, False),
+                           dtype=torch.uint8, device=device)
+        full = c[rank].to(device=device, dtype=dtype, copy=True)  # reduced in place: never c itself
+        total = qr.output(room, full)
+        qr(room, total, full, async_op=False)
+        ar_room = torch.zeros(qr_mod.all_reduce_room_bytes(codec, world, 2 * S), dtype=torch.uint8, device=device)
+        shard = c[rank, :2 * S + 57].to(device, copy=True)  # uneven: the last piece is short
+        qar = qr_mod.QuantAllReduce(codec, tuple(range(world)), ar_room, 2 * S)
+        qar(shard, async_op=False)
+        return total.cpu().clone(), shard.cpu().clone()
+
+    return ex.run(rank_fn), c
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_quantized_reduce_on_cuda_is_its_cpu_twin_and_within_the_bound(name, monkeypatch):
+    """QuantReduce (world 4, node groups of 2, the node stage in place as on NCCL; and node groups of 1)
+    and QuantAllReduce (4 replicas) on device tensors: the quantize, the dequantize and the fp32 sums in
+    node order give the CPU's bits, and the reduced shards are the fp32 reduce within the Note's bound."""
+    from test_grad_quant import CASES, S
+
+    from yafsdp import formats
+    from yafsdp.comm.quant_reduce import error_bound
+
+    codec = formats.get(name)
+    world = 4
+    for node in (2, 1):
+        for dtype in (torch.float32, torch.bfloat16):
+            for case in CASES:
+                got, c = simulated_quant_reduce(name, "cuda", world, node, dtype, case, monkeypatch)
+                want, _ = simulated_quant_reduce(name, "cpu", world, node, dtype, case, monkeypatch)
+                for rank in range(world):
+                    for a, b, what in zip(got[rank], want[rank], ("reduce-scatter", "all-reduce")):
+                        assert torch.equal(_bits(a), _bits(b)), (name, node, dtype, case, rank, what)
+                if dtype != torch.float32:
+                    continue  # the bound is against the fp32 reduce; bf16 node sums carry bf16's roundings
+                for rank in range(world):
+                    piece = c[:, rank * S:(rank + 1) * S]
+                    partials = piece.view(world // node, node, S).sum(1)
+                    exact = piece.double().sum(0)
+                    bound = error_bound(codec, partials, rank // node, piece)
+                    err = (got[rank][0].double() - exact).abs()
+                    assert (err <= bound).all(), (name, node, case, rank, (err - bound).max().item())
+                    assert torch.equal(got[rank][1], got[0][1]), (name, case, "replicas differ")
+
+
+# ---------------------------------------------------------------------- one GPU: tensor parallel at world 1
+def _tp_run(rank, world, dp, tp, zero_stage):
+    """dp x tp on CUDA under NCCL: the engine over mesh["dp"] against the same TP model without it (its
+    DTensor grads averaged over dp). Returns the losses of both and rank 0's largest relative weight error."""
+    from test_tp import LR, MAX_NORM, SEQ, VOCAB, tp_plan
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))
+    dp_group, dp_rank = mesh["dp"].get_group(), mesh["dp"].get_local_rank()
+    base = tiny_llama(vocab=VOCAB).cuda()
+    ref = tp_plan(copy.deepcopy(base), mesh["tp"], sp=True)
+    model = yafsdp.YaFSDP(tp_plan(base, mesh["tp"], sp=True), mesh=mesh["dp"], zero_stage=zero_stage)
+    assert model.tp_size == tp and model.device.type == "cuda"
+    opts = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.1, foreach=False) for m in (model, ref)]
+    losses = {"engine": [], "reference": []}
+    for step in range(3):
+        g = torch.Generator().manual_seed(1000 * step + dp_rank)
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=g).cuda()
+        for which, m, opt in (("engine", model, opts[0]), ("reference", ref, opts[1])):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            t = loss.detach().clone()
+            dist.all_reduce(t, group=dp_group)
+            losses[which].append(t / dp)
+            if which == "engine":
+                model.clip_grad_norm_(MAX_NORM)
+            else:
+                for p in ref.parameters():
+                    local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                    dist.all_reduce(local, group=dp_group)
+                    local.div_(dp)
+                grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in ref.parameters()]
+                total = torch.stack([q.pow(2).sum() for q in grads]).sum().sqrt()
+                coef = torch.clamp(MAX_NORM / (total + 1e-6), max=1.0)
+                for p in ref.parameters():
+                    p.grad.mul_(coef)
+            opt.step()
+            opt.zero_grad()
+    sd = model.full_state_dict()
+    want = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in ref.state_dict().items()}
+    rel = max(((sd[k].cuda() - want[k]).norm() / want[k].norm().clamp_min(1e-12)).item() for k in sd) \
+        if rank == 0 else 0.0
+    return ({k: torch.stack(v).cpu() for k, v in losses.items()}, rel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_tp_world1_smoke_under_nccl(zero_stage):
+    """The tensor-parallel path at world 1: a (1, 1) ("dp", "tp") DeviceMesh on CUDA, torch's TP with
+    sequence parallelism applied on mesh["tp"], the engine on mesh["dp"]; every parameter a DTensor on a
+    one-rank mesh, handed to its module as DTensor.from_local in the unit's forward. Three AdamW steps
+    match the same TP model without the engine."""
+    losses, rel = run_ranks(_tp_run, 1, 1, 1, zero_stage, backend="nccl")[0]
+    assert ((losses["engine"] - losses["reference"]).abs() / losses["reference"].abs()).max() < 1e-4, losses
+    assert rel < 1e-3, rel
+
+
+# ----------------------------------------------------------------- several GPUs: NCCL across devices
+def _quant_nccl(rank, world):
+    """QuantReduce with its node stage in place (NCCL reduces into the grad buffer's slices) and
+    QuantAllReduce over the world, on CUDA, every case of tests/multirank/test_grad_quant.py."""
+    from test_grad_quant import CASES, NODE, S, contributions
+
+    from yafsdp import formats
+    from yafsdp.comm.quant_reduce import QuantAllReduce, QuantReduce, all_reduce_room_bytes, reduce_room_bytes
+    from yafsdp.comm.subgroups import consecutive_subgroups, strided_subgroups
+
+    node_group = consecutive_subgroups(dist.group.WORLD, NODE)
+    cross_group = strided_subgroups(dist.group.WORLD, NODE)
+    out = {}
+    for name in ("int8", "fp8"):
+        codec = formats.get(name)
+        qr = QuantReduce(codec, world, rank, NODE, node_group, cross_group, in_place=True)
+        room = torch.zeros(reduce_room_bytes(codec, world // NODE, NODE, S, torch.float32, False),
+                           dtype=torch.uint8, device="cuda")
+        ar_room = torch.zeros(all_reduce_room_bytes(codec, world, 2 * S), dtype=torch.uint8, device="cuda")
+        qar = QuantAllReduce(codec, dist.group.WORLD, ar_room, 2 * S)
+        for case in CASES:
+            full = contributions(case)[rank].cuda()
+            total = qr.output(room, full)
+            work = qr(room, total, full, async_op=case != "random")
+            if work is not None:
+                work.wait()
+            shard = contributions(case)[rank, :2 * S + 57].cuda()
+            qar(shard, async_op=False)
+            out[name, case] = (total.cpu().clone(), shard.cpu())
+    return out
+
+
+@pytest.mark.multigpu
+@needs_four_gpus
+def test_nccl_world4_quantized_reduce_in_place_within_the_bound():
+    from test_grad_quant import CASES, NODE, S, contributions
+
+    from yafsdp import formats
+    from yafsdp.comm.quant_reduce import error_bound
+
+    res = run_ranks(_quant_nccl, 4, backend="nccl")
+    for name in ("int8", "fp8"):
+        codec = formats.get(name)
+        for case in CASES:
+            c = contributions(case)
+            for rank in range(4):
+                piece = c[:, rank * S:(rank + 1) * S]
+                partials = piece.view(4 // NODE, NODE, S).sum(1)
+                err = (res[rank][name, case][0].double() - piece.double().sum(0)).abs()
+                assert (err <= error_bound(codec, partials, rank // NODE, piece)).all(), (name, case, rank)
+                assert torch.equal(res[rank][name, case][1], res[0][name, case][1]), (name, case, "replicas differ")
+
+
+def _engine_nccl(rank, world, opts_list):
+    """Three AdamW steps of a tiny Llama per engine option set, inputs on the device; losses and rank 0's
+    full state dict."""
+    out = []
+    for opts in opts_list:
+        model = yafsdp.YaFSDP(tiny_llama(), **opts)
+        assert model.device.type == "cuda"
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        losses = []
+        for step in range(3):
+            x = {k: v.cuda() for k, v in batch("llama", step, 0, rank).items()}
+            loss = loss_of(model, "llama", x)
+            loss.backward()
+            losses.append(loss.detach())
+            model.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        out.append((torch.stack(losses).cpu(), model.full_state_dict()))
+    return out
+
+
+@pytest.mark.multigpu
+@needs_four_gpus
+def test_nccl_world4_secondary_shard_bit_identical_to_off():
+    """secondary_shard=2 at world 4 under NCCL: the backward's gathers within the pairs give the same
+    bits as the full group's (as on gloo in test_secondary_shard.py)."""
+    for rank, (off, on) in enumerate(run_ranks(_engine_nccl, 4, [{}, dict(secondary_shard=2)], backend="nccl")):
+        assert torch.equal(off[0], on[0]), rank
+        assert off[1].keys() == on[1].keys() and all(torch.equal(off[1][k], on[1][k]) for k in off[1]), rank
+
+
+@pytest.mark.multigpu
+@needs_four_gpus
+def test_nccl_world4_grad_quant_trains_close_to_off():
+    """grad_quant int8 and fp8 over node groups of 2 at world 4 under NCCL (the node stage in place): the
+    losses and weights stay as close to the unquantized run as test_grad_quant.py asks on gloo."""
+    opts = [{}, dict(grad_quant="int8", grad_quant_node=2), dict(grad_quant="fp8", grad_quant_node=2)]
+    res = run_ranks(_engine_nccl, 4, opts, backend="nccl")
+    (l_off, sd_off), *quantized = res[0]
+    for l_on, sd_on in quantized:
+        assert l_on[0] == l_off[0]  # the first loss precedes any reduce
+        assert (l_on[1:] - l_off[1:]).abs().max() < 2e-3 * l_off[0].abs(), (l_off, l_on)
+        diff = max((sd_on[k] - sd_off[k]).abs().max().item() for k in sd_off)
+        assert 0 < diff < 2e-2, diff
+
+
+@pytest.mark.multigpu
+@needs_four_gpus
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_nccl_world4_tp_dp_parity(zero_stage):
+    """dp 2 x tp 2 on four GPUs under NCCL: the engine over mesh["dp"] against the TP model without it."""
+    for rank, (losses, rel) in enumerate(run_ranks(_tp_run, 4, 2, 2, zero_stage, backend="nccl")):
+        assert ((losses["engine"] - losses["reference"]).abs() / losses["reference"].abs()).max() < 1e-4, rank
+        assert rel < 1e-3, rel
