@@ -206,6 +206,67 @@ def test_quantized_reduce_on_cuda_is_its_cpu_twin_and_within_the_bound(name, mon
                     assert torch.equal(got[rank][1], got[0][1]), (name, case, "replicas differ")
 
 
+# ------------------------------------------------------- one GPU: the engine's paths at a fake world of 8
+FAKE_OPTS = {
+    "int8_node2": dict(grad_quant="int8", grad_quant_node=2),
+    "fp8_node2": dict(grad_quant="fp8", grad_quant_node=2),
+    "int8_node1": dict(grad_quant="int8"),
+    "secondary2": dict(secondary_shard=2),
+    "secondary4_fp8_node4": dict(secondary_shard=4, grad_quant="fp8", grad_quant_node=4),
+}
+
+
+def fake_world8_paths(device):
+    """Each of FAKE_OPTS at rank 3 of a world of 8 emulated with torch's fake process group (its collectives
+    move no data, so the values mean nothing; it stands for NCCL: the node stage reduces in place): three
+    AdamW steps on ``device``. Per option: the kinds of collectives the schedule ran, whether every quantized
+    reduce runs in place, the plan equal to the allocations, and the device bytes allocated after steps 2
+    and 3. A world of one plans no quantized reduce and no secondary group, so this is where one GPU runs
+    the engine's side of both options: the rooms, the quantized reduce called by the stream schedule, the
+    kept pieces and the backward's gathers from them."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    out = {}
+    for name, opts in FAKE_OPTS.items():
+        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
+        try:
+            model = yafsdp.YaFSDP(tiny_llama(), device=device, **opts)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            inputs = {k: v.to(device) for k, v in batch("llama", 0, 0, 0).items()}
+            after = []
+            for _ in range(3):
+                loss_of(model, "llama", inputs).backward()
+                opt.step()
+                opt.zero_grad()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                after.append(torch.cuda.memory_allocated() if device == "cuda" else 0)
+            quant = [gb.quant_reduce for gb in model._rt.grad_buffers if getattr(gb, "quant_reduce", None)]
+            out[name] = dict(kinds={k[0] if isinstance(k, tuple) else k for k in model.schedule.counted},
+                             in_place=[q.reduce.in_place for q in quant],
+                             planned=model.memory_plan().engine_bytes() == model.allocated_bytes(), after=after)
+        finally:
+            dist.destroy_process_group()
+    return out
+
+
+def check_fake_world8(out):
+    for name, r in out.items():
+        assert r["planned"], (name, "the plan is not the allocations")
+        if "grad_quant" in FAKE_OPTS[name]:
+            assert "reduce_quant" in r["kinds"] and r["in_place"] and all(r["in_place"]), (name, r)
+        if "secondary_shard" in FAKE_OPTS[name]:
+            assert "secondary_gather" in r["kinds"], (name, r["kinds"])
+        assert r["after"][2] - r["after"][1] < 1 << 20, (name, r["after"])  # nothing grows from step 2 on
+
+
+@pytest.mark.gpu
+def test_fake_world8_quantized_reduce_and_secondary_shard_on_cuda():
+    """The engine's side of grad_quant and secondary_shard on the device at a fake world of 8 (values
+    meaningless, paths real): see fake_world8_paths."""
+    check_fake_world8(fake_world8_paths("cuda"))
+
+
 # ---------------------------------------------------------------------- one GPU: tensor parallel at world 1
 def _tp_run(rank, world, dp, tp, zero_stage, device="cuda"):
     """dp x tp on ``device`` (CUDA under NCCL; the CPU under gloo checks this helper without a GPU): the engine over mesh["dp"] against the same TP model without it (its
