@@ -192,10 +192,16 @@ run_part2() {
 run_multigpu() {
   # NCCL across devices, world 4 (docs/testing.md, "GPU suite"): the quantized reduce-scatter with its node stage
   # in place and the replicas' quantized all-reduce; the engine with grad_quant (int8, fp8) and with
-  # secondary_shard=2; dp 2 x tp 2 against the TP model alone. No build: these run the kernels' twins where
-  # part1's build is missing. Each test is skipped below the GPUs it needs.
+  # secondary_shard=2; dp 2 x tp 2 against the TP model alone. Each test is skipped below the GPUs it needs.
+  # The extension is built first where it is missing (its own machine: part1 normally has not run there), so
+  # the fp8 records go through the CUDA kernels as in training.
+  if [ "$DRY" = 0 ] && "$PY" -c "$HAVE_CUDA_EXT" >/dev/null 2>&1; then
+    echo "=== build-if-missing: the CUDA extension is here" | tee -a "$LOG"
+  else
+    step build-if-missing 80 "${BUILD[@]}"
+  fi
   # shellcheck disable=SC2086
-  step multigpu-tests 380 "$PY" -m pytest -v -rfEs -p no:cacheprovider -m multigpu \
+  step multigpu-tests 300 "$PY" -m pytest -v -rfEs -p no:cacheprovider -m multigpu \
     --junitxml="$RES/gpu_tests_multigpu.xml" $MULTIGPU_TESTS
 }
 

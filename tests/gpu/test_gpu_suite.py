@@ -127,7 +127,7 @@ def test_multigpu_part_runs_every_multigpu_test_and_skips_on_one_gpu():
     assert re.match(r"^=== part multigpu \[limit (\d+) s\]$", out.stdout.splitlines()[0])
     limit = int(re.findall(r"^=== part multigpu \[limit (\d+) s\]$", out.stdout, flags=re.M)[0])
     steps = re.findall(r"^=== ([\w-]+) \[limit (\d+) s\]: (.*)$", out.stdout, flags=re.M)
-    assert [n for n, _, _ in steps] == ["versions", "multigpu-tests"]
+    assert [n for n, _, _ in steps] == ["versions", "build-if-missing", "multigpu-tests"]
     assert sum(int(t) for _, t, _ in steps) <= limit and limit + 60 <= PER_CALL_S
     cmd = steps[-1][2]
     assert " -m multigpu " in cmd and "--junitxml=" in cmd
