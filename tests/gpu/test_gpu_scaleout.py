@@ -130,7 +130,8 @@ class _Exchange:
             t.start()
         for t in threads:
             t.join(timeout=120)
-        if errors:
+        if errors:  # the first cause, not a rank released from a barrier the failure aborted
+            errors.sort(key=lambda e: isinstance(e[1], threading.BrokenBarrierError))
             raise AssertionError(f"simulated rank {errors[0][0]} failed") from errors[0][1]
         assert not any(t.is_alive() for t in threads), "a simulated rank is still waiting at a barrier"
         return out
