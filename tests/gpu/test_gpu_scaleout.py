@@ -30,9 +30,8 @@ import yafsdp
 from dist_utils import run_ranks
 from models import batch, loss_of, tiny_llama
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-needs_four_gpus = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 4,
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_four_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4,
                                      reason="needs four CUDA devices (NCCL refuses two ranks on one; node "
                                             "groups and secondary groups of two need a world of four)")
 
@@ -43,6 +42,7 @@ def _bits(t):
 
 # ------------------------------------------------------------------------ one GPU: the records and the fold
 @pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("name", ["int8", "fp8"])
 def test_quantized_records_on_cuda_equal_cpu(name):
     """The records the quantized reduce sends (the format's ``encode_`` of an fp32 block-padded piece) and
@@ -174,18 +174,46 @@ def simulated_quant_reduce(name, device, world, node, dtype, case, monkeypatch):
     return ex.run(rank_fn), c
 
 
+def check_simulated_bound(name, got, c, node):
+    """Every simulated rank's reduced shard (fp32 buffers) within the Note's bound of the fp32 reduce; the
+    replicas' all-reduce the same bits on every rank."""
+    from test_grad_quant import S
+
+    from yafsdp import formats
+    from yafsdp.comm.quant_reduce import error_bound
+
+    codec, world = formats.get(name), len(got)
+    for rank in range(world):
+        piece = c[:, rank * S:(rank + 1) * S]
+        partials = piece.view(world // node, node, S).sum(1)
+        err = (got[rank][0].double() - piece.double().sum(0)).abs()
+        bound = error_bound(codec, partials, rank // node, piece)
+        assert (err <= bound).all(), (name, node, rank, (err - bound).max().item())
+        assert torch.equal(got[rank][1], got[0][1]), (name, node, rank, "replicas differ")
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_simulated_exchange_on_the_cpu_is_within_the_bound(name, monkeypatch):
+    """The thread exchange the CUDA test below relies on, on the CPU (no GPU needed): with it QuantReduce's
+    in-place node stage and QuantAllReduce give the fp32 reduce within the bound on every adversarial case of
+    test_grad_quant.py, so the CUDA test compares the device against a simulation that reduces correctly."""
+    from test_grad_quant import CASES
+
+    for node in (2, 1):
+        for case in CASES:
+            got, c = simulated_quant_reduce(name, "cpu", 4, node, torch.float32, case, monkeypatch)
+            check_simulated_bound(name, got, c, node)
+
+
 @pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("name", ["int8", "fp8"])
 def test_quantized_reduce_on_cuda_is_its_cpu_twin_and_within_the_bound(name, monkeypatch):
     """QuantReduce (world 4, node groups of 2, the node stage in place as on NCCL; and node groups of 1)
     and QuantAllReduce (4 replicas) on device tensors: the quantize, the dequantize and the fp32 sums in
     node order give the CPU's bits, and the reduced shards are the fp32 reduce within the Note's bound."""
-    from test_grad_quant import CASES, S
+    from test_grad_quant import CASES
 
-    from yafsdp import formats
-    from yafsdp.comm.quant_reduce import error_bound
-
-    codec = formats.get(name)
     world = 4
     for node in (2, 1):
         for dtype in (torch.float32, torch.bfloat16):
@@ -195,16 +223,8 @@ def test_quantized_reduce_on_cuda_is_its_cpu_twin_and_within_the_bound(name, mon
                 for rank in range(world):
                     for a, b, what in zip(got[rank], want[rank], ("reduce-scatter", "all-reduce")):
                         assert torch.equal(_bits(a), _bits(b)), (name, node, dtype, case, rank, what)
-                if dtype != torch.float32:
-                    continue  # the bound is against the fp32 reduce; bf16 node sums carry bf16's roundings
-                for rank in range(world):
-                    piece = c[:, rank * S:(rank + 1) * S]
-                    partials = piece.view(world // node, node, S).sum(1)
-                    exact = piece.double().sum(0)
-                    bound = error_bound(codec, partials, rank // node, piece)
-                    err = (got[rank][0].double() - exact).abs()
-                    assert (err <= bound).all(), (name, node, case, rank, (err - bound).max().item())
-                    assert torch.equal(got[rank][1], got[0][1]), (name, case, "replicas differ")
+                if dtype == torch.float32:  # the bound is against the fp32 reduce; bf16 sums carry bf16's roundings
+                    check_simulated_bound(name, got, c, node)
 
 
 # ------------------------------------------------------- one GPU: the engine's paths at a fake world of 8
@@ -262,6 +282,7 @@ def check_fake_world8(out):
 
 
 @pytest.mark.gpu
+@needs_cuda
 def test_fake_world8_quantized_reduce_and_secondary_shard_on_cuda():
     """The engine's side of grad_quant and secondary_shard on the device at a fake world of 8 (values
     meaningless, paths real): see fake_world8_paths."""
@@ -315,6 +336,7 @@ def _tp_run(rank, world, dp, tp, zero_stage, device="cuda"):
 
 
 @pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_tp_world1_smoke_under_nccl(zero_stage):
     """The tensor-parallel path at world 1: a (1, 1) ("dp", "tp") DeviceMesh on CUDA, torch's TP with
