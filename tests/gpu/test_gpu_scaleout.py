@@ -290,19 +290,25 @@ def test_fake_world8_quantized_reduce_and_secondary_shard_on_cuda():
 
 
 # ---------------------------------------------------------------------- one GPU: tensor parallel at world 1
-def _tp_run(rank, world, dp, tp, zero_stage, device="cuda"):
-    """dp x tp on ``device`` (CUDA under NCCL; the CPU under gloo checks this helper without a GPU): the engine over mesh["dp"] against the same TP model without it (its
-    DTensor grads averaged over dp). Returns the losses of both and rank 0's largest relative weight error."""
+def _tp_run(rank, world, dp, tp, zero_stage, device="cuda", replicas=1):
+    """dp x tp on ``device`` (CUDA under NCCL; the CPU under gloo checks this helper without a GPU): the
+    engine over mesh["dp"] (``replicas`` > 1: HSDP x TP, the engine over mesh["replicate", "shard"] of a
+    (replicas, dp / replicas, tp) mesh) against the same TP model without it (its DTensor grads averaged
+    over dp). Returns the losses of both and rank 0's largest relative weight error."""
     from test_tp import LR, MAX_NORM, SEQ, VOCAB, tp_plan
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
     dp_group, dp_rank = mesh["dp"].get_group(), mesh["dp"].get_local_rank()
+    wrap = mesh["dp"]
+    if replicas > 1:  # the same ranks as a 3-D mesh: data parallel split into replicas of shard groups
+        mesh3 = init_device_mesh(device, (replicas, dp // replicas, tp), mesh_dim_names=("replicate", "shard", "tp"))
+        wrap = mesh3["replicate", "shard"]
     base = tiny_llama(vocab=VOCAB).to(device)
     ref = tp_plan(copy.deepcopy(base), mesh["tp"], sp=True)
-    model = yafsdp.YaFSDP(tp_plan(base, mesh["tp"], sp=True), mesh=mesh["dp"], zero_stage=zero_stage)
-    assert model.tp_size == tp and model.device.type == device
+    model = yafsdp.YaFSDP(tp_plan(base, mesh["tp"], sp=True), mesh=wrap, zero_stage=zero_stage)
+    assert model.tp_size == tp and model.device.type == device and model.replicas == replicas
     opts = [torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.1, foreach=False) for m in (model, ref)]
     losses = {"engine": [], "reference": []}
     for step in range(3):
@@ -476,3 +482,15 @@ def check_grad_quant(res):
 def test_nccl_world4_tp_dp_parity(zero_stage):
     """dp 2 x tp 2 on four GPUs under NCCL: the engine over mesh["dp"] against the TP model without it."""
     check_tp(run_ranks(_tp_run, 4, 2, 2, zero_stage, backend="nccl"))
+
+
+needs_eight_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 8,
+                                      reason="needs eight CUDA devices (replicate 2 x shard 2 x tp 2)")
+
+
+@pytest.mark.multigpu
+@needs_eight_gpus
+def test_nccl_world8_hsdp_tp_parity():
+    """HSDP x TP on eight GPUs under NCCL: replicate 2 x shard 2 x tp 2, the engine over
+    mesh["replicate", "shard"] (the replicas' all-reduce across devices) against the TP model without it."""
+    check_tp(run_ranks(_tp_run, 8, 4, 2, 3, "cuda", 2, backend="nccl"))
