@@ -192,7 +192,7 @@ run_part2() {
 run_multigpu() {
   # NCCL across devices, world 4 (docs/testing.md, "GPU suite"): the quantized reduce-scatter with its node stage
   # in place and the replicas' quantized all-reduce; the engine with grad_quant (int8, fp8) and with
-  # secondary_shard=2; dp 2 x tp 2 (and on 8 GPUs replicate 2 x shard 2 x tp 2) against the TP model alone. Each test is skipped below the GPUs it needs.
+  # secondary_shard=2; HSDP 2 x 2's asynchronous save resumed; dp 2 x tp 2 (and on 8 GPUs replicate 2 x shard 2 x tp 2) against the TP model alone. Each test is skipped below the GPUs it needs.
   # The extension is built first where it is missing (its own machine: part1 normally has not run there), so
   # the fp8 records go through the CUDA kernels as in training.
   if [ "$DRY" = 0 ] && "$PY" -c "$HAVE_CUDA_EXT" >/dev/null 2>&1; then

@@ -484,6 +484,60 @@ def test_nccl_world4_tp_dp_parity(zero_stage):
     check_tp(run_ranks(_tp_run, 4, 2, 2, zero_stage, backend="nccl"))
 
 
+
+def _hsdp_async_save(rank, world, root, device="cuda"):
+    """HSDP 2 x 2 on ``device``: an asynchronous save at step 2 written while steps 3 and 4 train, then
+    loaded into a new engine on the same mesh which trains steps 3 and 4 again. Returns rank 0's weights
+    after step 4 of both runs, and each rank's staged bytes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from yafsdp import checkpoint as ckpt
+
+    def steps(model, opt, first, n):
+        for step in range(first, first + n):
+            x = {k: v.to(device) for k, v in batch("llama", step, 0, rank).items()}
+            loss_of(model, "llama", x).backward()
+            model.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+
+    def engine():
+        mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = yafsdp.YaFSDP(tiny_llama(tie=True), mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+    model, opt = engine()
+    assert model.device.type == device and model.mesh_shape == (2, 2)
+    steps(model, opt, 0, 2)
+    saver = ckpt.AsyncSaver(model, opt)
+    staged = saver.save(root, 2, state=dict(step=2), keep=1).staging_bytes
+    steps(model, opt, 2, 2)  # while step 2 is written from its staging copy
+    path = saver.wait()
+    saver.close()
+    sd4 = model.full_state_dict()
+    again, aopt = engine()
+    loaded = ckpt.load_checkpoint(path, again, aopt)
+    steps(again, aopt, 2, 2)
+    return dict(staged=staged, step=loaded.step, sd4=sd4, resumed_sd4=again.full_state_dict())
+
+
+def check_hsdp_async_save(results):
+    r0 = results[0]
+    assert r0["sd4"] and r0["sd4"].keys() == r0["resumed_sd4"].keys()
+    assert all(torch.equal(r0["sd4"][k], r0["resumed_sd4"][k]) for k in r0["sd4"]), "the resumed run differs"
+    for rank, r in enumerate(results):
+        assert r["step"] == 2, (rank, r["step"])
+        assert (r["staged"] > 0) == (rank < 2), (rank, r["staged"])  # replica 0 stages and writes
+
+
+@pytest.mark.multigpu
+@needs_four_gpus
+def test_nccl_world4_hsdp_async_save_resumes_exactly(tmp_path):
+    """AsyncSaver with HSDP (2 replicas x 2) under NCCL: replica 0 stages from device memory and writes
+    while training goes on; the checkpoint resumes the uninterrupted run bit for bit."""
+    check_hsdp_async_save(run_ranks(_hsdp_async_save, 4, str(tmp_path), backend="nccl"))
+
+
 needs_eight_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 8,
                                       reason="needs eight CUDA devices (replicate 2 x shard 2 x tp 2)")
 
