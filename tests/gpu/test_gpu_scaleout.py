@@ -7,14 +7,18 @@ group of two, and NCCL refuses two ranks on one device, so what runs here is wha
 check -- the quantized records' encode and expand on device tensors against the CPU, bit for bit; the
 quantized reduce-scatter and all-reduce themselves on device tensors, with their collectives replaced by an
 in-process exchange between threads (one per simulated rank), against the same run on the CPU bit for bit
-and against the fp32 reduce within the bound of [Note: the error of a quantized reduce]; and the
-tensor-parallel path at world 1 under NCCL (a (1, 1) DeviceMesh on CUDA: DTensor parameters wrapped,
-trained, compared with the same TP model without the engine).
+and against the fp32 reduce within the bound of [Note: the error of a quantized reduce] (the thread
+exchange itself is checked against that bound on the CPU, the one test here that runs without a GPU); the
+engine with both options at a world of 8 emulated by torch's fake process group (paths and memory: its
+collectives move no data); and the tensor-parallel path at world 1 under NCCL (a (1, 1) DeviceMesh on
+CUDA: DTensor parameters wrapped, trained, compared with the same TP model without the engine).
 
-Several GPUs (marker ``multigpu``, run by gpu_suite.sh's ``multigpu`` part, skipped below four devices):
-the same options under NCCL across devices -- the quantized reduce-scatter with its node stage in place and
-the replicas' quantized all-reduce at world 4; the engine with ``grad_quant`` and with ``secondary_shard=2``
-at world 4; dp 2 x tp 2 against the TP model without the engine.
+Several GPUs (marker ``multigpu``, run by gpu_suite.sh's ``multigpu`` part, skipped below four devices,
+HSDP x TP below eight): the same options under NCCL across devices -- the quantized reduce-scatter with its
+node stage in place and the replicas' quantized all-reduce at world 4; the engine with ``grad_quant`` and
+with ``secondary_shard=2`` at world 4; HSDP 2 x 2's asynchronous save resumed bit for bit; dp 2 x tp 2 and
+replicate 2 x shard 2 x tp 2 against the TP model without the engine. Their rank functions take a device,
+so each can be run on the CPU under gloo (the node stage then staged, as gloo needs it).
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ def _bits(t):
     return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype])
 
 
-# ------------------------------------------------------------------------ one GPU: the records and the fold
+# ------------------------------------------------- one GPU: the records, the quantized collectives' arithmetic
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("name", ["int8", "fp8"])
