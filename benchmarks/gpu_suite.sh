@@ -8,6 +8,9 @@
 #                                         # the reduce precisions, fake-world memory, auto checkpointing,
 #                                         # the kernels' launch shapes and bandwidth (<= 320 s)
 #   bash benchmarks/gpu_suite.sh all      # both, one after the other
+#   bash benchmarks/gpu_suite.sh multigpu # a machine with several GPUs: the tests marked `multigpu` (NCCL
+#                                         # across devices: grad_quant, secondary_shard, TP x dp at world 4; HSDP x TP at 8)
+#                                         # (<= 400 s; on fewer than 2 GPUs it prints why and exits 0)
 #   bash benchmarks/gpu_suite.sh part1 --dry-run   # print every step with its time limit, run none
 #
 # Results go to $OUT (the device tool's output folder) or, where it is unset, benchmarks/results/gpu_<date>/:
@@ -28,18 +31,29 @@ DRY=0
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
-    part1|part2|all) PART=$a ;;
-    *) echo "gpu_suite.sh: unknown argument $a (use part1, part2 or all, and optionally --dry-run)" >&2; exit 2 ;;
+    part1|part2|all|multigpu) PART=$a ;;
+    *) echo "gpu_suite.sh: unknown argument $a (use part1, part2, all or multigpu, and optionally --dry-run)" >&2
+       exit 2 ;;
   esac
 done
 if [ -z "$PART" ]; then
-  echo "gpu_suite.sh: name a part: part1, part2 or all (see the header of $0)" >&2
+  echo "gpu_suite.sh: name a part: part1, part2, all or multigpu (see the header of $0)" >&2
   exit 2
 fi
 
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 DATE=$(date -u +%F)
 RES=${OUT:-benchmarks/results/gpu_${DATE}}
+# The multigpu part needs NCCL across devices: on fewer than two GPUs it has nothing to run (each of its tests
+# names the count it needs and is skipped below it), so it says so and succeeds without touching the results.
+if [ "$PART" = multigpu ] && [ "$DRY" = 0 ]; then
+  NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if [ "$NGPU" -lt 2 ]; then
+    echo "gpu_suite.sh multigpu: skipped: $NGPU GPU(s) listed by nvidia-smi -L; its tests run NCCL across devices" \
+      "and need 4 (NCCL refuses two ranks on one device)"
+    exit 0
+  fi
+fi
 if [ "$DRY" = 1 ]; then
   GPU=dryrun
 else
@@ -49,7 +63,7 @@ else
 fi
 # Part time limits (seconds). Their sum plus the machine's start (~150 s) stays under 900 s (15 minutes):
 # tests/gpu/test_gpu_suite.py checks it, and that the steps of each part fit it.
-declare -A PART_LIMIT=([part1]=400 [part2]=350)
+declare -A PART_LIMIT=([part1]=400 [part2]=350 [multigpu]=400)
 # With less time on the machine a part can be shortened: PART_LIMIT_S=250 bash benchmarks/gpu_suite.sh part2
 # (its later steps are then reported as not run, and the summary is still written).
 if [ -n "${PART_LIMIT_S:-}" ] && [ "$PART" != all ]; then PART_LIMIT[$PART]=$PART_LIMIT_S; fi
@@ -60,6 +74,8 @@ MIN_STEP_S=10
 GPU_TESTS=$(grep -rlE --include='test_*.py' 'pytest\.mark\.gpu' tests \
   | awk '{ print (/test_gpu\.py$/ ? 0 : /test_bench_smoke\.py$/ ? 2 : 1), $0 }' | sort -k1,1n -k2 | cut -d' ' -f2 \
   | tr '\n' ' ')
+# The files with tests that need several GPUs (marked `multigpu`), for the multigpu part.
+MULTIGPU_TESTS=$(grep -rlE --include='test_*.py' 'pytest\.mark\.multigpu' tests | sort | tr '\n' ' ')
 
 STATUS=()   # "name|status|seconds" per step of the part being run
 FAILED=()
@@ -173,6 +189,22 @@ run_part2() {
     | tee '$tt_out/torchtitan_trainer_${GPU}_${DATE}.log'"
 }
 
+run_multigpu() {
+  # NCCL across devices, world 4 (docs/testing.md, "GPU suite"): the quantized reduce-scatter with its node stage
+  # in place and the replicas' quantized all-reduce; the engine with grad_quant (int8, fp8) and with
+  # secondary_shard=2; HSDP 2 x 2's asynchronous save resumed; dp 2 x tp 2 (and on 8 GPUs replicate 2 x shard 2 x tp 2) against the TP model alone. Each test is skipped below the GPUs it needs.
+  # The extension is built first where it is missing (its own machine: part1 normally has not run there), so
+  # the fp8 records go through the CUDA kernels as in training.
+  if [ "$DRY" = 0 ] && "$PY" -c "$HAVE_CUDA_EXT" >/dev/null 2>&1; then
+    echo "=== build-if-missing: the CUDA extension is here" | tee -a "$LOG"
+  else
+    step build-if-missing 80 "${BUILD[@]}"
+  fi
+  # shellcheck disable=SC2086
+  step multigpu-tests 300 "$PY" -m pytest -v -rfEs -p no:cacheprovider -m multigpu \
+    --junitxml="$RES/gpu_tests_multigpu.xml" $MULTIGPU_TESTS
+}
+
 summary() {  # summary PART: <part>_summary.md with the command, the versions and each step's status
   local part=$1 f="$RES/${part}_summary.md"
   {
@@ -187,9 +219,11 @@ summary() {  # summary PART: <part>_summary.md with the command, the versions an
     echo "| check | status | seconds |"
     echo "|---|---|---|"
     for s in "${STATUS[@]}"; do IFS='|' read -r n st t <<<"$s"; echo "| $n | $st | $t |"; done
-    if [ -f "$RES/gpu_tests.xml" ] && [ "$part" = part1 ]; then
+    local xml="$RES/gpu_tests.xml"
+    [ "$part" = multigpu ] && xml="$RES/gpu_tests_multigpu.xml"
+    if [ -f "$xml" ] && { [ "$part" = part1 ] || [ "$part" = multigpu ]; }; then
       echo
-      "$PY" - "$RES/gpu_tests.xml" <<'PYEOF'
+      "$PY" - "$xml" <<'PYEOF'
 import sys, xml.etree.ElementTree as ET
 root = ET.parse(sys.argv[1]).getroot()
 rows = []

@@ -113,10 +113,31 @@ def test_gpu_tests_step_runs_every_file_with_gpu_tests(parts):
 
 def test_gpu_suite_refuses_unknown_or_missing_parts():
     for args, says in ((["--bogus"], "unknown argument --bogus"), (["part3"], "unknown argument part3"),
-                       ([], "name a part: part1, part2 or all")):
+                       ([], "name a part: part1, part2, all or multigpu")):
         out = subprocess.run(["bash", SUITE, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and says in out.stderr, (args, out.stderr)
     assert subprocess.run(["bash", "-n", SUITE], cwd=ROOT).returncode == 0  # the whole file parses
+
+
+def test_multigpu_part_runs_every_multigpu_test_and_skips_on_one_gpu():
+    """The multigpu part (its own machine: not in ``all``): one pytest step over every file with a test
+    marked for several GPUs, within one device call; on fewer than two GPUs it prints why and exits 0."""
+    out = _dry("multigpu")
+    assert out.returncode == 0, out.stderr
+    assert re.match(r"^=== part multigpu \[limit (\d+) s\]$", out.stdout.splitlines()[0])
+    limit = int(re.findall(r"^=== part multigpu \[limit (\d+) s\]$", out.stdout, flags=re.M)[0])
+    steps = re.findall(r"^=== ([\w-]+) \[limit (\d+) s\]: (.*)$", out.stdout, flags=re.M)
+    assert [n for n, _, _ in steps] == ["versions", "build-if-missing", "multigpu-tests"]
+    assert sum(int(t) for _, t, _ in steps) <= limit and limit + 60 <= PER_CALL_S
+    cmd = steps[-1][2]
+    assert " -m multigpu " in cmd and "--junitxml=" in cmd
+    marker = "pytest.mark." + "multigpu"  # spelled apart: this file holds no such test
+    want = {os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True)
+            if marker in open(f).read()}
+    assert want and set(re.findall(r"(tests/\S+\.py)", cmd)) == want, (cmd, want)
+    if shutil.which("nvidia-smi") is None:  # no GPU listed here: the part says why it ran nothing
+        run = subprocess.run(["bash", SUITE, "multigpu"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0 and "multigpu: skipped: 0 GPU(s)" in run.stdout, (run.stdout, run.stderr)
 
 
 def test_docs_table_names_real_tests_cases_and_steps(parts):
@@ -133,7 +154,7 @@ def test_docs_table_names_real_tests_cases_and_steps(parts):
     assert len(cases) >= 8, cases
     for c in cases:
         assert f'"{c}"' in sources, f"docs/testing.md names the case {c}, which no test defines"
-    steps = {n for v in parts.values() for n, _, _ in v["steps"]}
+    steps = {n for v in parts.values() for n, _, _ in v["steps"]} | {"multigpu-tests"}
     for s in re.findall(r"part[12] `([\w-]+)`", section):
         assert s in steps, f"docs/testing.md names the step {s}, which gpu_suite.sh does not have"
 
