@@ -319,7 +319,7 @@ DIMS: dict[str, dict[Any, Callable]] = {
     "accum": {1: nothing, 2: sets(accum=2)},
     "clip": {"off": nothing, "on": sets(clip="engine"), "torch": sets(clip="torch")},
     "ac": {"off": nothing, "on": edit(checkpointing), "reentrant": edit(reentrant_checkpointing)},
-    "world": {2: sets(world=2), 3: sets(world=3)},
+    "world": {2: sets(world=2), 3: sets(world=3), 4: sets(world=4)},
     "resume": {"none": nothing, "zero": sets(resume="zero"), "world": sets(resume="world"),
                "weights": sets(resume="weights")},
     "optimizer": {"adamw": nothing, "fused": sets(optimizer="fused")},
@@ -330,6 +330,7 @@ DIMS: dict[str, dict[Any, Callable]] = {
     "after_wrap": {"none": nothing, "reinit": after(reinit)},
     "hook": {"none": nothing, "param": sets(grad_hook=True)},
     "vocab": {"small": nothing, "large": sets(vocab=LARGE_VOCAB)},
+    "secondary": {0: nothing, 2: engine(secondary_shard=2)},
 }
 # fp16 rows: torch.amp.GradScaler("cpu", init_scale=SCALE, backoff_factor=0.25, growth_interval=1) on both sides (unscale_
 # before clipping, step, update); the scale after every update is compared exactly (the same steps skipped).
@@ -349,6 +350,9 @@ def allowed(row: dict) -> bool:
     """Combinations no row may hold (QLoRA brings its own frozen linears, HSDP at world 2 and 3 is a
     (world, 1) mesh): reentrant checkpointing with ``torch.autograd.grad`` is refused by torch itself,
     unsharded too ("incompatible with .grad()"). A predicate over the dimensions present in ``row``."""
+    if row.get("secondary") == 2 and (row.get("world", 4) != 4 or row.get("mesh", "flat") != "flat"
+                                      or row.get("zero", 3) != 3):
+        return False  # secondary_shard=2 needs a flat shard group of 4 (the grid's HSDP mesh is (world, 1)) at ZeRO-3
     return not (row.get("ac") == "reentrant" and row.get("backward") == "grad")
 
 
@@ -541,6 +545,8 @@ def _wrap(r: Recipe, ctx: Ctx, seed: int, mesh: str, zero=None, group=None):
     kw = dict(r.engine)
     if zero is not None:
         kw["zero_stage"] = zero
+    if kw.get("zero_stage") == 2 or group is not None:  # a resume into ZeRO-2 or onto world - 1 = 3 ranks: the
+        kw.pop("secondary_shard", None)  # checkpoint of a secondary_shard=2 engine loaded by one without it
     if mesh == "hsdp":
         kw["mesh"] = ctx.mesh
     if group is not None:
