@@ -394,6 +394,12 @@ def write_md(path: str, result: dict, text: str, images: list[str] = ()):
         + (f". Load average (1/5/15 min) when written: {v['load_avg']}" if v.get("load_avg") else ""), "",
         "```", text, "```", "",
     ]
+    write_body(path, body, images)
+
+
+def write_body(path: str, body: list[str], images=()) -> None:
+    """The lines ``body``, then the pictures ``images`` linked relative to ``path``, written to ``path``."""
+    body = list(body)
     for img in images:
         rel = os.path.relpath(os.path.abspath(img), os.path.dirname(os.path.abspath(path)))
         body += [f"![{os.path.basename(img)}]({rel})", ""]

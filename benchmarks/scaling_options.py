@@ -523,18 +523,15 @@ def write_report(path, result, text, assumptions, images):
     """The committed report: command, versions, the tables (markdown), the assumptions, the picture."""
     import os
 
+    from bench_step import write_body  # this script's directory is on sys.path
+
     v = result["versions"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + "/"
     body = [f"# {result['kind']} — predictions of the model (not measurements) — {v['date']}", "",
             "Command:", "", "```", "python " + result["command"].replace(root, ""), "```", "",
             f"Versions: python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
             f"yafsdp {v['yafsdp']}", "", text, "## Assumptions", "", assumptions.strip(), ""]
-    for img in images:
-        rel = os.path.relpath(os.path.abspath(img), os.path.dirname(os.path.abspath(path)))
-        body += [f"![{os.path.basename(img)}]({rel})", ""]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        f.write("\n".join(body))
+    write_body(path, body, images)
 
 
 ZEROPP_ASSUMPTIONS = """

@@ -9,11 +9,11 @@ with the options it composes with. A world of 2 with one node group is the optio
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import yafsdp
 from dist_utils import hsdp_groups, run_ranks
 from models import batch, loss_of, tiny_llama
+from test_reduce_accum import Probe  # two units whose gradient on each rank is its chosen contribution
 from yafsdp import formats
 from yafsdp.comm.subgroups import consecutive_subgroups, strided_subgroups
 from yafsdp.comm.quant_reduce import (QuantAllReduce, QuantReduce, _decode, _padded,
@@ -70,26 +70,6 @@ def _reduce(rank, world):
 
 
 # ----------------------------------------------------------------------------------- the engine
-class _Leaf(nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(n))
-
-    def forward(self, c):
-        return (self.w * c).sum()
-
-
-class Probe(nn.Module):
-    """Two units whose gradient on each rank is that rank's chosen contribution."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.blocks = nn.ModuleList([_Leaf(n), _Leaf(n)])
-
-    def forward(self, c):
-        return self.blocks[0](c[0]) + self.blocks[1](c[1])
-
-
 N_PROBE = 1001  # per block: uneven, the flat units are padded; shards of 252 values at world 4
 
 
