@@ -351,11 +351,10 @@ def study_zeropp(a, model, cmp) -> dict:
                        f"fits {a.gpu_mem_gib:g} GiB"], brows)
     mem_rows = []
     for w2 in a.worlds:
-        d = {r["config"]: r["memory"] for r in rows if r["world"] == w2 and r["nic_gbit"] == rows[0]["nic_gbit"]
-             and r["cross"] == rows[0]["cross"]}
+        d = _memory_by_config(rows, w2)
         mem_rows.append([w2] + [_gib(d.get(n)) if n in d else "" for n in names])
     mtable = md_table(["GPUs"] + names, mem_rows)
-    compute_ms = 1e3 * (sum(u.fwd + u.bwd for u in st.uses) + sum(st.cmp["other"]))
+    compute_ms = _compute_ms(st)
     setup = (f"{a.preset}, batch {a.batch} x seq {a.seq} per GPU, {a.param_dtype} gathers, {a.reduce_dtype} "
              f"reduce-scatters, nodes of {a.gpus_per_node} at {a.intra_busbw:g} GB/s NVLink; compute "
              f"{cmp['source']} ({compute_ms:.0f} ms of unit compute per step); HSDP shard group "
@@ -454,11 +453,10 @@ def study_tp(a, model, cmp) -> dict:
                        for r in pick])
     mem_rows = []
     for w2 in a.worlds:
-        d = {r["config"]: r["memory"] for r in rows if r["world"] == w2 and r["nic_gbit"] == rows[0]["nic_gbit"]
-             and r["cross"] == rows[0]["cross"]}
+        d = _memory_by_config(rows, w2)
         mem_rows.append([w2, _gib(d["full sharding"]), _gib(d["TP x yafsdp"])])
     mtable = md_table(["GPUs", "full sharding GiB/GPU", f"TP {t} x yafsdp GiB/GPU"], mem_rows)
-    compute_ms = 1e3 * (sum(u.fwd + u.bwd for u in st.uses) + sum(st.cmp["other"]))
+    compute_ms = _compute_ms(st)
     setup = (f"{a.preset}, {a.batch} x {a.seq} tokens per GPU (a TP group's micro-batch: {t} x that), "
              f"{a.param_dtype} gathers, {a.reduce_dtype} reduce-scatters, TP {t} inside nodes of {n} at "
              f"{a.intra_busbw:g} GB/s NVLink, {'full activation checkpointing (recompute in backward)' if a.recompute else 'no recompute'}; "
@@ -517,6 +515,18 @@ def draw_study(rows, path, title, key):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def _memory_by_config(rows, world: int) -> dict:
+    """Memory per GPU of each configuration at ``world`` GPUs (memory does not depend on the link, so
+    the rows of the first bandwidth and crossing stand for all)."""
+    return {r["config"]: r["memory"] for r in rows if r["world"] == world and r["nic_gbit"] == rows[0]["nic_gbit"]
+            and r["cross"] == rows[0]["cross"]}
+
+
+def _compute_ms(st) -> float:
+    """The units' forward and backward compute plus the rest of a step, in ms."""
+    return 1e3 * (sum(u.fwd + u.bwd for u in st.uses) + sum(st.cmp["other"]))
 
 
 def write_report(path, result, text, assumptions, images):
