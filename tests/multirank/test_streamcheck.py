@@ -418,6 +418,19 @@ def test_hsdp_schedule_is_race_free_and_a_dropped_wait_is_reported():
         assert any(r.startswith("race on 'grad") and "c10d.allreduce_" in r for r in faulty[0]), faulty[0][:5]
 
 
+def _record_two_steps(chk, model, kind: str, rank: int) -> None:
+    """Two steps of two micro-batches (clipped, fused AdamW) recorded by ``chk``, which watches ``model``."""
+    opt = _optimizer("fused_adamw", model.parameters())
+    chk.watch(model)
+    with chk.recording():
+        for step in range(2):
+            for micro in range(2):
+                (loss_of(model, kind, batch(kind, step, micro, rank)) / 2).backward()
+            model.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+
+
 def _hsdp_offload_case(rank, world, fault):
     """offload x HSDP (world 2 as 2 replicas of one rank) under the checker: the host grad shards'
     all-reduce staged through an idle grad buffer ([Note: the all-reduce of host grad shards] in
@@ -436,15 +449,7 @@ def _hsdp_offload_case(rank, world, fault):
     kind, module, _ = _build(dict(tie=True))
     with StreamChecker() as chk:
         model = yafsdp.YaFSDP(module, mesh=mesh, param_dtype=torch.bfloat16, offload="optimizer")
-        opt = _optimizer("fused_adamw", model.parameters())
-        chk.watch(model)
-        with chk.recording():
-            for step in range(2):
-                for micro in range(2):
-                    (loss_of(model, kind, batch(kind, step, micro, rank)) / 2).backward()
-                model.clip_grad_norm_(1.0)
-                opt.step()
-                opt.zero_grad()
+        _record_two_steps(chk, model, kind, rank)
     kernels = [entry[1:4] for entry in chk.log if entry[0] == "kernel"]
     all_reduces = [stream for stream, op, label in kernels if op == "c10d.allreduce_"
                    and label.startswith("yafsdp.all_reduce")]
@@ -522,15 +527,7 @@ def _secondary_case(rank, world, fault):
                 return keep
 
             SecondaryShard.keeper = keeper
-        opt = _optimizer("fused_adamw", model.parameters())
-        chk.watch(model)
-        with chk.recording():
-            for step in range(2):
-                for micro in range(2):
-                    (loss_of(model, kind, batch(kind, step, micro, rank)) / 2).backward()
-                model.clip_grad_norm_(1.0)
-                opt.step()
-                opt.zero_grad()
+        _record_two_steps(chk, model, kind, rank)
     kernels = [entry for entry in chk.log if entry[0] == "kernel"]
     on_secondary = {(e[1], e[3].split("#")[0]) for e in kernels if any(n == "secondary" for n, *_ in e[4] + e[5])}
     return [str(r) for r in chk.races], sorted(on_secondary), dict(model.schedule.counted)
