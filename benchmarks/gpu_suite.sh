@@ -146,14 +146,14 @@ run_part2() {
   fi
   # Peak memory per rank against FSDP2 with the CUDA caching allocator (allocated and reserved), emulated
   # worlds 8 and 64 at Llama-3.2-1B shapes (the memory goal's setup, docs/reduce.md: 2 layers, batch 1 x 256, bf16 on GPU).
-  step fake-world-memory 40 "$PY" benchmarks/bench_step.py --fake-world 8,64 --device cuda --preset llama3-1b \
+  step fake-world-memory 30 "$PY" benchmarks/bench_step.py --fake-world 8,64 --device cuda --preset llama3-1b \
     --layers 2 --batch 1 --seq 256 --md "$RES/bench_step_fakeworld_${GPU}_${DATE}.md" \
     --json "$RES/bench_step_fakeworld_${GPU}_${DATE}.json"
   # World 1 under NCCL, a ~1B Llama in bf16: step time and peak (allocated, reserved) against FSDP2 and DDP,
   # and the reduce precisions (docs/reduce.md): fp32, bf16 summed in bf16, bf16 summed in fp32 (the all-to-all
   # and the fp32 fold run; nothing crosses a link at world 1: the bytes column is each reduce's input).
   # Two rounds: with one, the engine measured first ran 1.09x DDP on 2026-11-27 and 1.00x in a three-round rerun.
-  step step-bench 95 "$PY" -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_step.py --device cuda \
+  step step-bench 80 "$PY" -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_step.py --device cuda \
     --preset llama3-1b --batch 2 --seq 2048 \
     --engines yafsdp-z3,yafsdp-z3+FusedAdamW,yafsdp-z3+bf16reduce,yafsdp-z3+bf16reduce+fp32acc,fsdp2,ddp \
     --warmup 2 --steps 5 --rounds 2 --mem-steps 2 --md "$RES/bench_step_${GPU}_${DATE}.md" \
@@ -163,6 +163,12 @@ run_part2() {
     --preset llama3-1b --batch 2 --seq 2048 --engines yafsdp-z3,fsdp2,ddp --phases \
     --warmup 2 --steps 5 --rounds 2 --mem-steps 0 --md "$RES/bench_step_phases_${GPU}_${DATE}.md" \
     --json "$RES/bench_step_phases_${GPU}_${DATE}.json"
+  # Is communication hidden at world 1? The two-lane timeline (bench_overlap.py) for yafsdp and FSDP2 under NCCL:
+  # with one rank the collectives are copies, so this measures what the engine's comm stream and its events cost
+  # a single GPU (the exposed fraction should be near zero), not overlap across a link.
+  step overlap-world1 25 "$PY" -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_overlap.py --device cuda \
+    --preset llama3-1b --layers 8 --batch 2 --seq 2048 --steps 3 --trace-dir '' \
+    --png "$RES/overlap_${GPU}_${DATE}.png" --md "$RES/overlap_${GPU}_${DATE}.md" --json "$RES/overlap_${GPU}_${DATE}.json"
   # Activation checkpointing chosen by the plan at world 1 with the GPU's budgets: predicted vs measured
   # peak, step time of each choice against every block and no block checkpointed.
   step ckpt-auto 60 "$PY" benchmarks/bench_ckpt_auto.py --device cuda --preset llama3-1b --vocab 0 --batch 2 \
