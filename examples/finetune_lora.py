@@ -94,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "--merge-export DIR, the merged model")
     if args.torchft:
         p.error("--torchft is the pretraining job's (examples/pretrain_llama.py); run the fine-tune without it")
+    if args.tp > 1:
+        p.error(f"--tp {args.tp}: tensor parallelism is the pretraining job's (examples/pretrain_llama.py); LoRA adapters "
+                "are not supported with TP parameters: run the fine-tune without --tp")
     if args.lora_r < 1:
         p.error(f"--lora-r must be >= 1, got {args.lora_r}")
     if args.lora_alpha <= 0:
