@@ -37,10 +37,15 @@ def test_tp_job_trains_saves_and_resumes(tmp_path):
     (["--tp", "2", "--sample-tokens", "5"], "--sample-tokens 0"),
     (["--tp", "4", "--seq-len", "30"], "a multiple of 4"),
     (["--loss-parallel"], "needs --tp N"),
+    (["--tp", "2", "fine-tune"], "LoRA adapters are not supported with TP"),
 ])
 def test_tp_flags_refused(flags, says):
     from pretrain.args import parse_args
 
+    if flags[-1] == "fine-tune":  # examples/finetune_lora.py shares the flags and refuses --tp
+        from finetune_lora import parse_args
+
+        flags = flags[:-1]
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
         parse_args(["--preset", "tiny", *flags])
