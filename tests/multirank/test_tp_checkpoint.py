@@ -6,7 +6,8 @@ A tiny HF Llama (an uneven vocabulary: its TP slices differ in size) trains 6 Ad
 - the same layout resumes and trains steps 3-4 bit for bit as the uninterrupted run (same reductions, same
   order: nothing differs);
 - a plain engine (tp 1 x dp 4, no TP) loads it (the weights bit for bit: a load moves values, it computes
-  nothing), trains steps 3-4 on the same global batch and saves the flat form at step 4;
+  nothing), trains steps 3-4 on the same global batch and saves the flat form at step 4; an HSDP engine
+  (replicate 2 x shard 2) loads it too, each replica reading its own shards;
 - at tp 2 x dp 1 (world 2) that flat checkpoint and the uninterrupted run's step-4 checkpoint (params form)
   each load (bit for bit) and train steps 5-6.
 
@@ -125,12 +126,27 @@ def _world4(rank, world, root):
     assert loaded.rank_state["rank"] == rank and loaded.state["step"] == 2
     assert _same(model.full_state_dict(), full2), "the params form loaded into a plain engine differs"
     out["dp4_losses"] = _train(model, opt, range(2, 4), rank, 4, dist.group.WORLD)
+    hsdp = yafsdp.YaFSDP(tiny_llama(vocab=VOCAB, seed=1),
+                         mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    loaded = ckpt.load_checkpoint(ckpt.checkpoint_dir(tp_root, 2), hsdp, _opt(hsdp))  # each replica reads its shards
+    assert loaded.rank_state["rank"] == rank and _same(hsdp.full_state_dict(), full2), "HSDP load of the params form"
+    assert _same(_replica_shards(hsdp), _replica_shards(hsdp, from_replica=1)), "the replicas differ"
     ckpt.save_checkpoint(flat_root, 4, model, opt, state={"step": 4}, rank_state={"rank": rank})
     out["dp4_full4"] = model.full_state_dict()
     if rank == 0:
         out["manifests"] = [ckpt.read_manifest(ckpt.checkpoint_dir(r, 4)) for r in (tp_root, flat_root)]
         out["keys"] = [sorted(ckpt.SafeReader(ckpt.checkpoint_dir(r, 4)).read_metadata().state_dict_metadata)
                        for r in (tp_root, flat_root)]
+    return out
+
+
+def _replica_shards(model, from_replica: int = 0) -> dict:
+    """Replica ``from_replica``'s master shards, received by every rank of the same shard index."""
+    out = {}
+    for info in model.shard_info():
+        t = info.param.detach().clone()
+        dist.broadcast(t, src=dist.get_global_rank(model.replicate_group, from_replica), group=model.replicate_group)
+        out[info.key] = t
     return out
 
 
