@@ -1,5 +1,5 @@
 """The pretraining job's ``--tp N`` (examples/pretrain/setup.py ``tp_mesh``; docs/tp.md): world 4 as dp 2 x tp 2 on
-the tiny preset, a checkpoint at step 2, then a resume at the same layout (bit for bit: the same reductions in the
+the tiny preset, a checkpoint at step 2 (written in the background: ``--async-save``), then a resume at the same layout (bit for bit: the same reductions in the
 same order) and one at tp 2 x dp 1 (world 2, twice the sequences per rank: the same global batch) with
 ``--loss-parallel``, which loads the params-form checkpoint into another data-parallel size and continues within
 fp32 rounding (the gradients are averaged over another number of ranks, the cross-entropy is computed on the
@@ -15,7 +15,7 @@ from job_utils import close, losses, metrics, run_job
 
 def test_tp_job_trains_saves_and_resumes(tmp_path):
     full, same, narrow = (str(tmp_path / n) for n in ("full", "same", "narrow"))
-    a = run_job(["--tp", "2", "--steps", "4", "--save-every", "2", "--out", full], nproc=4)
+    a = run_job(["--tp", "2", "--steps", "4", "--save-every", "2", "--async-save", "--out", full], nproc=4)
     assert "TP 2 x 2 data-parallel ranks (sequence parallel)" in a.stdout, a.stdout[-2000:]
     assert "2 seq x 2 ranks x 1 accum = 4 seq" in a.stdout, a.stdout[-2000:]  # the data-parallel ranks read
     ckpt = os.path.join(full, "checkpoints", "step_00000002")
