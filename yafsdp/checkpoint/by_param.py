@@ -25,8 +25,8 @@ parameters end to end: ``FlatLayout.build`` in layout/flat.py), and a rank reads
 (along dim 0 of the global shape) that its boxes touch into a buffer, then copies its boxes out of it. The cost:
 for a parameter sharded along dim 0 the rows read are the ones needed, plus at most a partial row at each end;
 for one sharded along another dim (a row-parallel weight) a rank reads whole rows of which it keeps 1/T, so it
-reads T times its share of such parameters and holds that much in host or device buffers during the load (freed
-after). The alternative -- an engine without TP writing the params form when asked -- would need the option
+reads T times its share of such parameters and holds that much in host memory during the load (freed after;
+never device memory, which the shards and the optimizer state fill). The alternative -- an engine without TP writing the params form when asked -- would need the option
 chosen before the save that a resume at another TP degree needs; reading the flat form costs nothing until such
 a resume and works for every checkpoint already written.
 
@@ -167,7 +167,7 @@ class Targets:
         saved 1-D unit into a buffer; the boxes copied out of it after the load (:meth:`finish`)."""
         unit, start, unit_numel = self._saved[name]
         first, end, inner = rows_of(shape, boxes)
-        rows = torch.empty((end - first) * inner, dtype=tensor.dtype, device=tensor.device)
+        rows = torch.empty((end - first) * inner, dtype=tensor.dtype)  # host memory, never the device's
         chunks = self.entries.setdefault(flat_key(unit), Chunks([], (unit_numel,), tensor.dtype))
         chunks.pieces.append(((start + first * inner,), rows))
         self._copies.append((rows, shape, boxes))

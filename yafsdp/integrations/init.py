@@ -98,7 +98,7 @@ def init_shards_(model, rule: InitRule, seed: int = 0) -> None:
                     first, end, inner = rows_of(shape, pieces)
                     rows = torch.empty((end - first) * inner, dtype=torch.float32)
                     _fill(rows, name, shape, first * inner, rule, seed, index)
-                    copy_out(rows.to(shard.device), shape, pieces)
+                    copy_out(rows, shape, pieces)  # host rows into the shard's views
                 index += 1
             continue
         lo, hi = info.shard_start, info.shard_start + info.shard_numel  # this rank's slice of the flat unit
