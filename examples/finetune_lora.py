@@ -88,7 +88,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pretrain a base of --preset for this many steps on the embedded corpus with the "
                    "pretraining job, into --out/base (reused when its export exists)")
     p.set_defaults(**DEFAULTS)
-    args = J.check_args(p, p.parse_args(argv))
+    args = p.parse_args(argv)
+    if args.tp > 1:  # before the shared checks, whose --tp refusals are the pretraining job's
+        p.error(f"--tp {args.tp}: tensor parallelism is the pretraining job's (examples/pretrain_llama.py); LoRA adapters "
+                "are not supported with TP parameters: run the fine-tune without --tp")
+    args = J.check_args(p, args)
     if args.export_hf or args.export_only:
         p.error("--export-hf/--export-only are the pretraining job's; this job writes --out/adapter and, with "
                 "--merge-export DIR, the merged model")

@@ -18,6 +18,13 @@ shared filesystem; --max-restarts lets a failed worker group restart and resume)
         examples/pretrain_llama.py --preset llama3-8b --data /shared/corpus.bin --bf16 \\
         --activation-checkpointing --out /shared/runs/llama8b --save-every 500
 
+Tensor parallel inside each node, sharded across nodes (docs/tp.md; on a CPU: --nproc-per-node 4 --tp 2):
+
+    torchrun --nnodes 4 --node-rank $NODE_RANK --nproc-per-node 8 \\
+        --rdzv-backend c10d --rdzv-endpoint node0.cluster:29500 --rdzv-id llama8b-tp \\
+        examples/pretrain_llama.py --preset llama3-8b --data /shared/corpus.bin --bf16 --tp 8 \\
+        --activation-checkpointing --out /shared/runs/llama8b-tp --save-every 500
+
 Continue a run (newest complete checkpoint in --out), export it for Hugging Face:
 
     torchrun --nproc-per-node 2 examples/pretrain_llama.py --resume --steps 600 --export-hf runs/default/hf

@@ -109,6 +109,14 @@ def build_parser(prog: str = "pretrain_llama.py",
                    help="HSDP: R replicas (e.g. R = nodes), each sharding the model over world / R ranks; gathers "
                    "and reduce-scatters stay inside a replica, gradients are all-reduced across replicas once per "
                    "step (1: shard over every rank)")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallel inside groups of N consecutive ranks (e.g. N = the GPUs of a node; docs/tp.md): "
+                   "torch's TP with yafsdp's Llama plan (sequence parallel) on a ('dp', 'tp') mesh, the model sharded "
+                   "over the world / N data-parallel ranks, each of which reads its batch for all its TP ranks "
+                   "(1: no tensor parallelism)")
+    g.add_argument("--loss-parallel", action="store_true",
+                   help="with --tp: the head's logits stay split over the vocabulary and the cross-entropy is computed "
+                   "on the slices (torch's loss_parallel), never gathering the full logits")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
     g.add_argument("--checkpointing", default=None, choices=["none", "all", "auto"],
                    help="activation checkpointing: all = --activation-checkpointing; auto: the fewest layers whose "
@@ -242,6 +250,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     check_torchft(p, args)
+    check_tp(p, args)
     from yafsdp.export import ExportError, parse_size
 
     try:
@@ -280,6 +289,49 @@ def check_torchft(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not os.environ.get("TORCHFT_LIGHTHOUSE"):
         p.error("--torchft: TORCHFT_LIGHTHOUSE is not set; start a lighthouse (torchft_lighthouse --min_replicas 1 "
                 "--bind [::]:29510) and export TORCHFT_LIGHTHOUSE=http://HOST:29510 for every replica group")
+
+
+# The job's flags that do not run with tensor parallelism (docs/tp.md, "What is refused"): flag -> (its value
+# when off, why). Refused by check_tp with one line before anything starts.
+TP_REFUSED_FLAGS = {
+    "gather_dtype": ("bf16", "compact gathers are not supported with TP parameters"),
+    "grad_quant": ("none", "quantized gradient reduction is not supported with TP parameters"),
+    "compile": (False, "compile_units() is not supported with TP parameters"),
+    "init_from_hf": (None, "HF loads (yafsdp.hf) are not supported with TP parameters"),
+    "export_hf": (None, "HF export is not supported with TP parameters; export from a checkpoint resumed at --tp 1 "
+                        "(a TP checkpoint loads there)"),
+    "torchft": (False, "replica groups under torchft are not combined with TP"),
+    "memory_budget": (None, "the activation estimate of --checkpointing auto does not know TP's layouts; use "
+                            "--activation-checkpointing"),
+}
+
+
+def check_tp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--tp N and --loss-parallel: the flags TP does not run with refused naming both, the sequence length a
+    multiple of N (sequence parallelism splits it). The world size and the model's dims are checked once
+    they are known (Setup.prepare, Setup.build)."""
+    tp = getattr(args, "tp", 1)
+    if tp < 1:
+        p.error(f"--tp must be >= 1, got {tp}")
+    if tp == 1:
+        if getattr(args, "loss_parallel", False):
+            p.error("--loss-parallel splits the logits over the TP ranks; it needs --tp N with N > 1")
+        return
+    for name, (off, why) in TP_REFUSED_FLAGS.items():
+        value = getattr(args, name, off)
+        if value != off:
+            flag = f"--{name.replace('_', '-')}"
+            p.error(f"--tp {tp} with {flag}{'' if value is True else ' ' + str(value)}: {why}; drop {flag} or --tp")
+    if args.checkpointing in ("all", "auto"):
+        p.error(f"--tp {tp} with --checkpointing {args.checkpointing}: recomputing a whole unit is not supported with "
+                "TP parameters; use --activation-checkpointing (each layer recomputed inside its forward)")
+    if args.sample_tokens:
+        p.error(f"--tp {tp} with --sample-tokens {args.sample_tokens}: sampling runs prompts whose length is not a "
+                "multiple of the TP degree (sequence parallelism splits the sequence); use --sample-tokens 0 and sample "
+                "from a checkpoint resumed at --tp 1")
+    if args.seq_len % tp:
+        p.error(f"--tp {tp} with --seq-len {args.seq_len}: sequence parallelism splits each sequence over the TP ranks; "
+                f"give a --seq-len that is a multiple of {tp}")
 
 
 def lr_at(args, step: int) -> float:

@@ -6,6 +6,7 @@ checkpoints), ``rundir.py`` (the run directory), ``data.py``, ``progress.py``, `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -47,8 +48,11 @@ class Job(Setup):
         self.run_dir = R.RunDir(args.out, self.main)  # the lock (rank 0), the plan, a rewind
         # one step's batch; under --torchft the run's, over every replica group ([Note: the job under torchft])
         groups = args.replica_groups if getattr(args, "torchft", False) else 1
-        self.batch = BatchShape(args.batch_size, env.world * groups, args.grad_accum, args.seq_len)
-        self.data_rank = env.world * args.replica_group + env.rank if groups > 1 else env.rank  # its part of a batch
+        # --tp N: the TP ranks of one data-parallel rank (N consecutive ranks) read the same part of a batch
+        self.tp = getattr(args, "tp", 1)
+        self.dp_rank, self.dp_world = env.rank // self.tp, env.world // self.tp
+        self.batch = BatchShape(args.batch_size, self.dp_world * groups, args.grad_accum, args.seq_len)
+        self.data_rank = env.world * args.replica_group + env.rank if groups > 1 else self.dp_rank  # its part of a batch
         self.ft = None  # --torchft: pretrain.torchft_groups.ReplicaGroups (made by build)
         self.outputs: O.Outputs | None = None  # the run's files and lines (open_output)
         self.saver: S.Saver | None = None  # the run's checkpoints (open_output)
@@ -215,11 +219,12 @@ class Job(Setup):
                                f"(micro-batch {micro} of step {self.step + 1} on rank {self.rank}; wrong "
                                "--tokenizer or --data-dtype, or a damaged file?)")
             data_s += time.perf_counter() - td
-            self.mark("forward")
-            loss = self.loss(x.to(self.device, non_blocking=True))
-            self.mark("backward")
-            (loss / a.grad_accum).backward()
-            total += loss.detach().float()
+            with self.loss_context():  # --loss-parallel: the forward's loss and its backward on the logits' slices
+                self.mark("forward")
+                loss = self.loss(x.to(self.device, non_blocking=True))
+                self.mark("backward")
+                (loss / a.grad_accum).backward()
+            total += plain(loss).detach().float()
         self.mark("optimizer")
         norm = self.model.clip_grad_norm_(a.grad_clip if a.grad_clip > 0 else float("inf"))
         comm_s = POSITION.comm_wait_s - comm0
@@ -318,11 +323,21 @@ class Job(Setup):
         a = self.args
         self.mark("eval")
         total = torch.zeros((), device=self.device)
-        for i in range(a.eval_batches):
-            x = self.val.micro_batch(0, i, self.rank, self.world, a.batch_size).to(self.device)
-            total += self.loss(x).float()
+        for i in range(a.eval_batches):  # --tp: the same batch on the TP ranks of a data-parallel rank
+            x = self.val.micro_batch(0, i, self.dp_rank, self.dp_world, a.batch_size).to(self.device)
+            with self.loss_context():
+                total += plain(self.loss(x)).float()
         dist.all_reduce(total)
-        return total.item() / (a.eval_batches * self.world)
+        return total.item() / (a.eval_batches * self.world)  # each TP rank holds its data-parallel rank's loss
+
+    def loss_context(self):
+        """Where the loss and its backward run: torch's ``loss_parallel()`` with --loss-parallel (the logits are
+        DTensors split over the vocabulary), else nothing."""
+        if getattr(self.args, "loss_parallel", False):
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def sample(self, n_tokens: int) -> str:
@@ -347,7 +362,8 @@ class Job(Setup):
         if self.val is not None and self.trained_steps > 0 and not self.stopped_by:
             self.val_loss = self.evaluate()
         sample = None
-        n_sample = a.sample_tokens if a.sample_tokens is not None else (120 if self.n_params < 1e9 else 0)
+        n_sample = a.sample_tokens if a.sample_tokens is not None else (120 if self.n_params < 1e9 and self.tp == 1
+                                                                         else 0)  # --tp: see args.check_tp
         readable = a.tokenizer is not None or not (a.data or "").endswith(".bin")  # else: ids of an unknown tokenizer
         if n_sample > 0 and readable and not self.stopped_by and self.trained_steps > 0:
             sample = self.sample(n_sample)
@@ -385,6 +401,11 @@ class Job(Setup):
 
 
 # --------------------------------------------------------------------------------------- helpers
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (--loss-parallel's is a replicated DTensor)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 @dataclass
 class StepOutcome:
     """What every rank agreed on about one step (``agree_on_step``)."""

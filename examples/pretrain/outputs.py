@@ -130,8 +130,12 @@ def header(job):
     if a.gather_dtype != "bf16":  # a gather format (--gather-dtype)
         n8 = sum(1 for u in m.flat_units for g in u.groups if g.kind.format.name == a.gather_dtype)
         ac += f" | {a.gather_dtype} weight gathers ({n8} units)"
+    tp = getattr(a, "tp", 1)
     if a.hsdp > 1:
-        ac += f" | HSDP {a.hsdp} replicas x {job.world // a.hsdp} shard ranks"
+        ac += f" | HSDP {a.hsdp} replicas x {job.world // (a.hsdp * tp)} shard ranks"
+    if tp > 1:  # docs/tp.md
+        ac += (f" | TP {tp} x {job.world // tp} data-parallel ranks (sequence parallel"
+               f"{', loss parallel' if a.loss_parallel else ''})")
     if getattr(a, "torchft", False):  # [Note: the job under torchft]
         ac += f" | torchft replica group {a.replica_group} of {a.replica_groups}"
     job.say(f"yafsdp {yafsdp.__version__} | {job.name} | {job.world} rank(s) on {job.env.nodes} node(s) | "

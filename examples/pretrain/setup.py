@@ -95,6 +95,11 @@ class Setup:
             raise JobError(f"--hsdp {a.hsdp} does not divide the world size {self.world}: HSDP needs {a.hsdp} "
                            f"replicas of equal size; launch a multiple of {a.hsdp} ranks (e.g. --hsdp = the number "
                            "of nodes) or pick --hsdp among the divisors of the world size")
+        tp = getattr(a, "tp", 1)
+        if tp > 1 and self.world % (a.hsdp * tp):
+            raise JobError(f"--tp {tp}{f' with --hsdp {a.hsdp}' if a.hsdp > 1 else ''} does not divide the world size "
+                           f"{self.world}: the ranks form a (data parallel, TP) mesh of groups of {tp} consecutive ranks; "
+                           f"launch a multiple of {a.hsdp * tp} ranks or pick --tp among the divisors of the world size")
         self.run_dir.take_lock()  # before --out is read, also a new one: see [Note: one line per run directory]
         self.run_dir.make_plan(a, self.env)
         err = None
@@ -200,6 +205,10 @@ class Setup:
         reading its first window (a bad file, column or token stops every rank before --out is
         written)."""
         a = self.args
+        if getattr(a, "tp", 1) > 1:
+            raise JobError(f"--tp {a.tp} with streamed --data {a.data!r}: a streamed position is kept per rank, not per "
+                           "data-parallel rank; prepare the data as .bin (examples/prepare_data.py) or read it whole "
+                           "(a .txt/.jsonl file without --stream)")
         if getattr(a, "torchft", False):
             raise JobError(f"--torchft with streamed --data {a.data!r}: a restarted replica group cannot take a "
                            "streamed position from another group; prepare the data as .bin (examples/prepare_data.py) "
@@ -277,8 +286,11 @@ class Setup:
         self.flops_per_token = P.flops_per_token(self.n_params, c["vocab_size"] * c["hidden_size"],
                                                  c["num_hidden_layers"], c["hidden_size"], a.seq_len)
         self.peak, self.peak_from = P.peak_tflops(self.device, bf16, a.peak_tflops)
-        self.model = yafsdp.YaFSDP(model, config=config, device=self.device,
-                                   **hsdp_mesh(a.hsdp, self.world, self.device))
+        if getattr(a, "tp", 1) > 1:  # torch's TP on mesh["tp"], then the engine on the data-parallel dims (docs/tp.md)
+            mesh = tp_mesh(model, a.tp, a.hsdp, self.world, self.device, a.loss_parallel)
+        else:
+            mesh = hsdp_mesh(a.hsdp, self.world, self.device)
+        self.model = yafsdp.YaFSDP(model, config=config, device=self.device, **mesh)
         self.ckpt_choice = job_checkpointing(self)  # --checkpointing / --memory-budget (docs/activation_checkpointing.md)
         if a.compile:
             self.model.compile_units()
@@ -355,6 +367,31 @@ class Setup:
             init_shards_(m, normal_init(getattr(self.config, "initializer_range", 0.02)), seed=a.seed)
             set_rng_state(None, a.seed, self.rank, 0, self.device)
             self.init_desc = f"seeded init (seed {a.seed}; the same for any world size)"
+
+
+def tp_mesh(model, tp: int, replicas: int, world: int, device, loss_parallel: bool) -> dict:
+    """--tp N: a (world / N, N) mesh named ('dp', 'tp') -- with --hsdp R (R, world / (R N), N) named ('replicate',
+    'shard', 'tp') --, yafsdp's Llama plan (sequence parallel) applied to ``model`` on mesh["tp"]; YaFSDP's mesh
+    argument (the data-parallel dims). torchrun numbers the ranks node by node, so a TP group of N = the GPUs of a
+    node is one node."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from yafsdp.integrations.tp_plans import llama_tp_local_shapes, llama_tp_plan
+
+    try:
+        llama_tp_local_shapes(model, tp)  # the head counts and the MLP width split over TP: refused by name
+    except ValueError as e:
+        raise JobError(f"--tp {tp}: {e}") from None
+    if replicas > 1:
+        mesh = init_device_mesh(device.type, (replicas, world // (replicas * tp), tp),
+                                mesh_dim_names=("replicate", "shard", "tp"))
+        dp = mesh["replicate", "shard"]
+    else:
+        mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        dp = mesh["dp"]
+    parallelize_module(model, mesh["tp"], llama_tp_plan(model, sequence_parallel=True, loss_parallel=loss_parallel))
+    return dict(mesh=dp)
 
 
 def causal_lm_loss(model, x: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,9 @@ on load to ranks that existed in the saved world; both hold tensors, numpy array
 strings and containers of them (see [Note: loading runs no code from the checkpoint] in safe.py).
 The module's persistent buffers are saved once as ``buffer.<key>`` (see [Note: module buffers in
 checkpoints] in contents.py) and the engine's settings go into the manifest (see [Note: engine
-settings in the manifest]). A full disk: see [Note: a full disk] in space.py; saving in the
+settings in the manifest]). An engine with tensor-parallel parameters saves each parameter under
+its own name instead (the params form), and every engine reads either form: see [Note: checkpoints
+with tensor parallelism] in by_param.py. A full disk: see [Note: a full disk] in space.py; saving in the
 background: [Note: asynchronous saves] in background.py.
 
 [Note: atomic saves]
@@ -62,7 +64,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..comm.groups import gather_object, raise_if_any
 from ..comm.hsdp import across_replicas
-from . import contents
+from . import by_param, contents
 from .contents import (
     _model_entries,
     _optimizer_params,
@@ -121,8 +123,12 @@ def save_checkpoint(
 
     HSDP: see [Note: checkpoints of HSDP]. A background save (``AsyncSaver``) in flight into
     ``root`` is waited for first, with a CheckpointWarning (see [Note: one save at a time per root]
-    in background.py)."""
+    in background.py). Tensor parallel: see [Note: checkpoints with tensor parallelism] in by_param.py."""
     _wait_for_root(root, "save_checkpoint", step)
+    if by_param.is_tp(model):  # the world writes: every rank its boxes and its own rank_state
+        group = by_param.group_of(model, "save_checkpoint")
+        return _save(root, step, model, optimizer, state, {dist.get_rank(): rank_state}, meta, keep,
+                     dist.get_world_size(), group=group)
     replicate = getattr(model, "replicate_group", None)
     if replicate is None:
         rank, _ = _group_info(model.process_group)
@@ -222,17 +228,28 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True, st
     state), whatever world size, mesh, zero_stage or offload wrote it. Everything is checked
     before anything is loaded, and nothing in the checkpoint is run as code (see [Note: loading
     runs no code from the checkpoint] in safe.py). ``strict_buffers=False``: a checkpoint written
-    before checkpoints held module buffers loads, the buffers keeping their values."""
-    group = model.process_group
-    rank, world = _group_info(group)
+    before checkpoints held module buffers loads, the buffers keeping their values. Either form loads
+    into an engine with or without tensor parallelism, at any TP degree (see [Note: checkpoints with
+    tensor parallelism] in by_param.py)."""
     model.check_idle("load_checkpoint")
+    tp = by_param.is_tp(model)
+    group = by_param.group_of(model, "load_checkpoint") if tp else model.process_group
+    rank, world = _group_info(group)
     manifest = verify_checkpoint(path, group, checksums=verify)
+    # An engine without TP reading a flat checkpoint: the flat form's own path (below), as it always was.
+    targets = by_param.Targets(model, manifest, path) if tp or by_param.layout_of(manifest, path)["format"] != \
+        by_param.FLAT else None
     contents.check_settings(manifest, model, path)
     check_compatible(manifest, model, path)
     contents.check_buffers(manifest, model, path, strict_buffers)
     saved_world = int(manifest["world_size"])
 
-    entries: dict[str, Any] = dict(_model_entries(model))
+    if targets is None:
+        entries: dict[str, Any] = dict(_model_entries(model))
+    else:
+        for info in model.shard_info():
+            targets.add(info, info.param.detach(), lambda n: f"param.{n}", lambda u: f"model.{u}")
+        entries = targets.entries
     entries.update(contents.load_targets(manifest))
     opt_state: dict = {}
     opt_desc = manifest.get("optimizer")
@@ -251,7 +268,11 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True, st
                 name = f"optim.{info.key}.{key}"
                 if d["kind"] == "shard":
                     st[key] = torch.zeros_like(p.detach(), dtype=getattr(torch, d["dtype"]))
-                    entries[name] = _flat_shard(info, st[key])
+                    if targets is None:
+                        entries[name] = _flat_shard(info, st[key])
+                    else:
+                        targets.add(info, st[key], lambda n, key=key: f"param_optim.{key}.{n}",
+                                    lambda u, key=key: f"optim.{u}.{key}")
                 elif d["kind"] == "tensor":
                     # On the CPU, as in a state_dict: the optimizer's load_state_dict puts it where that
                     # optimizer keeps it (torch's AdamW keeps `step` on the CPU unless fused or
@@ -262,9 +283,9 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True, st
                     entries[name] = None
         entries["optim.param_groups"] = None
     entries["state"] = None
-    # rank_state is per global rank under HSDP (see [Note: checkpoints of HSDP]); a flat engine's
+    # rank_state is per global rank under HSDP (see [Note: checkpoints of HSDP]) and TP; a flat engine's
     # group rank is its global rank when it shards over the world.
-    me = dist.get_rank() if getattr(model, "replicate_group", None) is not None else rank
+    me = dist.get_rank() if getattr(model, "replicate_group", None) is not None or tp else rank
     if me < saved_world:
         entries[f"rank_state.{me}"] = None
 
@@ -277,7 +298,11 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True, st
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         raise CheckpointError(f"loading checkpoint {path!r} failed: {_root_cause(e)}") from e
 
-    _zero_padding(model, entries)
+    if targets is None:
+        _zero_padding(model, entries)
+    else:
+        targets.finish()
+        by_param.zero_padding(model)
     contents.load_buffers(model, entries)
     model.mark_loaded()
 

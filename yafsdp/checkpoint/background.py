@@ -48,6 +48,10 @@ every rank of every replica the same path or the same error, and the checkpoint 
 as in a flat save. The other replicas wait in the broadcast for the whole write: the timeout
 must exceed the time of a save.
 
+An engine with tensor-parallel parameters: every rank of the world stages its own boxes and writes them
+(the world's gloo group is the writer group; see [Note: checkpoints with tensor parallelism] in
+by_param.py), HSDP x TP included (replica 0's ranks stage the parameters, every rank its ``rank_state``).
+
 [Note: one save at a time per root]
 A save removes the ``.tmp.*`` directories it finds under its root (killed saves), which would
 include one being written in the background. So every write in flight is registered by its root
@@ -70,7 +74,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm.groups import broadcast_object, gather_object
-from .contents import collect, stage
+from .by_param import collect, group_of, is_tp
+from .contents import stage
 from .files import CheckpointError, CheckpointWarning, checkpoint_dir
 from .write import _save
 
@@ -120,12 +125,21 @@ class AsyncSaver:
     a gloo group of the engine's ranks; an HSDP engine covers the world and makes its own).
     ``timeout`` (seconds, or a timedelta): the deadline of each of the writer's collectives; by
     default the default process group's timeout. It must exceed the longest write of one rank's
-    files (and, with HSDP, a whole save)."""
+    files (and, with HSDP, a whole save). Tensor parallel: the world writes, as a synchronous save."""
 
     def __init__(self, model, optimizer=None, *, writer_group=None, timeout: float | timedelta | None = None):
         timeout = _writer_timeout(timeout)
         self.verdicts = None  # HSDP: the world's gloo group on which replica 0 tells every rank the outcome
-        if getattr(model, "replicate_group", None) is not None:
+        self.tp = is_tp(model)  # every rank of the world writes its own boxes (see [Note: asynchronous saves])
+        if self.tp:
+            if writer_group is not None:
+                raise CheckpointError(
+                    "AsyncSaver: writer_group= is for a flat engine sharded over a subgroup; an engine with "
+                    "tensor-parallel parameters is saved by the whole world, whose writer group is made here: drop "
+                    "writer_group=")
+            group_of(model, "AsyncSaver")
+            writer_group = dist.new_group(backend="gloo", timeout=timeout)
+        elif getattr(model, "replicate_group", None) is not None:
             if writer_group is not None:
                 raise CheckpointError(
                     "AsyncSaver: writer_group= is for a flat engine sharded over a subgroup; an HSDP engine "
@@ -166,7 +180,10 @@ class AsyncSaver:
         waited = time.perf_counter() - t0
         self.model.check_idle("AsyncSaver.save")
         t1 = time.perf_counter()
-        if self.verdicts is None:
+        if self.tp:  # the world writes (see [Note: checkpoints with tensor parallelism] in by_param.py)
+            rank_states = {dist.get_rank(): rank_state}
+            writes, world_record = True, dist.get_world_size()
+        elif self.verdicts is None:
             rank_states = {dist.get_rank(self.model.process_group): rank_state}
             writes, world_record = True, None
         else:  # see [Note: asynchronous saves of HSDP]: replica 0 writes its replicate group's rank_states

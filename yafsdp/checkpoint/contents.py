@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from .. import formats
-from .dcp_glue import FlatShard
+from ..layout.pieces import tp_specs
+from .dcp_glue import Chunks, FlatShard
 from .files import CheckpointError
 from .safe import encode
 
@@ -18,6 +19,17 @@ __all__ = ["collect", "stage", "settings", "check_settings", "buffer_entries", "
 
 
 def _units(model) -> list[dict]:
+    """The manifest's units: each flat group's key, unpadded length and parameters (name, shape). With tensor
+    parallelism the shapes are the global ones and the length is theirs (the unit as an engine without TP lays
+    it out), so that a model is compared to a checkpoint whatever TP degree either has."""
+    specs = tp_specs(model)
+    if specs:
+        out = []
+        for i in model.shard_info():
+            shapes = [tuple(specs[n].shape) if n in specs else tuple(sh) for n, sh in zip(i.param_names, i.param_shapes)]
+            out.append(dict(name=i.key, numel=sum(torch.Size(sh).numel() for sh in shapes),
+                            params=[[n, list(sh)] for n, sh in zip(i.param_names, shapes)]))
+        return out
     return [
         dict(name=i.key, numel=i.numel, params=[[n, list(sh)] for n, sh in zip(i.param_names, i.param_shapes)])
         for i in model.shard_info()
@@ -233,6 +245,8 @@ def needed_bytes(model, entries: dict) -> int:
     for v in entries.values():
         if isinstance(v, FlatShard):
             total += v.numel * v.local.element_size() + 1024
+        elif isinstance(v, Chunks):  # every rank lists every tensor (see by_param.py), pieces or not
+            total += torch.Size(v.size).numel() * v.dtype.itemsize + 1024
         elif isinstance(v, torch.Tensor):
             total += v.numel() * v.element_size() + 1024
     return total
@@ -268,6 +282,8 @@ def stage(entries: dict, into: dict | None) -> tuple[dict, int]:
     for name, v in entries.items():
         if isinstance(v, FlatShard):
             out[name] = FlatShard(host(name, v.local), v.offset, v.numel)
+        elif isinstance(v, Chunks):
+            out[name] = Chunks([(o, host(f"{name}@{tuple(o)}", t)) for o, t in v.pieces], v.size, v.dtype)
         else:
             out[name] = copy(name, v)
     return out, nbytes

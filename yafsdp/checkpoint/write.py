@@ -17,7 +17,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..comm.groups import gather_object, raise_together
-from .contents import _units, collect, describe_buffers, needed_bytes, settings
+from .by_param import collect, manifest_layout
+from .contents import _units, describe_buffers, needed_bytes, settings
 from .dcp_glue import SavePlanner
 from .space import free_bytes, is_out_of_space, space_problem
 from .files import (
@@ -123,7 +124,7 @@ def _save(root, step, model, optimizer, state, rank_states: dict, meta, keep, wo
             mesh=list(getattr(model, "mesh_shape", (1, world))), saved_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
             torch=torch.__version__, units=_units(model), optimizer=opt_desc,
             buffers=describe_buffers(model), settings=settings(model, world_record or world),
-            meta=meta or {}, files=sums,
+            meta=meta or {}, files=sums, **manifest_layout(model),
         )
         try:
             write_json_atomic(os.path.join(tmp, MANIFEST), manifest)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .. import formats
+from ..layout.pieces import copy_out, param_boxes, rows_of, tp_specs
 
 BLOCK = 1 << 16  # elements per independently seeded block of a parameter's random init
 
@@ -82,14 +83,24 @@ def init_shards_(model, rule: InitRule, seed: int = 0) -> None:
     """Fill every rank's master shards of a wrapped model (``yafsdp.YaFSDP``) with initial values.
 
     Not collective: each rank computes only its own slice. Values do not depend on the world size
-    (see [Note: world-size independent init]). Padding is left at zero. Clears ``needs_load``."""
-    if getattr(model, "tp_size", 1) > 1:  # a rule keyed by name and offset would fill each TP slice alike
-        raise RuntimeError(
-            "yafsdp.init.init_shards_: not supported yet on a model with tensor-parallel (DTensor) parameters: the "
-            "rule would fill each rank's TP slice as if it were the whole tensor. Initialise the model before "
-            "applying tensor parallelism and wrapping")
+    (see [Note: world-size independent init]) nor on the TP degree: with tensor-parallel parameters a rank
+    computes the whole rows of each global tensor that its piece of the TP slice touches and keeps its boxes
+    (layout/pieces.py; a row-parallel weight costs T times its share of draws). Padding is left at zero. Clears
+    ``needs_load``."""
+    specs = tp_specs(model)
     index = 0
     for info in model.shard_info():
+        if specs:  # plain groups only: TP refuses the stored formats (layout/dtensor.py)
+            shard = info.param.detach()
+            shard.zero_()
+            for name, shape, pieces in param_boxes(info, shard, specs, model.tp_rank):
+                if pieces:
+                    first, end, inner = rows_of(shape, pieces)
+                    rows = torch.empty((end - first) * inner, dtype=torch.float32)
+                    _fill(rows, name, shape, first * inner, rule, seed, index)
+                    copy_out(rows, shape, pieces)  # host rows into the shard's views
+                index += 1
+            continue
         lo, hi = info.shard_start, info.shard_start + info.shard_numel  # this rank's slice of the flat unit
         compact = info.format is not None  # a stored record (NF4): fill the values, then encode them
         shard = (torch.zeros(info.shard_numel, dtype=torch.float32, device=info.param.device) if compact

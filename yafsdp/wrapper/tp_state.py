@@ -21,7 +21,8 @@ from ..layout.units import WrapError
 __all__ = ["full_over_tp", "split_over_tp", "check_method", "check_module", "TP_METHODS"]
 
 # YaFSDP methods (the names they pass to ``check_idle``) that run on a TP engine.
-TP_METHODS = frozenset({"full_state_dict", "iter_full_state_dict", "load_full_state_dict"})
+TP_METHODS = frozenset({"full_state_dict", "iter_full_state_dict", "load_full_state_dict",
+                        "save_checkpoint", "load_checkpoint", "AsyncSaver.save"})  # checkpoint/by_param.py
 
 
 def check_method(tp, what: str) -> None:
