@@ -1,0 +1,130 @@
+"""Hugging Face exports and loads of a tensor-parallel engine (yafsdp/integrations/hf_export.py, hf_stream.py).
+
+World 4 as a (dp 2, tp 2) DeviceMesh, a tiny HF Llama under yafsdp's Llama TP plan (sequence parallel; the
+vocabulary of 67 rows splits 34 / 33 over TP; the row-parallel projections are split along their columns). After
+one AdamW step the TP engine's weights are exported with ``yafsdp.hf.export_hf`` and, loaded into a non-TP engine
+over the 4 ranks, exported again: the two folders hold the same files, the same index and the same tensors bit for
+bit, and ``LlamaForCausalLM.from_pretrained`` of the TP export computes the logits of the plain model holding those
+weights, bit for bit. ``yafsdp.hf.load_hf_weights`` of that export into the same TP model built on the meta device
+gives back the full state dict bit for bit (each rank reads its TP slice's runs of the file, then its data-parallel
+shard of them); a wrong global shape and a NaN that only one TP coordinate reads are refused on every rank, and so
+is an export whose folder cannot be written.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+import yafsdp
+import yafsdp.hf
+from dist_utils import run_ranks
+from models import tiny_llama
+from test_tp import VOCAB, _batch, _opt, _refused, tp_plan
+
+SHARD = "40KB"  # several files, so the index and the split between files are compared too
+
+
+def _meta_tp_engine(mesh):
+    """The tiny Llama built on the meta device, TP applied, wrapped: the shards wait for a load."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    with torch.device("meta"):
+        model = tiny_llama(vocab=VOCAB)
+    model.model.rotary_emb = LlamaRotaryEmbedding(model.config)  # real buffers (not in the checkpoint)
+    model = yafsdp.YaFSDP(tp_plan(model, mesh["tp"], sp=True), mesh=mesh["dp"])
+    assert model.needs_load
+    return model
+
+
+def _world(rank, world, root):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    tp = yafsdp.YaFSDP(tp_plan(tiny_llama(vocab=VOCAB), mesh["tp"], sp=True), mesh=mesh["dp"])
+    opt = _opt(tp.parameters())
+    tp(**_batch(0, 0, dp_rank)).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    sd = tp.full_state_dict()
+    out = {"sd": sd} if rank == 0 else {}
+
+    # the export of the TP engine, and of a non-TP engine over the same 4 ranks holding the same weights
+    assert yafsdp.hf.export_hf(tp, f"{root}/tp", max_shard_size=SHARD) == (f"{root}/tp" if rank == 0 else None)
+    plain = yafsdp.YaFSDP(tiny_llama(vocab=VOCAB, seed=1))
+    plain.load_full_state_dict(sd if rank == 0 else None)
+    yafsdp.hf.export_hf(plain, f"{root}/plain", max_shard_size=SHARD)
+
+    # an export whose folder cannot be made: refused on every rank, the other TP coordinate's too
+    if rank == 0:
+        open(f"{root}/a_file", "w").close()
+    dist.barrier()
+    out["unwritable"] = _refused(lambda: yafsdp.hf.export_hf(tp, f"{root}/a_file/out"))
+
+    # loads into the TP model built on the meta device
+    fresh = _meta_tp_engine(mesh)
+    if rank == 0:
+        inner = tiny_llama(vocab=VOCAB)
+        yafsdp.hf.write_hf(dict(sd, **{"lm_head.weight": sd["lm_head.weight"][:-1]}), inner, f"{root}/short")
+        nan = {k: v.clone() for k, v in sd.items()}
+        nan["lm_head.weight"][60, 3] = float("nan")  # row 60: TP coordinate 1's rows (34..66) only
+        yafsdp.hf.write_hf(nan, inner, f"{root}/nan")
+    dist.barrier()
+    out["short"] = _refused(lambda: yafsdp.hf.load_hf_weights(fresh, f"{root}/short"))
+    out["nan"] = _refused(lambda: yafsdp.hf.load_hf_weights(fresh, f"{root}/nan"))
+    yafsdp.hf.load_hf_weights(fresh, f"{root}/tp")
+    assert not fresh.needs_load
+    back = fresh.full_state_dict()
+    if rank == 0:
+        out["back_equal"] = back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    inputs = _batch(1, 0, dp_rank)
+    with torch.no_grad():
+        out["same_loss"] = fresh(**inputs).loss.item() == tp(**inputs).loss.item()
+    return out
+
+
+def _tensors(folder: str) -> dict:
+    from safetensors import safe_open
+
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), "pt") as f:
+                out[name] = {k: f.get_tensor(k) for k in f.keys()}
+    return out
+
+
+def test_tp_hf_export_and_load(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    res = run_ranks(_world, 4, str(tmp_path))
+    assert all(r["same_loss"] for r in res), "the loaded engine computes the trained engine's loss"
+    assert res[0]["back_equal"], "load_hf_weights into a meta-built TP engine: the full state dict bit for bit"
+    for r in res:
+        assert "'lm_head.weight' has shape (66, 32), expected (67, 32)" in r["short"], r["short"]
+        assert "holds NaN/inf" in r["nan"] and "lm_head.weight" in r["nan"], r["nan"]
+        assert "cannot start writing" in r["unwritable"], r["unwritable"]
+    tp_dir, plain_dir = tmp_path / "tp", tmp_path / "plain"
+    assert sorted(os.listdir(tp_dir)) == sorted(os.listdir(plain_dir))
+    assert len([n for n in os.listdir(tp_dir) if n.endswith(".safetensors")]) > 1
+    index = "model.safetensors.index.json"
+    assert json.loads((tp_dir / index).read_text()) == json.loads((plain_dir / index).read_text())
+    got, want = _tensors(str(tp_dir)), _tensors(str(plain_dir))
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].keys() == want[name].keys(), name
+        for k in want[name]:
+            a, b = got[name][k], want[name][k]
+            assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), (name, k)
+    sd = res[0]["sd"]
+    assert sorted(k for f in got.values() for k in f) == sorted(sd)
+
+    loaded = LlamaForCausalLM.from_pretrained(str(tp_dir), attn_implementation="eager")
+    ref = tiny_llama(vocab=VOCAB, seed=1)
+    ref.load_state_dict(sd)
+    ids = _batch(2, 0, 0)["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(input_ids=ids).logits, ref.eval()(input_ids=ids).logits)
