@@ -9,10 +9,12 @@ their gradient norms, and writing values back into the shards.
   ``model.apply(init_fn)``, ``reset_parameters()``, HF ``init_weights()`` — takes effect on the shards
   exactly as on the unsharded model initialised on rank 0. Like FSDP's ``summon_full_params`` it
   holds the whole model on every rank while open.
-- ``full_tensor(model, name, grad)`` — collective: one parameter's full values or gradient, every rank.
+- ``full_tensor(model, name, grad)`` — collective: one parameter's full values or gradient, every rank
+  (a tensor-parallel parameter: gathered over the shard group, then over TP).
 - ``named_grad_norms(model)`` — collective: {name: norm of the full gradient} for every trainable
   parameter whose unit has a gradient; each rank sums the squares over its slice of each parameter
-  (the ShardInfo slices), one all-reduce of one float per parameter over the shard group.
+  (the ShardInfo slices), one all-reduce of one float per parameter over the shard group (tensor
+  parallel: one more over TP, which adds the TP-sharded parameters' squares).
 
 [Note: writing back after a meta-device wrap]
 A model built on the meta device has shards with no values yet (``model.needs_load``). Inside
@@ -185,7 +187,13 @@ def full_tensor(model, name: str, grad: bool) -> torch.Tensor | None:
     full = _gather_group(rt, u, g, model.process_group, grad=grad)
     if full is None:
         return None
-    return full[info.offset:info.offset + info.numel].view(info.shape).clone()
+    out = full[info.offset:info.offset + info.numel].view(info.shape).clone()
+    if info.tp is not None:  # a TP parameter: its local tensor, gathered over TP on every rank (grads included)
+        from torch.distributed.tensor import DTensor
+
+        out = DTensor.from_local(out, info.tp.mesh, info.tp.placements, run_check=False, shape=info.tp.shape,
+                                 stride=info.tp.stride).full_tensor()
+    return out
 
 
 @torch.no_grad()
@@ -196,7 +204,7 @@ def named_grad_norms(model) -> dict[str, torch.Tensor]:
     rt.sync_replicas()  # HSDP: the replicas hold the same grad shards afterwards; count them once
     model.check_idle("named_grad_norms")
     check_collective("named_grad_norms()", model.process_group)
-    names, parts = [], []
+    names, parts, tp_sharded = [], [], []
     for u in rt.all:
         g = u.trainable
         if g is None or g.shard.grad is None:
@@ -206,11 +214,17 @@ def named_grad_norms(model) -> dict[str, torch.Tensor]:
         for info in g.params:
             lo, hi = max(info.offset, start), min(info.offset + info.numel, stop)
             names.append(info.fqn)
+            tp_sharded.append(info.tp is not None and info.tp.sharded)
             parts.append(grad[lo - start:hi - start].float().pow(2).sum() if hi > lo
                          else torch.zeros((), device=grad.device))
     if not parts:
         return {}
     sq = rt.to_device(torch.stack(parts))
     collectives.all_reduce(sq, model.process_group)
+    if model._tp is not None:  # a TP-sharded parameter's squares summed over TP too; a replicated one's are its own
+        sharded = torch.tensor(tp_sharded, device=sq.device)
+        over_tp = sq * sharded
+        collectives.all_reduce(over_tp, model._tp.group)
+        sq = torch.where(sharded, over_tp, sq)
     norms = sq.sqrt()
     return {n: norms[i] for i, n in enumerate(names)}

@@ -1,4 +1,5 @@
-"""Hugging Face exports and loads of a tensor-parallel engine (yafsdp/integrations/hf_export.py, hf_stream.py).
+"""Full tensors of a tensor-parallel engine: Hugging Face exports and loads (yafsdp/integrations/hf_export.py,
+hf_stream.py), ``full_parameter`` / ``full_grad`` / ``named_grad_norms`` (yafsdp/wrapper/views.py).
 
 World 4 as a (dp 2, tp 2) DeviceMesh, a tiny HF Llama under yafsdp's Llama TP plan (sequence parallel; the
 vocabulary of 67 rows splits 34 / 33 over TP; the row-parallel projections are split along their columns). After
@@ -8,7 +9,10 @@ bit, and ``LlamaForCausalLM.from_pretrained`` of the TP export computes the logi
 weights, bit for bit. ``yafsdp.hf.load_hf_weights`` of that export into the same TP model built on the meta device
 gives back the full state dict bit for bit (each rank reads its TP slice's runs of the file, then its data-parallel
 shard of them); a wrong global shape and a NaN that only one TP coordinate reads are refused on every rank, and so
-is an export whose folder cannot be written.
+is an export whose folder cannot be written. After a backward of both engines on the same global batch (the
+non-TP engine's rank r takes the batch of data-parallel rank r // 2, so both average the same two batches),
+``full_parameter`` of every parameter is equal bit for bit on every rank, and ``full_grad`` and ``named_grad_norms``
+agree as tightly as the fp32 parity tests (the TP model sums in another order).
 """
 from __future__ import annotations
 
@@ -58,6 +62,17 @@ def _world(rank, world, root):
     plain.load_full_state_dict(sd if rank == 0 else None)
     yafsdp.hf.export_hf(plain, f"{root}/plain", max_shard_size=SHARD)
 
+    # full_parameter, full_grad, named_grad_norms on every rank, against the engine without TP
+    tp(**_batch(5, 0, dp_rank)).loss.backward()
+    plain(**_batch(5, 0, dp_rank)).loss.backward()
+    names = [n for n, _ in tiny_llama(vocab=VOCAB).named_parameters()]
+    out["values_equal"] = all(torch.equal(tp.full_parameter(n), plain.full_parameter(n)) for n in names)
+    out["grad_errors"] = {n: _rel(tp.full_grad(n), plain.full_grad(n)) for n in names}
+    got, want = tp.named_grad_norms(), plain.named_grad_norms()
+    assert got.keys() == want.keys() == set(names), sorted(set(got) ^ set(want))
+    out["norm_errors"] = {n: abs(got[n].item() - want[n].item()) / want[n].item() for n in names}
+    opt.zero_grad()
+
     # an export whose folder cannot be made: refused on every rank, the other TP coordinate's too
     if rank == 0:
         open(f"{root}/a_file", "w").close()
@@ -86,6 +101,11 @@ def _world(rank, world, root):
     return out
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    return float((a - b).norm() / b.norm())
+
+
 def _tensors(folder: str) -> dict:
     from safetensors import safe_open
 
@@ -97,11 +117,15 @@ def _tensors(folder: str) -> dict:
     return out
 
 
-def test_tp_hf_export_and_load(tmp_path):
+def test_tp_full_tensors(tmp_path):
     from transformers import LlamaForCausalLM
 
     res = run_ranks(_world, 4, str(tmp_path))
     assert all(r["same_loss"] for r in res), "the loaded engine computes the trained engine's loss"
+    assert all(r["values_equal"] for r in res), "full_parameter: the values of the engine without TP, bit for bit"
+    for r in res:
+        assert max(r["grad_errors"].values()) < 1e-5, r["grad_errors"]
+        assert max(r["norm_errors"].values()) < 1e-5, r["norm_errors"]
     assert res[0]["back_equal"], "load_hf_weights into a meta-built TP engine: the full state dict bit for bit"
     for r in res:
         assert "'lm_head.weight' has shape (66, 32), expected (67, 32)" in r["short"], r["short"]
