@@ -12,7 +12,9 @@ shard of them); a wrong global shape and a NaN that only one TP coordinate reads
 is an export whose folder cannot be written. After a backward of both engines on the same global batch (the
 non-TP engine's rank r takes the batch of data-parallel rank r // 2, so both average the same two batches),
 ``full_parameter`` of every parameter is equal bit for bit on every rank, and ``full_grad`` and ``named_grad_norms``
-agree as tightly as the fp32 parity tests (the TP model sums in another order).
+agree as tightly as the fp32 parity tests (the TP model sums in another order); so do, after one AdamW step of each,
+their full optimizer state dicts, and global rank 0's TP one loaded into a TP engine and into the engine without TP
+saves back bit for bit (a wrong global shape refused on every rank).
 """
 from __future__ import annotations
 
@@ -62,17 +64,6 @@ def _world(rank, world, root):
     plain.load_full_state_dict(sd if rank == 0 else None)
     yafsdp.hf.export_hf(plain, f"{root}/plain", max_shard_size=SHARD)
 
-    # full_parameter, full_grad, named_grad_norms on every rank, against the engine without TP
-    tp(**_batch(5, 0, dp_rank)).loss.backward()
-    plain(**_batch(5, 0, dp_rank)).loss.backward()
-    names = [n for n, _ in tiny_llama(vocab=VOCAB).named_parameters()]
-    out["values_equal"] = all(torch.equal(tp.full_parameter(n), plain.full_parameter(n)) for n in names)
-    out["grad_errors"] = {n: _rel(tp.full_grad(n), plain.full_grad(n)) for n in names}
-    got, want = tp.named_grad_norms(), plain.named_grad_norms()
-    assert got.keys() == want.keys() == set(names), sorted(set(got) ^ set(want))
-    out["norm_errors"] = {n: abs(got[n].item() - want[n].item()) / want[n].item() for n in names}
-    opt.zero_grad()
-
     # an export whose folder cannot be made: refused on every rank, the other TP coordinate's too
     if rank == 0:
         open(f"{root}/a_file", "w").close()
@@ -98,7 +89,44 @@ def _world(rank, world, root):
     inputs = _batch(1, 0, dp_rank)
     with torch.no_grad():
         out["same_loss"] = fresh(**inputs).loss.item() == tp(**inputs).loss.item()
+    _views_and_optimizer(out, tp, plain, fresh, dp_rank)
     return out
+
+
+def _views_and_optimizer(out, tp, plain, fresh, dp_rank):
+    """``tp`` and ``plain`` hold the same weights. full_parameter / full_grad / named_grad_norms after a backward of
+    both on the same global batch; then one AdamW step of each from a fresh optimizer and their full optimizer state
+    dicts, and global rank 0's TP one loaded into ``fresh``'s and ``plain``'s optimizers and saved back."""
+    rank = dist.get_rank()
+    tp(**_batch(5, 0, dp_rank)).loss.backward()
+    plain(**_batch(5, 0, dp_rank)).loss.backward()
+    names = [n for n, _ in tiny_llama(vocab=VOCAB).named_parameters()]
+    out["values_equal"] = all(torch.equal(tp.full_parameter(n), plain.full_parameter(n)) for n in names)
+    out["grad_errors"] = {n: _rel(tp.full_grad(n), plain.full_grad(n)) for n in names}
+    got, want = tp.named_grad_norms(), plain.named_grad_norms()
+    assert got.keys() == want.keys() == set(names), sorted(set(got) ^ set(want))
+    out["norm_errors"] = {n: abs(got[n].item() - want[n].item()) / want[n].item() for n in names}
+
+    sds = []
+    for model in (tp, plain):
+        opt = _opt(model.parameters())
+        opt.step()
+        sds.append(model.full_optim_state_dict(opt))
+    if rank == 0:
+        out["optim"] = sds
+    else:
+        assert sds == [{}, {}], "only global rank 0 gets the full optimizer state dict"
+    if rank == 0:  # a wrong global shape: refused on every rank
+        bad = {**sds[0], "state": {**sds[0]["state"], "lm_head.weight": {
+            **sds[0]["state"]["lm_head.weight"], "exp_avg": sds[0]["state"]["lm_head.weight"]["exp_avg"][:-1]}}}
+    fresh_opt = _opt(fresh.parameters())
+    out["optim_short"] = _refused(lambda: fresh.load_full_optim_state_dict(fresh_opt, bad if rank == 0 else None))
+    back = []
+    for model, opt in ((fresh, fresh_opt), (plain, _opt(plain.parameters()))):
+        model.load_full_optim_state_dict(opt, sds[0] if rank == 0 else None)
+        back.append(model.full_optim_state_dict(opt))
+    if rank == 0:
+        out["optim_back"] = back
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -145,6 +173,20 @@ def test_tp_full_tensors(tmp_path):
             assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), (name, k)
     sd = res[0]["sd"]
     assert sorted(k for f in got.values() for k in f) == sorted(sd)
+
+    # the full optimizer state dict: TP against no TP after the same step; the round trips bit for bit
+    (with_tp, without), back = res[0]["optim"], res[0]["optim_back"]
+    assert with_tp["param_groups"] == without["param_groups"] and with_tp["state"].keys() == without["state"].keys()
+    for n, st in without["state"].items():
+        assert with_tp["state"][n].keys() == st.keys() == {"step", "exp_avg", "exp_avg_sq"}, (n, st.keys())
+        assert torch.equal(with_tp["state"][n]["step"], st["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert _rel(with_tp["state"][n][key], st[key]) < 1e-5, (n, key)
+    for again in back:  # into the TP engine and into the engine without TP
+        assert again["param_groups"] == with_tp["param_groups"]
+        assert all(torch.equal(again["state"][n][k], v) for n, st in with_tp["state"].items() for k, v in st.items())
+    for r in res:
+        assert "'exp_avg' of 'lm_head.weight' has shape (66, 32), the parameter (67, 32)" in r["optim_short"], r
 
     loaded = LlamaForCausalLM.from_pretrained(str(tp_dir), attn_implementation="eager")
     ref = tiny_llama(vocab=VOCAB, seed=1)
