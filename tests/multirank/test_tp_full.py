@@ -194,3 +194,35 @@ def test_tp_full_tensors(tmp_path):
     ids = _batch(2, 0, 0)["input_ids"]
     with torch.no_grad():
         assert torch.equal(loaded.eval()(input_ids=ids).logits, ref.eval()(input_ids=ids).logits)
+
+
+def test_tp_slice_reads_torch_chunks():
+    """``_tp_slice`` (the HF load's read of a TP slice from a full tensor's file order) against the slices torch's
+    ``Shard(dim)`` holds (``torch.chunk``; the ranks past the last chunk hold none), for every dim, uneven sizes,
+    and element ranges that start and stop inside runs."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from yafsdp.integrations.hf_stream import TensorSource, _tp_slice
+
+    full = torch.randn(7, 5, 3, generator=torch.Generator().manual_seed(0))
+    entry = TensorSource({"w": full}).entries["w"]
+    scratch = torch.empty(64, dtype=torch.uint8)
+    for size in (2, 3, 4):
+        mesh = SimpleNamespace(size=lambda size=size: size)
+        for dim in (0, 1, 2, -1):
+            chunks = full.chunk(size, dim)
+            for rank in range(size):
+                want = chunks[rank] if rank < len(chunks) else full.narrow(dim, 0, 0)
+                spec = SimpleNamespace(mesh=mesh, placements=(Shard(dim),), shape=full.shape)
+                local = _tp_slice(entry, spec, tuple(want.shape), rank)
+                flat = want.reshape(-1)
+                n = flat.numel()
+                for a, b in ((0, n), (1, n - 1), (n // 3, n // 2 + 2)):
+                    a, b = min(a, n), max(min(b, n), min(a, n))
+                    out = torch.empty(b - a)
+                    local.read(a, b, out, scratch)
+                    assert torch.equal(out, flat[a:b]), (size, dim, rank, a, b)
+    spec = SimpleNamespace(mesh=SimpleNamespace(size=lambda: 2), placements=(Replicate(),), shape=full.shape)
+    assert _tp_slice(entry, spec, tuple(full.shape), 1) is entry
