@@ -14,7 +14,10 @@ non-TP engine's rank r takes the batch of data-parallel rank r // 2, so both ave
 ``full_parameter`` of every parameter is equal bit for bit on every rank, and ``full_grad`` and ``named_grad_norms``
 agree as tightly as the fp32 parity tests (the TP model sums in another order); so do, after one AdamW step of each,
 their full optimizer state dicts, and global rank 0's TP one loaded into a TP engine and into the engine without TP
-saves back bit for bit (a wrong global shape refused on every rank).
+saves back bit for bit (a wrong global shape refused on every rank). ``summon_full_params`` hands out the full
+values and gradients on every rank, and its writeback into the model built on the meta device stores global rank
+0's values on every rank, split over TP (each rank draws its own; a parameter left uninitialised is refused on
+every rank).
 """
 from __future__ import annotations
 
@@ -90,7 +93,35 @@ def _world(rank, world, root):
     with torch.no_grad():
         out["same_loss"] = fresh(**inputs).loss.item() == tp(**inputs).loss.item()
     _views_and_optimizer(out, tp, plain, fresh, dp_rank)
+    _summon(out, tp, mesh)
     return out
+
+
+def _summon(out, tp, mesh):
+    """summon_full_params: the full values and gradients on every rank; writeback into the model built on the meta
+    device from values each rank draws differently: global rank 0's land everywhere, and a parameter left
+    uninitialised is refused on every rank."""
+    rank = dist.get_rank()
+    with tp.summon_full_params(with_grads=True):
+        held = {n: (p.detach().clone(), p.grad.clone()) for n, p in tp.module.named_parameters()}
+    out["summon_values"] = all(torch.equal(v, tp.full_parameter(n)) and torch.equal(g, tp.full_grad(n))
+                               for n, (v, g) in held.items())
+    blank = _meta_tp_engine(mesh)
+    torch.manual_seed(100 + rank)
+
+    def draw(skip=None):
+        drawn = {}
+        with blank.summon_full_params(writeback=True), torch.no_grad():
+            for n, p in blank.module.named_parameters():
+                if n != skip:
+                    drawn[n] = p.normal_().clone()
+        return drawn
+
+    out["summon_missing"] = _refused(lambda: draw(skip="model.norm.weight"))
+    drawn = draw()
+    out["summon_loaded"] = not blank.needs_load
+    out["summon_drawn"] = drawn
+    out["summon_back"] = {n: blank.full_parameter(n) for n in drawn}
 
 
 def _views_and_optimizer(out, tp, plain, fresh, dp_rank):
@@ -187,6 +218,15 @@ def test_tp_full_tensors(tmp_path):
         assert all(torch.equal(again["state"][n][k], v) for n, st in with_tp["state"].items() for k, v in st.items())
     for r in res:
         assert "'exp_avg' of 'lm_head.weight' has shape (66, 32), the parameter (67, 32)" in r["optim_short"], r
+
+    # summon_full_params: full values and grads on every rank; writeback of global rank 0's values
+    drawn = res[0]["summon_drawn"]
+    assert drawn.keys() == sd.keys() and all(drawn[k].shape == sd[k].shape for k in sd)
+    assert not torch.equal(res[1]["summon_drawn"]["lm_head.weight"], drawn["lm_head.weight"]), "each rank drew its own"
+    for r in res:
+        assert r["summon_values"] and r["summon_loaded"]
+        assert "not initialised" in r["summon_missing"] and "'model.norm.weight'" in r["summon_missing"], r
+        assert all(torch.equal(r["summon_back"][k], drawn[k]) for k in drawn), "global rank 0's values, every rank"
 
     loaded = LlamaForCausalLM.from_pretrained(str(tp_dir), attn_implementation="eager")
     ref = tiny_llama(vocab=VOCAB, seed=1)

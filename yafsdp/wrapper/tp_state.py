@@ -23,7 +23,7 @@ __all__ = ["full_over_tp", "split_over_tp", "check_method", "check_module", "TP_
 # YaFSDP methods (the names they pass to ``check_idle``) that run on a TP engine.
 TP_METHODS = frozenset({"full_state_dict", "iter_full_state_dict", "load_full_state_dict", "export_hf",
                         "load_hf_weights", "full_parameter", "full_grad", "named_grad_norms", "full_optim_state_dict",
-                        "load_full_optim_state_dict"})
+                        "load_full_optim_state_dict", "summon_full_params"})
 
 
 def check_method(tp, what: str) -> None:
@@ -35,8 +35,8 @@ def check_method(tp, what: str) -> None:
         f"yafsdp.YaFSDP.{what}: not supported yet on a model with tensor-parallel (DTensor) parameters: it would "
         "read or write each rank's TP slice as if it were the full tensor. model.full_state_dict(), "
         "model.load_full_state_dict(sd), model.full_parameter(name), model.full_grad(name), model.full_optim_state_dict(opt), "
-        "model.load_full_optim_state_dict(opt, sd), yafsdp.hf.export_hf and yafsdp.hf.load_hf_weights (collective) "
-        "move full tensors over data parallel and TP")
+        "model.load_full_optim_state_dict(opt, sd), model.summon_full_params(), yafsdp.hf.export_hf and "
+        "yafsdp.hf.load_hf_weights (collective) move full tensors over data parallel and TP")
 
 
 def check_module(module) -> None:
