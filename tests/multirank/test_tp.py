@@ -232,6 +232,7 @@ def _refusals(mesh, tmp):
     out["memory_plan"] = _refused(lambda: memory_plan(tp_model(), world_size=2))
     wrapped = yafsdp.YaFSDP(model, mesh=mesh["dp"])
     out["compile_units"] = _refused(wrapped.compile_units)
+    out["plan activations"] = _refused(lambda: wrapped.memory_plan(batch=2, seq=SEQ))  # it would trace the unsplit model
     out["save_checkpoint"] = _refused(lambda: yafsdp.checkpoint.save_checkpoint(tmp, 1, wrapped))
     out["init_shards_"] = _refused(lambda: yafsdp.init.init_shards_(wrapped, yafsdp.init.normal_init()))
     # GradScaler: an overflow on one TP rank only (rank 3: dp 1, tp 1) is seen by every rank, which all skip the step
@@ -291,6 +292,8 @@ def test_tp_dp_parity(tmp_path):
     assert "no parameters" in refused["bad units"] or "in no unit" in refused["bad units"], refused["bad units"]
     assert "compile_units" in refused["compile_units"] and "tensor-parallel" in refused["compile_units"]
     assert "model.memory_plan()" in refused["memory_plan"] and "tensor-parallel" in refused["memory_plan"]
+    assert "batch/seq" in refused["plan activations"] and "tensor parallel" in refused["plan activations"], \
+        refused["plan activations"]
     assert "model.clip_grad_norm_" in refused["torch clip"] and "tensor-parallel" in refused["torch clip"]
     assert [r["refused"]["found_inf"] for r in res] == [1.0] * 4, "an overflow on one TP rank skips every rank's step"
     for method in ("save_checkpoint", "init_shards_"):
