@@ -232,7 +232,7 @@ def _refusals(mesh, tmp):
     out["memory_plan"] = _refused(lambda: memory_plan(tp_model(), world_size=2))
     wrapped = yafsdp.YaFSDP(model, mesh=mesh["dp"])
     out["compile_units"] = _refused(wrapped.compile_units)
-    out["plan activations"] = _refused(lambda: wrapped.memory_plan(batch=2, seq=SEQ))  # it would trace the unsplit model
+    out["plan activations"] = _refused(lambda: wrapped.memory_plan(batch=2, seq=SEQ))  # it traced the unsplit model
     out["save_checkpoint"] = _refused(lambda: yafsdp.checkpoint.save_checkpoint(tmp, 1, wrapped))
     out["init_shards_"] = _refused(lambda: yafsdp.init.init_shards_(wrapped, yafsdp.init.normal_init()))
     # GradScaler: an overflow on one TP rank only (rank 3: dp 1, tp 1) is seen by every rank, which all skip the step

@@ -290,8 +290,8 @@ def load_full_optim_state_dict(model, optimizer, sd) -> None:
 def _split_over_tp(model, plan, meta, sd, specs) -> dict:
     """Collective over the TP group of the holders (the data-parallel index 0 ranks of replica 0): global rank 0's
     per-parameter state tensors (``sd``; None elsewhere) split by each TP parameter's placements, the others'
-    broadcast; returns this holder's ``{"state": {name: {key: local tensor}}}`` (a state rank 0's dict lacks:
-    zeros, as the scatter fills it)."""
+    broadcast; returns this holder's ``{"state": {name: {key: local tensor}}}`` (a state missing from rank 0's
+    dict: zeros, as the scatter fills it)."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     device, state, index = model._rt.device, {}, 0

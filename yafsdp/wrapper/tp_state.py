@@ -34,9 +34,9 @@ def check_method(tp, what: str) -> None:
     raise RuntimeError(
         f"yafsdp.YaFSDP.{what}: not supported yet on a model with tensor-parallel (DTensor) parameters: it would "
         "read or write each rank's TP slice as if it were the full tensor. model.full_state_dict(), "
-        "model.load_full_state_dict(sd), model.full_parameter(name), model.full_grad(name), model.full_optim_state_dict(opt), "
-        "model.load_full_optim_state_dict(opt, sd), model.summon_full_params(), yafsdp.hf.export_hf and "
-        "yafsdp.hf.load_hf_weights (collective) move full tensors over data parallel and TP")
+        "model.load_full_state_dict(sd), model.full_parameter(name), model.full_grad(name), "
+        "model.full_optim_state_dict(opt), model.load_full_optim_state_dict(opt, sd), model.summon_full_params(), "
+        "yafsdp.hf.export_hf and yafsdp.hf.load_hf_weights (collective) move full tensors over data parallel and TP")
 
 
 def check_module(module) -> None:

@@ -227,13 +227,7 @@ def full_tensor(model, name: str, grad: bool) -> torch.Tensor | None:
     full = _gather_group(rt, u, g, model.process_group, grad=grad)
     if full is None:
         return None
-    out = full[info.offset:info.offset + info.numel].view(info.shape).clone()
-    if info.tp is not None:  # a TP parameter: its local tensor, gathered over TP on every rank (grads included)
-        from torch.distributed.tensor import DTensor
-
-        out = DTensor.from_local(out, info.tp.mesh, info.tp.placements, run_check=False, shape=info.tp.shape,
-                                 stride=info.tp.stride).full_tensor()
-    return out
+    return _over_tp(full[info.offset:info.offset + info.numel].view(info.shape).clone(), info)
 
 
 @torch.no_grad()
