@@ -7,7 +7,8 @@ RowwiseParallel, SequenceParallel norms, loss parallel) applied to a tiny HF Lla
 engine (its DTensor gradients averaged over dp by all-reduce, the global norm from the full gradients), and
 one process training the unsharded model on the global batch. Losses, gradient norms and the full state dict
 (gathered over dp and TP) agree as tightly as the other fp32 parity tests. The world is spawned once and runs
-every case, then the refusals. World 8: HSDP x TP, replicate 2 x shard 2 x tp 2, one case the same way.
+every case, then the refusals. World 8: HSDP x TP, replicate 2 x shard 2 x tp 2, one case the same way, and its
+HF export (replica 0 writes) loaded back with every replica reading its slices.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 import yafsdp
 import yafsdp.checkpoint
+import yafsdp.hf
 from yafsdp.integrations.tp_plans import llama_tp_plan
 from yafsdp.plan import memory_plan
 from dist_utils import run_ranks
@@ -158,14 +160,7 @@ def _sharded(case, tp_mesh, wrap_mesh, dp_mesh):
 def _reload(model, sd, case, tp_mesh, wrap_mesh, dp_rank):
     """Global rank 0's full state dict loaded into the same model built on the meta device, TP applied, wrapped:
     the same full state dict back bit for bit, and the same loss; a wrong shape refused on every rank."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    with torch.device("meta"):
-        fresh = tiny_llama(vocab=VOCAB)
-    fresh.model.rotary_emb = LlamaRotaryEmbedding(fresh.config)  # real buffers (not in the state dict)
-    fresh = tp_plan(fresh, tp_mesh, case["sp"])
-    fresh = yafsdp.YaFSDP(fresh, mesh=wrap_mesh, zero_stage=case["zero"])
-    assert fresh.needs_load
+    fresh = _meta_built(case, tp_mesh, wrap_mesh)
     if dist.get_rank() == 0:
         bad = dict(sd, **{"lm_head.weight": sd["lm_head.weight"][:-1]})
     msg = _refused(lambda: fresh.load_full_state_dict(bad if dist.get_rank() == 0 else None))
@@ -177,6 +172,28 @@ def _reload(model, sd, case, tp_mesh, wrap_mesh, dp_rank):
     inputs = _batch(STEPS, 0, dp_rank)
     with torch.no_grad():
         assert fresh(**inputs).loss.item() == model(**inputs).loss.item()
+    if case.get("hf"):  # the HF export (HSDP: replica 0 writes) and the streaming load (every replica reads)
+        assert (yafsdp.hf.export_hf(model, case["hf"]) is not None) == (dist.get_rank() == 0)
+        again = _meta_built(case, tp_mesh, wrap_mesh)
+        yafsdp.hf.load_hf_weights(again, case["hf"])
+        back = again.full_state_dict()
+        if dist.get_rank() == 0:
+            assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+        with torch.no_grad():  # on every rank: each replica's shards hold the loaded values
+            assert again(**inputs).loss.item() == model(**inputs).loss.item()
+
+
+def _meta_built(case, tp_mesh, wrap_mesh):
+    """The tiny Llama built on the meta device, TP applied, wrapped: its shards wait for a load."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    with torch.device("meta"):
+        fresh = tiny_llama(vocab=VOCAB)
+    fresh.model.rotary_emb = LlamaRotaryEmbedding(fresh.config)  # real buffers (not in the state dict)
+    fresh = tp_plan(fresh, tp_mesh, case["sp"])
+    fresh = yafsdp.YaFSDP(fresh, mesh=wrap_mesh, zero_stage=case["zero"])
+    assert fresh.needs_load
+    return fresh
 
 
 def _compare(got, want, what):
@@ -215,8 +232,8 @@ def _refusals(mesh, tmp):
     out["memory_plan"] = _refused(lambda: memory_plan(tp_model(), world_size=2))
     wrapped = yafsdp.YaFSDP(model, mesh=mesh["dp"])
     out["compile_units"] = _refused(wrapped.compile_units)
-    out["full_parameter"] = _refused(lambda: wrapped.full_parameter("lm_head.weight"))
-    out["named_grad_norms"] = _refused(wrapped.named_grad_norms)
+    out["plan activations"] = _refused(lambda: wrapped.memory_plan(batch=2, seq=SEQ))  # it traced the unsplit model
+    out["save_adapter"] = _refused(lambda: wrapped.check_idle("save_adapter"))  # still refused with TP
     # GradScaler: an overflow on one TP rank only (rank 3: dp 1, tp 1) is seen by every rank, which all skip the step
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
     scaler.scale(wrapped(**_batch(0, 0, mesh["dp"].get_local_rank())).loss).backward()
@@ -252,14 +269,14 @@ def _case(out, name, case, mesh, got):
         out[name] = (got[0], got[1])
 
 
-def _world8(rank, world):
+def _world8(rank, world, tmp):
     """HSDP x TP: replicate 2 x shard 2 x TP 2 (a 3-D mesh; the engine on mesh["replicate", "shard"])."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh3 = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
     mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))  # the same ranks, data parallel as one dim
     out = {}
-    case = dict(sp=True, ckpt=True, zero=3, accum=2, reload=True)
+    case = dict(sp=True, ckpt=True, zero=3, accum=2, reload=True, hf=f"{tmp}/hf")
     _case(out, "hsdp_sp_ckpt_z3_accum2", case, mesh, _sharded(case, mesh3["tp"], mesh3["replicate", "shard"], mesh["dp"]))
     return out
 
@@ -274,12 +291,13 @@ def test_tp_dp_parity(tmp_path):
     assert "no parameters" in refused["bad units"] or "in no unit" in refused["bad units"], refused["bad units"]
     assert "compile_units" in refused["compile_units"] and "tensor-parallel" in refused["compile_units"]
     assert "model.memory_plan()" in refused["memory_plan"] and "tensor-parallel" in refused["memory_plan"]
+    assert "batch/seq" in refused["plan activations"] and "tensor parallel" in refused["plan activations"], \
+        refused["plan activations"]
     assert "model.clip_grad_norm_" in refused["torch clip"] and "tensor-parallel" in refused["torch clip"]
     assert [r["refused"]["found_inf"] for r in res] == [1.0] * 4, "an overflow on one TP rank skips every rank's step"
-    for method in ("full_parameter", "named_grad_norms"):
-        assert method in refused[method] and "tensor-parallel" in refused[method], (method, refused[method])
+    assert "save_adapter" in refused["save_adapter"] and "tensor-parallel" in refused["save_adapter"], refused["save_adapter"]
 
 
-def test_hsdp_tp_parity():
-    res = run_ranks(_world8, 8)
+def test_hsdp_tp_parity(tmp_path):
+    res = run_ranks(_world8, 8, str(tmp_path))
     assert set(res[0]) == {"hsdp_sp_ckpt_z3_accum2"}

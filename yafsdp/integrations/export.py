@@ -45,7 +45,7 @@ from typing import Iterator
 import torch
 
 from ..comm import collectives
-from ..comm.groups import check_collective, raise_together
+from ..comm.groups import broadcast_object, check_collective, raise_together
 
 __all__ = ["iter_units", "stream_order", "ShardWriter", "parse_size", "LEDGER", "CHUNK_BYTES", "ExportError"]
 
@@ -333,12 +333,24 @@ def _write_unit(writer: ShardWriter, items: list) -> None:
         writer.write(key, t, via)
 
 
-def stream_to_writer(units, transform, writer: ShardWriter | None, group, where: str) -> None:
+def raise_over(problem: str | None, group, then, error: type[Exception]) -> None:
+    """Collective: ``raise_together`` over ``group``, the verdict then passed on over group ``then``
+    (None: none) from its rank 0 before anyone raises -- a tensor-parallel engine's TP group, whose
+    rank 0 holds the verdict of the coordinator's data-parallel group."""
+    if then is None:
+        raise_together(problem, group, error)
+        return
+    verdict = broadcast_object(broadcast_object(problem, group), then)
+    if verdict:
+        raise error(verdict)
+
+
+def stream_to_writer(units, transform, writer: ShardWriter | None, group, where: str, then=None) -> None:
     """Collective: drive generator ``units`` (from :func:`iter_units`) to the end on every rank;
     on the coordinator (``writer`` set) pass each unit's dict through ``transform`` (returns
     ``[(key, tensor, via)]`` in plan order; ``via``: see :meth:`ShardWriter.write`) into
     ``writer``. A failure on the coordinator is raised on every rank at the end of that unit
-    (``ExportError``, naming ``where``)."""
+    (``ExportError``, naming ``where``), over ``group`` and then over ``then`` (see :func:`raise_over`)."""
     problem = None
     for values in units:
         if writer is not None and problem is None:
@@ -349,7 +361,7 @@ def stream_to_writer(units, transform, writer: ShardWriter | None, group, where:
                 problem = f"{where}: {type(e).__name__}: {e}"
         del values
         try:
-            raise_together(problem, group, ExportError)
+            raise_over(problem, group, then, ExportError)
         except ExportError:
             units.close()  # the generator is left at a unit boundary on every rank alike
             raise

@@ -14,7 +14,7 @@ import shutil
 
 import torch
 
-from .export import ExportError, ShardWriter, iter_units, stream_order, stream_to_writer
+from .export import ExportError, ShardWriter, iter_units, raise_over, stream_order, stream_to_writer
 
 __all__ = ["export_folder", "export_dtype", "tied_keys", "TMP_SUFFIX"]
 
@@ -45,11 +45,14 @@ def export_folder(model, out_dir: str, inner, *, rename, dtype: torch.dtype, tok
     model ``inner`` (its config and class name are written). ``rename(key)`` gives the output key
     or None to leave the key out; ``merge(values)`` (optional) rewrites one unit's
     ``{key: tensor}`` before it is renamed (the LoRA merge). Returns ``out_dir`` on the
-    coordinator, None elsewhere. HSDP: replica 0's shard group writes; the others return at once."""
+    coordinator, None elsewhere. HSDP: replica 0's shard group writes; the others return at once.
+    Tensor parallel: each unit is gathered over data parallel, then each TP parameter over TP, on the
+    ranks of data-parallel index 0; global rank 0 writes the full tensors (their global shapes)."""
     model.check_idle(where.split(":")[0].rsplit(".", 1)[-1])
     if model.replica != 0:
         return None
-    rt, keys, group = model._rt, model._keys, model.process_group
+    rt, keys, group, tp = model._rt, model._keys, model.process_group, model._tp
+    then = tp.group if tp is not None else None  # a verdict reaches the other TP coordinates' ranks too
     writer, tmp, problem = None, out_dir.rstrip("/") + TMP_SUFFIX, None
     via_of, plan = {}, []
     for unit in stream_order(rt, keys):
@@ -57,7 +60,10 @@ def export_folder(model, out_dir: str, inner, *, rename, dtype: torch.dtype, tok
             new = rename(key)
             if new is None:
                 continue
-            shape = tuple(ref.shape) if kind == "param" else tuple(ref[0]._buffers[ref[1]].shape)
+            if kind == "param":  # a TP parameter's global shape: the file holds the full tensor
+                shape = tuple(ref.tp.shape if ref.tp is not None else ref.shape)
+            else:
+                shape = tuple(ref[0]._buffers[ref[1]].shape)
             src = ref.dtype if kind == "param" else ref[0]._buffers[ref[1]].dtype
             plan.append((new, shape, dtype if src.is_floating_point else src))
             via_of[key] = src
@@ -68,9 +74,7 @@ def export_folder(model, out_dir: str, inner, *, rename, dtype: torch.dtype, tok
             writer = ShardWriter(tmp, plan, max_shard_size)
         except (OSError, ExportError) as e:
             problem = f"{where}: cannot start writing {out_dir!r}: {e}"
-    from ..comm.groups import raise_together
-
-    raise_together(problem, group, ExportError)
+    raise_over(problem, group, then, ExportError)
 
     def transform(values):
         if merge is not None:
@@ -83,7 +87,10 @@ def export_folder(model, out_dir: str, inner, *, rename, dtype: torch.dtype, tok
         return out
 
     try:
-        stream_to_writer(iter_units(rt, keys, group, model.rank, where), transform, writer, group, where)
+        units = iter_units(rt, keys, group, model.rank, where)
+        if tp is not None:
+            units = _full_over_tp(units, tp, keys, model.rank)
+        stream_to_writer(units, transform, writer, group, where, then)
         if writer is not None:
             writer.close()
             _finish(tmp, out_dir, inner, dtype, tokenizer)
@@ -93,6 +100,20 @@ def export_folder(model, out_dir: str, inner, *, rename, dtype: torch.dtype, tok
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir if model.coordinator else None
+
+
+def _full_over_tp(units, tp, keys, rank: int):
+    """``units`` (from ``iter_units``) with each TP parameter gathered over TP on the data-parallel index 0
+    ranks (``full_over_tp``, collective over their TP group); global rank 0 gets the full tensors. Closing it
+    closes ``units`` (every rank leaves the stream at the same unit)."""
+    from ..wrapper.tp_state import full_over_tp
+
+    try:
+        for values in units:
+            yield full_over_tp(tp, keys, values) if rank == 0 else values
+            del values
+    finally:
+        units.close()
 
 
 def _finish(tmp: str, out_dir: str, inner, dtype: torch.dtype, tokenizer) -> None:

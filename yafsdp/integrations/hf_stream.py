@@ -192,13 +192,42 @@ class TensorSource:
         return self.what
 
 
-def _resolve(keys, sources: list[tuple[object, Callable[[str], str] | None]]):
+def _tp_slice(e: Entry, spec, shape: tuple, tp_rank: int) -> Entry:
+    """Entry ``e`` of a full tensor read as this TP rank's local tensor of layout ``spec`` (a TPSpec; ``shape``:
+    the local shape). ``Shard(d)`` holds torch's chunk ``tp_rank`` of dim ``d`` (``ceil(n / T)`` rows each, the
+    last ones fewer): for each index of the dims before ``d`` one contiguous run of the full tensor, so a range
+    of the local elements is one read per run it touches (a column-parallel or an embedding slice: one read;
+    a row-parallel one: one per row). ``Replicate``: the full tensor itself."""
+    place = spec.placements[0]
+    if not place.is_shard():
+        return e
+    full = tuple(spec.shape)
+    d = place.dim % len(full)
+    n, size = full[d], spec.mesh.size()
+    first = min(tp_rank * -(-n // size), n)  # torch's chunk: ceil(n / size) rows a rank
+    inner = math.prod(full[d + 1:])
+    local_run, full_run = shape[d] * inner, n * inner  # one index of the dims before d: its elements
+
+    def read(start: int, stop: int, out: torch.Tensor, scratch: torch.Tensor) -> None:
+        i = start
+        while i < stop:
+            outer, within = divmod(i, local_run)
+            j = min(stop, (outer + 1) * local_run)
+            at = outer * full_run + first * inner + within
+            e.read(at, at + j - i, out[i - start:j - start], scratch)
+            i = j
+    return Entry(shape, e.dtype, e.floating, read)
+
+
+def _resolve(keys, sources: list[tuple[object, Callable[[str], str] | None]], tp=None):
     """(entry per ParamInfo id, entry per buffer key, problem or None). ``sources``: (source,
     rename), where rename maps a model key to the source's key (None: the same key); the first
-    source holding a key gives it. A source's key no model key takes is unexpected."""
+    source holding a key gives it. A source's key no model key takes is unexpected. ``tp``: a
+    tensor-parallel engine's ``TPLayout``: a TP parameter's entry must have its global shape and is
+    read as this rank's slice (:func:`_tp_slice`)."""
     view, used = {}, [set() for _ in sources]
     by_param, buffers = {}, {}
-    not_float = []
+    not_float, wrong_global = [], []
     for key, kind, ref in keys.entries:
         for i, (src, rename) in enumerate(sources):
             skey = rename(key) if rename is not None else key
@@ -206,6 +235,12 @@ def _resolve(keys, sources: list[tuple[object, Callable[[str], str] | None]]):
             if e is None:
                 continue
             used[i].add(skey)
+            if kind == "param" and ref.tp is not None:
+                if tuple(e.shape) != tuple(ref.tp.shape):
+                    wrong_global.append(f"{skey!r} has shape {tuple(e.shape)}, expected {tuple(ref.tp.shape)}")
+                    e = Entry(tuple(ref.shape), e.dtype, e.floating, e.read)  # reported above, not again
+                else:
+                    e = _tp_slice(e, ref.tp, tuple(ref.shape), tp.rank)
             view[key] = e
             if kind == "param":
                 by_param.setdefault(id(ref), e)
@@ -219,15 +254,16 @@ def _resolve(keys, sources: list[tuple[object, Callable[[str], str] | None]]):
             if skey not in u:
                 view.setdefault(f"{skey} (in {src.describe()})", src.entries[skey])
     problem = keys.validate(view)
-    if not_float:
-        problem = "; ".join(([problem] if problem else []) + not_float[:10])
+    if not_float or wrong_global:
+        problem = "; ".join(([problem] if problem else []) + wrong_global[:10] + not_float[:10])
     return by_param, buffers, problem
 
 
 def _agree(problem: str | None, model) -> str | None:
-    """Collective: the first rank's problem (in rank order), on every rank of the shard group and
-    of the replicate group."""
-    for group in (model.process_group, model.replicate_group):
+    """Collective: the first rank's problem (in rank order), on every rank of the shard group, of the
+    replicate group and of the TP group (a tensor-parallel engine: its ranks read different slices)."""
+    tp = model._tp.group if model._tp is not None else None
+    for group in (model.process_group, model.replicate_group, tp):
         if group is None or dist.get_world_size(group) == 1:
             continue
         got = [None] * dist.get_world_size(group)
@@ -270,7 +306,7 @@ def load_streaming(model, sources: list, *, error: type[Exception] = ValueError,
     rt = model._rt
     pairs = [s if isinstance(s, tuple) else (s, None) for s in sources]
     try:
-        by_param, buffers, problem = _resolve(model._keys, pairs)
+        by_param, buffers, problem = _resolve(model._keys, pairs, model._tp)
     except Exception as e:  # noqa: BLE001 - still agree with the other ranks before raising
         by_param, buffers, problem = {}, {}, f"{type(e).__name__}: {e}"
     problem = _agree(problem, model)

@@ -28,8 +28,9 @@ unit's forward (HF's checkpointing) reads the weights from the gathered buffer a
 What needs the global view is done with it: the gradient norm counts a sharded parameter's
 elements over data parallel and TP, a replicated one's over data parallel only (engine/tp.py);
 ``full_state_dict()`` gathers each parameter over the data-parallel mesh, then over TP
-(wrapper/tp_state.py). With HSDP (a ("replicate", "shard", "tp") mesh) the shard and replicate groups each
-hold one TP coordinate; the replicas' all-reduce of the grad shards runs on local tensors as without TP. What is not done yet is refused by name (:func:`refuse_options` and the
+(wrapper/tp_state.py), and the HF export streams the same way (integrations/hf_export.py); the HF load reads
+from the files each rank's share of its TP slice (``_tp_slice`` in integrations/hf_stream.py). With HSDP
+(a ("replicate", "shard", "tp") mesh) the shard and replicate groups each hold one TP coordinate; the replicas' all-reduce of the grad shards runs on local tensors as without TP. What is not done yet is refused by name (:func:`refuse_options` and the
 wrapper's methods).
 """
 from __future__ import annotations

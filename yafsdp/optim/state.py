@@ -19,7 +19,10 @@ The supported ways across ranks and world sizes: every rank saves and loads its 
 the full optimizer state dict below (rank 0 saves one file; any world size loads it), laid out
 as DCP's ``get_optimizer_state_dict(..., full_state_dict=True)``: ``state`` keyed by original
 parameter name, each per-element tensor in that parameter's shape, scalars (``step``) as they
-are; ``param_groups`` with the hyperparameters and ``params`` as names.
+are; ``param_groups`` with the hyperparameters and ``params`` as names. With tensor parallel the state of a
+TP parameter is gathered over the shard group, then over TP (global rank 0 returns the global shapes), and a
+load splits global rank 0's tensors over TP among the data-parallel index 0 ranks before each scatters its slices
+over its shard group, as ``full_state_dict`` / ``load_full_state_dict`` move the weights (wrapper/tp_state.py).
 """
 from __future__ import annotations
 
@@ -137,7 +140,9 @@ def full_optim_state_dict(model, optimizer) -> dict:
     if model.replica != 0:
         return {}
     rt, group = model._rt, model.process_group
-    coord = model.rank == 0
+    specs = _tp_specs(model)  # tensor parallel: gathered over the shard group, then over TP (global rank 0 keeps it)
+    gatherer = model.rank == 0
+    coord = gatherer and model.tp_rank == 0
     state: dict = {}
     groups = []
     for g, row in zip(optimizer.param_groups, _model_shards(model, optimizer)):
@@ -151,10 +156,12 @@ def full_optim_state_dict(model, optimizer) -> dict:
                 if _per_element(v, info):
                     full = torch.empty(info.padded_numel, dtype=v.dtype, device=rt.device)
                     collectives.all_gather(full, rt.to_device(v.detach()).contiguous(), group, async_op=False)
-                    if coord:
-                        full = full.cpu()
+                    if gatherer:
                         for n, shape, off in zip(info.param_names, info.param_shapes, info.param_offsets):
-                            per[n][key] = full[off:off + math.prod(shape)].view(shape).clone()
+                            t = full[off:off + math.prod(shape)].view(shape)
+                            if n in specs:  # collective over the TP group of the data-parallel index 0 ranks
+                                t = _dtensor(t, specs[n]).full_tensor()
+                            per[n][key] = t.cpu().clone()
                 elif isinstance(v, torch.Tensor) and v.numel() == 1:
                     for n in per:
                         per[n][key] = v.detach().cpu().clone()
@@ -172,7 +179,27 @@ def full_optim_state_dict(model, optimizer) -> dict:
     return {"state": state, "param_groups": groups} if coord else {}
 
 
-def _validate(sd, plan) -> str | None:
+def _tp_specs(model) -> dict:
+    """{original parameter name: its TPSpec} of a tensor-parallel engine's TP parameters ({} without TP)."""
+    if model._tp is None:
+        return {}
+    return {key: ref.tp for key, kind, ref in model._keys.entries if kind == "param" and ref.tp is not None}
+
+
+def _dtensor(local: torch.Tensor, spec):
+    """``local`` as a DTensor of TP layout ``spec`` (layout/dtensor.py's TPSpec)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+
+
+def _shapes(info, specs) -> list:
+    """The shapes of ``info``'s parameters in the full form: a TP parameter's global shape."""
+    return [tuple(specs[n].shape) if n in specs else tuple(shape)
+            for n, shape in zip(info.param_names, info.param_shapes)]
+
+
+def _validate(sd, plan, specs) -> str | None:
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         return "expected the dict of model.full_optim_state_dict(opt) (keys 'state' and 'param_groups') on rank 0"
     if len(sd["param_groups"]) != len(plan):
@@ -184,14 +211,14 @@ def _validate(sd, plan) -> str | None:
             return (f"param group {i} names other parameters than this optimizer's ({len(want)} expected"
                     f"{', missing ' + repr(missing[:4]) if missing else ''})")
         for _, info in row:
-            for n, shape in zip(info.param_names, info.param_shapes):
+            for n, shape in zip(info.param_names, _shapes(info, specs)):
                 for key, v in sd["state"].get(n, {}).items():
                     if isinstance(v, torch.Tensor) and v.numel() > 1 and tuple(v.shape) != tuple(shape):
                         return f"state {key!r} of {n!r} has shape {tuple(v.shape)}, the parameter {tuple(shape)}"
     return None
 
 
-def _meta(sd, plan) -> dict:
+def _meta(sd, plan, specs) -> dict:
     """What every rank must know to receive its slices: per shard, per state key, ("elem", dtype)
     for one value per element, or ("value", v) for one value per parameter (``step``); the
     hyperparameters of each group. Raises ValueError for what cannot be split."""
@@ -199,7 +226,7 @@ def _meta(sd, plan) -> dict:
     for row in plan:
         for _, info in row:
             keys: dict = {}
-            for n, shape in zip(info.param_names, info.param_shapes):
+            for n, shape in zip(info.param_names, _shapes(info, specs)):
                 for key, v in sd["state"].get(n, {}).items():
                     if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(shape) and len(shape):
                         keys[key] = ("elem", v.dtype)
@@ -225,19 +252,26 @@ def load_full_optim_state_dict(model, optimizer, sd) -> None:
     ranks may pass None) into every rank's optimizer state for its slice."""
     model.check_idle("load_full_optim_state_dict")
     plan = _model_shards(model, optimizer)
-    coord = model.rank == 0 and model.replica == 0
+    specs = _tp_specs(model)
+    coord = model.rank == 0 and model.replica == 0 and model.tp_rank == 0  # global rank 0's dict is read
     meta, problem = None, None
     if coord:
-        problem = _validate(sd, plan)
+        problem = _validate(sd, plan, specs)
         if problem is None:
             try:
-                meta = _meta(sd, plan)
+                meta = _meta(sd, plan, specs)
             except ValueError as e:
                 problem = str(e)
-    meta = _share((problem, meta), model)
+    holder = model.rank == 0 and model.replica == 0  # tensor parallel: one per TP coordinate, a TP group
+    meta = (problem, meta)
+    if model._tp is not None and holder:
+        meta = broadcast_object(meta, model._tp.group)
+    meta = _share(meta, model)
     if meta[0]:
         raise ValueError(f"yafsdp.load_full_optim_state_dict: {meta[0]}")
     meta = meta[1]
+    if model._tp is not None and holder:  # each holder gets its TP slices, which it scatters as without TP
+        sd = _split_over_tp(model, plan, meta, sd if coord else None, specs)
     local = optimizer.state_dict()
     new_state = {}
     index = 0
@@ -245,12 +279,36 @@ def load_full_optim_state_dict(model, optimizer, sd) -> None:
         for _, info in row:
             st = {}
             for key, (kind, val) in sorted(meta["shards"][index].items()):
-                st[key] = val if kind == "value" else _scatter_key(model, info, sd if coord else None, key, val)
+                st[key] = val if kind == "value" else _scatter_key(model, info, sd if holder else None, key, val)
             if st:
                 new_state[index] = st
             index += 1
     groups = [{**saved, "params": now["params"]} for saved, now in zip(meta["groups"], local["param_groups"])]
     optimizer.load_state_dict({"state": new_state, "param_groups": groups})
+
+
+def _split_over_tp(model, plan, meta, sd, specs) -> dict:
+    """Collective over the TP group of the holders (the data-parallel index 0 ranks of replica 0): global rank 0's
+    per-parameter state tensors (``sd``; None elsewhere) split by each TP parameter's placements, the others'
+    broadcast; returns this holder's ``{"state": {name: {key: local tensor}}}`` (a state missing from rank 0's
+    dict: zeros, as the scatter fills it)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    device, state, index = model._rt.device, {}, 0
+    for row in plan:
+        for _, info in row:
+            for n, shape in zip(info.param_names, _shapes(info, specs)):
+                for key, (kind, dtype) in sorted(meta["shards"][index].items()):
+                    if kind != "elem":
+                        continue
+                    v = sd["state"].get(n, {}).get(key) if sd is not None else None
+                    full = (v.to(device, dtype) if v is not None else torch.zeros(shape, dtype=dtype, device=device)
+                            ) if sd is not None else torch.empty(shape, dtype=dtype, device=device)
+                    placements = specs[n].placements if n in specs else (Replicate(),)
+                    local = distribute_tensor(full, model._tp.mesh, placements, src_data_rank=0).to_local()
+                    state.setdefault(n, {})[key] = local
+            index += 1
+    return {"state": state}
 
 
 def _share(meta, model):

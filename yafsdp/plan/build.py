@@ -53,7 +53,14 @@ def _is_dtype(name: str) -> bool:
 # take them before the flat layouts are cut. Everything downstream is the engine's own sizing, so the
 # plan equals a real dp x TP engine's allocations (tests/multirank/test_tp.py checks it at dp 2 x TP 2,
 # uneven vocabulary included). Only Llama's plan is known here: another model is refused by name. The
-# activation estimate traces the unsplit model and is refused with a TP degree.
+# activation estimate traces the unsplit model and is refused with a TP degree, and for a wrapped TP engine.
+def _refuse_activations(tp: int) -> None:
+    raise ValueError(
+        f"yafsdp.plan.memory_plan: batch/seq with tensor parallel degree {tp}: the activation estimate traces the "
+        "model without tensor parallelism (TP splits the activations of attention and MLP, and sequence parallelism "
+        "the norms'); plan the bytes of the model without batch and seq")
+
+
 def _tp_shapes(model, cfg, tp: int, tp_rank: int, specs, small_params, activations: bool) -> None:
     """Give the ParamInfos of ``model`` their local shapes under Llama's TP plan (see [Note: the plan of a
     TP model]); refuses what a TP engine refuses."""
@@ -61,10 +68,7 @@ def _tp_shapes(model, cfg, tp: int, tp_rank: int, specs, small_params, activatio
     from ..layout.dtensor import refuse_options
 
     if activations:
-        raise ValueError(
-            f"yafsdp.plan.memory_plan: batch/seq with tp={tp}: the activation estimate traces the model without "
-            "tensor parallelism (TP splits the activations of attention and MLP, and sequence parallelism the "
-            "norms'); plan the bytes of the model without batch and seq")
+        _refuse_activations(tp)
     try:
         refuse_options(cfg)
         shapes = llama_tp_local_shapes(model, tp, tp_rank)
@@ -136,6 +140,8 @@ def memory_plan(
             raise ValueError(
                 f"yafsdp.plan.memory_plan: tp={tp} for a wrapped model whose TP degree is {eng.tp_size}; a wrapped "
                 "model plans the layouts it holds: leave tp out")
+        if eng.tp_size > 1 and (batch is not None or seq is not None):  # a wrapped TP engine: the same refusal
+            _refuse_activations(eng.tp_size)
         names = [u.name for u in eng.units]
         layouts = [u.shape for u in eng.units]
         small = eng.small.shape if eng.small is not None else None

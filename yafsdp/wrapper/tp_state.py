@@ -21,7 +21,9 @@ from ..layout.units import WrapError
 __all__ = ["full_over_tp", "split_over_tp", "check_method", "check_module", "TP_METHODS"]
 
 # YaFSDP methods (the names they pass to ``check_idle``) that run on a TP engine.
-TP_METHODS = frozenset({"full_state_dict", "iter_full_state_dict", "load_full_state_dict",
+TP_METHODS = frozenset({"full_state_dict", "iter_full_state_dict", "load_full_state_dict", "export_hf",
+                        "load_hf_weights", "full_parameter", "full_grad", "named_grad_norms", "full_optim_state_dict",
+                        "load_full_optim_state_dict", "summon_full_params",
                         "save_checkpoint", "load_checkpoint", "AsyncSaver.save"})  # checkpoint/by_param.py
 
 
@@ -32,8 +34,10 @@ def check_method(tp, what: str) -> None:
         return
     raise RuntimeError(
         f"yafsdp.YaFSDP.{what}: not supported yet on a model with tensor-parallel (DTensor) parameters: it would "
-        "read or write each rank's TP slice as if it were the full tensor. model.full_state_dict() and "
-        "model.load_full_state_dict(sd) (collective) move full tensors over data parallel and TP")
+        "read or write each rank's TP slice as if it were the full tensor. model.full_state_dict(), "
+        "model.load_full_state_dict(sd), model.full_parameter(name), model.full_grad(name), "
+        "model.full_optim_state_dict(opt), model.load_full_optim_state_dict(opt, sd), model.summon_full_params(), "
+        "yafsdp.hf.export_hf and yafsdp.hf.load_hf_weights (collective) move full tensors over data parallel and TP")
 
 
 def check_module(module) -> None:

@@ -9,10 +9,15 @@ their gradient norms, and writing values back into the shards.
   ``model.apply(init_fn)``, ``reset_parameters()``, HF ``init_weights()`` — takes effect on the shards
   exactly as on the unsharded model initialised on rank 0. Like FSDP's ``summon_full_params`` it
   holds the whole model on every rank while open.
-- ``full_tensor(model, name, grad)`` — collective: one parameter's full values or gradient, every rank.
+  Tensor parallel: each TP parameter's full tensor (gathered over the shard group, then over TP) on every rank;
+  at exit global rank 0's values are split over TP, then scattered over each shard group (a forward inside the
+  context would meet plain tensors where TP's modules expect DTensors: read and write values only).
+- ``full_tensor(model, name, grad)`` — collective: one parameter's full values or gradient, every rank
+  (a tensor-parallel parameter: gathered over the shard group, then over TP).
 - ``named_grad_norms(model)`` — collective: {name: norm of the full gradient} for every trainable
   parameter whose unit has a gradient; each rank sums the squares over its slice of each parameter
-  (the ShardInfo slices), one all-reduce of one float per parameter over the shard group.
+  (the ShardInfo slices), one all-reduce of one float per parameter over the shard group (tensor
+  parallel: one more over TP, which adds the TP-sharded parameters' squares).
 
 [Note: writing back after a meta-device wrap]
 A model built on the meta device has shards with no values yet (``model.needs_load``). Inside
@@ -92,9 +97,9 @@ def summon_full_params(model, writeback: bool = False, with_grads: bool = False)
         views = g.layout.views(full)
         gviews = g.layout.views(gfull) if gfull is not None else [None] * len(views)
         for info, v, gv in zip(g.params, views, gviews):
-            t = nn.Parameter(v.clone(), requires_grad=not info.frozen)
+            t = nn.Parameter(_over_tp(v.clone(), info), requires_grad=not info.frozen)
             if gv is not None:
-                t.grad = gv.clone()
+                t.grad = _over_tp(gv.clone(), info)
             for owner, attr in info.owners:
                 owner._parameters[attr] = t
             installed.append((info, t))
@@ -120,6 +125,34 @@ def summon_full_params(model, writeback: bool = False, with_grads: bool = False)
             _write_back(model, current, unloaded, scatter_group)
 
 
+def _over_tp(local: torch.Tensor, info) -> torch.Tensor:
+    """A TP parameter's local tensor (or gradient) gathered over TP on every rank; any other as it is."""
+    if info.tp is None:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, info.tp.mesh, info.tp.placements, run_check=False, shape=info.tp.shape,
+                              stride=info.tp.stride).full_tensor()
+
+
+@torch.no_grad()
+def _split_over_tp(model, current) -> dict:
+    """Collective over the TP group of the data-parallel index 0 ranks: global rank 0's full values (``current``)
+    split by each TP parameter's placements, every other parameter's broadcast (each rank may have drawn its own);
+    returns this rank's local values by id(ParamInfo)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    rt, first, out = model._rt, model.tp_rank == 0, {}
+    for u, g in _all_groups(rt):
+        for info in g.params:
+            shape = tuple(info.tp.shape) if info.tp is not None else tuple(info.shape)
+            full = (current[id(info)].detach().to(rt.device, torch.float32) if first
+                    else torch.empty(shape, dtype=torch.float32, device=rt.device))
+            placements = info.tp.placements if info.tp is not None else (Replicate(),)
+            out[id(info)] = distribute_tensor(full, model._tp.mesh, placements, src_data_rank=0).to_local()
+    return out
+
+
 def _current(info) -> torch.Tensor:
     """What the owner holds now (the user may have replaced the parameter inside the context)."""
     owner, attr = info.owners[0]
@@ -129,11 +162,14 @@ def _current(info) -> torch.Tensor:
 @torch.no_grad()
 def _write_back(model, current, unloaded: bool, scatter_group) -> None:
     """Rank 0's values (``current``: id(ParamInfo) -> tensor) into every rank's shards."""
-    rt, group, rank, world = model._rt, model.process_group, model.rank, model.world_size
+    rt, group, rank, world, tp = model._rt, model.process_group, model.rank, model.world_size, model._tp
     bad = None
-    if rank == 0:
+    if rank == 0 and model.tp_rank == 0:  # tensor parallel: global rank 0's values, split over TP below
+        def shape(info):
+            return tuple(info.tp.shape if info.tp is not None else info.shape)
+
         wrong = [f"{info.fqn!r} has shape {tuple(current[id(info)].shape)}" for u, g in _all_groups(rt)
-                 for info in g.params if tuple(current[id(info)].shape) != tuple(info.shape)]
+                 for info in g.params if tuple(current[id(info)].shape) != shape(info)]
         missing = ([info.fqn for u, g in _all_groups(rt) for info in g.params
                     if torch.isnan(current[id(info)].detach()).any()] if unloaded else [])
         if wrong:
@@ -142,7 +178,13 @@ def _write_back(model, current, unloaded: bool, scatter_group) -> None:
             bad = (f"the model was built on the meta device and {len(missing)} parameter(s) were not initialised "
                    f"inside summon_full_params(writeback=True): {missing[:5]}; initialise every parameter (or load "
                    "a state dict)")
+    if tp is not None and rank == 0:  # the verdict of global rank 0 to the other TP coordinates first
+        from ..comm.groups import broadcast_object
+
+        bad = broadcast_object(bad, tp.group)
     raise_together(bad, group, RuntimeError, "yafsdp.YaFSDP.summon_full_params: ")
+    if tp is not None and rank == 0:
+        current = _split_over_tp(model, current)
     for u, g in _all_groups(rt):
         full = None
         if rank == 0:
@@ -185,7 +227,7 @@ def full_tensor(model, name: str, grad: bool) -> torch.Tensor | None:
     full = _gather_group(rt, u, g, model.process_group, grad=grad)
     if full is None:
         return None
-    return full[info.offset:info.offset + info.numel].view(info.shape).clone()
+    return _over_tp(full[info.offset:info.offset + info.numel].view(info.shape).clone(), info)
 
 
 @torch.no_grad()
@@ -196,7 +238,7 @@ def named_grad_norms(model) -> dict[str, torch.Tensor]:
     rt.sync_replicas()  # HSDP: the replicas hold the same grad shards afterwards; count them once
     model.check_idle("named_grad_norms")
     check_collective("named_grad_norms()", model.process_group)
-    names, parts = [], []
+    names, parts, tp_sharded = [], [], []
     for u in rt.all:
         g = u.trainable
         if g is None or g.shard.grad is None:
@@ -206,11 +248,17 @@ def named_grad_norms(model) -> dict[str, torch.Tensor]:
         for info in g.params:
             lo, hi = max(info.offset, start), min(info.offset + info.numel, stop)
             names.append(info.fqn)
+            tp_sharded.append(info.tp is not None and info.tp.sharded)
             parts.append(grad[lo - start:hi - start].float().pow(2).sum() if hi > lo
                          else torch.zeros((), device=grad.device))
     if not parts:
         return {}
     sq = rt.to_device(torch.stack(parts))
     collectives.all_reduce(sq, model.process_group)
+    if model._tp is not None:  # a TP-sharded parameter's squares summed over TP too; a replicated one's are its own
+        sharded = torch.tensor(tp_sharded, device=sq.device)
+        over_tp = sq * sharded
+        collectives.all_reduce(over_tp, model._tp.group)
+        sq = torch.where(sharded, over_tp, sq)
     norms = sq.sqrt()
     return {n: norms[i] for i, n in enumerate(names)}
