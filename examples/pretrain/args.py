@@ -297,9 +297,8 @@ TP_REFUSED_FLAGS = {
     "gather_dtype": ("bf16", "compact gathers are not supported with TP parameters"),
     "grad_quant": ("none", "quantized gradient reduction is not supported with TP parameters"),
     "compile": (False, "compile_units() is not supported with TP parameters"),
-    "init_from_hf": (None, "HF loads (yafsdp.hf) are not supported with TP parameters"),
-    "export_hf": (None, "HF export is not supported with TP parameters; export from a checkpoint resumed at --tp 1 "
-                        "(a TP checkpoint loads there)"),
+    "init_from_hf": (None, "the job starts from HF weights at --tp 1 only; start there, save, and resume at --tp N "
+                           "(checkpoints reshard across TP degrees)"),
     "torchft": (False, "replica groups under torchft are not combined with TP"),
     "memory_budget": (None, "the activation estimate of --checkpointing auto does not know TP's layouts; use "
                             "--activation-checkpointing"),

@@ -224,7 +224,10 @@ def export(job):
     t0 = time.perf_counter()
     probe = torch.arange(min(32, a.seq_len), device=job.device).view(1, -1) % job.shape["vocab_size"]
     with torch.no_grad():
-        ours = job.model(input_ids=probe, use_cache=False).logits.float().cpu()
+        ours = job.model(input_ids=probe, use_cache=False).logits
+    if hasattr(ours, "full_tensor"):  # --tp with --loss-parallel: the logits are split over the vocabulary
+        ours = ours.full_tensor()
+    ours = ours.float().cpu()
     tok = job.tokenizer if isinstance(job.tokenizer, (D.ByteTokenizer, D.HFTokenizer)) else None
     # The exported config names the tokenizer's special tokens (generate() and pipelines read
     # them). Set here, not at build time: a pad_token_id in the training config would make HF

@@ -1,7 +1,7 @@
 """The pretraining job's ``--tp N`` (examples/pretrain/setup.py ``tp_mesh``; docs/tp.md): world 4 as dp 2 x tp 2 on
 the tiny preset, a checkpoint at step 2 (written in the background: ``--async-save``), then a resume at the same layout (bit for bit: the same reductions in the
 same order) and one at tp 2 x dp 1 (world 2, twice the sequences per rank: the same global batch) with
-``--loss-parallel``, which loads the params-form checkpoint into another data-parallel size and continues within
+``--loss-parallel`` and ``--export-hf`` (the export reloaded and its logits compared), which loads the params-form checkpoint into another data-parallel size and continues within
 fp32 rounding (the gradients are averaged over another number of ranks, the cross-entropy is computed on the
 vocabulary's slices). The flags TP does not run with are refused with one line."""
 import contextlib
@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from job_utils import close, losses, metrics, run_job
+from job_utils import close, events, losses, metrics, run_job
 
 
 def test_tp_job_trains_saves_and_resumes(tmp_path):
@@ -22,17 +22,33 @@ def test_tp_job_trains_saves_and_resumes(tmp_path):
     b = run_job(["--tp", "2", "--steps", "4", "--resume", ckpt, "--out", same], nproc=4)
     assert "resumed from" in b.stdout
     assert losses(same) == losses(full)[2:], (losses(same), losses(full))
+    hf_dir = str(tmp_path / "hf")
     c = run_job(["--tp", "2", "--loss-parallel", "--batch-size", "4", "--steps", "4", "--resume", ckpt, "--out",
-                 narrow], nproc=2)
+                 narrow, "--export-hf", hf_dir], nproc=2)
     assert "written by 4 rank(s), loaded by 2" in c.stdout and "loss parallel" in c.stdout, c.stdout[-2000:]
     assert [r["step"] for r in metrics(narrow)] == [3, 4]
     assert close(losses(narrow), losses(full)[2:], rel=1e-5), (losses(narrow), losses(full))
+    # --export-hf from a TP engine: the HF model reloaded on rank 0 gives the job's logits (gathered over the
+    # vocabulary under --loss-parallel)
+    ev = [e for e in events(narrow) if e["event"] == "export"][0]
+    assert ev["check"]["missing"] == 0 and ev["check"]["unexpected"] == 0, ev
+    assert ev["check"]["max_abs_diff"] < 1e-5, ev
+    # --export-only at --tp 2: the newest checkpoint (step 4) loaded into a TP engine writes the same tensors
+    again = str(tmp_path / "hf_again")
+    run_job(["--tp", "2", "--export-only", "--export-hf", again, "--out", narrow], nproc=2)
+    from safetensors.torch import load_file
+
+    def tensors(d):
+        return {k: v for f in sorted(os.listdir(d)) if f.endswith(".safetensors")
+                for k, v in load_file(os.path.join(d, f)).items()}
+    first, second = tensors(hf_dir), tensors(again)
+    assert first.keys() == second.keys() and all(first[k].equal(second[k]) for k in first)
 
 
 @pytest.mark.parametrize("flags, says", [
     (["--tp", "2", "--compile"], "--tp 2 with --compile"),
     (["--tp", "2", "--gather-dtype", "fp8"], "--tp 2 with --gather-dtype fp8"),
-    (["--tp", "2", "--export-hf", "x"], "HF export is not supported with TP"),
+    (["--tp", "2", "--init-from-hf", "x"], "resume at --tp N"),
     (["--tp", "2", "--checkpointing", "all"], "use --activation-checkpointing"),
     (["--tp", "2", "--sample-tokens", "5"], "--sample-tokens 0"),
     (["--tp", "4", "--seq-len", "30"], "a multiple of 4"),
