@@ -149,6 +149,11 @@ run_part2() {
   step fake-world-memory 40 "$PY" benchmarks/bench_step.py --fake-world 8,64 --device cuda --preset llama3-1b \
     --layers 2 --batch 1 --seq 256 --md "$RES/bench_step_fakeworld_${GPU}_${DATE}.md" \
     --json "$RES/bench_step_fakeworld_${GPU}_${DATE}.json"
+  # World 1 peak memory (allocated and reserved) against plain PyTorch and FSDP2, fp32 and bf16 full fine-tunes at
+  # Llama-3.2-1B shapes (2 layers), with the grad shards allocated in backward and freed by zero_grad
+  # (docs/benchmarks.md section 8): the fake process group of one rank, as on the CPU.
+  step world1-memory 20 "$PY" benchmarks/bench_world1.py --device cuda --preset llama3-1b --layers 2 --batch 2 \
+    --seq 1024 --configs fp32-full,bf16-full --md "$RES/world1_${GPU}_${DATE}.md"
   # World 1 under NCCL, a ~1B Llama in bf16: step time and peak (allocated, reserved) against FSDP2 and DDP,
   # and the reduce precisions (docs/reduce.md): fp32, bf16 summed in bf16, bf16 summed in fp32 (the all-to-all
   # and the fp32 fold run; nothing crosses a link at world 1: the bytes column is each reduce's input).

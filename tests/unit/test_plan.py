@@ -10,7 +10,7 @@ import torch
 
 import yafsdp
 from dist_utils import run_ranks
-from models import Stack, batch, loss_of, tiny_llama
+from models import Stack, all_grads, batch, loss_of, tiny_llama
 from yafsdp.measure import measure_memory
 from yafsdp.plan import memory_plan, plan_buffers, unit_align
 from yafsdp.presets import build_llama
@@ -177,7 +177,7 @@ def _alias_vs_buffers(rank, world):
                     loss = loss_of(model, "llama", batch("llama", step, micro, rank))
                     loss.backward()
                     losses.append(loss.item())
-                grads.append(model._rt.grad.clone())  # every grad shard, padding included
+                grads.append(all_grads(model))  # every grad shard, padding included
                 opt.step()
                 opt.zero_grad()
             runs.append((losses, grads, model.full_state_dict()))
@@ -228,7 +228,7 @@ def _sometimes_used(rank, world):
             grads = []
             for step, use_b in enumerate((True, False, True, False)):
                 model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)), use_b).backward()
-                grads.append(model._rt.grad.clone())
+                grads.append(all_grads(model))
                 opt.step()
                 opt.zero_grad(set_to_none=set_to_none)
             runs.append(grads)

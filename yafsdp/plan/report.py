@@ -82,6 +82,10 @@ class MemoryPlan:
     # of the units' secondary shards (the role "secondary"; per unit: UnitRow.secondary_bytes)
     secondary_shard: int = 0
     secondary: int = 0
+    # world 1: the grad shards (``grad`` bytes) are allocated during backward and freed by
+    # zero_grad(set_to_none=True): counted in the step's peak (``total``), not between steps
+    # (``engine_bytes()["grad"]`` 0). See [Note: the grad shard's lifetime at world 1] in layout/sizing.py.
+    grad_in_step: bool = False
 
     # Bytes by role -----------------------------------------------------------------------
     def _slot_bytes(self, role: str, kind: str | None = None) -> int:
@@ -122,7 +126,12 @@ class MemoryPlan:
     def total(self) -> int:
         """Every byte, host and device (see ``device_total`` / ``host_total`` for the split)."""
         act = self.activations.total if self.activations is not None else 0
-        return self.engine_total + self.optimizer_state + act + self.checkpoint_staging
+        return self.engine_total + self.optimizer_state + self.step_grads + act + self.checkpoint_staging
+
+    @property
+    def step_grads(self) -> int:
+        """Bytes of the grad shards that exist only during a step (world 1), else 0."""
+        return self.grad if self.grad_in_step else 0
 
     def placement(self) -> dict[str, str]:
         """Where each role of :meth:`engine_bytes` lives ("host" / "device"), as ``YaFSDP.placement()``;
@@ -149,7 +158,8 @@ class MemoryPlan:
     def device_total(self) -> int:
         """Per GPU: the engine's device tensors, the optimizer state unless offloaded, activations."""
         act = self.activations.total if self.activations is not None else 0
-        return self.device_bytes + (0 if self._place.optimizer_on_host else self.optimizer_state) + act
+        return (self.device_bytes + (0 if self._place.optimizer_on_host else self.optimizer_state) + self.step_grads
+                + act)
 
     @property
     def host_total(self) -> int:
@@ -170,7 +180,8 @@ class MemoryPlan:
 
     def engine_bytes(self) -> dict[str, int]:
         """The same keys and values as ``YaFSDP.allocated_bytes()`` returns once wrapped."""
-        out = {"master": self.master, "grad": self.grad, "compute_copy": self.compute_copy, "frozen": self.frozen,
+        out = {"master": self.master, "grad": self.grad - self.step_grads, "compute_copy": self.compute_copy,
+               "frozen": self.frozen,
                "nf4": self.nf4}
         for fmt in formats.gather_formats():  # one role per gather format, as YaFSDP.allocated_bytes()
             out[fmt.name] = self.records if fmt.name == self.gather_dtype else 0
@@ -201,7 +212,8 @@ class MemoryPlan:
         """(role, bytes) in the order the table prints them."""
         rows = [
             ("master shard (fp32)", self.master),
-            ("grad shard (fp32)", self.grad),
+            ("grad shards (fp32; world 1: in backward, freed by zero_grad)" if self.grad_in_step
+             else "grad shard (fp32)", self.grad),
             (f"optimizer state ({self.optimizer})", self.optimizer_state),
             *([(f"compute copy host staging ({self.param_dtype})", self.compute_host),
                (f"reduced-grad landing ({self.reduce_dtype})", self.grad_landing)] if self._place.optimizer_on_host
