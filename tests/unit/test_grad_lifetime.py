@@ -22,7 +22,7 @@ class _Branch(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.a, self.b = nn.Linear(9, 9), nn.Linear(9, 9)  # uneven: padded at world 1
 
     def forward(self, x, use_b: bool):
         x = self.a(x)
@@ -47,7 +47,7 @@ def _build(kind):
 
 def _loss(model, kind, step, micro, dtype):
     if kind == "branchy":
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + micro)).to(dtype)
+        x = torch.randn(4, 9, generator=torch.Generator().manual_seed(10 * step + micro)).to(dtype)
         return model(x, step % 2 == 0).float()  # b of every block: a gradient in even steps only
     return loss_of(model, "llama", batch("llama", step, micro, 0))
 
@@ -72,7 +72,7 @@ def _train(kind, bf16, zero, optimizer, scaled, set_to_none):
     make = yafsdp.FusedAdamW if optimizer == "fused" else torch.optim.AdamW
     opt = make(model.parameters(), lr=1e-2, weight_decay=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaled else None
-    losses, grads, norms = [], [], []
+    losses, grads, norms, named = [], [], [], []
     for step in range(3):
         for micro in range(2):
             loss = _loss(model, kind, step, micro, torch.bfloat16 if bf16 else torch.float32)
@@ -81,13 +81,30 @@ def _train(kind, bf16, zero, optimizer, scaled, set_to_none):
         if scaled:
             scaler.unscale_(opt)
         grads.append(all_grads(model))
+        first = next(n for n, p in model.module.named_parameters() if p.requires_grad)
+        named.append((model.named_grad_norms(), model.full_grad(first)))
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
         scaler.step(opt) if scaled else opt.step()
         if scaled:
             scaler.update()
         opt.zero_grad(set_to_none=set_to_none)
-    return dict(losses=losses, grads=grads, norms=norms, state=model.full_state_dict(),
+    return dict(losses=losses, grads=grads, norms=norms, named=named, state=model.full_state_dict(),
                 store=model._rt.grad.numel(), step_grads=model._rt.buffer_plan.step_grads)
+
+
+def _poisoned_empty():
+    """``torch.empty`` whose floating-point tensors hold NaN: an element the engine leaves unwritten in a fresh
+    grad shard (allocated uninitialised) would show in the grads and weights instead of the allocator's zeros."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        if t.is_floating_point():
+            with torch.no_grad():
+                t.fill_(float("nan"))
+        return t
+
+    return empty, poisoned
 
 
 def _lifetime_vs_store(rank, world):
@@ -98,15 +115,20 @@ def _lifetime_vs_store(rank, world):
         runs = []
         for on in (True, False):
             sizing.GRAD_LIFETIME_WORLD1 = on
+            empty, poisoned = _poisoned_empty()
+            torch.empty = poisoned
             try:
                 runs.append(_train(*case))
             finally:
+                torch.empty = empty
                 sizing.GRAD_LIFETIME_WORLD1 = True
         a, b = runs
         out[case] = dict(
             kinds=(a["step_grads"], a["store"] == 0, b["step_grads"], b["store"] > 0),
             losses=a["losses"] == b["losses"], norms=a["norms"] == b["norms"],
             grads=[torch.equal(x, y) for x, y in zip(a["grads"], b["grads"])],
+            named=[na.keys() == nb.keys() and all(torch.equal(na[k], nb[k]) for k in na) and torch.equal(fa, fb)
+                   for (na, fa), (nb, fb) in zip(a["named"], b["named"])],
             differ=[k for k in a["state"] if not torch.equal(a["state"][k], b["state"][k])],
             moved=any(not torch.equal(a["state"][k], _build(case[0]).state_dict()[k]) for k in a["state"]))
     return out
@@ -115,10 +137,11 @@ def _lifetime_vs_store(rank, world):
 def test_world1_grad_lifetime_trains_bit_for_bit_like_the_store():
     """fp32 and bf16, ZeRO-3 and ZeRO-2, two micro-batches per step, a tied head (two folds per backward),
     parameters that get a gradient in some steps only, FusedAdamW and torch AdamW, GradScaler's unscale and
-    clip_grad_norm_, zero_grad both ways: the same losses, grad shards, norms and weights bit for bit."""
+    clip_grad_norm_, named_grad_norms and full_grad, zero_grad both ways: the same losses, grad shards, norms
+    and weights bit for bit."""
     for case, r in run_ranks(_lifetime_vs_store, 1)[0].items():
         assert r["kinds"] == (True, True, False, True), (case, r["kinds"])
-        assert r["losses"] and r["norms"] and all(r["grads"]) and not r["differ"], (case, r)
+        assert r["losses"] and r["norms"] and all(r["grads"]) and all(r["named"]) and not r["differ"], (case, r)
         assert r["moved"], case  # the steps changed the weights: the comparison compares something
 
 
