@@ -402,8 +402,11 @@ def plan_buffers(
     # padding and parameters without a gradient as zeros). What it gives up: the fixed layout (on the
     # CUDA caching allocator a freed shard's block can be split by the next forward's activations, as
     # with plain PyTorch's gradients) and one tensor for all grad shards (the optimizer and clipping run
-    # per shard anyway). The plan counts the grad shards in the step's peak (``MemoryPlan.total``), not
-    # in the state between steps (``engine_bytes()["grad"]`` 0). Everywhere else (world > 1, where
+    # per shard anyway). The plan counts the grad shards in the step's peak, not in the state between
+    # steps (``engine_bytes()["grad"]`` 0): each block's backward frees its saved activations and adds its
+    # grad shard, so with blocks alike the sum moves from one end of backward to the other, and the peak
+    # is the larger end: the activations' peak (no grad shard yet) or every grad shard with the last
+    # unit's gradients (``MemoryPlan.step_bytes``). Everywhere else (world > 1, where
     # the store is 1/N of the model; replicas, whose all-reduce runs over runs of the store; offload,
     # a narrow reduce or fp32 accumulation, whose grad buffers stay) the store is kept as it was.
     if alias_world1 and ALIAS_WORLD1 and direct_grads:
