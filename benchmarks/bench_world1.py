@@ -3,9 +3,12 @@ with the same optimizer and against torch FSDP2 (``fully_shard``), in fp32 and b
 fine-tune and for PEFT LoRA, with the torch CPU allocator's exact counts.
 
     python benchmarks/bench_world1.py --md benchmarks/results/world1_cpu_<date>.md
+    python benchmarks/bench_world1.py --device cuda --preset llama3-1b --md benchmarks/results/world1_<gpu>_<date>.md
 
 One process, a fake process group of one rank (collectives do nothing; no gloo threads, so every
 allocation and free is on this thread and :class:`yafsdp.measure.CpuAllocTracker` sees it exactly).
+``--device cuda``: the same on the GPU, measured with the CUDA caching allocator
+(``torch.cuda.max_memory_allocated`` per step, and ``max_memory_reserved``: what the allocator held).
 Every engine: the same HF Llama (``--preset``, ``--layers``), torch AdamW (fused where the build has
 it) over the trainable parameters, batch x seq random tokens, HF's loss, 3 steps,
 ``zero_grad(set_to_none=True)``; the steady peak is steps 2-3.
@@ -52,6 +55,9 @@ def parse(argv=None):
     ap.add_argument("--configs", default="fp32-full,bf16-full,fp32-lora,bf16-lora",
                     help="comma list of {fp32,bf16}-{full,lora}")
     ap.add_argument("--engines", default="yafsdp,plain,fsdp2")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cpu: the torch CPU allocator's exact counts; cuda: the caching allocator's allocated and "
+                         "reserved peaks")
     ap.add_argument("--md", default=None, help="write the report here (and its JSON beside it)")
     return ap.parse_args(argv)
 
@@ -61,16 +67,18 @@ def _model(a, meta: bool, lora: bool, base_dtype=None):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     over = {"num_hidden_layers": a.layers} if a.layers else {}
-    model = build_llama(a.preset, device="meta" if meta else "cpu", **over)
+    dev = "meta" if meta else a.device
+    model = build_llama(a.preset, device=dev, **over)
     if meta:
-        model.model.rotary_emb = LlamaRotaryEmbedding(model.config)
+        model.model.rotary_emb = LlamaRotaryEmbedding(model.config).to(a.device)
     if lora:
         import peft
 
         model.requires_grad_(False)
         if base_dtype is not None:
             model.to(base_dtype)
-            model.model.rotary_emb = LlamaRotaryEmbedding(model.config)  # its fp32 frequencies, as HF keeps them
+            # its fp32 frequencies, as HF keeps them
+            model.model.rotary_emb = LlamaRotaryEmbedding(model.config).to(a.device)
         model = peft.get_peft_model(model, peft.LoraConfig(r=a.lora_r, lora_alpha=2 * a.lora_r, target_modules=TARGETS,
                                                            lora_dropout=0.0, task_type="CAUSAL_LM"))
         for n, p in model.named_parameters():  # the adapters train in fp32 whatever the base's dtype
@@ -85,7 +93,7 @@ def build(a, engine: str, bf16: bool, lora: bool):
 
     def _build():
         if engine == "yafsdp":
-            model = yafsdp.YaFSDP(_model(a, True, lora), param_dtype=pdt, reduce_dtype=torch.float32, device="cpu")
+            model = yafsdp.YaFSDP(_model(a, True, lora), param_dtype=pdt, reduce_dtype=torch.float32, device=a.device)
             model.mark_loaded()
             cast = None
         elif engine == "plain":
@@ -96,24 +104,24 @@ def build(a, engine: str, bf16: bool, lora: bool):
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             model = _model(a, True, lora, base_dtype=pdt if lora else None)
-            mesh = init_device_mesh("cpu", (1,))
+            mesh = init_device_mesh(a.device, (1,))
             mp = MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
             hf = model.get_base_model() if lora else model
             for layer in hf.model.layers:
                 fully_shard(layer, mesh=mesh, mp_policy=mp)
             fully_shard(model, mesh=mesh, mp_policy=mp)
             rotary = hf.model.rotary_emb
-            model.to_empty(device="cpu")
+            model.to_empty(device=a.device)
             with torch.no_grad():
                 for p in model.parameters():
                     p.zero_()
             from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-            hf.model.rotary_emb = LlamaRotaryEmbedding(rotary.config)
+            hf.model.rotary_emb = LlamaRotaryEmbedding(rotary.config).to(a.device)
             cast = None
         else:
             raise ValueError(f"unknown engine {engine!r}: use yafsdp, plain or fsdp2")
-        opt = _adamw([p for p in model.parameters() if p.requires_grad], 1e-4, torch.device("cpu"))
+        opt = _adamw([p for p in model.parameters() if p.requires_grad], 1e-4, torch.device(a.device))
         return model, opt, cast
 
     return _build
@@ -122,9 +130,9 @@ def build(a, engine: str, bf16: bool, lora: bool):
 def step_fn(a, vocab: int):
     def step(engine, i):
         model, opt, cast = engine
-        b = make_batch(i, 0, a.batch, a.seq, vocab, "cpu")
+        b = make_batch(i, 0, a.batch, a.seq, vocab, a.device)
         if cast is not None:
-            with torch.autocast("cpu", dtype=cast):
+            with torch.autocast(a.device, dtype=cast):
                 loss = model(**b).loss
         else:
             loss = model(**b).loss
@@ -138,14 +146,16 @@ def plan_of(a, bf16: bool, lora: bool):
     from yafsdp.plan import memory_plan
 
     p = memory_plan(_model(a, True, lora), world_size=1, param_dtype="bf16" if bf16 else None, batch=a.batch,
-                    seq=a.seq, backend="gloo")
+                    seq=a.seq, backend="nccl" if a.device == "cuda" else "gloo")
     return p
 
 
 def main(argv=None):
     a = parse(argv)
     torch.set_num_threads(1)
-    init_fake(1, torch.device("cpu"))
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    init_fake(1, dev)
     vocab = build_llama(a.preset, device="meta").config.vocab_size
     rows, raw = [], {}
     engines = a.engines.split(",")
@@ -156,8 +166,8 @@ def main(argv=None):
         res = {}
         for e in engines:
             try:
-                res[e] = measure_memory(build(a, e, bf16, lora), step_fn(a, vocab), 3, torch.device("cpu"),
-                                        method="torch")
+                res[e] = measure_memory(build(a, e, bf16, lora), step_fn(a, vocab), 3, dev,
+                                        method="cuda" if cuda else "torch")
             except Exception as exc:  # noqa: BLE001 - a competitor that cannot run this configuration says why
                 res[e] = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
             print(cfg, e, {k: v for k, v in res[e].items() if k != "how"}, flush=True)
@@ -167,7 +177,7 @@ def main(argv=None):
         for e in engines:
             m = res[e]
             if "error" in m:
-                rows.append([cfg, e, "", "", "", "", "", "", m["error"]])
+                rows.append([cfg, e, "", "", "", *([""] if cuda else []), "", "", "", m["error"]])
                 continue
             ratio = {o: m["peak_steady"] / res[o]["peak_steady"] for o in ("plain", "fsdp2")
                      if o in res and "error" not in res[o]}
@@ -176,22 +186,27 @@ def main(argv=None):
             pl = [f"{(plan.engine_total + plan.optimizer_state) / MiB:.1f}", f"{plan.total / MiB:.1f}"] \
                 if e == "yafsdp" and plan is not None else ["", ""]
             rows.append([cfg, e, f"{m['built'] / MiB:.1f}", f"{m['step_end'][-1] / MiB:.1f}",
-                         f"{m['peak_steady'] / MiB:.1f}", f"{ratio.get('plain', float('nan')):.3f}",
+                         f"{m['peak_steady'] / MiB:.1f}", *([f"{m['reserved'] / MiB:.1f}"] if cuda else []),
+                         f"{ratio.get('plain', float('nan')):.3f}",
                          f"{ratio.get('fsdp2', float('nan')):.3f}", " / ".join(pl) if pl[0] else "", ""])
-    head = ["config", "engine", "after build MiB", "between steps MiB", "peak MiB (steps 2-3)", "x plain",
-            "x FSDP2", "plan: state / total MiB", "note"]
-    v = versions(torch.device("cpu"))
+    head = ["config", "engine", "after build MiB", "between steps MiB", "peak MiB (steps 2-3)",
+            *(["reserved MiB (step 3)"] if cuda else []), "x plain", "x FSDP2", "plan: state / total MiB", "note"]
+    v = versions(dev)
+    where = f"CUDA ({v['gpu']})" if cuda else "CPU"
+    how = ("the CUDA caching allocator: torch.cuda.max_memory_allocated per step (peak, x ratios) and "
+           "max_memory_reserved of the last step; 'between steps' memory_allocated after step 3" if cuda else
+           "torch CPU allocator live bytes (profiler memory events), exact; 'between steps' after step 3")
     goals = [f"goal yafsdp <= 1.00x plain and <= 1.00x FSDP2, {cfg}: "
              + ", ".join(f"x{r:.3f} {o} -> {'met' if r <= 1.0 else 'NOT met'}" for o, r in rs.items())
              for cfg, rs in worst.items()]
     text = "\n".join([
-        f"# World 1 peak memory: yafsdp vs plain PyTorch vs FSDP2 — CPU, {v['date']}",
+        f"# World 1 peak memory: yafsdp vs plain PyTorch vs FSDP2 — {where}, {v['date']}",
         "",
         "Command: `python benchmarks/bench_world1.py " + " ".join(sys.argv[1:] if argv is None else argv) + "`",
         "",
         f"Model: {a.preset} ({a.layers or 'all'} layers), batch {a.batch} x seq {a.seq}; LoRA r {a.lora_r} on "
         f"{','.join(TARGETS)}; torch AdamW over the trainable parameters; world 1 (fake process group). Memory: "
-        f"torch CPU allocator live bytes (profiler memory events), exact; 'between steps' after step 3.",
+        f"{how}.",
         "",
         md_table(head, rows),
         "",

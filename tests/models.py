@@ -72,3 +72,17 @@ def loss_of(model, kind: str, inputs):
     if kind == "llama":
         return model(**inputs).loss
     return model(inputs["x"], inputs["target"])
+
+
+def all_grads(model) -> torch.Tensor:
+    """Every trainable unit's fp32 grad shard end to end (padding included), laid as the engine's one grad
+    store; zeros for a shard whose ``.grad`` is None. The same whether the engine keeps that store or each
+    shard lives for a step (world 1: [Note: the grad shard's lifetime at world 1] in yafsdp/layout/sizing.py)."""
+    from yafsdp.engine.shard_grad import plain
+
+    parts = []
+    for u in model._rt.all:
+        p = u.flat_param
+        if p is not None:
+            parts.append(plain(p.grad).detach().clone() if p.grad is not None else torch.zeros_like(p.detach()))
+    return torch.cat(parts) if parts else torch.zeros(0)

@@ -19,7 +19,7 @@ PER_CALL_S = 600  # one device call's limit
 
 PARTS = {
     "part1": ["versions", "build", "kernels-check", "gpu-tests"],
-    "part2": ["versions", "build-if-missing", "fake-world-memory", "step-bench", "step-phases", "overlap-world1", "ckpt-auto", "launch-shapes",
+    "part2": ["versions", "build-if-missing", "fake-world-memory", "world1-memory", "step-bench", "step-phases", "overlap-world1", "ckpt-auto", "launch-shapes",
               "kernel-bench", "torchtitan-trainer"],
 }
 ONLY_ON_A_FRESH_MACHINE = {"build-if-missing"}  # part1's build is normally there: not counted in part2's limit

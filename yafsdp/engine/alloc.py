@@ -84,8 +84,30 @@ def allocate(self, outsized_ratio: float) -> "Storage":
     # 1-D fp32: every unit's master shard end to end (one cast pass covers all of them). On the
     # host with offload: see [Note: host and device tensors].
     st.master = place.zeros(total, torch.float32)
-    # 1-D fp32: every unit's grad shard; each shard's .grad aliases its slice.
-    st.grad = place.zeros(total, torch.float32)
+    # Buffer sizes come from the plan, so yafsdp.plan can report them without allocating.
+    # See [Note: one plan, one allocator] in yafsdp/plan/__init__.py.
+    # See [Note: reduce-scatter in place] in comm/collectives.py.
+    in_place = reduces_in_place(dist.get_backend(self.group), self.world_size)
+    # grad_quant: see [Note: quantized gradient reduction] in comm/quant_reduce.py
+    quant = quant_plan(self.config.grad_quant, self.config.grad_quant_node, self.world_size,
+                       dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1, in_place)
+    st.buffer_plan = plan = plan_buffers(
+        [u.name for u in self.units], [u.shape for u in self.units],
+        self.small.shape if self.small is not None else None,
+        compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
+        zero_stage=self.zero_stage, outsized_ratio=outsized_ratio, offload_frozen=place.host_frozen,
+        accumulate_fp32=self.reduce_accum_dtype is not None,
+        chunk_outsized=self.config.chunk_outsized_grads and place.chunks_outsized,
+        grad_chunks=self.config.grad_chunks,
+        reduce_in_place=in_place,
+        alias_world1=self.world_size == 1 and place.aliases_world1,
+        direct_grads=(self.reduce_dtype == torch.float32 and self.reduce_accum_dtype is None
+                      and self.replicate_group is None),
+        quant=quant,
+    )
+    # 1-D fp32: every unit's grad shard; each shard's .grad aliases its slice. Empty where each unit's
+    # grad shard lives for a step: [Note: the grad shard's lifetime at world 1] in layout/sizing.py.
+    st.grad = place.zeros(0 if plan.step_grads else total, torch.float32)
     # 1-D param_dtype: the compute copies (all-gather inputs) of the groups gathered in param_dtype,
     # laid as in the master when every group is; the master itself in fp32 (when the master is on the
     # device: with offload, the device copy is always its own tensor).
@@ -126,7 +148,7 @@ def allocate(self, outsized_ratio: float) -> "Storage":
             n = g.layout.shard_numel
             if g.kind.reduced:
                 g.shard = nn.Parameter(alias(st.master, off, (n,)))
-                g.grad_shard = alias(st.grad, off, (n,))
+                g.grad_shard = None if plan.step_grads else alias(st.grad, off, (n,))
                 st.flat.register_parameter(attr, g.shard)
                 if g.kind.format.compact:  # its compute copy is its format's record
                     rec = u.shape.gather_record
@@ -164,27 +186,6 @@ def allocate(self, outsized_ratio: float) -> "Storage":
                 format=g.kind.format.name if g.kind.format.stored else None,
             ))
 
-    # Buffer sizes come from the plan, so yafsdp.plan can report them without allocating.
-    # See [Note: one plan, one allocator] in yafsdp/plan/__init__.py.
-    # See [Note: reduce-scatter in place] in comm/collectives.py.
-    in_place = reduces_in_place(dist.get_backend(self.group), self.world_size)
-    # grad_quant: see [Note: quantized gradient reduction] in comm/quant_reduce.py
-    quant = quant_plan(self.config.grad_quant, self.config.grad_quant_node, self.world_size,
-                       dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1, in_place)
-    st.buffer_plan = plan = plan_buffers(
-        [u.name for u in self.units], [u.shape for u in self.units],
-        self.small.shape if self.small is not None else None,
-        compute_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
-        zero_stage=self.zero_stage, outsized_ratio=outsized_ratio, offload_frozen=frozen_host,
-        accumulate_fp32=self.reduce_accum_dtype is not None,
-        chunk_outsized=self.config.chunk_outsized_grads and place.chunks_outsized,
-        grad_chunks=self.config.grad_chunks,
-        reduce_in_place=in_place,
-        alias_world1=self.world_size == 1 and place.aliases_world1,
-        direct_grads=(self.reduce_dtype == torch.float32 and self.reduce_accum_dtype is None
-                      and self.replicate_group is None),
-        quant=quant,
-    )
     rank = dist.get_rank(self.group) if in_place else None
     st.grad_buffers: list[GradBuffer] = [
         GradBuffer(s.name, s.capacity, s.shard_capacity, s.dtype, dev, self.schedule, s.accum_capacity,

@@ -101,12 +101,14 @@ class GradPath:
 
         return fold
 
-    def _target(self, unit: Unit) -> tuple[torch.Tensor, bool]:
-        """The unit's fp32 grad shard, and whether this backward's reduce is its first contribution."""
+    def _target(self, unit: Unit, written: bool = False) -> tuple[torch.Tensor, bool]:
+        """The unit's fp32 grad shard, and whether this backward's reduce is its first contribution.
+        ``written``: a fresh shard's every element is written by the caller (at world 1 it may then be
+        allocated uninitialised: [Note: the grad shard's lifetime at world 1] in layout/sizing.py)."""
         p = unit.flat_param
         fresh = p.grad is None
         if fresh:  # See [Note: shard gradients that know they are shards] in shard_grad.py
-            p.grad = grad_view(unit, self.rt)
+            p.grad = grad_view(unit, self.rt, written)
         return plain(p.grad), fresh
 
     def _replicas(self):
@@ -121,9 +123,11 @@ class GradPath:
     def _fold_each(self, unit: Unit, pidx, grads) -> None:
         """World 1 (the unit has no grad buffer): write, reduce and land are the identity, and each
         parameter's gradient is folded into its own slice of the grad shard. What no gradient covers
-        gets what the buffer's zeros gave it: zero in a fresh shard, ``+ 0`` otherwise."""
+        gets what the buffer's zeros gave it: zero in a fresh shard, ``+ 0`` otherwise. A fresh shard's
+        every element is written here (the padding and parameters without a gradient as zeros, the
+        rest by the fold's cast), so it may be allocated uninitialised."""
         lay = unit.layout
-        target, fresh = self._target(unit)
+        target, fresh = self._target(unit, written=True)
         given = [(unit.params[i], g) for i, g in zip(pidx, grads) if g is not None]
         with torch.no_grad(), span("grads", unit.name):
             if len(given) < len(lay.params) or (fresh and lay.padded_numel > lay.numel):

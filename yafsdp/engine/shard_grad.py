@@ -63,8 +63,14 @@ def plain(t):
     return t._plain if type(t) is ShardGrad else t
 
 
-def grad_view(unit, rt) -> "ShardGrad":
-    """The ``ShardGrad`` over ``unit``'s grad shard (made once per unit)."""
+def grad_view(unit, rt, written: bool = False) -> "ShardGrad":
+    """The ``ShardGrad`` over ``unit``'s grad shard (made once per unit). A unit whose grad shard lives
+    for a step (no grad store: [Note: the grad shard's lifetime at world 1] in layout/sizing.py) gets a
+    new shard each time, held by nothing but the view: uninitialised when the caller writes every
+    element (``written``), zeros otherwise."""
+    if unit.grad_shard is None:
+        make = torch.empty if written else torch.zeros
+        return ShardGrad.make(make(unit.layout.shard_numel, dtype=torch.float32, device=rt.host_device), rt, unit)
     view = unit.__dict__.get("_shard_grad")
     if view is None:
         view = ShardGrad.make(unit.grad_shard, rt, unit)

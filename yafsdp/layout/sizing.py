@@ -102,6 +102,10 @@ class BufferPlan:
     # it is reduced in chunks through the grad pair (see [Note: chunked outsized gradients]); 0: whole
     grad_chunk: list[int] = None
     chunk_slots: list[int] = None  # the grad slots the chunks alternate over (the pair), else empty
+    # world 1: every unit's fp32 grad shard is a tensor of its own, allocated at the unit's first fold
+    # of a step and freed by zero_grad(set_to_none=True); the engine keeps no grad store. See [Note:
+    # the grad shard's lifetime at world 1].
+    step_grads: bool = False
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -277,6 +281,9 @@ def landing_layout(shape: UnitShape, compute_dtype: torch.dtype) -> tuple[int, i
 # (tests/multirank/test_streamcheck.py's fault runs): False gives every unit a weight buffer at
 # every world size. The engine and the plan both read it when they size the buffers.
 ALIAS_WORLD1 = True
+# [Note: the grad shard's lifetime at world 1]'s switch, for the tests that compare it with the one grad
+# store kept between steps: False keeps that store wherever [Note: world-1 gradients] applies.
+GRAD_LIFETIME_WORLD1 = True
 
 
 def plan_buffers(
@@ -304,7 +311,8 @@ def plan_buffers(
     unit whole and nothing is offloaded, so a unit without a compact group gets no weight buffer
     (``weight_of`` -1): its parameters alias its own shards ([Note: the world-1 alias]).
     ``direct_grads``: moreover the gradients are reduced in fp32 with nothing to accumulate in pieces
-    and no replicas, so no unit gets a grad buffer ([Note: world-1 gradients]). ``quant``
+    and no replicas, so no unit gets a grad buffer ([Note: world-1 gradients]) and each unit's grad
+    shard lives for a step (``step_grads``: [Note: the grad shard's lifetime at world 1]). ``quant``
     (``grad_quant``): each grad slot gets the room of its quantized reduce, and with replicas one slot
     more, ``replica``, holds the room of their quantized all-reduce ([Note: quantized gradient
     reduction] in comm/quant_reduce.py)."""
@@ -380,6 +388,27 @@ def plan_buffers(
     # the grad shard instead (engine/grad_path.py: the same kernels on the same fp32 values, so bit for
     # bit the same grads), and no unit gets a grad buffer -- two of the largest unit's fp32 gradients
     # less. With the world-1 alias's switch off every unit keeps its buffers.
+    # [Note: the grad shard's lifetime at world 1] Where the gate folds each gradient straight into
+    # the grad shard (above), nothing but ``.grad`` needs the shard between steps. Plain PyTorch and
+    # FSDP2 free their gradients at ``zero_grad(set_to_none=True)`` and allocate them again in the
+    # next backward, parameter by parameter; a grad store kept between steps is there at the start of
+    # backward, where the activations peak (at Llama-3.2-1B 4.6 GiB, the largest term of the world-1
+    # gap). So here each unit's fp32 grad shard is a tensor of its own (``GradPath._target``): made at
+    # the unit's first fold of a step (the gradients appear unit by unit during backward, as the
+    # activations they are computed from are freed; one allocation for all units at the first fold
+    # would be there at the peak again), held by ``.grad`` alone, so ``zero_grad(set_to_none=True)``
+    # frees it and ``set_to_none=False`` keeps and zeroes it, as in plain PyTorch. Its values are the
+    # store's: the same folds into the same fp32 elements (the fresh shard's every element is written,
+    # padding and parameters without a gradient as zeros). What it gives up: the fixed layout (on the
+    # CUDA caching allocator a freed shard's block can be split by the next forward's activations, as
+    # with plain PyTorch's gradients) and one tensor for all grad shards (the optimizer and clipping run
+    # per shard anyway). The plan counts the grad shards in the step's peak, not in the state between
+    # steps (``engine_bytes()["grad"]`` 0): each block's backward frees its saved activations and adds its
+    # grad shard, so with blocks alike the sum moves from one end of backward to the other, and the peak
+    # is the larger end: the activations' peak (no grad shard yet) or every grad shard with the last
+    # unit's gradients (``MemoryPlan.step_bytes``). Everywhere else (world > 1, where
+    # the store is 1/N of the model; replicas, whose all-reduce runs over runs of the store; offload,
+    # a narrow reduce or fp32 accumulation, whose grad buffers stay) the store is kept as it was.
     if alias_world1 and ALIAS_WORLD1 and direct_grads:
         grad, grad_of, grad_chunk, chunk_slots = [], [-1] * n_all, [0] * n_all, []
     if quant is not None and quant.replicas > 1 and grad:  # segments of the largest shard a slot reduces
@@ -420,7 +449,8 @@ def plan_buffers(
                 weight_of[i] = weight_slot(f"weight_{name}", [i], "buffers")
     if small is not None and not aliased[len(layouts)]:
         weight_of[len(layouts)] = weight_slot("weight_small", [len(layouts)], "small")
-    return BufferPlan(weight, grad, weight_of, grad_of, outsized, grad_chunk, chunk_slots)
+    step_grads = alias_world1 and ALIAS_WORLD1 and direct_grads and GRAD_LIFETIME_WORLD1
+    return BufferPlan(weight, grad, weight_of, grad_of, outsized, grad_chunk, chunk_slots, step_grads)
 
 
 def layouts_world(layouts: list[UnitShape], small: UnitShape | None) -> int:

@@ -245,7 +245,7 @@ def memory_plan(
                          + cbytes * sum(g.padded_numel for g in (lay.frozen, lay.nf4) if g is not None)
                          for lay in all_layouts), default=0),
         gather_host=record_bytes if place.optimizer_on_host else 0,
-        secondary_shard=secondary_size, secondary=secondary_at[-1],
+        secondary_shard=secondary_size, secondary=secondary_at[-1], grad_in_step=slots.step_grads,
     )
     if async_save:
         plan.checkpoint_staging = staging_bytes(

@@ -87,7 +87,8 @@ class CheckpointChoice:
         if self.indices:
             lines.append(f"  checkpointed: {_ranges(self.blocks, self.indices)}")
         lines.append(f"  predicted peak {_size(self.peak)} (engine + optimizer state {_size(self.fixed)} "
-                     f"+ activations {_size(self.peak - self.fixed)}); none checkpointed "
+                     f"+ activations{' or grad shards' if self.plan.grad_in_step else ''} "
+                     f"{_size(self.peak - self.fixed)}); none checkpointed "
                      f"{_size(self.peak_none)}, all {_size(self.peak_all)}")
         if not self.fits:
             lines.append(f"  DOES NOT FIT: even with every block checkpointed the predicted peak "
@@ -102,7 +103,7 @@ class CheckpointChoice:
 
         act = self.plan.activations
         est = estimate_from_trace(act.trace, range(k), act.unit_grad_bytes)
-        peak = self.fixed + est.total
+        peak = self.fixed + self.plan.step_bytes(est.total)
         plan = _copy.copy(self.plan)
         plan.activations = est
         return CheckpointChoice(budget=self.budget, blocks=self.all_blocks[:k], indices=list(range(k)),
@@ -155,9 +156,10 @@ def choose_checkpointing(model: nn.Module, *, budget=None, batch: int, seq: int,
     n = len(trace.per_block)
     if n == 0:
         raise ValueError("choose_checkpointing: the model has no repeated blocks to checkpoint")
-    fixed = plan.device_total - plan.activations.total
-    # See [Note: choosing the checkpointed blocks]: the first k blocks, the smallest k that fits.
-    peaks = [fixed + trace.peak(frozenset(range(k)), grads) for k in range(n + 1)]
+    fixed = plan.device_total - plan.step_bytes(plan.activations.total)  # the state between steps
+    # See [Note: choosing the checkpointed blocks]: the first k blocks, the smallest k that fits (world 1: with
+    # the grad shards made in backward, plan.step_bytes).
+    peaks = [fixed + plan.step_bytes(trace.peak(frozenset(range(k)), grads)) for k in range(n + 1)]
     k = next((k for k, p in enumerate(peaks) if p <= budget), n)
     plan.activations = estimate_from_trace(trace, range(k), grads)
     return CheckpointChoice(budget=budget, blocks=trace.blocks[:k], indices=list(range(k)), all_blocks=trace.blocks,

@@ -82,6 +82,10 @@ class MemoryPlan:
     # of the units' secondary shards (the role "secondary"; per unit: UnitRow.secondary_bytes)
     secondary_shard: int = 0
     secondary: int = 0
+    # world 1: the grad shards (``grad`` bytes) are allocated during backward and freed by
+    # zero_grad(set_to_none=True): counted in the step's peak (``total``), not between steps
+    # (``engine_bytes()["grad"]`` 0). See [Note: the grad shard's lifetime at world 1] in layout/sizing.py.
+    grad_in_step: bool = False
 
     # Bytes by role -----------------------------------------------------------------------
     def _slot_bytes(self, role: str, kind: str | None = None) -> int:
@@ -122,7 +126,23 @@ class MemoryPlan:
     def total(self) -> int:
         """Every byte, host and device (see ``device_total`` / ``host_total`` for the split)."""
         act = self.activations.total if self.activations is not None else 0
-        return self.engine_total + self.optimizer_state + act + self.checkpoint_staging
+        return self.engine_total + self.optimizer_state + self.step_bytes(act) + self.checkpoint_staging
+
+    def step_bytes(self, activations: int) -> int:
+        """What a step adds at its peak on top of the state between steps, for an activation peak of
+        ``activations`` bytes: those, or at world 1, where the grad shards are made during backward, the larger
+        of those (the start of backward, before any grad shard) and every grad shard with the last unit's
+        gradients (the end of backward). See [Note: the grad shard's lifetime at world 1] in layout/sizing.py."""
+        if not self.grad_in_step:
+            return activations
+        last = self.activations.unit_grad_bytes if self.activations is not None else 0
+        return max(activations, self.grad + last)
+
+    @property
+    def step_grads(self) -> int:
+        """Bytes the grad shards add to the step's peak beyond the activations' (world 1), else 0."""
+        act = self.activations.total if self.activations is not None else 0
+        return self.step_bytes(act) - act
 
     def placement(self) -> dict[str, str]:
         """Where each role of :meth:`engine_bytes` lives ("host" / "device"), as ``YaFSDP.placement()``;
@@ -149,7 +169,7 @@ class MemoryPlan:
     def device_total(self) -> int:
         """Per GPU: the engine's device tensors, the optimizer state unless offloaded, activations."""
         act = self.activations.total if self.activations is not None else 0
-        return self.device_bytes + (0 if self._place.optimizer_on_host else self.optimizer_state) + act
+        return self.device_bytes + (0 if self._place.optimizer_on_host else self.optimizer_state) + self.step_bytes(act)
 
     @property
     def host_total(self) -> int:
@@ -170,7 +190,8 @@ class MemoryPlan:
 
     def engine_bytes(self) -> dict[str, int]:
         """The same keys and values as ``YaFSDP.allocated_bytes()`` returns once wrapped."""
-        out = {"master": self.master, "grad": self.grad, "compute_copy": self.compute_copy, "frozen": self.frozen,
+        out = {"master": self.master, "grad": 0 if self.grad_in_step else self.grad, "compute_copy": self.compute_copy,
+               "frozen": self.frozen,
                "nf4": self.nf4}
         for fmt in formats.gather_formats():  # one role per gather format, as YaFSDP.allocated_bytes()
             out[fmt.name] = self.records if fmt.name == self.gather_dtype else 0
@@ -201,7 +222,8 @@ class MemoryPlan:
         """(role, bytes) in the order the table prints them."""
         rows = [
             ("master shard (fp32)", self.master),
-            ("grad shard (fp32)", self.grad),
+            ("grad shards (fp32; world 1: in backward, freed by zero_grad)" if self.grad_in_step
+             else "grad shard (fp32)", self.grad),
             (f"optimizer state ({self.optimizer})", self.optimizer_state),
             *([(f"compute copy host staging ({self.param_dtype})", self.compute_host),
                (f"reduced-grad landing ({self.reduce_dtype})", self.grad_landing)] if self._place.optimizer_on_host
@@ -307,6 +329,10 @@ class MemoryPlan:
             f"{z['yafsdp'] / GiB:.3f} GiB vs {z['zero_paper'] / GiB:.3f} GiB (x{z['ratio']:.3f}; "
             "yafsdp keeps an fp32 grad shard where ZeRO counts a 16-bit one, +2 Psi/N)"
         )
+        if self.grad_in_step:
+            lines.append("  world 1: the grad shards are made unit by unit during backward (as the activations are "
+                         "freed) and freed by zero_grad(set_to_none=True); the total counts the larger of the "
+                         "activations and every grad shard with the last unit's gradients")
         if self.export_unit:
             lines.append("  " + self.export_line())
         for n in self.notes:
