@@ -85,6 +85,36 @@ def test_plan_cli_prints_the_choice_for_llama3_8b():
     assert plan.device_total == choice.peak
 
 
+def test_qlora_8b_recipe_in_docs_is_the_plans():
+    """docs/qlora.md's single-GPU Llama-3-8B QLoRA recipe is the plan's: its plan command, run here,
+    prints every non-zero row the page lists with the same GiB (the activation row names the chosen
+    count), and the choice, its peak and the two ends are the page's."""
+    import contextlib
+    import io
+    import pathlib
+    import re
+
+    from yafsdp.plan import main
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "qlora.md").read_text()
+    section = text[text.index("## Llama-3-8B on one 24 GB GPU"):text.index("## Llama-2-70B")]
+    argv = re.search(r"^python -m yafsdp plan (.*)$", section, re.M).group(1).split()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        plan = main(argv)
+    printed = dict(re.findall(r"^  (\S.*?)\s+[\d,]+\s+([\d.]+)$", out.getvalue(), re.M))  # role -> GiB
+    printed = {r: g for r, g in printed.items() if float(g) > 0 and not r.startswith("host")}
+    listed = dict(re.findall(r"^\| (?:\*\*)?([^|*]+?)(?:\*\*)? \| (?:\*\*)?([\d.]+)(?:\*\*)? \|", section, re.M))
+    assert listed == printed, (listed, printed)
+    c = plan.choice
+    k = len(c.indices)
+    assert c.fits and 0 < k < 32
+    assert f"{k} of 32 blocks checkpointed` (layers\n0-{k - 1})" in section
+    assert f"| {k} of 32: {c.peak / GiB:.2f} GiB |" in section
+    assert f"with none checkpointed the peak would be {c.peak_none / GiB:.2f} GiB, with every layer " \
+           f"{c.peak_all / GiB:.2f} GiB" in section
+
+
 def _forward_counts(module):
     """Forward calls per block, counted at the block's first child (HF checkpoints the block's
     ``forward``, inside its own hooks, so the recompute shows in its children's)."""
