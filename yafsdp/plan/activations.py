@@ -135,11 +135,11 @@ def models_inside(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _meta_clone(module: nn.Module, built: dict[int, nn.Module]) -> nn.Module:
-    """``module`` cloned around the meta models in ``built`` (by id of the module they replace); see
-    [Note: a meta copy of a wrapped model]."""
+    """``module`` cloned around the meta models in ``built`` (by id of the module they replace; each
+    clone is added, so a module held twice is cloned once); see [Note: a meta copy of a wrapped model]."""
     if id(module) in built:
         return built[id(module)]
-    new = object.__new__(type(module))
+    new = built[id(module)] = object.__new__(type(module))
     new.__dict__.update(module.__dict__)
     for key, value in module.__dict__.items():
         if "hooks" in key and isinstance(value, dict):
