@@ -74,10 +74,17 @@ def test_adapter_loads_in_peft_with_the_jobs_logits(run):
 
 
 def test_resume_repeats_the_uninterrupted_losses(run, tmp_path):
+    """Both halves with --memory-budget (LoRA, auto: the plan traced through PEFT checkpoints the
+    first of the base's 2 layers), so this also shows that the chosen checkpointing trains like none."""
     out = str(tmp_path / "resumed")
-    base = ["--out", out, "--init-from-hf", os.path.join(run["out"], "base", "hf"), "--save-every", "15"]
-    run_ft(base + ["--steps", "15"])
+    base_dir = os.path.join(run["out"], "base", "hf")
+    base = ["--out", out, "--init-from-hf", base_dir, "--save-every", "15",
+            "--memory-budget", str(_one_layer_budget(base_dir))]
+    first = run_ft(base + ["--steps", "15"])
     p = run_ft(base + ["--resume"])
+    for q in (first, p):
+        assert "1 of 2 blocks checkpointed" in q.stdout and "checkpointed: base_model.model.model.layers.0" in q.stdout, \
+            q.stdout[:3000]
     assert "resumed from" in p.stdout and "step_00000015" in p.stdout
     want = losses(run["out"])
     got = losses(out)

@@ -1,7 +1,8 @@
 """Activation checkpointing chosen by the plan (docs/activation_checkpointing.md): the chooser
 takes the fewest blocks that fit the budget (checked against a brute force over every subset), its
 predicted peak is the plan's for that set, checkpointing the chosen blocks trains exactly like
-checkpointing none (world 2, fp32, HF and plain blocks), and the CLI and the job print the choice."""
+checkpointing none (world 2, fp32, HF and plain blocks), the CLI and the job print the choice, and
+PEFT models and modules around HF/PEFT models are traced (predicted within 5% of the measured peak)."""
 from __future__ import annotations
 
 import itertools
@@ -82,6 +83,38 @@ def test_plan_cli_prints_the_choice_for_llama3_8b():
     assert f"checkpointed: model.layers.0-{k - 1}" in text
     assert f"{k}/32 blocks checkpointed" in text  # the plan's activation row
     assert plan.device_total == choice.peak
+
+
+def test_qlora_8b_recipe_in_docs_is_the_plans():
+    """docs/qlora.md's single-GPU Llama-3-8B QLoRA recipe is the plan's: its plan command, run here,
+    prints every non-zero row the page lists with the same GiB (the activation row names the chosen
+    count), and the choice, its peak and the two ends are the page's."""
+    import contextlib
+    import io
+    import pathlib
+    import re
+
+    from yafsdp.plan import main
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "qlora.md").read_text()
+    section = text[text.index("## Llama-3-8B on one 24 GB GPU"):text.index("## Llama-2-70B")]
+    argv = re.search(r"^python -m yafsdp plan (.*)$", section, re.M).group(1).split()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        plan = main(argv)
+    printed = dict(re.findall(r"^  (\S.*?)\s+[\d,]+\s+([\d.]+)$", out.getvalue(), re.M))  # role -> GiB
+    printed = {r: g for r, g in printed.items() if float(g) > 0 and not r.startswith("host")}
+    listed = dict(re.findall(r"^\| (?:\*\*)?([^|*]+?)(?:\*\*)? \| (?:\*\*)?([\d.]+)(?:\*\*)? \|", section, re.M))
+    stale = f"docs/qlora.md's 8B recipe differs from the plan: rerun `python -m yafsdp plan {' '.join(argv)}` " \
+            "and update its tables and figures"
+    assert listed == printed, (stale, listed, printed)
+    c = plan.choice
+    k = len(c.indices)
+    assert c.fits and 0 < k < 32
+    assert f"{k} of 32 blocks checkpointed` (layers\n0-{k - 1})" in section, stale
+    assert f"| {k} of 32: {c.peak / GiB:.2f} GiB |" in section, stale
+    assert f"with none checkpointed the peak would be {c.peak_none / GiB:.2f} GiB, with every layer " \
+           f"{c.peak_all / GiB:.2f} GiB" in section, stale
 
 
 def _forward_counts(module):
@@ -213,13 +246,32 @@ def _peft_llama(layers: int = 4, vocab: int = 2048):
     return peft.get_peft_model(model, cfg)
 
 
-PEFT_CASES = {"lora": {}, "qlora": dict(param_dtype=torch.bfloat16, quantize_frozen="nf4")}
+class _Wrapper(torch.nn.Module):
+    """A training framework's module around an HF or PEFT model (not PEFT itself, no ``config``): it
+    holds the model as an attribute and passes the batch on; ``head``: a layer of its own on the logits."""
+
+    def __init__(self, model, head: bool = False):
+        super().__init__()
+        self.net = model
+        self.head = torch.nn.Linear(model.config.vocab_size, 1) if head else None
+
+    def forward(self, input_ids, labels):
+        out = self.net(input_ids=input_ids, labels=labels)
+        if self.head is None:
+            return out
+        return out.loss + self.head(out.logits).pow(2).mean()
+
+
+QLORA = dict(param_dtype=torch.bfloat16, quantize_frozen="nf4")
+# name -> (engine options, the model around the PEFT model or None, the blocks' path prefix)
+PEFT_CASES = {"lora": ({}, None, ""), "qlora": (QLORA, None, ""), "wrapped_qlora": (QLORA, _Wrapper, "net.")}
 
 
 def _peft_auto(rank, world):
     """One process, the fake process group of 2 ranks (the torch CPU allocator's live bytes counted
-    exactly, as tests/unit/test_plan.py does): for a wrapped PEFT LoRA model (fp32) and a QLoRA one
-    (NF4 base, bf16 compute), configure_checkpointing("auto") at a budget halfway between every
+    exactly, as tests/unit/test_plan.py does): for a wrapped PEFT LoRA model (fp32), a QLoRA one
+    (NF4 base, bf16 compute) and the QLoRA one inside a ``_Wrapper``, configure_checkpointing("auto")
+    at a budget halfway between every
     block and none checkpointed, then the measured steady peak of three AdamW steps; and the job's
     --checkpointing auto on the LoRA model."""
     import torch.distributed as dist
@@ -231,11 +283,12 @@ def _peft_auto(rank, world):
     dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     b, s, out = 2, 128, {}
-    for name, opts in PEFT_CASES.items():
+    for name, (opts, around, _) in PEFT_CASES.items():
         chosen = {}
 
         def build():
-            model = yafsdp.YaFSDP(_peft_llama(), device="cpu", **opts)
+            inner = _peft_llama()
+            model = yafsdp.YaFSDP(inner if around is None else around(inner), device="cpu", **opts)
             model.mark_loaded()
             ends = choose_checkpointing(model, budget=1 << 50, batch=b, seq=s)
             budget = (ends.peak_none + ends.peak_all) // 2
@@ -267,16 +320,17 @@ def _peft_auto(rank, world):
 
 
 def test_peft_lora_and_qlora_auto_checkpointing():
-    """A PEFT model is traced through PEFT ([Note: a meta copy of a wrapped model]): the chooser
-    takes some but not all blocks, and the predicted peak is within 5% of the measured one, which
-    needs the frozen base counted as frozen (all weights trainable predicts ~28% too much)."""
+    """A PEFT model is traced through PEFT ([Note: a meta copy of a wrapped model]), and so is a
+    QLoRA PEFT model inside a module of the user's: the chooser takes some but not all blocks, and
+    the predicted peak is within 5% of the measured one, which needs the frozen base counted as
+    frozen (all weights trainable predicts ~28% too much)."""
     got = run_ranks(_peft_auto, 1)[0]
-    for name in PEFT_CASES:
+    for name, (_, _, prefix) in PEFT_CASES.items():
         d = got[name]
         none, every = d["ends"]
         assert none > every and d["fits"] and d["peak"] <= d["budget"], (name, d)
         assert 0 < len(d["indices"]) < 4, (name, d)
-        assert d["active"] == [f"base_model.model.model.layers.{i}" for i in d["indices"]], (name, d)
+        assert d["active"] == [f"{prefix}base_model.model.model.layers.{i}" for i in d["indices"]], (name, d)
         assert abs(d["peak"] - d["measured"]) / d["measured"] <= 0.05, (name, d["peak"], d["measured"])
     indices, active = got["job"]
     assert indices == got["lora"]["indices"] and active == got["lora"]["active"], got["job"]
@@ -286,10 +340,59 @@ def test_untraceable_model_says_what_the_plan_needs():
     """A plain module with real weights (no HF config, not PEFT, not on meta): the refusal names
     what the trace can copy and inputs_fn; the same module on meta with inputs_fn is traced."""
     opts = dict(world_size=2, batch=2, seq=9)
-    with pytest.raises(ValueError, match="a PEFT model around one or a model already on the meta device"):
+    with pytest.raises(ValueError, match="a PEFT model around one, a module holding either or a model"):
         choose_checkpointing(Stack(n=4), budget=1 << 50, **opts)
     with torch.device("meta"):
         meta = Stack(n=4)
     choice = choose_checkpointing(meta, budget=1 << 50, inputs_fn=lambda b, s, dev: {"x": torch.zeros(b, s, 7, device=dev)},
                                   **opts)
     assert choice.indices == [] and len(choice.all_blocks) == 4
+
+
+def test_module_around_an_hf_model_is_traced():
+    """A module of the user's holding an HF model (real weights, no config, not PEFT) was refused as
+    untraceable; now its trace is the HF model's with the blocks under the wrapper's path, a head of
+    its own adds exactly what it saves (its input, the fp32 logits, and the input of pow: the head's
+    output), a PEFT model inside it traces like the PEFT model, and the chooser checkpoints the
+    wrapper's blocks. A forward that does not take input_ids/labels is refused naming inputs_fn."""
+    import peft
+
+    from yafsdp.plan import activation_trace
+
+    b, s, v = 2, 9, 67  # tiny_llama's vocabulary
+    inner = activation_trace(tiny_llama(layers=3), batch=b, seq=s)
+    plain = activation_trace(_Wrapper(tiny_llama(layers=3)), batch=b, seq=s)
+    assert plain.blocks == [f"net.model.layers.{i}" for i in range(3)], plain.blocks
+    fields = ("before", "after", "per_block", "inputs", "largest_saved", "block_largest")
+    assert [getattr(plain, f) for f in fields] == [getattr(inner, f) for f in fields], (plain, inner)
+    head = activation_trace(_Wrapper(tiny_llama(layers=3), head=True), batch=b, seq=s)
+    assert head.after - inner.after == b * s * v * 4 + b * s * 4, (head.after, inner.after)
+    assert head.per_block == inner.per_block
+
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    alone = activation_trace(peft.get_peft_model(tiny_llama(layers=3), lora), batch=b, seq=s)
+    inside = activation_trace(_Wrapper(peft.get_peft_model(tiny_llama(layers=3), lora)), batch=b, seq=s)
+    assert [getattr(inside, f) for f in fields] == [getattr(alone, f) for f in fields], (inside, alone)
+    assert inside.blocks == ["net." + n for n in alone.blocks]
+
+    model = _Wrapper(tiny_llama(layers=3))
+    ends = choose_checkpointing(model, budget=1 << 50, world_size=2, batch=b, seq=s)
+    choice = configure_checkpointing(model, "auto", budget=(ends.peak_none + ends.peak_all) // 2, world_size=2,
+                                     batch=b, seq=s)
+    assert 0 < len(choice.indices) < 3 and choice.fits, choice
+    assert checkpointed_blocks(model) == [f"net.model.layers.{i}" for i in choice.indices]
+    assert choice.peak == memory_plan(model, world_size=2, batch=b, seq=s, checkpointing=choice.indices).device_total
+
+    class Tokens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = tiny_llama(layers=3)
+
+        def forward(self, tokens):
+            return self.net(input_ids=tokens, labels=tokens)
+
+    with pytest.raises(ValueError, match=r"ran Tokens\.forward \(around the HF model\(s\) 'net'\).*pass inputs_fn="):
+        choose_checkpointing(Tokens(), budget=1 << 50, world_size=2, batch=b, seq=s)
+    fn = choose_checkpointing(Tokens(), budget=1 << 50, world_size=2, batch=b, seq=s,
+                              inputs_fn=lambda b, s, dev: {"tokens": torch.zeros(b, s, dtype=torch.long, device=dev)})
+    assert fn.peak_none == ends.peak_none, (fn.peak_none, ends.peak_none)

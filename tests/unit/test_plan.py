@@ -581,6 +581,37 @@ def _qlora_model(preset: str, rank_r: int = 64, **overrides):
 QLORA_OPTS = dict(param_dtype="bf16", quantize_frozen="nf4", offload="optimizer")
 
 
+def test_plan_cli_lora_targets_are_the_adapters_planned():
+    """--lora-targets reaches PEFT: q,k,v,o (the fine-tuning job's default) plans the adapters of those
+    four layers, r x (in + out) each, as memory_plan does for the same PEFT model; the default
+    (all-linear) plans more."""
+    import contextlib
+    import io
+
+    import peft
+
+    from yafsdp.plan.cli import main
+
+    def cli(*extra):
+        with contextlib.redirect_stdout(io.StringIO()):
+            return main(["--preset", "cpu-4x128", "--world-size", "1", "--lora-rank", "8", *extra])
+
+    qkvo = cli("--lora-targets", "q_proj,k_proj,v_proj,o_proj")
+    every = cli()
+    model = build_llama("cpu-4x128", device="meta")
+    model.requires_grad_(False)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    want = memory_plan(model, world_size=1, param_dtype="bf16")
+    assert (qkvo.master, qkvo.optimizer_state, qkvo.frozen) == (want.master, want.optimizer_state, want.frozen)
+    h = model.config.hidden_size
+    kv = model.config.num_key_value_heads * (h // model.config.num_attention_heads)
+    lora = model.config.num_hidden_layers * 8 * (2 * (h + h) + 2 * (h + kv))  # q, o; k, v: r x (in + out)
+    assert lora == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert 4 * lora <= qkvo.master < 4 * lora + 4096, (qkvo.master, lora)  # padded to the units' alignment
+    assert every.master > qkvo.master
+
+
 def test_llama2_70b_qlora_offload_plan_on_2_gpus():
     """The plan's QLoRA figure: Llama-2-70B QLoRA (NF4 base, LoRA r=64 on all linear layers), seq 2048,
     activation checkpointing, 2 GPUs. offload="all" (adapters' fp32 state and the NF4/bf16 frozen
@@ -662,6 +693,9 @@ def test_qlora_offload_8b_fake_pg_confirms_the_plan():
     (["--world-size", "0"], "--world-size 0: give the number of ranks"),
     (["--world-size", "4", "--rank", "4"], "--rank 4 is not a rank of the 4 ranks"),
     (["--batch", "0"], "--batch 0: give a positive number"),
+    (["--lora-targets", "q_proj"], "--lora-targets q_proj without --lora-rank: give the adapters' rank too"),
+    (["--lora-rank", "8", "--lora-targets", "q_proj,attn"],
+     "--lora-targets q_proj,attn: 'attn' matches no linear module of cpu-4x128; its linear modules are down_proj, "),
     (["--world-size", "16", "--hsdp", "2", "--secondary-shard", "3"],
      "secondary_shard=3 does not divide the shard group's 8 ranks"),
     (["--zero-stage", "2", "--secondary-shard", "2"], "secondary_shard=2 with zero_stage=2 is refused"),

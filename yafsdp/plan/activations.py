@@ -72,30 +72,88 @@ def _meta_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module | None:
 
 # [Note: a meta copy of a wrapped model]
 # The trace runs a copy of the model on the meta device, never the model itself (its weights may be
-# the engine's shards, or real and large). Three ways to build one, in order:
+# the engine's shards, or real and large). Four ways to build one, in order:
 #   - an HF model (``config`` and ``_from_config``): its class built from its config on meta;
 #   - a model whose parameters are all on meta already: a deep copy;
 #   - a PEFT model (``peft_config`` and ``get_base_model()``, e.g. LoRA/QLoRA, wrapped by the engine
 #     or with real weights): the meta copy of its base (recursively, so an HF base) with the same
 #     adapters added again by PEFT's own class (``type(model)(base, config, adapter_name)``, each
 #     further adapter by ``add_adapter``), the active one made active again.
+#   - any other module holding such models (a wrapper of the user's, a training framework's module,
+#     a PEFT model inside one): each outermost HF or PEFT model inside it built on meta as above, and
+#     the modules around them cloned -- same class, same attributes (shared, not copied: the trace
+#     only reads them), their own parameters and buffers as meta tensors of the same shapes, no
+#     hooks (the engine's stay on the real modules). The wrapper's own ``forward`` runs in the
+#     trace, so what it adds (its own layers, a second loss) is counted; it is called with the HF
+#     inputs (``input_ids``, ``labels``) unless ``inputs_fn`` is given, and a forward that refuses
+#     them is an error that asks for ``inputs_fn``.
 # Then every parameter's ``requires_grad`` is set from the model's by name (the engine keeps the
 # original names): PEFT freezes the base, and a frozen linear layer saves no input for its weight's
-# gradient while its adapter's ``lora_A`` does. Another wrapper (not PEFT) around an HF model has a
-# forward the plan cannot know: pass a meta model (``memory_plan(meta_model, world_size=...)``).
+# gradient while its adapter's ``lora_A`` does.
+# A module with no HF model inside and real weights cannot be copied without its weights: pass a
+# meta model (``memory_plan(meta_model, world_size=..., inputs_fn=...)``).
 def _meta_build(module: nn.Module) -> nn.Module | None:
-    config = getattr(module, "config", None)
-    if config is not None and hasattr(type(module), "_from_config"):
+    if _is_hf(module):
         with torch.device("meta"):
-            return type(module)(config)
+            return type(module)(module.config)
     if all(p.is_meta for p in module.parameters()):
         import copy as _copy
 
         return _copy.deepcopy(module)
+    if _is_peft(module):
+        return _meta_peft(module, module.peft_config)
+    inside = models_inside(module)
+    if not inside:
+        return None
+    built = {}
+    for _, sub in inside:
+        copy = _meta_build(sub)
+        if copy is None:
+            return None
+        built[id(sub)] = copy
+    return _meta_clone(module, built)
+
+
+def _is_hf(module: nn.Module) -> bool:
+    return getattr(module, "config", None) is not None and hasattr(type(module), "_from_config")
+
+
+def _is_peft(module: nn.Module) -> bool:
     configs = getattr(module, "peft_config", None)
-    if isinstance(configs, dict) and configs and callable(getattr(module, "get_base_model", None)):
-        return _meta_peft(module, configs)
-    return None
+    return isinstance(configs, dict) and bool(configs) and callable(getattr(module, "get_base_model", None))
+
+
+def models_inside(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost HF and PEFT models strictly inside ``module`` (path, module), in module order."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, sub in module.named_modules():
+        if sub is module or any(name.startswith(f + ".") for f, _ in found):
+            continue
+        if _is_hf(sub) or _is_peft(sub):
+            found.append((name, sub))
+    return found
+
+
+def _meta_clone(module: nn.Module, built: dict[int, nn.Module]) -> nn.Module:
+    """``module`` cloned around the meta models in ``built`` (by id of the module they replace; each
+    clone is added, so a module held twice is cloned once); see [Note: a meta copy of a wrapped model]."""
+    if id(module) in built:
+        return built[id(module)]
+    new = built[id(module)] = object.__new__(type(module))
+    new.__dict__.update(module.__dict__)
+    for key, value in module.__dict__.items():
+        if "hooks" in key and isinstance(value, dict):
+            new.__dict__[key] = type(value)()
+    if "_yafsdp_forward" in new.__dict__:  # apply_checkpointing's switch: the trace runs the plain forward
+        new.__dict__.pop("forward", None)
+        del new.__dict__["_yafsdp_forward"]
+    new._parameters = {n: None if p is None else
+                       nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+                       for n, p in module._parameters.items()}
+    new._buffers = {n: None if b is None else torch.empty(b.shape, dtype=b.dtype, device="meta")
+                    for n, b in module._buffers.items()}
+    new._modules = {n: None if m is None else _meta_clone(m, built) for n, m in module._modules.items()}
+    return new
 
 
 def _meta_peft(module: nn.Module, configs: dict) -> nn.Module | None:
@@ -189,9 +247,12 @@ def activation_trace(
     model = _meta_copy(module, dtype)
     if model is None:
         return None
+    wrapper = None  # a module around HF models, run on the HF inputs: its forward may refuse them
     if inputs_fn is None:
         if getattr(model, "config", None) is None:
-            return None
+            if not models_inside(model):
+                return None
+            wrapper = type(module).__name__
         inputs_fn = _hf_inputs
     model.train()
     blocks = find_blocks(model)
@@ -228,6 +289,15 @@ def activation_trace(
                     model(**inputs_fn(batch, seq, "meta"))
             else:
                 model(**inputs_fn(batch, seq, "meta"))
+    except Exception as e:
+        if wrapper is None:
+            raise
+        inside = ", ".join(repr(n) for n, _ in models_inside(model))
+        raise ValueError(
+            f"the activation trace ran {wrapper}.forward (around the HF model(s) {inside}) on a meta copy with "
+            f"input_ids= and labels= of shape ({batch}, {seq}) and it raised {type(e).__name__}: {e}; pass "
+            "inputs_fn=(batch, seq, device) -> the keyword arguments its forward takes "
+            "(docs/activation_checkpointing.md)") from e
     finally:
         for h in handles:
             h.remove()

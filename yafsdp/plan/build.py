@@ -118,7 +118,8 @@ def memory_plan(
     ``sharded_lookup`` is checked and changes no byte (the lookup's exchanges are the size of an
     activation). ``async_save=True`` adds the host memory of an asynchronous save's staging copy
     (``yafsdp.checkpoint.AsyncSaver``, the jobs' ``--async-save``). ``batch`` and ``seq`` add the
-    activation estimate (HF causal LMs, or any model with ``inputs_fn(batch, seq, device) -> kwargs``).
+    activation estimate (HF causal LMs, PEFT models around them and modules holding either, or any model with
+    ``inputs_fn(batch, seq, device) -> kwargs``: [Note: a meta copy of a wrapped model] in activations.py).
     ``optimizer``: a name in ``OPTIMIZER_BYTES`` or bytes of state per shard element. ``backend`` (a
     plain module): the process group's backend the engine would run on, which decides whether grad
     buffers need a reduce staging ([Note: reduce-scatter in place] in comm/collectives.py); default:
@@ -265,6 +266,7 @@ def memory_plan(
             attention=attention, inputs_fn=inputs_fn, unit_grad_bytes=largest_unit_grads,
         )
         if plan.activations is None:
-            plan.notes.append("activations not estimated: not an HF model, a PEFT model around one or a meta "
-                              "model, or no inputs_fn given for a model that is not an HF causal LM")
+            plan.notes.append("activations not estimated: not an HF model, a PEFT model around one, a module "
+                              "holding either or a meta model, or no inputs_fn given for a model that is not an HF "
+                              "causal LM")
     return plan

@@ -149,9 +149,9 @@ def choose_checkpointing(model: nn.Module, *, budget=None, batch: int, seq: int,
     plan = memory_plan(model, batch=batch, seq=seq, checkpointing=False, **plan_options)
     if plan.activations is None:
         raise ValueError("choose_checkpointing: the activations cannot be traced: the plan traces a meta copy, which "
-                         "it builds for an HF model, a PEFT model around one or a model already on the meta device, "
-                         "and a model that is not an HF causal LM needs inputs_fn=(batch, seq, device) -> kwargs "
-                         "(docs/activation_checkpointing.md)")
+                         "it builds for an HF model, a PEFT model around one, a module holding either or a model "
+                         "already on the meta device, and a model that is not an HF causal LM needs "
+                         "inputs_fn=(batch, seq, device) -> kwargs (docs/activation_checkpointing.md)")
     trace, grads = plan.activations.trace, plan.activations.unit_grad_bytes
     n = len(trace.per_block)
     if n == 0:

@@ -44,9 +44,12 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
                     "stored in param_dtype (bf16) or with its nn.Linear weights in 4-bit NF4 (nf4: "
                     "quantize_frozen='nf4', QLoRA); adapters are not counted (they are small)")
     ap.add_argument("--lora-rank", type=int, default=0,
-                    help="add PEFT LoRA adapters of this rank on every linear layer (target_modules='all-linear': "
-                    "not lm_head); they are the trainable parameters, the base is frozen (--frozen-base, default "
+                    help="add PEFT LoRA adapters of this rank on the --lora-targets (default: every linear layer "
+                    "but lm_head); they are the trainable parameters, the base is frozen (--frozen-base, default "
                     "bf16 then)")
+    ap.add_argument("--lora-targets", default="all-linear", metavar="NAME,...",
+                    help="with --lora-rank: the linear modules that get adapters, by name (PEFT's target_modules; the "
+                    "fine-tuning job's --lora-targets, whose default is q_proj,k_proj,v_proj,o_proj)")
     ap.add_argument("--async-save", action="store_true",
                     help="add the host memory of an asynchronous save's staging copy (the jobs' --async-save, "
                     "yafsdp.checkpoint.AsyncSaver): this rank's part of a checkpoint, kept between saves")
@@ -125,7 +128,8 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
         import peft
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=a.lora_rank, lora_alpha=2 * a.lora_rank,
-                                                           target_modules="all-linear", lora_dropout=0.0))
+                                                           target_modules=_lora_targets(a, model, prog),
+                                                           lora_dropout=0.0))
     plan = (_choose if a.budget is not None else memory_plan)(
         model, world_size=shard, rank=a.rank, optimizer=a.optimizer,
         batch=a.batch, seq=a.seq, checkpointing=a.checkpointing, attention=a.attention, async_save=a.async_save,
@@ -144,6 +148,23 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
         if choice is not None:
             print(choice.format())
     return plan
+
+
+def _lora_targets(a, model, prog: str):
+    """--lora-targets as PEFT's ``target_modules``; a name that is no linear module of the preset is the
+    parser's error, naming the preset's linear modules (PEFT's own error would be a traceback)."""
+    if a.lora_targets == "all-linear":
+        return "all-linear"
+    from torch import nn
+
+    names = [t.strip() for t in a.lora_targets.split(",") if t.strip()]
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+    bad = [t for t in names if t not in linear]
+    if bad or not names:
+        parser(prog).error(f"--lora-targets {a.lora_targets}: {bad[0] if bad else 'no name'!r} matches no linear "
+                           f"module of {a.preset}; its linear modules are {', '.join(linear)} (or all-linear: every "
+                           "one but lm_head)")
+    return names
 
 
 def _check(a, ap: argparse.ArgumentParser) -> None:
@@ -177,6 +198,8 @@ def _check(a, ap: argparse.ArgumentParser) -> None:
             ap.error(f"{flag} {value}: give a positive number")
     if a.lora_rank < 0:
         ap.error(f"--lora-rank {a.lora_rank}: give a positive rank (0: no adapters)")
+    if a.lora_targets != "all-linear" and not a.lora_rank:
+        ap.error(f"--lora-targets {a.lora_targets} without --lora-rank: give the adapters' rank too")
     if a.budget is not None:
         if a.batch is None or a.checkpointing:
             ap.error("--budget chooses the checkpointed blocks for a step: give --batch (and --seq), "
