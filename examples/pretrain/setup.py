@@ -375,9 +375,8 @@ def tp_mesh(model, tp: int, replicas: int, world: int, device, loss_parallel: bo
     argument (the data-parallel dims). torchrun numbers the ranks node by node, so a TP group of N = the GPUs of a
     node is one node."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
 
-    from yafsdp.integrations.tp_plans import llama_tp_local_shapes, llama_tp_plan
+    from yafsdp.integrations.tp_plans import llama_tp_local_shapes, parallelize_llama
 
     try:
         llama_tp_local_shapes(model, tp)  # the head counts and the MLP width split over TP: refused by name
@@ -390,7 +389,7 @@ def tp_mesh(model, tp: int, replicas: int, world: int, device, loss_parallel: bo
     else:
         mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
         dp = mesh["dp"]
-    parallelize_module(model, mesh["tp"], llama_tp_plan(model, sequence_parallel=True, loss_parallel=loss_parallel))
+    parallelize_llama(model, mesh["tp"], sequence_parallel=True, loss_parallel=loss_parallel)  # re-ties a tied head
     return dict(mesh=dp)
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import yafsdp
 import yafsdp.checkpoint
 import yafsdp.hf
-from yafsdp.integrations.tp_plans import llama_tp_plan
+from yafsdp.integrations.tp_plans import llama_tp_plan, parallelize_llama
 from yafsdp.plan import memory_plan
 from dist_utils import run_ranks
 from models import tiny_llama
@@ -39,14 +39,14 @@ CASES = {
     "sp_z3": dict(sp=True, zero=3, accum=1, reload=True),
     "sp_lp_z2_accum2": dict(sp=True, lp=True, zero=2, accum=2),
     "tp_ckpt_z3_accum2": dict(sp=False, ckpt=True, zero=3, accum=2),
+    # a head tied to the embedding (Llama-3.2-1B's): parallelize_module unties them, parallelize_llama ties them again
+    "tied_sp_z3": dict(sp=True, zero=3, accum=1, tie=True),
 }
 
 
 def tp_plan(model, tp_mesh, sp: bool, loss_parallel: bool = False):
-    """torch's TP on an HF Llama with yafsdp's plan for it (yafsdp/integrations/tp_plans.py)."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    return parallelize_module(model, tp_mesh, llama_tp_plan(model, sequence_parallel=sp, loss_parallel=loss_parallel))
+    """torch's TP on an HF Llama with yafsdp's plan for it (yafsdp/integrations/tp_plans.py; a tied head tied again)."""
+    return parallelize_llama(model, tp_mesh, sequence_parallel=sp, loss_parallel=loss_parallel)
 
 
 def _batch(step: int, micro: int, dp_rank: int):
@@ -85,7 +85,7 @@ def _tp_reference(case, mesh):
     """The same TP model without the engine: grads averaged over dp by all-reduce, torch's clip."""
     from torch.distributed.tensor import DTensor
 
-    model = tp_plan(tiny_llama(vocab=VOCAB), mesh["tp"], case["sp"], case.get("lp", False))
+    model = tp_plan(tiny_llama(vocab=VOCAB, tie=case.get("tie", False)), mesh["tp"], case["sp"], case.get("lp", False))
     dp = mesh["dp"].get_group()
     opt = _opt(model.parameters())
 
@@ -110,7 +110,7 @@ def _tp_reference(case, mesh):
 
 def _unsharded(case, dp: int):
     """One process, the global batch (every dp rank's), the plain model."""
-    model = tiny_llama(vocab=VOCAB)
+    model = tiny_llama(vocab=VOCAB, tie=case.get("tie", False))
     opt = _opt(model.parameters())
     losses, norms = [], []
     for step in range(STEPS):
@@ -130,8 +130,8 @@ def _unsharded(case, dp: int):
 def _sharded(case, tp_mesh, wrap_mesh, dp_mesh):
     """TP on ``tp_mesh``, the engine on ``wrap_mesh`` (mesh["dp"], or HSDP's mesh["replicate", "shard"]);
     ``dp_mesh``: the data-parallel ranks as one dim (the batches and the loss's average)."""
-    model = tp_plan(tiny_llama(vocab=VOCAB, checkpointing=case.get("ckpt", False)), tp_mesh, case["sp"],
-                    case.get("lp", False))
+    model = tp_plan(tiny_llama(vocab=VOCAB, checkpointing=case.get("ckpt", False), tie=case.get("tie", False)),
+                    tp_mesh, case["sp"], case.get("lp", False))
     model = yafsdp.YaFSDP(model, mesh=wrap_mesh, zero_stage=case["zero"])
     assert (model.tp_size, model.replicas * model.world_size) == (2, dp_mesh.size())
     opt = _opt(model.parameters())
@@ -141,7 +141,7 @@ def _sharded(case, tp_mesh, wrap_mesh, dp_mesh):
     assert model.memory_plan().engine_bytes() == model.allocated_bytes()  # the plan of the local layouts
     # the plan of the plain model with the TP degree: the same bytes, before any TP or wrap ([Note: the plan of a TP
     # model] in yafsdp/plan/build.py); this rank's TP coordinate (the uneven vocabulary's rows differ by it)
-    before = memory_plan(tiny_llama(vocab=VOCAB), world_size=model.world_size, rank=model.rank, tp=model.tp_size,
+    before = memory_plan(tiny_llama(vocab=VOCAB, tie=case.get("tie", False)), world_size=model.world_size, rank=model.rank, tp=model.tp_size,
                          tp_rank=model.tp_rank, replicas=model.replicas, zero_stage=case["zero"])
     assert before.engine_bytes() == model.allocated_bytes(), (before.engine_bytes(), model.allocated_bytes())
     assert before.shard_numel == model.memory_plan().shard_numel
@@ -217,6 +217,7 @@ def _refused(fn) -> str:
 def _refusals(mesh, tmp):
     """What a TP engine refuses, by name: the message of each refusal; the module unchanged after one."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
 
     def tp_model(**kw):
         return tp_plan(tiny_llama(vocab=VOCAB, **kw), mesh["tp"], sp=True)
@@ -226,6 +227,8 @@ def _refusals(mesh, tmp):
     for name, value in (("quantize_frozen", "nf4"), ("offload", "optimizer"), ("gather_dtype", "fp8"),
                         ("secondary_shard", 2), ("grad_quant", "int8")):
         out[name] = _refused(lambda: yafsdp.YaFSDP(model, mesh=mesh["dp"], **{name: value}))
+    untied = parallelize_module(tiny_llama(vocab=VOCAB, tie=True), mesh["tp"], llama_tp_plan(model))  # not tied again
+    out["untied"] = _refused(lambda: yafsdp.YaFSDP(untied, mesh=mesh["dp"]))
     out["world group"] = _refused(lambda: yafsdp.YaFSDP(model))  # the TP ranks inside the shard group
     out["bad units"] = _refused(lambda: yafsdp.YaFSDP(model, mesh=mesh["dp"], units=[model.model.layers[0]]))
     assert all(isinstance(p, DTensor) for p in model.model.layers[0].parameters()), "a refused wrap changed the model"
@@ -295,6 +298,8 @@ def test_tp_dp_parity(tmp_path):
         refused["plan activations"]
     assert "model.clip_grad_norm_" in refused["torch clip"] and "tensor-parallel" in refused["torch clip"]
     assert [r["refused"]["found_inf"] for r in res] == [1.0] * 4, "an overflow on one TP rank skips every rank's step"
+    assert "ties 'lm_head.weight' to 'model.embed_tokens.weight'" in refused["untied"] \
+        and "parallelize_llama" in refused["untied"], refused["untied"]
     assert "save_adapter" in refused["save_adapter"] and "tensor-parallel" in refused["save_adapter"], refused["save_adapter"]
 
 

@@ -14,10 +14,20 @@ decoder layer takes its share of the sequence at its input. The sequence length 
 multiple of the TP degree. ``loss_parallel=True`` leaves the logits split over the vocabulary
 (``Shard(-1)``) for ``torch.distributed.tensor.parallel.loss_parallel()``, inside which both the
 forward (HF computes the loss in it) and the backward must run.
+
+[Note: tied embeddings under TP]
+``parallelize_module`` replaces each module's parameters with DTensors one module at a time, so a head
+tied to the embedding (Llama-3.2-1B and -3B, ``config.tie_word_embeddings``) comes out as two separate
+parameters: each is trained on its own from then on, silently, and the model is no longer the one its
+config describes. Under this plan both are split the same way (the embedding row-parallel and the head
+column-parallel both cut the ``(vocab, hidden)`` weight on dim 0, ``Shard(0)``, into the same chunks), so
+the head can take the embedding's DTensor back: :func:`parallelize_llama` does, and
+``yafsdp.YaFSDP`` refuses a TP model whose config ties them while its parameters are two
+(yafsdp/wrapper/tp_state.py ``check_module``).
 """
 from __future__ import annotations
 
-__all__ = ["llama_tp_local_shapes", "llama_tp_plan"]
+__all__ = ["llama_tp_local_shapes", "llama_tp_plan", "parallelize_llama", "untied_by_tp"]
 
 
 def llama_tp_plan(model, sequence_parallel: bool = True, loss_parallel: bool = False) -> dict:
@@ -52,6 +62,46 @@ def llama_tp_plan(model, sequence_parallel: bool = True, loss_parallel: bool = F
                                                             desired_input_kwarg_layouts={"hidden_states": Replicate()})
             plan[f"{layer}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return plan
+
+
+def parallelize_llama(model, tp_mesh, sequence_parallel: bool = True, loss_parallel: bool = False):
+    """``parallelize_module(model, tp_mesh, llama_tp_plan(model, ...))``, then a head tied to the embedding tied
+    again (see [Note: tied embeddings under TP]); returns ``model``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tied = untied_by_tp(model) is None and _ties(model)
+    parallelize_module(model, tp_mesh, llama_tp_plan(model, sequence_parallel, loss_parallel))
+    if tied:
+        head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+        if head.weight.placements != emb.weight.placements or head.weight.shape != emb.weight.shape:
+            raise ValueError(
+                f"yafsdp.integrations.tp_plans.parallelize_llama: the tied head and embedding came out of "
+                f"parallelize_module as {head.weight.placements} and {emb.weight.placements}; they cannot share one "
+                "weight")
+        head.weight = emb.weight
+    return model
+
+
+def _ties(model) -> bool:
+    """Whether ``model``'s config ties its output embedding to its input embedding."""
+    cfg = getattr(model, "config", None)
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if not getattr(cfg, "tie_word_embeddings", False) or get_in is None or get_out is None:
+        return False
+    inp, out = get_in(), get_out()
+    return inp is not None and out is not None and hasattr(inp, "weight") and hasattr(out, "weight")
+
+
+def untied_by_tp(model) -> tuple[str, str] | None:
+    """``(head weight's name, embedding weight's name)`` when ``model``'s config ties them but they are two
+    parameters (what ``parallelize_module`` leaves: [Note: tied embeddings under TP]), else None."""
+    if not _ties(model):
+        return None
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if out.weight is inp.weight:
+        return None
+    names = {id(m): n for n, m in model.named_modules()}
+    return f"{names.get(id(out), 'output embedding')}.weight", f"{names.get(id(inp), 'input embedding')}.weight"
 
 
 def llama_tp_local_shapes(model, tp: int, tp_rank: int = 0) -> dict:

@@ -42,6 +42,15 @@ def check_method(tp, what: str) -> None:
 
 def check_module(module) -> None:
     """At wrap time, before any change to the module: what a TP engine refuses about the module itself."""
+    from ..integrations.tp_plans import untied_by_tp
+
+    untied = untied_by_tp(module)
+    if untied is not None:  # [Note: tied embeddings under TP] in integrations/tp_plans.py
+        raise WrapError(
+            f"yafsdp.YaFSDP: the model's config ties {untied[0]!r} to {untied[1]!r} (tie_word_embeddings), but they "
+            "are two parameters: torch's parallelize_module gives each module its own DTensor, so they would train "
+            f"apart; tie them again after parallelizing (model.{untied[0]} = model.{untied[1]}; both Shard(0) under "
+            "llama_tp_plan), or apply the plan with yafsdp.integrations.tp_plans.parallelize_llama, which does")
     hooked = [name or "<root>" for name, m in module.named_modules()
               if m._state_dict_hooks or m._load_state_dict_pre_hooks]
     if hooked:
