@@ -40,6 +40,11 @@ CASES = [
     ("llama_int8_z2", dict(kind="llama"), dict(zero_stage=2, gather_dtype="int8")),
     ("llama_int8_nf4_bf16", dict(kind="llama", freeze=True),
      dict(param_dtype=torch.bfloat16, quantize_frozen="nf4", gather_dtype="int8")),
+    # prefetch=2: a third weight buffer in the rotation (with its staging area for the NF4 records)
+    ("llama_outsized_bf16_prefetch2", dict(kind="llama", vocab=1031, layers=4), dict(param_dtype=torch.bfloat16,
+                                                                                     prefetch=2)),
+    ("llama_nf4_bf16_prefetch2", dict(kind="llama", freeze=True, vocab=257),
+     dict(param_dtype=torch.bfloat16, quantize_frozen="nf4", prefetch=2)),
 ]
 
 # secondary_shard (engine/secondary.py): only where the shard group has a divisor below its size (world 4)
@@ -86,6 +91,11 @@ def _check(name, rank, res):
         if fmt in name:
             assert any(k.endswith("_staging") and k.startswith("weight") for k in allocated), allocated
     assert own_plan == allocated, (name, rank)
+    # [Note: prefetch depth]: three weight buffers of the largest layer, each with its staging area
+    assert ("weight2" in allocated) == ("prefetch2" in name), (name, allocated)
+    if "prefetch2" in name:
+        assert allocated["weight2"] == allocated["weight0"] == allocated["weight1"], allocated
+        assert ("weight2_staging" in allocated) == ("nf4" in name), allocated
     assert ("secondary" in allocated) == ("secondary" in name), (name, allocated)
     if "outsized" in name:  # See [Note: chunked outsized gradients]: no grad buffer of their own unless asked
         assert ("grad_outsized" in allocated) == name.endswith("_own") and "weight_outsized" in allocated, allocated

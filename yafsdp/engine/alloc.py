@@ -184,6 +184,7 @@ def allocate(self, outsized_ratio: float) -> "Storage":
         direct_grads=(self.reduce_dtype == torch.float32 and self.reduce_accum_dtype is None
                       and self.replicate_group is None),
         quant=quant,
+        prefetch=self.config.prefetch,
     )
     rank = dist.get_rank(self.group) if in_place else None
     st.grad_buffers: list[GradBuffer] = [
