@@ -807,3 +807,13 @@ def test_plan_with_a_tp_degree():
     # the CLI: --world-size counts every rank, the plan is sharded over world-size / tp of them
     cli = main(["--preset", "cpu-4x128", "--world-size", "4", "--tp", "2", "--json"])
     assert cli.world_size == 2 and cli.num_params < 869_504 // 2 + 4 * 128 * 2
+
+
+def test_plan_report_counts_the_prefetch_buffers():
+    """[Note: prefetch depth]: the report's weight-buffer line says how many buffers take turns, and with
+    prefetch=2 the third is one more of the largest regular unit."""
+    with torch.device("meta"):
+        model = tiny_llama(layers=4)
+    one, two = (memory_plan(model, world_size=2, prefetch=pf) for pf in (1, 2))
+    assert "weight buffers (x2)" in one.format() and "weight buffers (x3)" in two.format()
+    assert two.weight_buffers - one.weight_buffers == one.weight_buffers // 2 > 0
