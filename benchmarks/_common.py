@@ -31,8 +31,10 @@ ENGINES = ("yafsdp-z3", "yafsdp-z2", "yafsdp-z3+FusedAdamW", "yafsdp-z3+fp8", "y
 # "+gradchunks2": grad_chunks=2, grad buffers half a decoder layer, each layer reduced in 2 chunks.
 # "+gathered": sharded_lookup=False, the untied embedding gathered and reduce-scattered like any unit
 # (the layout before the sharded lookup, docs/reduce.md "The sharded lookup of an embedding").
+# "+prefetch2": prefetch=2, each gather issued two units ahead through a third weight buffer
+# (docs/benchmarks.md "Prefetching two units ahead").
 REDUCE_ENGINES = ("yafsdp-z3+bf16reduce", "yafsdp-z3+bf16reduce+fp32acc", "yafsdp-z3+owngrad",
-                  "yafsdp-z3+gradchunks2", "yafsdp-z3+gathered")
+                  "yafsdp-z3+gradchunks2", "yafsdp-z3+gathered", "yafsdp-z3+prefetch2")
 
 
 # ---------------------------------------------------------------------------- launching
@@ -260,6 +262,8 @@ def reduce_options(name: str) -> dict:
         own["sharded_lookup"] = False
     if "+gradchunks" in name:  # "+gradchunks2": grad_chunks=2
         own["grad_chunks"] = int(name.split("+gradchunks")[1].split("+")[0])
+    if "+prefetch" in name:  # "+prefetch2": prefetch=2
+        own["prefetch"] = int(name.split("+prefetch")[1].split("+")[0])
     if "+bf16reduce" not in name:
         return dict(reduce_dtype=torch.float32, **own)
     return dict(reduce_dtype=torch.bfloat16, reduce_accum_dtype=torch.float32 if name.endswith("+fp32acc") else None,

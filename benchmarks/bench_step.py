@@ -293,6 +293,13 @@ def report_real(a, dev, world, times, losses, mems, plans, gathered=None, reduce
     noise_lines, noise = noise_report(times, goals, a.interleave == "step", a.load_before, os.cpu_count() or 1,
                                       competitors=COMPETITORS)
     lines += noise_lines
+    rounds = None
+    if a.interleave == "round" and a.rounds > 1:
+        rounds_text, rounds = round_table(times, a.engines, a.rounds)
+        lines += ["", rounds_text]
+    elif a.interleave == "step" and a.steps > 1:  # each step of every engine taken seconds apart: pair them
+        rounds_text, rounds = round_table(times, a.engines, a.steps, "step")
+        lines += ["", rounds_text]
     if phases:
         lines += ["", phase_table(phases, a.engines)]
     for s in a.skipped:
@@ -301,12 +308,36 @@ def report_real(a, dev, world, times, losses, mems, plans, gathered=None, reduce
     print(text, flush=True)
     result = dict(kind="bench_step", command=a.argv, setup=setup, versions=versions(dev), rows=out_rows,
                   goals=goals, loss_spread=loss_spread, memory_how=mem_how, skipped=a.skipped, table=table,
-                  noise=noise, phases=phases)
+                  noise=noise, phases=phases, rounds=rounds)
     if a.json:
         write_json(a.json, result)
     if a.md:
         write_md(a.md, result, text)
     return result
+
+
+def round_table(times: dict, engines: list, rounds: int, what: str = "round") -> tuple[str, dict]:
+    """Each engine's median step in each round (step mode: each measured step, one per engine in rotation),
+    and its ratio to the first engine, to DDP and to FSDP2 within the round, then the median and range of
+    those paired ratios: on a machine whose load drifts, the figure to read."""
+    per = {n: [median_min_max(ts[r * (len(ts) // rounds):(r + 1) * (len(ts) // rounds)])[0] for r in range(rounds)]
+           for n, ts in times.items()}
+    refs = [e for e in (engines[0], "ddp", "fsdp2") if e in per]
+    out, rows = {}, []
+    for n in engines:
+        ratios = {ref: [m / r for m, r in zip(per[n], per[ref])] for ref in refs}
+        out[n] = dict(round_ms=[1e3 * m for m in per[n]], ratios=ratios)
+        row = [n, " / ".join(f"{1e3 * m:.0f}" for m in per[n]) if rounds <= 10 else
+               f"{1e3 * median_min_max(per[n])[0]:.0f} (median of {rounds})"]
+        for ref in refs:
+            med, lo, hi = median_min_max(ratios[ref])
+            row.append(f"{med:.3f} ({lo:.3f}-{hi:.3f})")
+        rows.append(row)
+    header = ["engine", f"median ms per {what}"] + [f"x {ref}: median of {what}s (range)" for ref in refs]
+    how = ("the order reversed every other round" if what == "round" else "the engines in rotation, the order "
+           "turning every step")
+    return (f"paired by {what} ({rounds} {what}s, {how}; ratios taken within each {what}):\n"
+            + md_table(header, rows)), out
 
 
 def phase_table(phases: dict, engines: list) -> str:

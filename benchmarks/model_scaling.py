@@ -118,9 +118,10 @@ def parse(argv=None):
                     help="only print (JSON) the bytes one rank puts into each collective kind per step for these "
                     "meshes (replicas x shard), overlapped and deferred; tests/jobs/test_bench_smoke.py checks them "
                     "against the engine's counts")
-    ap.add_argument("--study", default=None, choices=["zeropp", "tp"],
+    ap.add_argument("--study", default=None, choices=["zeropp", "tp", "prefetch"],
                     help="zeropp: the ZeRO++ options (compact gathers, secondary shard, quantized gradient "
-                    "reduction) and HSDP; tp: tensor parallel in a node x sharding across; see study_zeropp / study_tp")
+                    "reduction) and HSDP; tp: tensor parallel in a node x sharding across; prefetch: prefetch=1 "
+                    "against prefetch=2 (gathers two units ahead); see study_zeropp / study_tp / study_prefetch")
     ap.add_argument("--nic-gbit", default="100,200,400",
                     help="--study: line rates per GPU across nodes, Gb/s, each taken at --nic-efficiency")
     ap.add_argument("--nic-efficiency", type=float, default=0.96, help="achieved / line rate (400 Gb/s -> 48 GB/s)")
@@ -136,7 +137,8 @@ def parse(argv=None):
     ap.add_argument("--md", default=None)
     a = ap.parse_args(argv)
     if a.worlds is None:
-        a.worlds = "64,128,256,512,1024,2048,4096" if a.study else "8,16,32,64,128,256,512,1024"
+        a.worlds = ("64,128,256,512,1024,2048,4096" if a.study in ("zeropp", "tp")
+                    else "8,16,32,64,128,256,512,1024")
     a.worlds = [int(w) for w in a.worlds.split(",")]
     a.argv = " ".join(sys.argv)
     return a
@@ -301,7 +303,8 @@ class Net:
 
 
 def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_free=None, replicas: int = 1,
-                    overlap: bool = True, accum: int = 1, gather_bytes=None, expand=None, link=None) -> dict:
+                    overlap: bool = True, accum: int = 1, gather_bytes=None, expand=None, link=None,
+                    prefetch: int = 1) -> dict:
     """Two lanes (compute, comm) of one ZeRO-3 step of the yafsdp protocol; see the docstring.
     ``world``: the shard group; ``replicas`` > 1: HSDP, its all-reduce overlapped (with the last of
     ``accum`` backward passes) or deferred (after it). ``gather_bytes``: per unit, the bytes one
@@ -309,7 +312,9 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
     expand kernel behind its gather on the comm stream (fp8 gathers). ``link``: the cost of each
     collective from ``benchmarks/scaling_options.py`` (``link(kind, unit, nbytes, phase) -> Cost``:
     the secondary shard, quantized reductions, a tensor-parallel layout), which also counts the bytes
-    each GPU sends over NVLink and over its NIC (``links``); default: ``net`` as above.
+    each GPU sends over NVLink and over its NIC (``links``); default: ``net`` as above. ``prefetch``: the
+    engine's option, the uses gathered ahead of the one computing (``slot_of`` then from a plan with as
+    many weight buffers; a farther one only into a buffer no nearer use takes, as the engine does).
     Also counts the bytes put into each kind of collective (``bytes``; the engine's
     ``schedule.counted`` is checked against it in tests/jobs/test_bench_smoke.py)."""
     links = dict(nvlink=0.0, nic=0.0)
@@ -371,13 +376,20 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
         if not weight_free.get(unit):
             gather(unit, issue_after, "backward")
 
+    def ahead(seq, k, issue_after, fetch):  # [Note: prefetch depth] in yafsdp/engine/runtime.py
+        taken = [slot_of[seq[k][0]]]
+        for j in range(k + 1, min(k + 1 + prefetch, len(seq))):
+            if j > k + 1 and slot_of[seq[j][0]] in taken:
+                return
+            fetch(seq[j][0], issue_after)
+            taken.append(slot_of[seq[j][0]])
+
     for micro in range(accum):  # accumulation: buffers still holding a unit keep it (no step in between)
         last = micro == accum - 1
         # Forward: gather(k) at its pre-hook, prefetch k+1, compute after ready; release at the end.
         gather(fwd[0][0], 0.0)
         for k, (unit, t) in enumerate(fwd):
-            if k + 1 < len(fwd):
-                gather(fwd[k + 1][0], 0.0)
+            ahead(fwd, k, 0.0, gather)
             start = max(comp, ready.get(unit, 0.0))
             comp = start + t
             compute_iv.append((start, comp))
@@ -387,8 +399,7 @@ def simulate_yafsdp(uses, slot_of, outsized, sizes, world, net, a, cmp, weight_f
         reduced: set[str] = set()
         bw_gather(bwd[0][0], comp)
         for k, (unit, t) in enumerate(bwd):
-            if k + 1 < len(bwd):
-                bw_gather(bwd[k + 1][0], comp)
+            ahead(bwd, k, comp, bw_gather)
             start = max(comp, ready.get(unit, 0.0))  # a weight-free unit's ready is from forward, long past
             end = start + t
             gs = grad_slot[unit]
@@ -601,9 +612,9 @@ def main(argv=None):
     if a.save_compute:
         write_json(a.save_compute, cmp)
     if a.study:
-        from scaling_options import study_tp, study_zeropp
+        from scaling_options import study_prefetch, study_tp, study_zeropp
 
-        return (study_zeropp if a.study == "zeropp" else study_tp)(a, model, cmp)
+        return dict(zeropp=study_zeropp, tp=study_tp, prefetch=study_prefetch)[a.study](a, model, cmp)
     uses = [Use(name, *cmp[role], 0) for name, role, _ in unit_uses(model)]
 
     net = Net(a.intra_busbw * 1e9, a.inter_busbw * 1e9, a.gpus_per_node, a.latency_us * 1e-6, a.hop_us * 1e-6)

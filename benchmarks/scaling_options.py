@@ -122,6 +122,7 @@ class Option:
     hp: bool = False  # secondary shard inside the node, backward gathers over NVLink
     qg: bool = False  # quantized gradient reduction across nodes (and of the replica all-reduce)
     engine: str = "yafsdp"  # or "fsdp2": the FSDP2-like schedule of model_scaling.py
+    prefetch: int = 1  # the engine's option: units gathered ahead (2: a third weight buffer)
 
 
 def layout(shard: int, per_node: int) -> tuple[int, int]:
@@ -254,12 +255,12 @@ class _Setup:
                           batch=a.batch, seq=a.seq, checkpointing=True).activations
         self.act = act.total if act is not None else 0
 
-    def plan(self, world: int, gather_dtype=None, replicas: int = 1):
-        key = (world, gather_dtype, replicas)
+    def plan(self, world: int, gather_dtype=None, replicas: int = 1, prefetch: int = 1):
+        key = (world, gather_dtype, replicas, prefetch)
         if key not in self._plans:
             self._plans[key] = self.memory_plan(self.model, world_size=world, param_dtype=self.a.param_dtype,
                                                 reduce_dtype=self.a.reduce_dtype, gather_dtype=gather_dtype,
-                                                replicas=replicas)
+                                                replicas=replicas, prefetch=prefetch)
         return self._plans[key]
 
 
@@ -267,7 +268,7 @@ def run_option(st: _Setup, opt: Option, fab: Fabric) -> dict:
     """One configuration of the ZeRO++ study on one fabric: the simulated step, bytes per link, memory."""
     ms, a = st.ms, st.a
     k, m = layout(opt.shard, fab.per_node)
-    p = st.plan(opt.shard, "int8" if opt.qw else None, opt.replicas)
+    p = st.plan(opt.shard, "int8" if opt.qw else None, opt.replicas, opt.prefetch)
     sizes, slot_of, outsized, weight_free = ms.plan_maps(p)
     if opt.engine == "fsdp2":
         net = RingNet(fab, k, m)
@@ -281,10 +282,11 @@ def run_option(st: _Setup, opt: Option, fab: Fabric) -> dict:
                         for u in p.units if u.compact}
     link = option_link(fab, opt, sizes, st.re)
     r = ms.simulate_yafsdp(st.uses, slot_of, outsized, sizes, opt.shard, None, a, st.cmp, weight_free,
-                           replicas=opt.replicas, link=link, **kw)
+                           replicas=opt.replicas, link=link, prefetch=opt.prefetch, **kw)
     extra = (secondary_bytes(p.units, k) if opt.hp and m > 1 else 0) + \
         (qgz_staging(p.largest_unit, st.re, k) if opt.qg and m > 1 else 0)
-    r.update(memory=p.device_total + st.act + extra, secondary=secondary_bytes(p.units, k) if opt.hp and m > 1 else 0)
+    r.update(memory=p.device_total + st.act + extra, secondary=secondary_bytes(p.units, k) if opt.hp and m > 1 else 0,
+             weight_buffers=sum(s.nbytes for s in p.slots if s.kind == "weight"))
     return r
 
 
@@ -372,6 +374,60 @@ def study_zeropp(a, model, cmp) -> dict:
     if a.md:
         write_report(a.md, result, text, ZEROPP_ASSUMPTIONS, [a.png] if a.png else [])
     return result
+
+
+def study_prefetch(a, model, cmp) -> dict:
+    """``--study prefetch``: full sharding with ``prefetch=1`` and ``prefetch=2`` (each gather two units
+    ahead, a third weight buffer: [Note: prefetch depth] in yafsdp/engine/runtime.py) at each world, line
+    rate and crossing model: step time, exposed communication, bytes gathered and the buffers' memory.
+    One comm lane runs the same collectives either way; what the depth can change is when a gather that
+    is long against one unit's compute but not two starts, and one backward re-gather fewer (the third
+    buffer still holds a unit when backward reaches it)."""
+    from _common import md_table, versions, write_json
+
+    st = _Setup(a, model, cmp, a.recompute)
+    rows, sections = [], []
+    for cross in _crosses(a):
+        for gbit, fab in _fabrics(a, cross):
+            cells = []
+            for w in a.worlds:
+                one, two = (run_option(st, Option("full", w, prefetch=pf), fab) for pf in (1, 2))
+                rows.append(dict(cross=cross, nic_gbit=gbit, world=w, step=[one["step"], two["step"]],
+                                 exposed=[one["exposed"], two["exposed"]], compute=one["compute"],
+                                 gathered=[one["bytes"]["gather"], two["bytes"]["gather"]],
+                                 weight_buffers=[one["weight_buffers"], two["weight_buffers"]],
+                                 ratio=two["step"] / one["step"]))
+                cells.append([w, 1e3 * one["step"], 1e3 * one["exposed"], 1e3 * two["step"], 1e3 * two["exposed"],
+                              two["step"] / one["step"], (one["bytes"]["gather"] - two["bytes"]["gather"]) / 2**20,
+                              (two["weight_buffers"] - one["weight_buffers"]) / 2**20])
+            title = f"### {gbit:g} Gb/s per GPU across nodes ({fab.nic / 1e9:.0f} GB/s), crossing: {cross}"
+            sections += [title, "", md_table(["GPUs", "prefetch=1 step ms", "exposed ms", "prefetch=2 step ms",
+                                              "exposed ms", "2 / 1 step", "gathered MiB/step saved",
+                                              "weight buffers MiB added"], cells), ""]
+    compute_ms = _compute_ms(st)
+    best = min(rows, key=lambda r: r["ratio"])
+    setup = (f"{a.preset}, batch {a.batch} x seq {a.seq} per GPU, {a.param_dtype} gathers, {a.reduce_dtype} "
+             f"reduce-scatters{', full activation recompute' if a.recompute else ''}, nodes of {a.gpus_per_node} "
+             f"at {a.intra_busbw:g} GB/s NVLink; compute {cmp['source']} ({compute_ms:.0f} ms of unit compute per "
+             f"step); {a.latency_us:g} us + {a.hop_us:g} us/rank per collective")
+    verdict = (f"largest predicted gain: {best['ratio']:.4f}x the step of prefetch=1 at {best['world']} GPUs, "
+               f"{best['nic_gbit']:g} Gb/s, {best['cross']}")
+    text = "\n".join([f"model_scaling --study prefetch: {setup}", ""] + sections + [verdict])
+    print(text, flush=True)
+    result = dict(kind="model_scaling_prefetch", command=a.argv, setup=setup, versions=versions(), compute=cmp,
+                  rows=rows, text=text)
+    if a.json:
+        write_json(a.json, result)
+    if a.md:
+        write_report(a.md, result, text, PREFETCH_ASSUMPTIONS, [])
+    return result
+
+
+PREFETCH_ASSUMPTIONS = """model_scaling.py's two-lane simulation of one step (its docstring: one comm lane for gathers and
+reduce-scatters in issue order, a gather waits for its buffer's release, compute per unit fixed), with the
+buffers of the engine's own memory plan at each depth, the collectives' costs of [Note: the two-level
+network]. Ignored as everywhere there: kernel-launch gaps, stragglers and jitter (the one thing a deeper
+prefetch absorbs that this model cannot show), SM contention of the comm kernels."""
 
 
 def study_tp(a, model, cmp) -> dict:

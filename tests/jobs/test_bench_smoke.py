@@ -27,6 +27,7 @@ def test_bench_step_cpu(tmp_path):
     text = _run("bench_step.py", *TINY, "--warmup", "0", "--steps", "3", "--mem-steps", "2", "--phases", "--json", str(j),
                 "--md", str(md))
     assert "x FSDP2" in text and md.read_text().count("|") > 20
+    assert "paired by step (3 steps" in text, text  # each engine's step ratio taken within each rotation
     r = json.loads(j.read_text())
     rows = {row["engine"]: row for row in r["rows"]}
     assert {"yafsdp-z3", "yafsdp-z2", "fsdp2", "fsdp1", "ddp"} <= set(rows)
@@ -426,3 +427,40 @@ def test_scaling_studies(monkeypatch, tmp_path):
         assert tp["memory"] < full["memory"]
     with pytest.raises(SystemExit, match=r"whole nodes of 8 GPUs; --worlds has \[12\]"):
         ms.main(["--study", "tp", "--preset", "llama3-8b", "--worlds", "12,16", "--png", "", "--json", os.devnull])
+
+
+def test_bench_step_rounds_paired_and_prefetch2(tmp_path):
+    """Round mode prints each engine's ratios paired within each round; the prefetch=2 engine trains exactly
+    as yafsdp-z3 and gathers fewer bytes per step (a third buffer still holds a layer when backward reaches it)."""
+    j = tmp_path / "rounds.json"
+    text = _run("bench_step.py", *TINY, "--layers", "4", "--engines", "yafsdp-z3,yafsdp-z3+prefetch2,ddp",
+                "--interleave", "round", "--rounds", "2", "--warmup", "1", "--steps", "2", "--mem-steps", "0",
+                "--json", str(j))
+    assert "paired by round (2 rounds" in text, text
+    r = json.loads(j.read_text())
+    rows = {row["engine"]: row for row in r["rows"]}
+    assert rows["yafsdp-z3+prefetch2"]["losses"] == rows["yafsdp-z3"]["losses"]
+    assert 0 < rows["yafsdp-z3+prefetch2"]["gathered_mib"] < rows["yafsdp-z3"]["gathered_mib"]
+    rounds = r["rounds"]
+    assert len(rounds["ddp"]["round_ms"]) == 2 and rounds["ddp"]["ratios"]["ddp"] == [1.0, 1.0]
+    assert all(x > 0 for x in rounds["yafsdp-z3+prefetch2"]["ratios"]["yafsdp-z3"])
+
+
+def test_prefetch_study(monkeypatch, tmp_path):
+    """--study prefetch: prefetch=1 is the zeropp study's "full" to the nanosecond; prefetch=2 adds one
+    weight buffer of the largest layer and gathers exactly one layer fewer per step (the backward re-gather
+    of the unit the third buffer still holds); its step is never longer."""
+    ms, so = _scaling_modules(monkeypatch)
+    base = ["--preset", "llama3-8b", "--worlds", "8,16,64", "--nic-gbit", "400", "--cross", "rail", "--png", "",
+            "--json", str(tmp_path / "p.json"), "--md", str(tmp_path / "p.md")]
+    r = ms.main(["--study", "prefetch", *base])
+    z = ms.main(["--study", "zeropp", *base[:-2]])
+    full = {x["world"]: x for x in z["rows"] if x["config"] == "full"}
+    layer = ms.memory_plan(ms.build_model("llama3-8b"), world_size=8, param_dtype="bf16").units[1]
+    assert "## Assumptions" in (tmp_path / "p.md").read_text()
+    for row in r["rows"]:
+        w = row["world"]
+        assert abs(row["step"][0] - full[w]["step"]) < 1e-9, w
+        assert row["step"][1] <= row["step"][0] + 1e-12, row
+        assert row["gathered"][0] - row["gathered"][1] == layer.gather_bytes, row
+        assert row["weight_buffers"][1] - row["weight_buffers"][0] == layer.gather_bytes, row

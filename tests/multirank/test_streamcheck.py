@@ -17,7 +17,7 @@ from yafsdp.streamcheck import StreamChecker, StreamProtocolError
 from yafsdp.trace import span
 
 # name -> options: kind llama|stack, zero, bf16, opt (fused_adamw | adamw | torch_fused), accum, ckpt,
-# tie, vocab (outsized embedding/head), eval (a no-grad forward after each step), sd (full/load state
+# tie, vocab (outsized embedding/head), layers, prefetch, eval (a no-grad forward after each step), sd (full/load state
 # dict between steps), units (explicit unit list), reduce_bf16, between (a no-grad forward between each
 # forward and its backward), retain (each loss backwarded twice, the first with retain_graph).
 CASES = {
@@ -68,6 +68,14 @@ CASES = {
     # host, then uploaded), expanded by the twin's torch ops on the comm stream
     "z3_bf16_int8_fusedadamw": dict(zero=3, bf16=True, opt="fused_adamw", accum=2, eval=True, gather="int8"),
     "z3_bf16_int8_offload_adamw_sd": dict(zero=3, bf16=True, opt="adamw", sd=True, gather="int8", offload="optimizer"),
+    # prefetch=2 ([Note: prefetch depth] in engine/runtime.py): three weight buffers in rotation over five
+    # layers, each gather issued two units ahead into the buffer released one unit back, in forward, in
+    # backward and for the checkpoint recomputes; with an outsized head, offload's uploads and a no-grad
+    # forward between forward and backward
+    "z3_bf16_prefetch2_ckpt": dict(zero=3, bf16=True, opt="fused_adamw", ckpt=True, accum=2, eval=True, prefetch=2,
+                                   layers=5),
+    "z3_fp32_prefetch2_outsized_offload": dict(zero=3, opt="adamw", vocab=1000, offload="optimizer", between=True,
+                                               prefetch=2, layers=5),
 }
 
 
@@ -83,7 +91,7 @@ def _build(case):
     kind = case.get("kind", "llama")
     if kind == "llama":
         model = tiny_llama(tie=case.get("tie", False), checkpointing=case.get("ckpt", False),
-                           vocab=case.get("vocab", 67))
+                           vocab=case.get("vocab", 67), layers=case.get("layers", 3))
         units = [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]
         for name, p in model.named_parameters():
             if any(f in name for f in case.get("freeze", ())):
@@ -104,7 +112,7 @@ def _run_case(rank, case, steps=3):
             reduce_dtype=torch.bfloat16 if case.get("reduce_bf16") else torch.float32,
             reduce_accum_dtype=torch.float32 if case.get("reduce_accum") else None,
             quantize_frozen="nf4" if case.get("nf4") else None, offload=case.get("offload"),
-            gather_dtype="fp8" if case.get("fp8") else case.get("gather"),
+            gather_dtype="fp8" if case.get("fp8") else case.get("gather"), prefetch=case.get("prefetch", 1),
         )
         assert ("fp8" in model.owned_tensors()) == bool(case.get("fp8"))
         assert ("int8" in model.owned_tensors()) == (case.get("gather") == "int8")
@@ -275,6 +283,8 @@ FAULTS = {
     # all-to-all's own slice is a copy at world 1) and the fp32 fold writes the grad shard unordered
     "accum_wait_reduced": (dict(zero=3, bf16=True, opt="adamw", accum=2, reduce_bf16=True, reduce_accum=True),
                            "grad", ("aten.copy_",)),
+    # prefetch=2: a gather two units ahead overwrites the buffer the unit before the computing one still reads
+    "prefetch2_released": (dict(zero=3, opt="adamw", prefetch=2, layers=5), "weight", ("c10d._allgather_base_",)),
 }
 
 
@@ -302,7 +312,8 @@ def _every_fault(rank, world):
     # aliases the shards and gathers nothing: [Note: the world-1 alias]; test_world1_alias_is_race_free).
     sizing.ALIAS_WORLD1 = False
     out = {}
-    runs = [(f, f.removeprefix("fp8_").removeprefix("accum_"), FAULTS[f][0]) for f in FAULTS]
+    runs = [(f, f.split("_", 1)[1] if f.startswith(("fp8_", "accum_", "prefetch2_")) else f, FAULTS[f][0])
+            for f in FAULTS]
     runs.append(("zero2_bug", "copies_written_once", dict(zero=2, bf16=True, opt="fused_adamw")))
     for name, edge, case in runs:
         try:

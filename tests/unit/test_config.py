@@ -28,6 +28,8 @@ BAD = {  # options -> words every entry's message must hold
     "lookup": (dict(sharded_lookup=1), ["sharded_lookup=1 is not a bool"]),
     "gradchunks": (dict(grad_chunks=0), ["grad_chunks=0 is not a positive int"]),
     "gradchunks_offload": (dict(grad_chunks=2, offload="optimizer"), ["grad_chunks=2 with offload='optimizer'"]),
+    "prefetch": (dict(prefetch=3), ["prefetch=3 is not supported; use 1"]),
+    "prefetch_secondary": (dict(prefetch=2, secondary_shard=2), ["prefetch=2 with secondary_shard=2 is not supported"]),
 }
 
 

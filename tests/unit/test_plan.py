@@ -40,6 +40,11 @@ CASES = [
     ("llama_int8_z2", dict(kind="llama"), dict(zero_stage=2, gather_dtype="int8")),
     ("llama_int8_nf4_bf16", dict(kind="llama", freeze=True),
      dict(param_dtype=torch.bfloat16, quantize_frozen="nf4", gather_dtype="int8")),
+    # prefetch=2: a third weight buffer in the rotation (with its staging area for the NF4 records)
+    ("llama_outsized_bf16_prefetch2", dict(kind="llama", vocab=1031, layers=4), dict(param_dtype=torch.bfloat16,
+                                                                                     prefetch=2)),
+    ("llama_nf4_bf16_prefetch2", dict(kind="llama", freeze=True, vocab=257),
+     dict(param_dtype=torch.bfloat16, quantize_frozen="nf4", prefetch=2)),
 ]
 
 # secondary_shard (engine/secondary.py): only where the shard group has a divisor below its size (world 4)
@@ -86,6 +91,11 @@ def _check(name, rank, res):
         if fmt in name:
             assert any(k.endswith("_staging") and k.startswith("weight") for k in allocated), allocated
     assert own_plan == allocated, (name, rank)
+    # [Note: prefetch depth]: three weight buffers of the largest layer, each with its staging area
+    assert ("weight2" in allocated) == ("prefetch2" in name), (name, allocated)
+    if "prefetch2" in name:
+        assert allocated["weight2"] == allocated["weight0"] == allocated["weight1"], allocated
+        assert ("weight2_staging" in allocated) == ("nf4" in name), allocated
     assert ("secondary" in allocated) == ("secondary" in name), (name, allocated)
     if "outsized" in name:  # See [Note: chunked outsized gradients]: no grad buffer of their own unless asked
         assert ("grad_outsized" in allocated) == name.endswith("_own") and "weight_outsized" in allocated, allocated
@@ -832,3 +842,13 @@ def test_plan_with_a_tp_degree():
     # the CLI: --world-size counts every rank, the plan is sharded over world-size / tp of them
     cli = main(["--preset", "cpu-4x128", "--world-size", "4", "--tp", "2", "--json"])
     assert cli.world_size == 2 and cli.num_params < 869_504 // 2 + 4 * 128 * 2
+
+
+def test_plan_report_counts_the_prefetch_buffers():
+    """[Note: prefetch depth]: the report's weight-buffer line says how many buffers take turns, and with
+    prefetch=2 the third is one more of the largest regular unit."""
+    with torch.device("meta"):
+        model = tiny_llama(layers=4)
+    one, two = (memory_plan(model, world_size=2, prefetch=pf) for pf in (1, 2))
+    assert "weight buffers (x2)" in one.format() and "weight buffers (x3)" in two.format()
+    assert two.weight_buffers - one.weight_buffers == one.weight_buffers // 2 > 0

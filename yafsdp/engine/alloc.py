@@ -104,6 +104,7 @@ def allocate(self, outsized_ratio: float) -> "Storage":
         direct_grads=(self.reduce_dtype == torch.float32 and self.reduce_accum_dtype is None
                       and self.replicate_group is None),
         quant=quant,
+        prefetch=self.config.prefetch,
     )
     # 1-D fp32: every unit's grad shard; each shard's .grad aliases its slice. Empty where each unit's
     # grad shard lives for a step: [Note: the grad shard's lifetime at world 1] in layout/sizing.py.

@@ -173,9 +173,9 @@ class _PreBackward(torch.autograd.Function):
     """Identity on a unit's outputs; its backward runs before the unit's backward."""
 
     @staticmethod
-    def forward(ctx, rt, unit, use, prev, shared, *tensors):
+    def forward(ctx, rt, unit, use, prevs, shared, *tensors):
         (ctx.rt_ref, ctx.unit_ref), ctx.use = _refs(rt, unit), use
-        ctx.prev_ref = weakref.ref(prev) if prev is not None else None
+        ctx.prev_refs = [weakref.ref(p) for p in prevs]  # the units prefetched before its backward, nearest first
         ctx.set_materialize_grads(False)  # an output nobody used passes no gradient on, not zeros
         # See [Note: boundary nodes and in-place ops]
         return tuple(t.view_as(t) if sh else t.detach() for t, sh in zip(tensors, shared))
@@ -186,8 +186,8 @@ class _PreBackward(torch.autograd.Function):
         if rt is None or unit is None:
             return (None, None, None, None, None) + grads
         rt.enter_backward()
-        prev = ctx.prev_ref() if ctx.prev_ref is not None else None
-        rt.pre_backward(unit, ctx.use, prev, _ends(ctx.use))  # See [Note: releasing by what autograd runs]
+        prevs = [p for p in (r() for r in ctx.prev_refs) if p is not None]
+        rt.pre_backward(unit, ctx.use, prevs, _ends(ctx.use))  # See [Note: releasing by what autograd runs]
         if rt.schedule.recorder is not None:  # after the wait: waiting for the gather is not compute
             unit.bw_interval = rt.schedule.recorder.compute_start("backward", unit.name)
         return (None, None, None, None, None) + grads
@@ -207,7 +207,7 @@ def _shared(outputs: list, seen: set) -> tuple[bool, ...]:
     return tuple(k is None or k in seen or keys.count(k) > 1 for k in keys)
 
 
-def _attach_pre_backward(rt: Runtime, unit: Unit, use: BackwardUse, prev: Unit | None, output, args, kwargs):
+def _attach_pre_backward(rt: Runtime, unit: Unit, use: BackwardUse, prevs: list[Unit], output, args, kwargs):
     """Route every grad-requiring tensor of ``output`` through one _PreBackward node."""
     leaves, spec = tree_flatten(output)
     idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -217,7 +217,7 @@ def _attach_pre_backward(rt: Runtime, unit: Unit, use: BackwardUse, prev: Unit |
     seen = {_storage(s.data) for s in rt.weight_buffers}
     seen.update(_storage(t) for s in rt.alias_buffers for t in s.stores)  # world 1: [Note: the world-1 alias]
     seen.update(_storage(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
-    outs = _PreBackward.apply(rt, unit, use, prev, _shared(tensors, seen), *tensors)
+    outs = _PreBackward.apply(rt, unit, use, prevs, _shared(tensors, seen), *tensors)
     for i, t in zip(idx, outs):
         leaves[i] = t
     return tree_unflatten(leaves, spec)

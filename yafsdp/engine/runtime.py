@@ -28,6 +28,21 @@ and does not prefetch it there: for a Llama embedding that is one unit-sized all
 step, at the very end of backward where nothing is left to hide it behind. The views handed to
 the embedding in forward are not saved by autograd (the embedding saves only its indices), so
 the buffer may hold another unit's weights by then. Its grads are written and reduced as usual.
+
+[Note: prefetch depth]
+While a unit computes, the gathers of the next ``prefetch`` units are issued (in backward: of the
+units that ran before it in forward, nearest first); ZeRO-3's regular units take turns in
+``prefetch + 1`` weight buffers (``plan_buffers``), so at depth 2 the gather of unit i+2 goes into
+the buffer unit i-1 released, before unit i computes. Nothing else changes: each gather still
+waits for its own buffer's release (CUDA: its ``released`` event; gloo: the previous gather into
+that buffer), a gather asked for while its buffer is busy is deferred to the release
+([Note: buffer ownership] in buffers.py), and the values are the same bit for bit -- only when
+gathers are issued moves. The farther prefetches are issued only into a buffer that neither the
+unit computing nor a nearer prefetch uses (a unit order that does not follow the rotation, a
+tied or outsized unit sharing a buffer): a farther gather never displaces a nearer one. The price
+is one more buffer of the largest regular unit; the gain is slack for a gather that is long
+against one unit's compute but not two (an outsized head behind the last layer, a peer that lags
+a little), never bandwidth: the one comm lane runs the same gathers in the same order.
 """
 from __future__ import annotations
 
@@ -111,6 +126,7 @@ class Runtime:
         # reduce_dtype. See [Note: narrow reduce, fp32 accumulation] in reduce_accum.py.
         self.reduce_accum_dtype = config.reduce_accum_dtype
         self.zero_stage = config.zero_stage
+        self.prefetch = config.prefetch  # units gathered ahead: see [Note: prefetch depth]
         # "nf4" or None: see [Note: NF4 frozen groups] in formats/nf4_codec.py
         self.quantize_frozen = quantize_frozen = config.quantize_frozen
         # "fp8", "int8" or None: trainable groups gathered compact, see [Note: gather formats] in formats/base.py
@@ -414,12 +430,24 @@ class Runtime:
         unit.forward_versions = unit.shard_versions()
 
     def _trace_and_prefetch(self, unit: Unit) -> None:
-        """``unit`` joins this forward's trace; the unit after it in the last forward's order is prefetched."""
+        """``unit`` joins this forward's trace; the ``prefetch`` units after it in the last forward's
+        order are prefetched."""
         self.trace.append(unit)
         pos = len(self.trace)
         if self.order and pos < len(self.order) and self.order[pos - 1] is unit:
-            nxt = self.order[pos]
-            nxt.buffer.prefetch(nxt)
+            self._prefetch_ahead(unit, self.order[pos:pos + self.prefetch])
+
+    @staticmethod
+    def _prefetch_ahead(unit: Unit, ahead: list[Unit]) -> None:
+        """Prefetch the units ``ahead`` of ``unit`` (nearest first): the nearest always (deferred while
+        its buffer is busy), a farther one only into a buffer none of the nearer ones nor ``unit`` uses.
+        See [Note: prefetch depth]."""
+        taken = [unit.buffer]
+        for k, u in enumerate(ahead):
+            if k and any(u.buffer is b for b in taken):
+                return
+            u.buffer.prefetch(u)
+            taken.append(u.buffer)
 
     def unit_recompute(self, unit: Unit) -> None:
         """An activation-checkpoint recompute inside backward: the weights must be there. A unit no
@@ -429,8 +457,9 @@ class Runtime:
             self._hold(unit, BackwardUse())
         unit.buffer.wait()
 
-    def previous_in_forward(self) -> Unit | None:
-        return self.trace[-2] if len(self.trace) >= 2 else None
+    def previous_in_forward(self) -> list[Unit]:
+        """The ``prefetch`` units before the current one in this forward, nearest first (its backward prefetches them)."""
+        return [self.trace[-1 - k] for k in range(1, self.prefetch + 1) if len(self.trace) > k]
 
     # ------------------------------------------------------------------ backward
     def enter_backward(self) -> None:
@@ -468,9 +497,10 @@ class Runtime:
                 "opt.step(), and run a new forward after changing the parameters"
             )
 
-    def pre_backward(self, unit: Unit, use: "BackwardUse", prev: Unit | None, ends: int) -> None:
-        """Before a use's backward in this graph task (ZeRO-3): re-gather the unit, prefetch the unit
-        before it. ``ends``: how many of the use's end nodes this task will run."""
+    def pre_backward(self, unit: Unit, use: "BackwardUse", prevs: list[Unit], ends: int) -> None:
+        """Before a use's backward in this graph task (ZeRO-3): re-gather the unit, prefetch the units
+        before it (``prevs``, nearest first: [Note: prefetch depth]). ``ends``: how many of the use's end
+        nodes this task will run."""
         if torch.is_grad_enabled():
             raise RuntimeError(
                 f"yafsdp: a backward with create_graph=True reached unit {unit.name!r} at zero_stage=3: the graph it "
@@ -487,8 +517,8 @@ class Runtime:
         needs_weights = not unit.weight_free_bw  # See [Note: weight-free backward]
         if needs_weights:
             self._hold(unit, use)
-        if prev is not None and not prev.weight_free_bw:
-            prev.buffer.prefetch(prev)  # after the acquire, before the wait: the next gather goes out first
+        # after the acquire, before the wait: the next gathers go out first
+        self._prefetch_ahead(unit, [p for p in prevs if not p.weight_free_bw])
         if needs_weights:
             unit.buffer.wait()
 

@@ -25,6 +25,9 @@ options declared before its own (``checked``), so the field order puts ``reduce_
 - ``grad_chunks`` above 1 with ``offload``: an offloaded reduce goes through the host landing whole.
 - ``secondary_shard`` above 1 with ``zero_stage=2``: ZeRO-2 has no backward gather to narrow. (Its
   size against the shard group's is checked where the group is known: the engine, the plan.)
+- ``prefetch=2`` with ``secondary_shard`` above 1: the backward gathers within the subgroup, two
+  units ahead, are not worked through or tested (the pieces kept behind each forward gather, the
+  store sized by which units share a buffer); refused rather than run unproven.
 - Lifted: ``offload`` with a compact ``gather_dtype`` ("fp8", "int8": the optimizer's copy-out
   and the encode pass write the record into a host staging record, ``gather_host``, that is
   uploaded as the param_dtype staging copy is: placement.py),
@@ -191,6 +194,17 @@ def _secondary_shard(name, v, checked):  # See [Note: refused combinations]
     return v
 
 
+def _prefetch(name, v, checked):  # See [Note: refused combinations]
+    if v not in (1, 2) or isinstance(v, bool):
+        raise ValueError(f"{name}={v!r} is not supported; use 1 (the next unit's gather issued while a unit computes, "
+                         "two alternating weight buffers) or 2 (two units ahead, three buffers in rotation)")
+    if v == 2 and checked["secondary_shard"] > 1:
+        raise ValueError(f"{name}=2 with secondary_shard={checked['secondary_shard']} is not supported (the backward "
+                         "gathers within the subgroup have not been worked through two units ahead); use prefetch=1 "
+                         "with secondary_shard, or drop secondary_shard")
+    return v
+
+
 def _gather_values() -> tuple:
     return (None, *(f.name for f in formats.gather_formats()))
 
@@ -266,6 +280,11 @@ class EngineConfig:
         "gathers run within groups of N consecutive ranks of the shard group (a node: ZeRO++'s hpZ; "
         "docs/zeropp.md); a divisor of the shard group's size below it; refused with zero_stage=2; 0 or 1: off",
         _secondary_shard)
+    # See [Note: prefetch depth] in engine/runtime.py
+    prefetch: int = option(
+        1, "units gathered ahead of the one computing, in forward and backward: 1 (two alternating weight "
+        "buffers) or 2 (three in rotation: one more of the largest unit in memory; docs/benchmarks.md says where it "
+        "pays); refused with secondary_shard", _prefetch, lambda: (1, 2))
 
     @property
     def mixed_precision(self) -> "MixedPrecision":

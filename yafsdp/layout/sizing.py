@@ -303,6 +303,7 @@ def plan_buffers(
     alias_world1: bool = False,
     direct_grads: bool = False,
     quant: QuantPlan | None = None,
+    prefetch: int = 1,
 ) -> BufferPlan:
     """The weight and grad buffers for units with ``layouts`` (and the small group): pure, no
     allocation. See [Note: one plan, one allocator]. ``reduce_in_place``: the backend reduce-scatters
@@ -315,7 +316,9 @@ def plan_buffers(
     shard lives for a step (``step_grads``: [Note: the grad shard's lifetime at world 1]). ``quant``
     (``grad_quant``): each grad slot gets the room of its quantized reduce, and with replicas one slot
     more, ``replica``, holds the room of their quantized all-reduce ([Note: quantized gradient
-    reduction] in comm/quant_reduce.py)."""
+    reduction] in comm/quant_reduce.py). ``prefetch``: the units gathered ahead of the one computing;
+    ZeRO-3's regular units take turns in ``prefetch + 1`` weight buffers ([Note: prefetch depth] in
+    engine/runtime.py)."""
     staged = accumulate_fp32 or not reduce_in_place
     sizes = [lay.weight_numel for lay in layouts]
     outsized = [False] * len(layouts)
@@ -436,9 +439,9 @@ def plan_buffers(
 
     if zero_stage == 3:
         if regular:
-            pair = [weight_slot(f"weight{k}", regular, "buffers") for k in range(min(2, len(regular)))]
+            turns = [weight_slot(f"weight{k}", regular, "buffers") for k in range(min(prefetch + 1, len(regular)))]
             for j, i in enumerate(regular):
-                weight_of[i] = pair[j % len(pair)]
+                weight_of[i] = turns[j % len(turns)]
         if big:
             w = weight_slot("weight_outsized", big, "outsized")
             for i in big:

@@ -197,6 +197,7 @@ def memory_plan(
             direct_grads=reduce_dtype == torch.float32 and accum is None and replicas == 1,
             quant=quant_plan(cfg.grad_quant, cfg.grad_quant_node, world_size, replicas,
                              reduces_in_place(plan_backend(backend), world_size)),
+            prefetch=cfg.prefetch,
         )
         module = model
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)

@@ -235,7 +235,8 @@ class MemoryPlan:
                 self.records)] if self.gather_dtype else []),
             *([(self._gather_host_row, self.gather_host)] if self.gather_host else []),
             ("weight buffers" + (" (none: world 1 aliases the shards)" if self.world_size == 1
-                                                   and not self.weight_buffers else " (per unit, ZeRO-2)" if self.zero_stage == 2 else " (x2)")
+                                                   and not self.weight_buffers else " (per unit, ZeRO-2)" if self.zero_stage == 2 else
+                                                   f" (x{sum(s.kind == 'weight' and s.role == 'buffers' for s in self.slots)})")
              + (" + NF4 staging" if self.quantize_frozen else "")
              + (" + frozen landing" if self._place.host_frozen else ""), self.weight_buffers),
             *([(f"secondary shards (1/{self.secondary_shard} of each unit re-gathered in backward)",

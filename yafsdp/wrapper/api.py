@@ -85,6 +85,7 @@ class YaFSDP(nn.Module):
         grad_chunks: int = 1,
         sharded_lookup: bool = True,
         secondary_shard: int = 0,
+        prefetch: int = 1,
         quantize_frozen: str | None = None,
         offload: str | None = None,
         gather_dtype: str | None = None,
