@@ -17,6 +17,10 @@ CASES = {
     "z2_bf16": ("llama", dict(layers=4), dict(zero_stage=2, param_dtype=torch.bfloat16), 1),
     "z3_bf16_checkpointing": ("llama", dict(layers=4, checkpointing=True), dict(param_dtype=torch.bfloat16), 2),
     "stack_z3_checkpointing": ("stack", dict(n=5, ckpt=True), dict(), 1),
+    # the gathers that expand records (fp8, NF4) and the host-side shards of offload
+    "z3_bf16_fp8_offload_opt": ("llama", dict(layers=4), dict(param_dtype=torch.bfloat16, gather_dtype="fp8",
+                                                             offload="optimizer"), 1),
+    "qlora_nf4_offload_all": ("lora", dict(layers=6), dict(param_dtype=torch.bfloat16, quantize_frozen="nf4", offload="all"), 2),
 }
 
 
@@ -64,7 +68,17 @@ def _ahead(log, phase):
 
 
 def _train(rank, kind, build_kw, opts, accum, prefetch, steps=3):
-    module = tiny_llama(**build_kw) if kind == "llama" else Stack(**build_kw)
+    if kind == "lora":  # PEFT LoRA on q/v/o over a frozen base
+        import peft
+
+        module, kind = peft.get_peft_model(tiny_llama(**build_kw), peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0)), "llama"
+        with torch.no_grad():  # B starts at zero in PEFT; make the adapters matter from the first step
+            for n, p in module.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(n)))
+    else:
+        module = tiny_llama(**build_kw) if kind == "llama" else Stack(**build_kw)
     model = yafsdp.YaFSDP(module, prefetch=prefetch, **opts)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses, log = [], None
@@ -101,7 +115,9 @@ def test_prefetch2_trains_bit_for_bit_as_prefetch1_and_gathers_two_ahead():
             if zero2:
                 assert one["buffers"] == two["buffers"], (name, one["buffers"], two["buffers"])
             else:
-                assert set(two["buffers"]) - set(one["buffers"]) == {"weight2"}, (name, one["buffers"], two["buffers"])
+                staging = {f"weight2_{k}" for k in ("staging", "landing") if f"weight1_{k}" in one["buffers"]}  # records
+                assert set(two["buffers"]) - set(one["buffers"]) == {"weight2"} | staging, (name, one["buffers"],
+                                                                                           two["buffers"])
             assert (one["fw_ahead"], two["fw_ahead"]) == (1, 2), (name, rank, one["fw_ahead"], two["fw_ahead"])
             # backward: ZeRO-3 re-gathers the units before the one computing; ZeRO-2 gathers nothing there
             assert (one["bw_ahead"], two["bw_ahead"]) == ((0, 0) if zero2 else (1, 2)), (name, rank, one["bw_ahead"],

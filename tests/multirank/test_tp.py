@@ -40,7 +40,7 @@ CASES = {
     "sp_lp_z2_accum2": dict(sp=True, lp=True, zero=2, accum=2),
     "tp_ckpt_z3_accum2": dict(sp=False, ckpt=True, zero=3, accum=2),
     # a head tied to the embedding (Llama-3.2-1B's): parallelize_module unties them, parallelize_llama ties them again
-    "tied_sp_z3": dict(sp=True, zero=3, accum=1, tie=True),
+    "tied_sp_z3": dict(sp=True, zero=3, accum=1, tie=True, prefetch=2),  # and gathers two units ahead
 }
 
 
@@ -132,7 +132,7 @@ def _sharded(case, tp_mesh, wrap_mesh, dp_mesh):
     ``dp_mesh``: the data-parallel ranks as one dim (the batches and the loss's average)."""
     model = tp_plan(tiny_llama(vocab=VOCAB, checkpointing=case.get("ckpt", False), tie=case.get("tie", False)),
                     tp_mesh, case["sp"], case.get("lp", False))
-    model = yafsdp.YaFSDP(model, mesh=wrap_mesh, zero_stage=case["zero"])
+    model = yafsdp.YaFSDP(model, mesh=wrap_mesh, zero_stage=case["zero"], prefetch=case.get("prefetch", 1))
     assert (model.tp_size, model.replicas * model.world_size) == (2, dp_mesh.size())
     opt = _opt(model.parameters())
     dp_rank = dp_mesh.get_local_rank()
@@ -142,7 +142,8 @@ def _sharded(case, tp_mesh, wrap_mesh, dp_mesh):
     # the plan of the plain model with the TP degree: the same bytes, before any TP or wrap ([Note: the plan of a TP
     # model] in yafsdp/plan/build.py); this rank's TP coordinate (the uneven vocabulary's rows differ by it)
     before = memory_plan(tiny_llama(vocab=VOCAB, tie=case.get("tie", False)), world_size=model.world_size, rank=model.rank, tp=model.tp_size,
-                         tp_rank=model.tp_rank, replicas=model.replicas, zero_stage=case["zero"])
+                         tp_rank=model.tp_rank, replicas=model.replicas, zero_stage=case["zero"],
+                         prefetch=case.get("prefetch", 1))
     assert before.engine_bytes() == model.allocated_bytes(), (before.engine_bytes(), model.allocated_bytes())
     assert before.shard_numel == model.memory_plan().shard_numel
     sd = model.full_state_dict()
