@@ -120,14 +120,6 @@ def test_storage_errors_are_one_line_exit_2_and_keep_the_last_checkpoint(tmp_pat
     CheckpointException, a BaseException) under torchrun; real kernel errors: (b) checkpoints/ is a
     file; (c) --out lies below a file. One line naming the path and the errno, exit 2, the last
     checkpoint intact, no .tmp.* left."""
-    blocked = tmp_path / "blocked"
-    blocked.mkdir()
-    (blocked / "checkpoints").write_text("a file where the checkpoints directory should be")
-    (tmp_path / "plain_file").write_text("x")
-    procs = {  # (b) and (c) start beside the run that (a) resumes
-        "ck_file": _popen(["--steps", "1", "--out", str(blocked)]),
-        "under_file": _popen(["--steps", "1", "--out", str(tmp_path / "plain_file" / "run")]),
-    }
     out = str(tmp_path / "run")
     run_job(["--steps", "2", "--out", out], nproc=0)
     ck_root = os.path.join(out, "checkpoints")
@@ -137,9 +129,17 @@ def test_storage_errors_are_one_line_exit_2_and_keep_the_last_checkpoint(tmp_pat
     (hook / "sitecustomize.py").write_text(ENOSPC_HOOK)
     full = env()
     full.update(PYTHONPATH=f"{hook}{os.pathsep}{full['PYTHONPATH']}", YAFSDP_TEST_ENOSPC=".tmp.step_00000003")
-    procs["enospc"] = subprocess.Popen(torchrun_cmd(2) + FAST + ["--resume", "--steps", "4", "--save-every", "1",
-                                                                 "--out", out],
-                                       env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "checkpoints").write_text("a file where the checkpoints directory should be")
+    (tmp_path / "plain_file").write_text("x")
+    procs = {
+        "enospc": subprocess.Popen(torchrun_cmd(2) + FAST + ["--resume", "--steps", "4", "--save-every", "1",
+                                                             "--out", out],
+                                   env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+        "ck_file": _popen(["--steps", "1", "--out", str(blocked)]),
+        "under_file": _popen(["--steps", "1", "--out", str(tmp_path / "plain_file" / "run")]),
+    }
     res = {k: (p.wait(timeout=240), *p.communicate()) for k, p in procs.items()}
     rc, o, e = res["enospc"]
     assert rc != 0 and "exitcode  : 2" in e, e[-3000:]
