@@ -30,3 +30,16 @@ def run_ranks():
 def tiny_llama():
     """A factory of small HF Llama models (``tiny_llama(tie=False, layers=3, seed=0, ...)``)."""
     return models.tiny_llama
+
+
+@pytest.fixture(scope="session")
+def hsdp_job_run(tmp_path_factory):
+    """The pretraining job at world 4 as ``--hsdp 2`` (2 replicas x 2 shard ranks), 4 steps, saved every 2
+    steps in the background (``--async-save``): one run read by two files -- test_pretrain.py resumes it,
+    test_torchft_job.py's replica groups must train as it does (saving changes nothing a step computes).
+    Tests only read its folder (``out``); ``stdout`` is the job's."""
+    from job_utils import HSDP_JOB_ARGS, run_job
+
+    out = str(tmp_path_factory.mktemp("hsdp_job") / "run")
+    p = run_job(HSDP_JOB_ARGS + ["--out", out], 4)
+    return dict(out=out, stdout=p.stdout)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -180,7 +181,8 @@ def test_bad_input(tmp_path):
 
 def test_job_streamed_parquet(tmp_path):
     """World 2 over a parquet folder: 4 steps straight == 2 steps, then --resume to 4 (bit for bit),
-    validation from --val-split; a corrupt shard: exit 2, one line naming it, nothing in --out."""
+    validation from --val-split; the step-2 checkpoint resumed on 1 rank (2 -> 1); a corrupt shard:
+    exit 2, one line naming it, nothing in --out."""
     texts = docs(300)
     data = write_parquet_shards(str(tmp_path / "pq"), texts, 3)
     write_parquet_shards(data, texts[:40], 1, prefix="validation")
@@ -203,13 +205,17 @@ def test_job_streamed_parquet(tmp_path):
         half.result()
     assert f"{n_val:,} val (--val-data {jl})" in val.stdout and "; val " in val.stdout
     assert "streamed, tokenized on the fly" in first.stdout and "val " + data in first.stdout
-    second = run_job(common + ["--steps", "4", "--resume", "--out", b])
+    to1 = str(tmp_path / "to1")  # b's step-2 checkpoint also resumed on 1 rank, beside b's own resume
+    shutil.copytree(b, to1)
+    with ThreadPoolExecutor(1) as pool:
+        # 2 -> 1 rank: every rank's position was in the checkpoint; the rest of the epoch is read once
+        third = pool.submit(run_job, common + ["--steps", "5", "--resume", "--grad-accum", "2", "--out", to1], nproc=1)
+        second = run_job(common + ["--steps", "4", "--resume", "--out", b])
+        third = third.result()
     assert "streamed position restored: each rank at its own position" in second.stdout
     assert losses(a) == losses(b) and len(losses(a)) == 4
-    # 2 -> 1 rank: every rank's position was in the checkpoint; the rest of the epoch is read once
-    third = run_job(common + ["--steps", "5", "--resume", "--grad-accum", "2", "--out", b], nproc=1)
     assert "2 -> 1 ranks: every document not yet read is read once, none twice" in third.stdout
-    assert len(losses(b)) == 5
+    assert len(losses(to1)) == 5
     # the corrupt shard (rank 1's): exit 2 on that rank, one line naming it, nothing written
     assert p.returncode != 0 and "exitcode  : 2" in p.stderr, p.stderr[-3000:]  # torchrun: the first rank's
     assert p.stderr.count("train-00001-of-00002.parquet': not a readable parquet file") == 1

@@ -10,8 +10,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,14 +27,69 @@ STEPS = ["--steps", "6", "--save-every", "2"]
 
 
 def _launch(args, fault=None, restarts=0, timeout=200):
-    """Run the job at world 2 under torchrun; (returncode, stdout, stderr, seconds)."""
+    """Run the job at world 2 under torchrun; (returncode, stdout, stderr, seconds, the time.time() it ended).
+    A rank stopped by a ``stop`` fault is SIGKILLed once torchrun has sent it SIGTERM (see
+    ``_end_stopped_workers``)."""
     launcher = ["--master-port", str(free_port())] + (["--max-restarts", str(restarts)] if restarts else [])
     e = env()
     if fault:
         e["YAFSDP_JOB_FAULT"] = fault
     t0 = time.monotonic()
-    p = subprocess.run(torchrun_cmd(2, launcher) + FAST + args, capture_output=True, text=True, timeout=timeout, env=e)
-    return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
+    p = subprocess.Popen(torchrun_cmd(2, launcher) + FAST + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=e)
+    if fault and fault.startswith("stop:"):
+        threading.Thread(target=_end_stopped_workers, args=(p,), daemon=True).start()
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        raise AssertionError(f"{args} did not end within {timeout} s:\n{err[-4000:]}") from None
+    return p.returncode, out, err, time.monotonic() - t0, time.time()
+
+
+SIGTERM_BIT = 1 << (signal.SIGTERM - 1)  # in /proc/PID/status's ShdPnd: SIGTERM sent to the process, not yet taken
+
+
+def _end_stopped_workers(p) -> None:
+    """Do at once what torchrun does 30 s after it asked a worker to end: SIGKILL a worker that is stopped
+    (SIGSTOP) and holds torchrun's SIGTERM pending. torchrun sends that SIGTERM only once the watchdog's
+    verdict has ended another rank, so everything before it -- the hang named within the deadline, exit 4 --
+    is the job's own doing; the wait itself (30 s, not settable for a restart) would be most of the test's
+    time."""
+    while p.poll() is None:
+        for pid in _workers(p.pid):
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    status = dict(line.split(":", 1) for line in f if ":" in line)
+            except FileNotFoundError:
+                continue
+            if status["State"].split()[0] == "T" and int(status["ShdPnd"], 16) & SIGTERM_BIT:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.1)
+
+
+def _workers(pid: int) -> list[int]:
+    """The job's worker processes: children of the torchrun agent ``pid`` running pretrain_llama.py."""
+    kids = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+    out = []
+    for k in kids:
+        try:
+            with open(f"/proc/{k}/cmdline", "rb") as f:
+                if b"pretrain_llama.py" in f.read():
+                    out.append(k)
+        except FileNotFoundError:
+            pass
+    return out
 
 
 def _ours(stderr: str) -> list[str]:
@@ -53,7 +110,6 @@ def test_a_stopped_or_sleeping_rank_is_named_within_the_deadline_and_the_restart
     stuck rank and its phase, exit 4, the checkpoints of the run kept."""
     hang = ["--hang-timeout", str(DEADLINE), "--save-timeout", str(DEADLINE)]
     cases = {
-        "reference": (STEPS + ["--out", str(tmp_path / "ref")], None, 0),
         "stop_forward": (STEPS + hang + ["--out", str(tmp_path / "stop_forward")], "stop:1:3:forward", 1),
         "sleep_data": (STEPS + hang + ["--out", str(tmp_path / "sleep_data")], "sleep:1:3:data", 0),
         # stopped at step 6's save: step 4's save waited for step 2's background write, so step 2 is complete
@@ -64,17 +120,16 @@ def test_a_stopped_or_sleeping_rank_is_named_within_the_deadline_and_the_restart
                          "sleep:1:6:export", 0),
         "sleep_eval": (STEPS + hang + ["--eval-every", "2", "--out", str(tmp_path / "sleep_eval")],
                        "sleep:0:4:eval", 0),
+        # a straggler, also the uninterrupted run the restarted one repeats: a slow data phase changes no loss
+        # (the learning rate decays over the preset's steps, not --steps: its first 6 steps are those of a 6-step run)
         "straggler": (["--steps", "9", "--save-every", "0", "--out", str(tmp_path / "straggler")],
                       "slow:1:2:data:0.15", 0),
     }
     with ThreadPoolExecutor(len(cases)) as pool:
         futs = {k: pool.submit(_launch, a, f, r) for k, (a, f, r) in cases.items()}
         res = {k: f.result() for k, f in futs.items()}
-    rc, _, err, _ = res["reference"]
-    assert rc == 0, err[-3000:]
-
     # the restarted run: the first attempt ended by the watchdog, the second resumed and matched
-    rc, out, err, secs = res["stop_forward"]
+    rc, out, err, secs, _ = res["stop_forward"]
     assert rc == 0, err[-4000:]
     lines = [x for x in _ours(err) if "stuck:" in x]
     assert len(lines) == 1, err[-4000:]
@@ -83,14 +138,15 @@ def test_a_stopped_or_sleeping_rank_is_named_within_the_deadline_and_the_restart
     idle = float(re.search(r"no progress for (\d+) s", lines[0]).group(1))
     assert DEADLINE <= idle <= DEADLINE + 3, lines
     assert "exitcode: 4" in err or "(exitcode: 4)" in err, err[-3000:]
-    assert losses(str(tmp_path / "stop_forward")) == losses(str(tmp_path / "ref"))
+    assert res["straggler"][0] == 0, res["straggler"][2][-3000:]
+    assert losses(str(tmp_path / "stop_forward")) == losses(str(tmp_path / "straggler"))[:6]
     ev = events(str(tmp_path / "stop_forward"))
     hangs = [e for e in ev if e["event"] == "hang"]
     assert len(hangs) == 1 and hangs[0]["stuck"] == [1] and hangs[0]["step"] == 3 and hangs[0]["exit_code"] == 4
     assert [e["checkpoint"].rsplit("_", 1)[-1] for e in ev if e["event"] == "resume"] == ["00000002"]
 
     # a straggler: rank 1 0.15 s slower in its data from step 2 on, named once after 5 steps in a row
-    rc, out, err, _ = res["straggler"]
+    rc, out, err, _, _ = res["straggler"]
     assert rc == 0, err[-3000:]
     named = [x for x in out.splitlines() if x.startswith("straggler")]
     assert len(named) == 1 and named[0].startswith("straggler rank 1: data + compute"), out[-3000:]
@@ -102,7 +158,7 @@ def test_a_stopped_or_sleeping_rank_is_named_within_the_deadline_and_the_restart
     want = {"sleep_data": (1, "data", "behind the others"), "stop_async_save": (0, "save", "not responding"),
             "sleep_export": (1, "export", "behind the others"), "sleep_eval": (0, "eval", "behind the others")}
     for k, (stuck, phase, why) in want.items():
-        rc, out, err, secs = res[k]
+        rc, out, err, _, ended = res[k]
         assert rc != 0 and 4 in _worker_codes(err), (k, err[-3000:])
         lines = [x for x in _ours(err) if "stuck:" in x]
         # each rank that can still speak says it once; a stopped rank says nothing
@@ -114,9 +170,11 @@ def test_a_stopped_or_sleeping_rank_is_named_within_the_deadline_and_the_restart
             idle = float(re.search(r"no progress for (\d+) s", line).group(1))
             assert DEADLINE <= idle <= DEADLINE + 3, (k, line)
         assert not [x for x in err.splitlines() if x.startswith("pretrain_llama.py: error:")], (k, err[-2000:])
-        # the job's start, the deadline, and for a stopped rank torchrun's 30 s before its SIGKILL
-        assert secs < DEADLINE + 90, (k, secs)
         out_dir = str(tmp_path / k)
+        # from the run's start (its first event: the interpreters' start-up, slow on a busy machine, left out)
+        # through the steps before the fault and the deadline to the end of torchrun
+        ran = ended - events(out_dir)[0]["time"]
+        assert events(out_dir)[0]["event"] == "start" and ran < DEADLINE + 90, (k, ran)
         hangs = [e for e in events(out_dir) if e["event"] == "hang"]
         assert hangs and hangs[0]["stuck"] == [stuck], (k, hangs)
         assert os.path.isdir(os.path.join(out_dir, "checkpoints", "step_00000002")), k  # the run's checkpoints stay
@@ -149,7 +207,7 @@ def test_an_error_on_one_rank_reaches_every_rank_and_is_printed_once(tmp_path):
 
     with ThreadPoolExecutor(4) as pool:
         res = dict(zip(ERRORS, pool.map(one, ERRORS)))
-    for name, (rc, out, err, secs) in res.items():
+    for name, (rc, out, err, secs, _) in res.items():
         fault, _, code, phase = ERRORS[name]
         rank, step = int(fault.split(":")[1]), int(fault.split(":")[2])
         assert rc != 0, (name, err[-3000:])

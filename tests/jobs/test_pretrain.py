@@ -25,7 +25,7 @@ import torch
 
 from dist_utils import free_port
 
-from job_utils import FAST, JOB, ROOT, close, env, events, losses, metrics, run_job, torchrun_cmd, tree_digest  # noqa: F401
+from job_utils import FAST, HSDP_JOB_ARGS, JOB, ROOT, close, env, events, losses, metrics, run_job, torchrun_cmd, tree_digest  # noqa: F401
 from pretrain import data as D  # examples/ is on pytest's pythonpath (pyproject.toml)
 
 @pytest.fixture(scope="module")
@@ -448,19 +448,19 @@ def _training_state(path: str, tmp) -> dict:
     return {k: v for k, v in torch.load(dst, weights_only=False).items() if k.startswith(("model.", "optim."))}
 
 
-def test_hsdp_async_save_resumes_exactly(tmp_path):
-    """--hsdp 2 --async-save at world 4 (2 replicas x 2 shard ranks): the periodic saves are written in
+def test_hsdp_async_save_resumes_exactly(hsdp_job_run, tmp_path):
+    """--hsdp 2 --async-save at world 4 (2 replicas x 2 shard ranks; the run is conftest.py's
+    ``hsdp_job_run``, shared with test_torchft_job.py): the periodic saves are written in
     the background by replica 0 ('saving ... in the background', then 'saved' once complete, on the
     manifest the world and the mesh); the run restarted from the asynchronous step-2 checkpoint (the
     later ones removed) repeats the losses bit for bit and ends with the same weights and optimizer
     state."""
-    ref, again = str(tmp_path / "ref"), str(tmp_path / "again")
-    args = ["--steps", "4", "--save-every", "2", "--hsdp", "2", "--async-save"]
-    p = run_job(args + ["--out", ref], 4)
-    assert "HSDP 2 replicas x 2 shard ranks" in p.stdout
-    staged = p.stdout.index("saving   step 2 in the background (training blocked")
-    done = p.stdout.index("saved    ", staged)
-    assert "step_00000002 (" in p.stdout[done:done + 300] and "in the background)" in p.stdout[done:done + 300]
+    ref, again = hsdp_job_run["out"], str(tmp_path / "again")
+    stdout = hsdp_job_run["stdout"]
+    assert "HSDP 2 replicas x 2 shard ranks" in stdout
+    staged = stdout.index("saving   step 2 in the background (training blocked")
+    done = stdout.index("saved    ", staged)
+    assert "step_00000002 (" in stdout[done:done + 300] and "in the background)" in stdout[done:done + 300]
     assert [(e["step"], e.get("background")) for e in events(ref) if e["event"] == "save"] == [(2, True), (4, None)]
     step2 = os.path.join(ref, "checkpoints", "step_00000002")
     assert len([f for f in os.listdir(step2) if f.endswith(".distcp")]) == 2  # replica 0's shard group
@@ -470,7 +470,7 @@ def test_hsdp_async_save_resumes_exactly(tmp_path):
 
     shutil.copytree(ref, again)
     shutil.rmtree(os.path.join(again, "checkpoints", "step_00000004"))
-    q = run_job(args + ["--resume", "--out", again], 4)
+    q = run_job(HSDP_JOB_ARGS + ["--resume", "--out", again], 4)
     assert [e["checkpoint"] for e in events(again) if e["event"] == "resume"] == [
         os.path.join(again, "checkpoints", "step_00000002")], q.stdout[-2000:]
     assert losses(again) == losses(ref) and len(losses(ref)) == 4

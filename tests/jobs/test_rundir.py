@@ -11,9 +11,11 @@ import argparse
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -264,25 +266,30 @@ def test_two_jobs_on_a_new_out(tmp_path):
     trained into A's run (both exit 0, metrics steps 1-6 twice). Now the plan is made under the
     lock: A is refused, naming B, and B's run is the only one. (b) Two jobs started at once on a
     new --out: one trains, the other is refused."""
-    out = str(tmp_path / "new")
-    gate = str(tmp_path / "gate")
-    script = tmp_path / "paused_job.py"
-    script.write_text(_PAUSED_JOB.format(root=ROOT))
-    b = _popen(["--steps", "6", "--out", out], script=str(script), extra_env={"GATE": gate})
-    t0 = time.monotonic()
-    while not os.path.exists(gate + ".reached"):
-        assert b.poll() is None and time.monotonic() - t0 < 120, b.communicate()
-        time.sleep(0.05)
-    a = run_job(["--steps", "6", "--out", out], nproc=0, check=False)
-    open(gate + ".go", "w").close()
-    bo, be = b.communicate(timeout=240)
-    assert sorted([a.returncode, b.returncode]) == [0, 2], (a.returncode, a.stderr[-2000:], b.returncode, be[-2000:])
-    assert b.returncode == 0 and _in_use(a.stderr, out, b.pid), (a.stderr[-2000:], be[-2000:])
-    assert [r["step"] for r in metrics(out)] == list(range(1, 7))
-    assert [e["event"] for e in events(out)].count("start") == 1
+    with ThreadPoolExecutor(1) as pool:  # (b) beside (a): their own --out
+        at_once = pool.submit(_two_at_once, str(tmp_path / "new2"))
+        out = str(tmp_path / "new")
+        gate = str(tmp_path / "gate")
+        script = tmp_path / "paused_job.py"
+        script.write_text(_PAUSED_JOB.format(root=ROOT))
+        b = _popen(["--steps", "6", "--out", out], script=str(script), extra_env={"GATE": gate})
+        t0 = time.monotonic()
+        while not os.path.exists(gate + ".reached"):
+            assert b.poll() is None and time.monotonic() - t0 < 120, b.communicate()
+            time.sleep(0.05)
+        a = run_job(["--steps", "6", "--out", out], nproc=0, check=False)
+        open(gate + ".go", "w").close()
+        bo, be = b.communicate(timeout=240)
+        assert sorted([a.returncode, b.returncode]) == [0, 2], (a.returncode, a.stderr[-2000:], b.returncode,
+                                                                be[-2000:])
+        assert b.returncode == 0 and _in_use(a.stderr, out, b.pid), (a.stderr[-2000:], be[-2000:])
+        assert [r["step"] for r in metrics(out)] == list(range(1, 7))
+        assert [e["event"] for e in events(out)].count("start") == 1
+        at_once.result()
 
-    # (b) at once, each would run for long.
-    out2 = str(tmp_path / "new2")
+
+def _two_at_once(out2: str) -> None:
+    """(b) of test_two_jobs_on_a_new_out: two jobs started at once on a new --out, each would run for long."""
     jobs = [_popen(["--steps", "100000", "--save-every", "0", "--out", out2]) for _ in range(2)]
     t0 = time.monotonic()
     while all(j.poll() is None for j in jobs):
@@ -379,24 +386,30 @@ def test_rewind_sets_the_continuation_aside_and_settings_are_checked(tmp_path):
     before, old_rows = tree_digest(out), metrics(out)
     four = os.path.join(ck, "step_00000004")
 
-    p = run_job(["--resume", four, "--lr", "1e-3", "--save-every", "1", "--steps", "6", "--out", out], nproc=0,
-                check=False)
+    twin = str(tmp_path / "twin")  # the run copied: a job holds its --out's lock, so the refusals need one each
+    shutil.copytree(out, twin)
+    with ThreadPoolExecutor(2) as pool:  # the two refusals side by side
+        rewind = pool.submit(run_job, ["--resume", four, "--lr", "1e-3", "--save-every", "1", "--steps", "6", "--out",
+                                       out], nproc=0, check=False)
+        changed = pool.submit(run_job, ["--resume", "--seq-len", "16", "--seed", "1", "--batch-size", "1", "--steps",
+                                        "10", "--out", twin], nproc=0, check=False)
+        p = rewind.result()
+        changed = changed.result()
     assert p.returncode == 2, p.stdout[-2000:]
     assert p.stderr.strip() == (
         f"pretrain_llama.py: error: --resume {four!r} is step 4, but the run in {out!r} went on after it "
         "(checkpoint(s) step_00000006, step_00000008; metrics.jsonl steps 5-8): resuming from it abandons that "
         f"continuation. Pass --rewind as well to set it aside in {out}/abandoned/ (moved, nothing deleted; recorded "
         "in events.jsonl), or --resume without a path to continue from step_00000008"), p.stderr
-    p = run_job(["--resume", "--seq-len", "16", "--seed", "1", "--batch-size", "1", "--steps", "10", "--out", out],
-                nproc=0, check=False)
+    p = changed
     assert p.returncode == 2, p.stdout[-2000:]
     msg = p.stderr.strip()
-    assert msg.startswith(f"pretrain_llama.py: error: checkpoint '{ck}/step_00000008' was written with other "
-                          "settings that decide the data stream or the model: seq_len 32 (checkpoint) vs 16 (now); "
-                          "seed 0 (checkpoint) vs 1 (now); global_batch 2 (2 x 1 rank(s) x 1 accum) (checkpoint) vs "
-                          "1 (1 x 1 rank(s) x 1 accum) (now)."), msg
+    assert msg.startswith(f"pretrain_llama.py: error: checkpoint '{twin}/checkpoints/step_00000008' was written with "
+                          "other settings that decide the data stream or the model: seq_len 32 (checkpoint) vs 16 "
+                          "(now); seed 0 (checkpoint) vs 1 (now); global_batch 2 (2 x 1 rank(s) x 1 accum) "
+                          "(checkpoint) vs 1 (1 x 1 rank(s) x 1 accum) (now)."), msg
     assert msg.endswith("--allow-change seq_len,seed,global_batch (recorded in events.jsonl)"), msg
-    assert tree_digest(out) == before
+    assert tree_digest(out) == before and tree_digest(twin) == before
 
     old6, old8 = tree_digest(os.path.join(ck, "step_00000006")), tree_digest(os.path.join(ck, "step_00000008"))
     p = run_job(["--resume", four, "--rewind", "--lr", "1e-3", "--save-every", "1", "--keep", "3", "--steps", "6",

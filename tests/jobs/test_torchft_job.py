@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from job_utils import FAST, env, lighthouse, metrics, run_job, torchrun_cmd
+from job_utils import FAST, env, lighthouse, metrics, torchrun_cmd
 from dist_utils import free_port
 
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse (Rust, in this process) logs every quorum at info
@@ -130,15 +130,15 @@ def _without_elapsed(ck: dict) -> dict:
     return {**ck, "state": {k: v for k, v in ck["state"].items() if k != "elapsed"}}
 
 
-def test_replica_groups_train_as_the_hsdp_run(tmp_path):
+def test_replica_groups_train_as_the_hsdp_run(hsdp_job_run, tmp_path):
     """No failure: both groups (the first step waits for both: --torchft-wait) log the losses of
-    the --hsdp 2 run over the same 4 ranks, and end with its weights, optimizer state and data
-    position, bit for bit."""
+    the --hsdp 2 run over the same 4 ranks (conftest.py's ``hsdp_job_run``, shared with
+    test_pretrain.py; its saves every 2 steps change nothing a step computes), and end with its
+    weights, optimizer state and data position, bit for bit."""
     args = ["--steps", "4", "--save-every", "0"]
     with lighthouse() as address:
         groups = [(_launch(tmp_path / f"g{g}", address, g, args), tmp_path / f"g{g}") for g in (0, 1)]
-        hsdp = tmp_path / "hsdp"
-        run_job(args + ["--hsdp", "2", "--out", str(hsdp)], nproc=4, timeout=240)
+        hsdp = hsdp_job_run["out"]
         deadline = time.monotonic() + 240
         for p, out in groups:
             assert _wait(p, deadline, out) == 0, _tail(out)
