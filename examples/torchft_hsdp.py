@@ -13,7 +13,8 @@ yafsdp/integrations/torchft.py). Kill a group (``kill -9`` both its workers): th
 alone, torchrun restarts the killed one, which takes the live state from the survivor and
 rejoins. ``--die-at S`` / ``--stop-at S`` make this group SIGKILL / SIGSTOP both its workers in its
 first attempt, after the backward of a step with every group in its quorum, once it has committed
-S such steps (the tests' faults).
+S such steps (the tests' faults); ``--wait S`` starts the groups together (else the first one may train
+alone while the others start up, and a run can end before a fault's step comes).
 
 The run ends at the first step >= ``--steps`` whose last ``--together`` committed steps had all
 ``--replicas`` groups (so a restarted group has rejoined); each rank then writes its final state
@@ -86,6 +87,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds per step (the tests pace the survivor)")
     ap.add_argument("--ckpt", default=None, help="checkpoint root: resume from its newest, save every --save-every")
     ap.add_argument("--save-every", type=int, default=0)
+    ap.add_argument("--wait", type=float, default=0.0,
+                    help="the first quorum of a launch (not of a restart) is taken again, in tries of 0.2 s, until "
+                         "every group is in it, for up to this many seconds: the groups start together")
     ap.add_argument("--die-at", type=int, default=None)
     ap.add_argument("--stop-at", type=int, default=None)
     args = ap.parse_args(argv)
@@ -115,8 +119,16 @@ def main(argv=None) -> int:
         load_extra(loaded.state["run"])
     log = open(os.path.join(args.out, f"log_g{G}.jsonl"), "a") if rank == 0 else None
     code, together_here = 0, 0  # steps this attempt committed with every group
+    # --wait: a quorum not followed by a commit moves nothing; the count of tries, not a clock, ends the wait, so
+    # every rank of the group ends it at the same quorum
+    wait_tries = int(args.wait / 0.2) if first_attempt else 0
     while True:
         ft.start_step()
+        while ft.participants < args.replicas and wait_tries > 0:
+            wait_tries -= 1
+            time.sleep(0.2)
+            ft.start_step()
+        wait_tries = 0
         step = ft.step_count
         tail = run["history"][len(run["history"]) - args.together:]
         if step >= args.steps and len(tail) == args.together and all(n == args.replicas for n in tail):

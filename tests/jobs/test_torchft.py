@@ -66,6 +66,18 @@ def _wait(p, deadline, out, group):
         raise AssertionError(f"replica group {group} did not finish in time:\n{_tail(out, group)}")
 
 
+def _children(pid: int) -> list[int]:
+    """The direct children of process ``pid`` (torchrun's workers), from /proc; [] where there is none."""
+    kids = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        pass
+    return kids
+
+
 def _tail(out, group):
     with open(os.path.join(out, f"torchrun_g{group}.txt")) as f:
         return f.read()[-5000:]
@@ -119,7 +131,7 @@ def _replay(ex, committed: dict[int, list[int]]):
 
 def test_killed_replica_group_recovers_from_the_survivor(tmp_path, lighthouse):
     die_at = random.Random(os.getpid()).randint(3, 6)
-    common = ["--steps", str(die_at + 6), "--together", "3"]
+    common = ["--steps", str(die_at + 6), "--together", "3", "--wait", "60"]  # the fault's step comes before the end
     p0 = _launch(tmp_path, lighthouse, 0, common, restarts=0)
     p1 = _launch(tmp_path, lighthouse, 1, common + ["--die-at", str(die_at)], restarts=1)
     deadline = time.monotonic() + 90
@@ -158,7 +170,13 @@ def test_stopped_replica_group_is_dropped_after_the_deadline(tmp_path, lighthous
         assert rc0 == 0, _tail(tmp_path, 0)
         assert p1.poll() is None  # stopped, not dead
     finally:
-        os.killpg(p1.pid, signal.SIGKILL)  # the stopped workers and their launcher
+        workers = _children(p1.pid)  # torchrun starts its workers in sessions of their own: killpg misses them
+        os.killpg(p1.pid, signal.SIGKILL)  # the launcher
+        for pid in workers:  # the stopped workers (left behind, stopped, after the test otherwise)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         p1.wait()
     log0, log1 = _log(tmp_path, 0), _log(tmp_path, 1)
     stopped = log1[-1]["step"] + 1  # group 1 stopped in this step, before committing it
