@@ -80,3 +80,31 @@ def lighthouse(min_replicas: int = 1):
         yield server.address()
     finally:
         server.shutdown()
+
+
+def workers(pid: int, script: str | None = "pretrain_llama.py") -> list[int]:
+    """The worker processes of the torchrun agent ``pid`` (its children, read from /proc), those running
+    ``script`` only unless it is None; sorted, [] once the agent is gone. torchrun starts its workers in
+    sessions of their own, so a kill of the agent's process group does not reach them."""
+    kids = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+        except FileNotFoundError:
+            pass
+    if script is None:
+        return sorted(kids)
+    out = []
+    for k in kids:
+        try:
+            with open(f"/proc/{k}/cmdline", "rb") as f:
+                if script.encode() in f.read():
+                    out.append(k)
+        except FileNotFoundError:
+            pass
+    return sorted(out)

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from dist_utils import free_port
-from job_utils import FAST, JOB, env, events, losses, metrics, run_job, torchrun_cmd
+from job_utils import FAST, JOB, env, events, losses, metrics, run_job, torchrun_cmd, workers
 
 DEADLINE = 8  # --hang-timeout of the hang cases (seconds)
 STEPS = ["--steps", "6", "--save-every", "2"]
@@ -58,7 +58,7 @@ def _end_stopped_workers(p) -> None:
     is the job's own doing; the wait itself (30 s, not settable for a restart) would be most of the test's
     time."""
     while p.poll() is None:
-        for pid in _workers(p.pid):
+        for pid in workers(p.pid):
             try:
                 with open(f"/proc/{pid}/status") as f:
                     status = dict(line.split(":", 1) for line in f if ":" in line)
@@ -70,26 +70,6 @@ def _end_stopped_workers(p) -> None:
                 except ProcessLookupError:
                     pass
         time.sleep(0.1)
-
-
-def _workers(pid: int) -> list[int]:
-    """The job's worker processes: children of the torchrun agent ``pid`` running pretrain_llama.py."""
-    kids = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                kids += [int(x) for x in f.read().split()]
-    except FileNotFoundError:
-        return []
-    out = []
-    for k in kids:
-        try:
-            with open(f"/proc/{k}/cmdline", "rb") as f:
-                if b"pretrain_llama.py" in f.read():
-                    out.append(k)
-        except FileNotFoundError:
-            pass
-    return out
 
 
 def _ours(stderr: str) -> list[str]:

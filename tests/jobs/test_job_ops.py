@@ -8,7 +8,7 @@ import signal
 import subprocess
 import time
 
-from job_utils import FAST, env, events, metrics, torchrun_cmd
+from job_utils import FAST, env, events, metrics, torchrun_cmd, workers
 
 
 def _wait_for(cond, proc, timeout=180.0, what=""):
@@ -30,26 +30,6 @@ def _lines(path: str) -> int:
             return sum(1 for line in f if line.endswith("\n"))
     except FileNotFoundError:
         return 0
-
-
-def _workers(pid: int) -> list[int]:
-    """The job's worker processes: children of the torchrun agent running pretrain_llama.py."""
-    kids = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                kids += [int(x) for x in f.read().split()]
-        except FileNotFoundError:
-            pass
-    out = []
-    for k in kids:
-        try:
-            with open(f"/proc/{k}/cmdline", "rb") as f:
-                if b"pretrain_llama.py" in f.read():
-                    out.append(k)
-        except FileNotFoundError:
-            pass
-    return sorted(out)
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
@@ -87,13 +67,13 @@ def test_killed_rank_restarts_and_resumes(tmp_path):
     first_ck = os.path.join(out, "checkpoints", "step_00000005", "checkpoint.json")
     _wait_for(lambda: os.path.isfile(first_ck) and _lines(mpath) >= 8, proc, what="a checkpoint and 8 steps")
     before = [json.loads(line) for line in open(mpath) if line.endswith("\n")]
-    victims = _workers(proc.pid)
+    victims = workers(proc.pid)
     assert len(victims) == 2, victims
     os.kill(victims[-1], signal.SIGKILL)
     try:
         stdout, stderr = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
-        for pid in _workers(proc.pid):
+        for pid in workers(proc.pid):
             os.kill(pid, signal.SIGKILL)
         proc.kill()
         stdout, stderr = proc.communicate()

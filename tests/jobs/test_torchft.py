@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from dist_utils import free_port
+from job_utils import workers
 
 os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse (Rust, in this process) logs every quorum at info
 pytest.importorskip("torchft")
@@ -64,18 +65,6 @@ def _wait(p, deadline, out, group):
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
         raise AssertionError(f"replica group {group} did not finish in time:\n{_tail(out, group)}")
-
-
-def _children(pid: int) -> list[int]:
-    """The direct children of process ``pid`` (torchrun's workers), from /proc; [] where there is none."""
-    kids = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                kids += [int(x) for x in f.read().split()]
-    except FileNotFoundError:
-        pass
-    return kids
 
 
 def _tail(out, group):
@@ -170,9 +159,9 @@ def test_stopped_replica_group_is_dropped_after_the_deadline(tmp_path, lighthous
         assert rc0 == 0, _tail(tmp_path, 0)
         assert p1.poll() is None  # stopped, not dead
     finally:
-        workers = _children(p1.pid)  # torchrun starts its workers in sessions of their own: killpg misses them
+        stopped = workers(p1.pid, script=None)  # torchrun starts its workers in sessions of their own: killpg misses them
         os.killpg(p1.pid, signal.SIGKILL)  # the launcher
-        for pid in workers:  # the stopped workers (left behind, stopped, after the test otherwise)
+        for pid in stopped:  # the stopped workers (left behind, stopped, after the test otherwise)
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
