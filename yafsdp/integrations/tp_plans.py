@@ -69,7 +69,7 @@ def parallelize_llama(model, tp_mesh, sequence_parallel: bool = True, loss_paral
     again (see [Note: tied embeddings under TP]); returns ``model``."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    tied = untied_by_tp(model) is None and _ties(model)
+    tied = _ties(model) and model.get_output_embeddings().weight is model.get_input_embeddings().weight
     parallelize_module(model, tp_mesh, llama_tp_plan(model, sequence_parallel, loss_parallel))
     if tied:
         head, emb = model.get_output_embeddings(), model.get_input_embeddings()
