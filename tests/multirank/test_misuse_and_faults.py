@@ -417,10 +417,14 @@ def _dropped(rank, world):
     loss_of(model, "llama", batch("llama", 0, 0, rank)).backward()
     opt.step()
     loss_of(model, "llama", batch("llama", 1, 0, rank))  # a forward whose graph is never run
-    # world 1: no weight or grad buffer, each unit's ShardAlias ([Note: the world-1 alias]) and the grad shard
+    # world 1, bf16: no grad buffer; the units cast into weight buffers ([Note: the world-1 cast gather]);
+    # an fp32 model's units alias their shards instead ([Note: the world-1 alias])
     rt = model._rt
-    refs = [weakref.ref(rt.grad), weakref.ref(rt.alias_buffers[0]), weakref.ref(rt.compute),
-            weakref.ref(next(iter(model.parameters())))]
+    fp32 = yafsdp.YaFSDP(tiny_llama())
+    refs = [weakref.ref(rt.grad), weakref.ref(rt.weight_buffers[0]), weakref.ref(rt.compute),
+            weakref.ref(next(iter(model.parameters()))), weakref.ref(fp32._rt.alias_buffers[0]),
+            weakref.ref(fp32._rt.master)]
+    del fp32
     del model, opt, rt
     gc.collect()
     return [r() is None for r in refs]
@@ -429,7 +433,7 @@ def _dropped(rank, world):
 def test_a_dropped_model_is_freed():
     """Nothing global (the shard registry, the optimizer copy-outs) and no autograd node left in the
     modules keeps a dropped model's shards and buffers alive."""
-    assert run_ranks(_dropped, 1)[0] == [True] * 4
+    assert run_ranks(_dropped, 1)[0] == [True] * 6
 
 
 # ---------------------------------------------------------------------------------------- exit

@@ -315,11 +315,16 @@ def _every_fault(rank, world):
     runs = [(f, f.split("_", 1)[1] if f.startswith(("fp8_", "accum_", "prefetch2_")) else f, FAULTS[f][0])
             for f in FAULTS]
     runs.append(("zero2_bug", "copies_written_once", dict(zero=2, bf16=True, opt="fused_adamw")))
+    # [Note: the world-1 cast gather] (the alias switch on): the gathers cast the fp32 master the optimizer wrote
+    runs.append(("cast_copies_written_once", "copies_written_once", dict(zero=3, bf16=True, opt="fused_adamw", tie=True)))
     for name, edge, case in runs:
+        sizing.ALIAS_WORLD1 = name.startswith("cast_")
         try:
             out[name] = _faulty(edge, case)
         except Exception as e:  # reported by the test of that fault
             out[name] = f"{type(e).__name__}: {e}"
+        finally:
+            sizing.ALIAS_WORLD1 = False
     out["clean"] = _run_case(0, CASES["z3_bf16_fusedadamw_tied_eval"])[1]
     return out
 
@@ -341,6 +346,15 @@ def test_checker_reports_a_dropped_edge(fault, fault_races):
     _, tensor, ops = FAULTS[fault]
     assert races, f"dropping {fault!r} went unnoticed"
     assert any(r.startswith(f"race on '{tensor}") and all(op in r for op in ops) for r in races), races
+
+
+def test_checker_reports_an_unordered_world1_cast_gather(fault_races):
+    """[Note: the world-1 cast gather]: at world 1 the gathers of the units without a compute copy cast
+    the fp32 master on the comm stream; without the copies-ready point they read it while FusedAdamW
+    writes it."""
+    races = fault_races("cast_copies_written_once")
+    assert any(r.startswith("race on 'master") and "yafsdp.adamw_step_" in r and "aten.copy_" in r
+               for r in races), races
 
 
 def test_faults_leave_the_schedule_as_it_was(fault_races):

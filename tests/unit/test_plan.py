@@ -134,9 +134,15 @@ def _world1(rank, world):
     for name, build_kw, opts in CASES:
         model = yafsdp.YaFSDP(_build(**build_kw), **opts)
         rt = model._rt
+        # [Note: the world-1 cast gather]: under ZeRO-3 with a narrow param_dtype, a unit made only of
+        # trainable parameters gathered in param_dtype casts its master into a buffer
+        narrow = opts.get("param_dtype", torch.float32) != torch.float32 and opts.get("zero_stage", 3) == 3
         out[name] += ({u.name: type(u.buffer).__name__ for u in rt.all},
                       {u.name: bool(u.shape.staging_bytes or u.shape.gather_record or u.shape.nf4_record)
-                       for u in rt.all})
+                       for u in rt.all},
+                      {u.name: narrow and not u.shape.gather_record and u.shape.frozen is None and u.shape.nf4 is None
+                       for u in rt.all},
+                      rt.compute.numel(), narrow)
     return out
 
 
@@ -145,15 +151,22 @@ def test_plan_equals_allocated_bytes_world1():
     byte for byte in every configuration, and only the units with a compact group (NF4, fp8, int8:
     their records expand into the buffer) have a weight buffer; every other unit's parameters alias
     its shards, so a configuration without a compact group allocates no weight buffer at all. No
-    grad buffer either, unless the reduce is narrow or accumulates pieces ([Note: world-1 gradients])."""
+    grad buffer either, unless the reduce is narrow or accumulates pieces ([Note: world-1 gradients]).
+    [Note: the world-1 cast gather]: under ZeRO-3 with bf16 compute, a unit of trainable parameters only
+    has a buffer too, and no compute copy (a configuration whose units are all such has none at all)."""
     for name, r in run_ranks(_world1, 1)[0].items():
-        meta_plan, own_plan, allocated, psi, true_psi, buffers, compact = r
+        meta_plan, own_plan, allocated, psi, true_psi, buffers, compact, cast, compute, narrow = r
         assert meta_plan == allocated == own_plan, (name, meta_plan, allocated)
         assert psi == true_psi, name
         for unit, kind in buffers.items():
-            assert kind == ("WeightBuffer" if compact[unit] else "ShardAlias"), (name, unit, kind)
+            assert kind == ("WeightBuffer" if compact[unit] or cast[unit] else "ShardAlias"), (name, unit, kind)
         weights = [k for k in allocated if k.startswith("weight")]
-        assert bool(weights) == any(compact.values()), (name, weights)
+        assert bool(weights) == any(compact.values()) or any(cast.values()), (name, weights)
+        if all(cast.values()):
+            assert compute == 0 and allocated["compute_copy"] == 0, (name, compute, allocated)
+        # every bf16 ZeRO-3 case has such units (the norms' small group at least; the fp8/int8 cases their
+        # embedding and head, gathered in bf16 by default)
+        assert any(cast.values()) == narrow, name
         # [Note: world-1 gradients]: no grad buffer where the reduce is fp32 and nothing accumulates in pieces
         grad_buffers = [k for k in allocated if k.startswith("grad") and k not in ("grad", "grad_landing")]
         assert bool(grad_buffers) == ("reduce" in name or "accum" in name), (name, grad_buffers)
@@ -178,7 +191,9 @@ def _alias_vs_buffers(rank, world):
             sizing.ALIAS_WORLD1 = on
             model = yafsdp.YaFSDP(build(variant), param_dtype=torch.bfloat16 if bf16 else None,
                                   zero_stage=zero)
-            assert bool(model._rt.alias_buffers) == on and bool(model.weight_buffers) != on
+            # bf16 under ZeRO-3: the units of trainable parameters cast into buffers ([Note: the world-1 cast gather])
+            cast = on and bf16 and zero == 3  # (every unit of this model is made of trainable parameters)
+            assert bool(model._rt.alias_buffers) == (on and not cast) and bool(model.weight_buffers) == (not on or cast)
             assert bool(model.grad_buffers) != on  # [Note: world-1 gradients]
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             losses, grads = [], []

@@ -263,11 +263,20 @@ def _gloo_reduce_scatter_pair(shard_out: torch.Tensor, full: torch.Tensor, group
     return work
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True, local: bool = False):
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True, local: bool = False,
+               cast: bool = False):
     """output (world * shard.numel(),) <- concatenation of every rank's ``shard``. ``local``: at
-    world 1 on gloo, a local copy (see the module note)."""
+    world 1 on gloo, a local copy (see the module note). ``cast``: at world 1 on any backend, a
+    casting copy of ``shard`` into ``output`` of another dtype, in the caller's stream ([Note: the
+    world-1 cast gather] in layout/sizing.py); refused at a larger world."""
     group = group if group is not None else dist.group.WORLD
     info = _info(group)
+    if cast:
+        if info.world != 1 or output.numel() != shard.numel():
+            raise ValueError(f"yafsdp all_gather(cast=True): output has {output.numel()} elements and the shard "
+                             f"{shard.numel()} over {info.world} ranks; a casting gather is a copy at world 1 only")
+        output.copy_(shard)
+        return _local(async_op)
     if info.gloo:
         if info.world > 1:
             return _gloo_all_gather(output, shard, group, async_op)

@@ -128,7 +128,9 @@ class StreamSchedule(Schedule):
                 shard = stage
             with self._timed("gather", unit):
                 # on the comm stream (torch >= 2.8); `group`: a secondary shard's subgroup
-                all_gather(out, shard, self.group if group is None else group, async_op=False)
+                # at world 1 a shard of another dtype is cast in: [Note: the world-1 cast gather]
+                all_gather(out, shard, self.group if group is None else group, async_op=False,
+                           cast=out.dtype != shard.dtype)
             if expand is not None:  # See [Note: expanding a compact gather]; a secondary shard is kept here too
                 with span("expand", unit):
                     expand()

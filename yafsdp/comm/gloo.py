@@ -36,7 +36,8 @@ class HandleSchedule(Schedule):
         rec = self.recorder
         with span("gather", unit):
             t = rec.now() if rec else None  # before the issuing call, which may itself move data
-            sync.work = all_gather(out, shard, self.group if group is None else group, async_op=True, local=True)
+            sync.work = all_gather(out, shard, self.group if group is None else group, async_op=True, local=True,
+                                   cast=out.dtype != shard.dtype)  # See [Note: the world-1 cast gather]
             sync.unit = unit
             sync.expand = expand
             self._count("gather" if group is None else "secondary_gather", unit, out)

@@ -112,7 +112,10 @@ def allocate(self, outsized_ratio: float) -> "Storage":
     # 1-D param_dtype: the compute copies (all-gather inputs) of the groups gathered in param_dtype,
     # laid as in the master when every group is; the master itself in fp32 (when the master is on the
     # device: with offload, the device copy is always its own tensor).
-    plain_total = sum(g.layout.shard_numel for g in trainable if not g.kind.format.compact)
+    # A unit gathered by casting its master at world 1 has none: [Note: the world-1 cast gather] in
+    # layout/sizing.py.
+    casts = {id(g) for u, c in zip(self.all, plan.cast_of) if c for g in u.groups}
+    plain_total = sum(g.layout.shard_numel for g in trainable if not g.kind.format.compact and id(g) not in casts)
     st.compute = (
         st.master if place.compute_is_master(self.compute_dtype)
         else torch.zeros(plain_total, dtype=self.compute_dtype, device=dev)
@@ -161,6 +164,8 @@ def allocate(self, outsized_ratio: float) -> "Storage":
                     roff += rec
                 elif st.compute is st.master:
                     g.compute = st.compute[off:off + n]
+                elif id(g) in casts:  # its gathers cast the master: [Note: the world-1 cast gather]
+                    g.compute, g.gathers_master = st.master[off:off + n], True
                 else:
                     g.compute = st.compute[coff:coff + n]
                     coff += n

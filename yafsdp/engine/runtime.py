@@ -390,12 +390,13 @@ class Runtime:
                 self.schedule.copies_written()
             return
         # a frozen shard is its own compute copy; a compact trainable group's is its format's record
-        cast = [g for g in stale if g.kind.reduced and not g.kind.format.compact]
+        cast = [g for g in stale if g.kind.reduced and not g.kind.format.compact and not g.gathers_master]
         packed = [g for g in stale if g.kind.reduced and g.kind.format.compact]
         with torch.no_grad():
             n_trainable = sum(1 for g in groups if g.kind.reduced)
             # every trainable group, laid alike in master and compute (never with compact groups:
-            # their compute copies are records in gather_store)
+            # their compute copies are records in gather_store; nor with groups gathered from their
+            # masters, which have none: [Note: the world-1 cast gather] in layout/sizing.py)
             everything = len(cast) == n_trainable
             if cast and (self.compute is not self.master or self.placement.optimizer_on_host):
                 with span("cast", "all" if everything else f"{len(cast)} units"):

@@ -89,6 +89,9 @@ class FlatGroup:
         self.grad_shard: torch.Tensor | None = None  # 1-D fp32, the shard's .grad storage (reduced groups)
         self.compute: torch.Tensor | None = None  # 1-D compute_dtype, the all-gather input (frozen: the shard)
         self.cast_version = -1  # shard._version when the compute copy was last written
+        # world 1: ``compute`` is the fp32 master itself, cast into the weight buffer by each gather
+        # (no compute copy to write). See [Note: the world-1 cast gather] in layout/sizing.py.
+        self.gathers_master = False
         # offload="optimizer" (reduced groups): the host side of the compute copy, and the host
         # landing of the reduced grad shard. See [Note: host and device tensors] in alloc.py.
         self.compute_host: torch.Tensor | None = None

@@ -106,6 +106,9 @@ class BufferPlan:
     # of a step and freed by zero_grad(set_to_none=True); the engine keeps no grad store. See [Note:
     # the grad shard's lifetime at world 1].
     step_grads: bool = False
+    # per flat unit (as weight_of): world 1, its trainable group gathered by casting the fp32 master
+    # into its weight buffer; it has no compute copy. See [Note: the world-1 cast gather].
+    cast_of: list[bool] = None
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -284,6 +287,9 @@ ALIAS_WORLD1 = True
 # [Note: the grad shard's lifetime at world 1]'s switch, for the tests that compare it with the one grad
 # store kept between steps: False keeps that store wherever [Note: world-1 gradients] applies.
 GRAD_LIFETIME_WORLD1 = True
+# [Note: the world-1 cast gather]'s switch, for the tests that compare it with the compute copy kept
+# between steps: False lets those units alias their compute copies as before.
+CAST_WORLD1 = True
 
 
 def plan_buffers(
@@ -426,8 +432,28 @@ def plan_buffers(
     # its parameters alias its shards (engine/alloc.py) and its gathers record the version without
     # copying (engine/buffers.py ShardAlias). Offload keeps the buffers (the shards are on the host or
     # reach the device by an upload the gathers are ordered after).
-    aliased = [alias_world1 and ALIAS_WORLD1 and not lay(i).staging_bytes and not lay(i).gather_record and not lay(i).nf4_record
-               for i in range(n_all)]
+    # [Note: the world-1 cast gather] With a param_dtype narrower than fp32 an aliased unit's
+    # parameters are its compute copy, written by the optimizer (or the cast pass) after each step
+    # and kept until the next: a param_dtype copy of the whole model held through the step, where
+    # plain PyTorch under autocast holds only the casts of the weights its saved activations need
+    # (never the embedding's) and FSDP2 casts each unit into a buffer of its own for a forward or a
+    # backward and frees it. So under ZeRO-3 a unit whose groups are all its trainable group gathered
+    # in param_dtype gets no compute copy: its "gather" casts the fp32 master into the unit's weight
+    # buffer (comm/collectives.py all_gather(cast=True), on the comm stream as a gather) and the
+    # buffers alternate as at any world size: two of the largest unit and the outsized slot instead of
+    # the whole model. The values are the compute copy's (the same round-to-nearest cast of the same
+    # fp32 master), so bit for bit the same steps. The price: the cast runs in forward and again in
+    # backward (FSDP2's two casts a step; autocast casts once, the fused AdamW's copy-out wrote the
+    # copy in its own pass), a memory-bound pass hidden behind the previous unit's compute as a
+    # gather is. ZeRO-2 keeps every unit's gathered weights from forward to backward, so a buffer per
+    # unit would hold as much as the compute copy: it keeps the alias. A unit with a frozen or NF4
+    # group (LoRA, QLoRA: a base weight to gather beside small adapters) keeps the alias too: a
+    # buffer would copy the base into a second tensor to save a compute copy of the adapters.
+    cast = [alias_world1 and ALIAS_WORLD1 and CAST_WORLD1 and zero_stage == 3 and compute_dtype != torch.float32
+            and lay(i).trainable is not None and lay(i).frozen is None and lay(i).nf4 is None
+            and not lay(i).gather_record for i in range(n_all)]
+    aliased = [alias_world1 and ALIAS_WORLD1 and not cast[i] and not lay(i).staging_bytes and not lay(i).gather_record
+               and not lay(i).nf4_record for i in range(n_all)]
     regular = [i for i in regular if not aliased[i]]
     big = [i for i in big if not aliased[i]]
 
@@ -453,7 +479,7 @@ def plan_buffers(
     if small is not None and not aliased[len(layouts)]:
         weight_of[len(layouts)] = weight_slot("weight_small", [len(layouts)], "small")
     step_grads = alias_world1 and ALIAS_WORLD1 and direct_grads and GRAD_LIFETIME_WORLD1
-    return BufferPlan(weight, grad, weight_of, grad_of, outsized, grad_chunk, chunk_slots, step_grads)
+    return BufferPlan(weight, grad, weight_of, grad_of, outsized, grad_chunk, chunk_slots, step_grads, cast)
 
 
 def layouts_world(layouts: list[UnitShape], small: UnitShape | None) -> int:

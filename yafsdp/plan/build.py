@@ -217,7 +217,8 @@ def memory_plan(
     nf4_shard = sum(lay.nf4_shard for lay in all_layouts)
     nf4_bytes = sum(lay.nf4_record for lay in all_layouts)
     record_bytes = sum(lay.gather_record for lay in all_layouts)
-    compute_shard = sum(lay.compute_shard for lay in all_layouts)
+    # a unit gathered by casting its master has no compute copy: [Note: the world-1 cast gather]
+    compute_shard = sum(lay.compute_shard for lay, cast in zip(all_layouts, slots.cast_of) if not cast)
     cbytes = itemsize(compute_dtype)
     opt_bytes = optimizer if isinstance(optimizer, int) else OPTIMIZER_BYTES[optimizer]
     slot_list = slots.weight + slots.grad
@@ -248,6 +249,7 @@ def memory_plan(
                          for lay in all_layouts), default=0),
         gather_host=record_bytes if place.optimizer_on_host else 0,
         secondary_shard=secondary_size, secondary=secondary_at[-1], grad_in_step=slots.step_grads,
+        cast_units=sum(slots.cast_of),
     )
     if async_save:
         plan.checkpoint_staging = staging_bytes(

@@ -86,6 +86,9 @@ class MemoryPlan:
     # zero_grad(set_to_none=True): counted in the step's peak (``total``), not between steps
     # (``engine_bytes()["grad"]`` 0). See [Note: the grad shard's lifetime at world 1] in layout/sizing.py.
     grad_in_step: bool = False
+    # world 1: units gathered by casting their fp32 master into a buffer, without a compute copy
+    # ([Note: the world-1 cast gather] in layout/sizing.py)
+    cast_units: int = 0
 
     # Bytes by role -----------------------------------------------------------------------
     def _slot_bytes(self, role: str, kind: str | None = None) -> int:
@@ -228,7 +231,8 @@ class MemoryPlan:
             *([(f"compute copy host staging ({self.param_dtype})", self.compute_host),
                (f"reduced-grad landing ({self.reduce_dtype})", self.grad_landing)] if self._place.optimizer_on_host
               else []),
-            (f"compute copy ({self.param_dtype})", self.compute_copy),
+            (f"compute copy ({self.param_dtype})" + (f" (none for {self.cast_units} units: cast into buffers)"
+                                                      if self.cast_units else ""), self.compute_copy),
             (f"frozen shard ({self.param_dtype})", self.frozen),
             *([(self._nf4_row, self.nf4)] if self.quantize_frozen else []),
             *([(f"compute copy, {self.gather_dtype.upper()} records ({formats.get(self.gather_dtype).label})",

@@ -1,0 +1,189 @@
+"""[Note: the world-1 cast gather] (yafsdp/layout/sizing.py): at world 1 under ZeRO-3 with a param_dtype
+narrower than fp32, a unit made of trainable parameters only keeps no compute copy; each gather casts its
+fp32 master into its weight buffer. It changes what is held between and during steps, not a value: training
+matches the compute copy kept between steps (``sizing.CAST_WORLD1 = False``) bit for bit, the plan equals the
+allocations, and the step's peak falls by the compute copy less the buffers.
+"""
+import torch
+from torch import nn
+
+import yafsdp
+from dist_utils import run_ranks
+from models import all_grads, batch, loss_of, tiny_llama
+from yafsdp.plan import memory_plan
+
+
+class _Branch(nn.Module):
+    """A block whose second linear is used only in some steps (a conditional branch, an MoE expert)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(9, 9), nn.Linear(9, 9)  # uneven: padded at world 1
+
+    def forward(self, x, use_b: bool):
+        x = self.a(x)
+        return self.b(x) if use_b else x
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.layers = nn.ModuleList([_Branch() for _ in range(3)])
+
+    def forward(self, x, use_b: bool):
+        for layer in self.layers:
+            x = layer(x, use_b)
+        return x.square().mean()
+
+
+# name -> (model kwargs, engine options, optimizer, extras)
+CASES = {
+    # two micro-batches per step, torch AdamW
+    "llama_adamw_accum": (dict(), dict(), "adamw", dict(micro=2)),
+    # FusedAdamW (no copy-out to write: the master alone), a tied head, HF's activation checkpointing
+    "tied_fused_ckpt": (dict(tie=True, checkpointing=True), dict(), "fused", dict()),
+    # an outsized embedding and head (their shared buffer), three buffers in rotation
+    "outsized_prefetch2": (dict(vocab=1031, layers=4), dict(prefetch=2), "fused", dict()),
+    # frozen q/k in every layer: the layers keep the alias and their compute copies, the rest cast
+    "frozen_qk": (dict(), dict(), "adamw", dict(freeze=("q_proj", "k_proj"))),
+    # fp16 compute with GradScaler's unscale, clip_grad_norm_, zero_grad(set_to_none=False)
+    "fp16_scaler": (dict(), dict(param_dtype=torch.float16), "adamw", dict(scaled=True, keep=True)),
+    # parameters that get a gradient in some steps only
+    "branchy": ("branchy", dict(), "fused", dict()),
+    # the full state loaded between steps: the buffers hold weights of before the load
+    "reload": (dict(), dict(), "fused", dict(reload=True)),
+}
+
+
+def _build(kw, freeze=()):
+    model = _Branchy() if kw == "branchy" else tiny_llama(seed=3, **kw)
+    for name, p in model.named_parameters():
+        if any(f in name for f in freeze):
+            p.requires_grad_(False)
+    return model
+
+
+def _loss(model, kw, step, micro, dtype):
+    if kw == "branchy":
+        x = torch.randn(4, 9, generator=torch.Generator().manual_seed(10 * step + micro)).to(dtype)
+        return model(x, step % 2 == 0).float()
+    return loss_of(model, "llama", batch("llama", step, micro, 0))
+
+
+def _train(kw, opts, optimizer, extras):
+    """Three steps: losses, grad shards, norms, the weights; and what the engine holds."""
+    opts = dict(dict(param_dtype=torch.bfloat16), **opts)
+    model = yafsdp.YaFSDP(_build(kw, extras.get("freeze", ())), **opts)
+    make = yafsdp.FusedAdamW if optimizer == "fused" else torch.optim.AdamW
+    opt = make(model.parameters(), lr=1e-2, weight_decay=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if extras.get("scaled") else None
+    losses, grads, norms = [], [], []
+    for step in range(3):
+        for micro in range(extras.get("micro", 1)):
+            loss = _loss(model, kw, step, micro, opts["param_dtype"])
+            (scaler.scale(loss) if scaler else loss).backward()
+            losses.append(loss.item())
+        if scaler:
+            scaler.unscale_(opt)
+        grads.append(all_grads(model))
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        scaler.step(opt) if scaler else opt.step()
+        if scaler:
+            scaler.update()
+        opt.zero_grad(set_to_none=not extras.get("keep"))
+        if extras.get("reload") and step == 1:
+            state = {k: v * 1.01 for k, v in model.full_state_dict().items()}
+            model.load_full_state_dict(state)
+    rt = model._rt
+    held = dict(compute=rt.compute.numel(), buffers=len(rt.weight_buffers), aliases=len(rt.alias_buffers),
+                cast=sum(rt.buffer_plan.cast_of), allocated=model.allocated_bytes())
+    return dict(losses=losses, grads=grads, norms=norms, state=model.full_state_dict(), held=held)
+
+
+def _cast_vs_copy(rank, world, names):
+    from yafsdp.layout import sizing
+
+    out = {}
+    for name in names:
+        runs = []
+        for on in (True, False):
+            sizing.CAST_WORLD1 = on
+            try:
+                runs.append(_train(*CASES[name]))
+            finally:
+                sizing.CAST_WORLD1 = True
+        a, b = runs
+        out[name] = dict(
+            held=(a["held"], b["held"]),
+            losses=a["losses"] == b["losses"], norms=a["norms"] == b["norms"],
+            grads=[torch.equal(x, y) for x, y in zip(a["grads"], b["grads"])],
+            differ=[k for k in a["state"] if not torch.equal(a["state"][k], b["state"][k])],
+            moved=any(not torch.equal(a["state"][k].float(), v.float())
+                      for k, v in _build(CASES[name][0], CASES[name][3].get("freeze", ())).state_dict().items()
+                      if k in a["state"]))
+    return out
+
+
+def test_world1_cast_gather_trains_bit_for_bit_like_the_compute_copy():
+    """bf16 and fp16, accumulation, FusedAdamW and torch AdamW, a tied head, activation checkpointing,
+    outsized units with prefetch=2, frozen parameters beside trainable ones, GradScaler, parameters used in
+    some steps only, a state loaded between steps: the same losses, grad shards, norms and weights bit
+    for bit; the cast units have no compute copy and gather into buffers."""
+    for name, r in run_ranks(_cast_vs_copy, 1, list(CASES))[0].items():
+        on, off = r["held"]
+        assert on["cast"] > 0 and off["cast"] == 0 and on["buffers"] > 0, (name, on, off)
+        assert on["allocated"]["compute_copy"] < off["allocated"]["compute_copy"], (name, on, off)
+        if name == "frozen_qk":  # the layers (frozen q/k beside trainable weights) keep the alias
+            assert on["aliases"] == 3 and on["compute"] > 0, on
+        else:
+            assert on["aliases"] == 0 and on["compute"] == 0, (name, on)
+        assert r["losses"] and r["norms"] and all(r["grads"]) and not r["differ"], (name, r)
+        assert r["moved"], name  # the steps changed the weights: the comparison compares something
+
+
+def _peaks(rank, world):
+    """Peak bytes of a step (torch CPU allocator, exact: at world 1 nothing runs on another thread) with the
+    cast gather and with the compute copy, and what the plan predicts for each."""
+    from yafsdp.layout import sizing
+    from yafsdp.measure import measure_memory
+
+    def build():
+        model = yafsdp.YaFSDP(tiny_llama(seed=3, layers=6, vocab=1031), param_dtype=torch.bfloat16)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(engine, i):
+        model, opt = engine
+        loss_of(model, "llama", batch("llama", i, 0, 0)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    out = {}
+    for on in (True, False):
+        sizing.CAST_WORLD1 = on
+        try:
+            model, _ = build()
+            held = sum(model.allocated_bytes().values())
+            del model
+            peak = measure_memory(build, step, 3, torch.device("cpu"), method="torch")["peak_steady"]
+            with torch.device("meta"):
+                meta = tiny_llama(seed=3, layers=6, vocab=1031)
+            plan = memory_plan(meta, world_size=1, param_dtype=torch.bfloat16, backend="gloo")
+            out[on] = dict(peak=peak, held=held, plan=sum(plan.engine_bytes().values()),
+                           compute=plan.compute_copy, buffers=plan.weight_buffers + plan.outsized_buffers
+                           + plan.small_group, rows=[r for r, _ in plan.rows() if r.startswith("compute copy")])
+        finally:
+            sizing.CAST_WORLD1 = True
+    return out
+
+
+def test_world1_cast_gather_lowers_the_step_peak_by_the_compute_copy_less_the_buffers():
+    """What the engine holds is the plan's in both layouts, and the measured step peak falls by exactly what
+    the plan says the layouts differ by: the compute copy of every unit, less the buffers it casts into."""
+    r = run_ranks(_peaks, 1)[0]
+    on, off = r[True], r[False]
+    assert on["held"] == on["plan"] and off["held"] == off["plan"], r
+    assert on["compute"] == 0 < off["compute"] and off["buffers"] < on["buffers"], r
+    saved = (off["compute"] + off["buffers"]) - (on["compute"] + on["buffers"])
+    assert saved > 0 and on["peak"] == off["peak"] - saved, r  # exact counts: the rest of the step is the same
+    assert on["rows"] == ["compute copy (bf16) (none for 9 units: cast into buffers)"], on["rows"]  # 6 layers, embedding, head, norms
