@@ -226,7 +226,9 @@ class EngineConfig:
         _dtype(none_ok=False), lambda: tuple(DTYPE_NAMES.values()))
     zero_stage: int = option(
         3, "3: each unit is gathered again for backward (two alternating weight buffers); 2: the forward's gather "
-        "is kept until backward (one buffer per unit: a full param_dtype copy of the model)",
+        "is kept until backward (one buffer per unit: a full param_dtype copy of the model). At world 1 with a "
+        "narrower param_dtype, 3 casts each unit from the fp32 master into the buffers (in forward and again in "
+        "backward) and 2 keeps a compute copy instead, cast once per step",
         _zero_stage, lambda: (2, 3))
     align_bytes: int = option(
         16, "bytes of the gathered dtype each flat unit is padded to, per rank (a multiple of world_size x "
