@@ -1,6 +1,6 @@
 """World 1 pays nothing? Peak memory of one training step at world 1: yafsdp against plain PyTorch
 with the same optimizer and against torch FSDP2 (``fully_shard``), in fp32 and bf16, for a full
-fine-tune and for PEFT LoRA, with the torch CPU allocator's exact counts.
+fine-tune, for PEFT LoRA and for QLoRA (bf16), with the torch CPU allocator's exact counts.
 
     python benchmarks/bench_world1.py --md benchmarks/results/world1_cpu_<date>.md
     python benchmarks/bench_world1.py --device cuda --preset llama3-1b --md benchmarks/results/world1_<gpu>_<date>.md
@@ -20,6 +20,9 @@ it) over the trainable parameters, batch x seq random tokens, HF's loss, 3 steps
   the frozen base stored in bf16, the adapters fp32, as a user keeps a LoRA base.
 - **fsdp2**: ``fully_shard`` per decoder layer and at the root, ``MixedPrecisionPolicy(bf16, fp32
   reduce)`` in bf16. LoRA, bf16: the base in bf16 before sharding, the adapters fp32.
+- **QLoRA** (``bf16-qlora``): the LoRA model with every frozen linear weight NF4: yafsdp
+  ``quantize_frozen="nf4"``; plain and FSDP2 torchao's ``NF4Tensor`` (``linear_nf4``; torchao is looked
+  for in ./.torchao as well). FSDP2 with torchao's NF4 fails at world 1; its row says why.
 
 The yafsdp row also gives the plan's figures (``memory_plan`` of a meta model): the state it holds
 between steps and its predicted peak. Goal: yafsdp's peak <= 1.00x FSDP2's and <= 1.00x
@@ -52,8 +55,8 @@ def parse(argv=None):
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lora-r", type=int, default=8)
-    ap.add_argument("--configs", default="fp32-full,bf16-full,fp32-lora,bf16-lora",
-                    help="comma list of {fp32,bf16}-{full,lora}")
+    ap.add_argument("--configs", default="fp32-full,bf16-full,fp32-lora,bf16-lora,bf16-qlora",
+                    help="comma list of {fp32,bf16}-{full,lora} and bf16-qlora")
     ap.add_argument("--engines", default="yafsdp,plain,fsdp2")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="cpu: the torch CPU allocator's exact counts; cuda: the caching allocator's allocated and "
@@ -87,37 +90,71 @@ def _model(a, meta: bool, lora: bool, base_dtype=None):
     return model
 
 
-def build(a, engine: str, bf16: bool, lora: bool):
-    """() -> (model, optimizer, autocast dtype or None)."""
+def _nf4_base(model) -> int:
+    """QLoRA for the competitors: every frozen ``nn.Linear`` weight of the PEFT model (the adapted
+    layers' bases, the MLP, ``lm_head``) becomes a torchao NF4Tensor (64-value blocks, double-quantized
+    scales) used through torchao's ``linear_nf4`` -- the weights yafsdp's ``quantize_frozen="nf4"``
+    stores as NF4. Returns how many; raises when torchao does not import."""
+    from bench_finetune import torchao_nf4
+
+    fns, why = torchao_nf4()
+    if fns is None:
+        raise RuntimeError(f"torchao's NF4 is not available: {why}")
+    to_nf4, linear_nf4 = fns
+    n = 0
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if type(mod) is not torch.nn.Linear or w is None or w.requires_grad or mod.bias is not None:
+            continue
+        blocks = w.numel() // 64
+        sbs = next((b for b in (256, 128, 64, 32, 16, 8) if w.numel() % 64 == 0 and blocks % b == 0), None)
+        if sbs is None:
+            continue
+        mod.weight = torch.nn.Parameter(to_nf4(w.detach().to(torch.bfloat16), 64, sbs), requires_grad=False)
+        mod.forward = (lambda m: lambda x: linear_nf4(x, m.weight))(mod)
+        n += 1
+    return n
+
+
+def build(a, engine: str, bf16: bool, lora: bool, qlora: bool = False):
+    """() -> (model, optimizer, autocast dtype or None). ``qlora``: a LoRA model whose frozen linear
+    weights are NF4 (yafsdp: ``quantize_frozen="nf4"``; the others: torchao's NF4Tensor)."""
     pdt = torch.bfloat16 if bf16 else None
 
     def _build():
         if engine == "yafsdp":
-            model = yafsdp.YaFSDP(_model(a, True, lora), param_dtype=pdt, reduce_dtype=torch.float32, device=a.device)
+            model = yafsdp.YaFSDP(_model(a, True, lora), param_dtype=pdt, reduce_dtype=torch.float32, device=a.device,
+                                  quantize_frozen="nf4" if qlora else None)
             model.mark_loaded()
             cast = None
         elif engine == "plain":
             model = _model(a, False, lora, base_dtype=pdt if lora else None)
+            if qlora:
+                _nf4_base(model)
             cast = pdt
         elif engine == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-            model = _model(a, True, lora, base_dtype=pdt if lora else None)
+            # QLoRA: real weights (torchao quantizes values; on meta there are none to quantize)
+            model = _model(a, not qlora, lora, base_dtype=pdt if lora else None)
+            if qlora:
+                _nf4_base(model)
             mesh = init_device_mesh(a.device, (1,))
             mp = MixedPrecisionPolicy(param_dtype=pdt, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
             hf = model.get_base_model() if lora else model
             for layer in hf.model.layers:
                 fully_shard(layer, mesh=mesh, mp_policy=mp)
             fully_shard(model, mesh=mesh, mp_policy=mp)
-            rotary = hf.model.rotary_emb
-            model.to_empty(device=a.device)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.zero_()
-            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+            if not qlora:
+                rotary = hf.model.rotary_emb
+                model.to_empty(device=a.device)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.zero_()
+                from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-            hf.model.rotary_emb = LlamaRotaryEmbedding(rotary.config).to(a.device)
+                hf.model.rotary_emb = LlamaRotaryEmbedding(rotary.config).to(a.device)
             cast = None
         else:
             raise ValueError(f"unknown engine {engine!r}: use yafsdp, plain or fsdp2")
@@ -142,11 +179,12 @@ def step_fn(a, vocab: int):
     return step
 
 
-def plan_of(a, bf16: bool, lora: bool):
+def plan_of(a, bf16: bool, lora: bool, qlora: bool = False):
     from yafsdp.plan import memory_plan
 
     p = memory_plan(_model(a, True, lora), world_size=1, param_dtype="bf16" if bf16 else None, batch=a.batch,
-                    seq=a.seq, backend="nccl" if a.device == "cuda" else "gloo")
+                    seq=a.seq, backend="nccl" if a.device == "cuda" else "gloo",
+                    quantize_frozen="nf4" if qlora else None)
     return p
 
 
@@ -162,16 +200,18 @@ def main(argv=None):
     worst = {}
     for cfg in a.configs.split(","):
         dt, kind = cfg.split("-")
-        bf16, lora = dt == "bf16", kind == "lora"
+        bf16, lora, qlora = dt == "bf16", kind in ("lora", "qlora"), kind == "qlora"
+        if qlora and not bf16:
+            raise SystemExit(f"{cfg}: QLoRA computes in bf16 here; use bf16-qlora")
         res = {}
         for e in engines:
             try:
-                res[e] = measure_memory(build(a, e, bf16, lora), step_fn(a, vocab), 3, dev,
+                res[e] = measure_memory(build(a, e, bf16, lora, qlora), step_fn(a, vocab), 3, dev,
                                         method="cuda" if cuda else "torch")
             except Exception as exc:  # noqa: BLE001 - a competitor that cannot run this configuration says why
                 res[e] = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
             print(cfg, e, {k: v for k, v in res[e].items() if k != "how"}, flush=True)
-        plan = plan_of(a, bf16, lora) if "yafsdp" in engines else None
+        plan = plan_of(a, bf16, lora, qlora) if "yafsdp" in engines else None
         raw[cfg] = dict(measured=res, plan=None if plan is None else dict(
             state=plan.engine_total + plan.optimizer_state, total=plan.total, engine=plan.engine_bytes()))
         for e in engines:
@@ -205,8 +245,9 @@ def main(argv=None):
         "Command: `python benchmarks/bench_world1.py " + " ".join(sys.argv[1:] if argv is None else argv) + "`",
         "",
         f"Model: {a.preset} ({a.layers or 'all'} layers), batch {a.batch} x seq {a.seq}; LoRA r {a.lora_r} on "
-        f"{','.join(TARGETS)}; torch AdamW over the trainable parameters; world 1 (fake process group). Memory: "
-        f"{how}.",
+        f"{','.join(TARGETS)}; QLoRA: that LoRA with every frozen linear weight NF4 (yafsdp quantize_frozen='nf4'; "
+        f"plain and FSDP2: torchao's NF4Tensor and linear_nf4); torch AdamW over the trainable parameters; world 1 "
+        f"(fake process group). Memory: {how}.",
         "",
         md_table(head, rows),
         "",
