@@ -187,3 +187,45 @@ def test_world1_cast_gather_lowers_the_step_peak_by_the_compute_copy_less_the_bu
     saved = (off["compute"] + off["buffers"]) - (on["compute"] + on["buffers"])
     assert saved > 0 and on["peak"] == off["peak"] - saved, r  # exact counts: the rest of the step is the same
     assert on["rows"] == ["compute copy (bf16) (none for 9 units: cast into buffers)"], on["rows"]  # 6 layers, embedding, head, norms
+
+
+# [Note: world-1 records in place]: name -> (model kwargs, engine options, optimizer, extras)
+RECORDS = {
+    # a QLoRA-like base: frozen q/k/MLP quantized to NF4 beside trainable weights, two micro-batches
+    "nf4_frozen": (dict(), dict(quantize_frozen="nf4"), "adamw",
+                   dict(freeze=("q_proj", "k_proj", "mlp"), micro=2)),
+    # trainable weights gathered as fp8 records that FusedAdamW writes, a tied head
+    "fp8_fused_tied": (dict(tie=True), dict(gather_dtype="fp8"), "fused", dict()),
+    "int8_prefetch2": (dict(vocab=1031, layers=4), dict(gather_dtype="int8", prefetch=2), "adamw", dict()),
+}
+
+
+def _in_place_vs_staged(rank, world):
+    """Each RECORDS case at world 1 with the records expanded in place and with every unit gathered through a
+    buffer and its staging area, as at any world (the alias switch off)."""
+    from yafsdp.layout import sizing
+
+    out = {}
+    for name, case in RECORDS.items():
+        runs = []
+        for on in (True, False):
+            sizing.ALIAS_WORLD1 = on
+            try:
+                runs.append(_train(*case))
+            finally:
+                sizing.ALIAS_WORLD1 = True
+        a, b = runs
+        out[name] = dict(
+            staging=[sum(v for k, v in r["held"]["allocated"].items() if k.endswith("_staging")) for r in runs],
+            same=a["losses"] == b["losses"] and a["norms"] == b["norms"]
+            and all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"])),
+            differ=[k for k in a["state"] if not torch.equal(a["state"][k], b["state"][k])])
+    return out
+
+
+def test_world1_records_expand_in_place_bit_for_bit():
+    """[Note: world-1 records in place]: at world 1 the NF4, fp8 and int8 records expand into the buffers from
+    where they lie (no staging area at all), training bit for bit as through the staging areas."""
+    for name, r in run_ranks(_in_place_vs_staged, 1)[0].items():
+        assert r["staging"][0] == 0 < r["staging"][1], (name, r["staging"])
+        assert r["same"] and not r["differ"], (name, r)

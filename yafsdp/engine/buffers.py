@@ -78,7 +78,10 @@ class WeightBuffer:
             if not g.kind.format.compact:
                 target, then = out, None
             else:  # the records into the staging area, then the expand: [Note: expanding a compact gather]
-                target = self.staging[g.staging_offset:g.staging_offset + g.staging_bytes]
+                # (world 1: no staging area, the record expands where it lies: [Note: world-1 records in
+                # place] in layout/sizing.py)
+                target = (self.staging[g.staging_offset:g.staging_offset + g.staging_bytes]
+                          if self.staging.numel() else g.compute)
                 then = functools.partial(g.expand, out, target)
             if within:  # the pieces kept after the forward's gather, within the subgroup
                 self.schedule.gather(self.sync, target, sec.pieces[i], unit.name, then, group=sec.group)

@@ -457,10 +457,19 @@ def plan_buffers(
     regular = [i for i in regular if not aliased[i]]
     big = [i for i in big if not aliased[i]]
 
+    # [Note: world-1 records in place] A unit with a compact group (NF4, fp8, int8) keeps its buffer at world 1:
+    # its records expand into it. Their staging area is where every rank's record lands before the expand;
+    # at world 1 that is a copy of the one record the store already holds, so there the buffers get none and
+    # the expand reads the record where it lies (engine/buffers.py; the "gather" is then a copy of the
+    # record onto itself, which moves nothing). Offload keeps it (the record comes from the host through
+    # the landing; alias_world1 is off there).
+    in_place = alias_world1 and ALIAS_WORLD1
+
     def weight_slot(name: str, members: list[int], role: str) -> int:
         landing = max(landing_layout(lay(i), compute_dtype)[1] for i in members) if offload_frozen else 0
+        staging = 0 if in_place else max(lay(i).staging_bytes for i in members)
         weight.append(BufferSpec(name, "weight", max(lay(i).weight_numel for i in members), 0, compute_dtype, role,
-                                 staging_bytes=max(lay(i).staging_bytes for i in members), landing_bytes=landing))
+                                 staging_bytes=staging, landing_bytes=landing))
         return len(weight) - 1
 
     if zero_stage == 3:
