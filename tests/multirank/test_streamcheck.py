@@ -317,8 +317,11 @@ def _every_fault(rank, world):
     runs.append(("zero2_bug", "copies_written_once", dict(zero=2, bf16=True, opt="fused_adamw")))
     # [Note: the world-1 cast gather] (the alias switch on): the gathers cast the fp32 master the optimizer wrote
     runs.append(("cast_copies_written_once", "copies_written_once", dict(zero=3, bf16=True, opt="fused_adamw", tie=True)))
+    # [Note: world-1 records in place]: the expand reads the fp8 records FusedAdamW writes, where they lie
+    runs.append(("inplace_fp8_copies_written_once", "copies_written_once",
+                 dict(zero=3, bf16=True, opt="fused_adamw", fp8=True)))
     for name, edge, case in runs:
-        sizing.ALIAS_WORLD1 = name.startswith("cast_")
+        sizing.ALIAS_WORLD1 = name.startswith(("cast_", "inplace_"))
         try:
             out[name] = _faulty(edge, case)
         except Exception as e:  # reported by the test of that fault
@@ -354,6 +357,14 @@ def test_checker_reports_an_unordered_world1_cast_gather(fault_races):
     writes it."""
     races = fault_races("cast_copies_written_once")
     assert any(r.startswith("race on 'master") and "yafsdp.adamw_step_" in r and "aten.copy_" in r
+               for r in races), races
+
+
+def test_checker_reports_an_unordered_world1_expand_in_place(fault_races):
+    """[Note: world-1 records in place]: at world 1 the fp8 records expand into the buffer from the store
+    FusedAdamW writes; without the copies-ready point the expand reads them while they are written."""
+    races = fault_races("inplace_fp8_copies_written_once")
+    assert any(r.startswith("race on 'fp8") and "yafsdp.adamw_step_fp8_" in r and "yafsdp.fp8_expand_" in r
                for r in races), races
 
 
