@@ -63,9 +63,10 @@ def parse(argv=None):
 
 
 # ------------------------------------------------------------------ local stand-ins of the collectives
-def _local_all_gather(output, shard, group, async_op=True, local=False):
-    """This rank's slot of the output gets its shard (the copy a real gather makes too); the other
-    slots keep what they held (the weights are stale: the local runs' losses mean nothing)."""
+def _local_all_gather(output, shard, group, async_op=True, local=False, cast=False):
+    """This rank's slot of the output gets its shard (the copy a real gather makes too; ``cast``: the
+    world-1 casting copy, which copy_ makes as well); the other slots keep what they held (the weights
+    are stale: the local runs' losses mean nothing)."""
     from yafsdp.comm.collectives import _local
 
     output.view(-1).chunk(output.numel() // shard.numel())[dist.get_rank(group)].copy_(shard.view(-1))
