@@ -49,6 +49,7 @@ def _spawn_entry(rank: int, world: int, port: int, fn, args, threads: int):
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
     fn(args)
+    gc.freeze()  # the rank exits next: see [Note: a fast exit] in examples/pretrain/ops.py
 
 
 def launch(fn, args, world: int, port: int = 29512):

@@ -35,7 +35,6 @@ import argparse
 import gc
 import os
 import shutil
-import sys
 import warnings
 
 import torch
@@ -48,7 +47,7 @@ from pretrain import data as D  # examples/pretrain, beside this script (its dir
 from pretrain import job as J
 from pretrain import progress as P
 from pretrain import stream as S
-from pretrain.ops import JobError
+from pretrain.ops import JobError, exit_fast
 
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj"
 # The fine-tuning defaults that differ from the pretraining job's (preset-dependent ones included:
@@ -392,4 +391,4 @@ class FinetuneJob(J.Job):
 
 
 if __name__ == "__main__":
-    sys.exit(J.main(job_cls=FinetuneJob))
+    exit_fast(J.main(job_cls=FinetuneJob))  # sys.exit, without the collector's pass at exit (pretrain/ops.py)

@@ -35,11 +35,10 @@ checkpoints/step_*/ (torch.distributed.checkpoint). See docs/pretrain.md.
 """
 from __future__ import annotations
 
-import sys
-
 # The job lives in examples/pretrain/job.py (beside this script; its directory is on sys.path), shared
 # with examples/finetune_lora.py; these names stay importable from here (examples/generate.py uses them).
 from pretrain.job import Job, JobError, main, model_config, parse_args  # noqa: F401
+from pretrain.ops import exit_fast
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_fast(main())  # sys.exit(main()), without the collector's pass over every object at exit

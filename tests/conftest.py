@@ -34,10 +34,11 @@ def tiny_llama():
 
 @pytest.fixture(scope="session")
 def hsdp_job_run(tmp_path_factory):
-    """The pretraining job at world 4 as ``--hsdp 2`` (2 replicas x 2 shard ranks), 4 steps, saved every 2
-    steps in the background (``--async-save``): one run read by two files -- test_pretrain.py resumes it,
-    test_torchft_job.py's replica groups must train as it does (saving changes nothing a step computes).
-    Tests only read its folder (``out``); ``stdout`` is the job's."""
+    """The pretraining job at world 4 as ``--hsdp 2`` (2 replicas x 2 shard ranks), 4 steps of 2 micro-batches,
+    saved every 2 steps in the background (``--async-save``): one run read by three files --
+    test_pretrain.py resumes it, test_torchft_job.py's replica groups must train as it does (saving
+    changes nothing a step computes), test_hsdp.py's full sharding over the same 4 ranks must train
+    like it. Tests only read its folder (``out``); ``stdout`` is the job's."""
     from job_utils import HSDP_JOB_ARGS, run_job
 
     out = str(tmp_path_factory.mktemp("hsdp_job") / "run")

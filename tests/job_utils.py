@@ -15,8 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "examples", "pretrain_llama.py")
 FAST = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "2", "--no-progress", "--sample-tokens", "0",
         "--eval-batches", "1"]
-# conftest.py's ``hsdp_job_run``: world 4 as 2 replicas x 2 shard ranks, saved in the background every 2 steps
-HSDP_JOB_ARGS = ["--steps", "4", "--save-every", "2", "--hsdp", "2", "--async-save"]
+# conftest.py's ``hsdp_job_run``: world 4 as 2 replicas x 2 shard ranks, 2 micro-batches a step, saved in the
+# background every 2 steps
+HSDP_JOB_ARGS = ["--steps", "4", "--save-every", "2", "--hsdp", "2", "--async-save", "--grad-accum", "2"]
 
 
 def env():

@@ -1,12 +1,14 @@
-"""Operations: the distributed environment (start, the HSDP mesh, teardown before exit), agreement on
-errors, and stop signals."""
+"""Operations: the distributed environment (start, the HSDP mesh, teardown before exit, the exit itself),
+agreement on errors, and stop signals."""
 from __future__ import annotations
 
 import fcntl
+import gc
 import json
 import os
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -291,8 +293,28 @@ def shutdown_distributed() -> None:
     holds on the error path too (the engine's autograd nodes hold it weakly: [Note: weak
     references from autograd nodes]); tests/jobs/test_job_failures.py checks that no thread but the
     main one is left after ``main()`` returns, on a normal and on an error exit."""
-    import gc
-
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
+
+
+def exit_fast(code: int):
+    """``sys.exit(code)`` for a job's script, without the interpreter's collections over every object
+    at exit (see [Note: a fast exit]). Only for ``__main__``: it leaves the collector frozen.
+
+    [Note: a fast exit]
+    A job's process ends holding torch, transformers and what they import: millions of objects that
+    the cyclic garbage collector tracks. At exit the interpreter clears every module and runs full
+    collections over all of them: about 1 CPU-second per process on the CPU box (the 2-step tiny run on
+    one rank takes 5.9 s of CPU with them, 4.9 s without; /usr/bin/time), paid by every rank of every
+    run. ``gc.freeze()`` just before ``sys.exit`` moves every object alive into the permanent
+    generation, which those collections skip. The rest of the exit happens as before: the atexit
+    handlers, the flush of stdout and stderr, the deallocation of everything reference counting frees
+    while the modules are cleared. What no longer happens is the collection of reference cycles that
+    become garbage only while the modules are cleared, and so the finalizers of their objects (which
+    Python does not promise at exit anyway). The job has nothing left there: ``main()`` has closed its
+    files and dropped the job, and ``shutdown_distributed`` collected its cycles, the process group's
+    among them, while Python still ran ([Note: teardown before exit]). A caller that runs ``main()`` in
+    its own process keeps its collector: only the scripts' ``__main__`` exits this way."""
+    gc.freeze()
+    sys.exit(code)

@@ -4,7 +4,9 @@ step; the order's name in the checkpoint (a position written before it was named
 old order, an unknown one is refused); the pages of a mapped .bin dropped ([Note: mapped pages])."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from job_utils import FAST, JOB, env, losses, run_job, torchrun_cmd, tree_digest
+from job_utils import FAST, JOB, env, losses, metrics, run_job, torchrun_cmd, tree_digest
 from pretrain import data as D  # examples/ is on pytest's pythonpath (pyproject.toml)
 
 SIZES = [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 31, 64, 97, 255, 256, 257, 1000, 1021, 4096, 65537]
@@ -180,11 +182,18 @@ def test_resume_keeps_the_order_of_the_checkpoint(tmp_path):
         return p
 
     out = {k: str(tmp_path / k) for k in ("old6", "old2", "later")}
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(2) as pool:
         jobs = [pool.submit(before, ["--steps", "6", "--out", out["old6"]]),
-                pool.submit(before, ["--steps", "2", "--out", out["old2"]]),
                 pool.submit(before, ["--steps", "2", "--out", out["later"]], "feistel9")]
         [j.result() for j in jobs]
+    # the old run stopped at step 2: its folder without the checkpoints and the metrics after step 2
+    shutil.copytree(out["old6"], out["old2"])
+    for step in (4, 6):
+        shutil.rmtree(os.path.join(out["old2"], "checkpoints", f"step_{step:08d}"))
+    rows = metrics(out["old2"])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    with open(os.path.join(out["old2"], "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows[:2])
     later_files = tree_digest(out["later"])
     with ThreadPoolExecutor(2) as pool:
         refused = pool.submit(run_job, common + ["--steps", "4", "--resume", "--out", out["later"]], check=False)

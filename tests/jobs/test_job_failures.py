@@ -223,7 +223,10 @@ from pretrain.job import main
 code = main(sys.argv[1:])
 # one write per rank: print() writes its pieces separately, and two ranks' pieces interleave on the shared stderr
 os.write(2, f"threads after main: {{len(os.listdir('/proc/self/task'))}}\\n".encode())
-sys.exit(code)
+import atexit, gc
+from pretrain.ops import exit_fast
+atexit.register(lambda: os.write(2, f"collector frozen at exit: {{gc.get_freeze_count() > 0}}\\n".encode()))
+exit_fast(code)  # the scripts' own exit
 """
 
 
@@ -231,7 +234,8 @@ sys.exit(code)
 def test_the_job_ends_its_gloo_threads_before_exit(tmp_path):
     """[Note: teardown before exit]: when main() returns, on a normal and on an error exit, the gloo
     backend's worker threads are gone (only the main thread is left), so none can free a tensor
-    during interpreter finalization (the rare SIGABRT at exit)."""
+    during interpreter finalization (the rare SIGABRT at exit); the scripts' exit_fast ([Note: a fast
+    exit]) then exits with main()'s status, the collector frozen."""
     from job_utils import ROOT
 
     script = tmp_path / "job_then_count.py"
@@ -246,3 +250,6 @@ def test_the_job_ends_its_gloo_threads_before_exit(tmp_path):
         assert len(counts) == 2, (p.returncode, p.stderr[-3000:])
         assert all(line.endswith("threads after main: 1") for line in counts), counts
         assert (p.returncode == 0) == (code == 0), p.stderr[-3000:]
+        assert p.stderr.count("collector frozen at exit: True") == 2, p.stderr[-3000:]
+        if code:
+            assert f"exitcode  : {code}" in p.stderr, p.stderr[-3000:]

@@ -63,10 +63,12 @@ def runs(tmp_path_factory):
     def lane_half():  # 1 node x 2 ranks: 6 steps, resumed to 12; the step-6 checkpoint on 1 rank
         first = run_job(["--steps", "6", "--data", bin_path, "--out", out["half"]])
         shutil.copytree(out["half"], out["to1"])
-        second = run_job(["--steps", "12", "--data", bin_path, "--resume", "--out", out["half"],
-                          "--peak-tflops", "0.01", "--tensorboard", str(base / "tb")])
-        to1 = run_job(["--steps", "12", "--resume", "--grad-accum", "2", "--tokenizer", tok_dir,
-                       "--data", str(jsonl_dir / "corpus.jsonl"), "--out", out["to1"]], nproc=1)
+        with ThreadPoolExecutor(1) as resumes:  # the two resumes of the step-6 checkpoint side by side
+            to1 = resumes.submit(run_job, ["--steps", "12", "--resume", "--grad-accum", "2", "--tokenizer", tok_dir,
+                                           "--data", str(jsonl_dir / "corpus.jsonl"), "--out", out["to1"]], nproc=1)
+            second = run_job(["--steps", "12", "--data", bin_path, "--resume", "--out", out["half"],
+                              "--peak-tflops", "0.01", "--tensorboard", str(base / "tb")])
+            to1 = to1.result()
         return first, second, to1
 
     # Two independent lanes side by side: their start-ups (imports, rendezvous) overlap.
@@ -450,7 +452,7 @@ def _training_state(path: str, tmp) -> dict:
 
 def test_hsdp_async_save_resumes_exactly(hsdp_job_run, tmp_path):
     """--hsdp 2 --async-save at world 4 (2 replicas x 2 shard ranks; the run is conftest.py's
-    ``hsdp_job_run``, shared with test_torchft_job.py): the periodic saves are written in
+    ``hsdp_job_run``, shared with test_torchft_job.py and test_hsdp.py): the periodic saves are written in
     the background by replica 0 ('saving ... in the background', then 'saved' once complete, on the
     manifest the world and the mesh); the run restarted from the asynchronous step-2 checkpoint (the
     later ones removed) repeats the losses bit for bit and ends with the same weights and optimizer

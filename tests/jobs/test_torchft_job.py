@@ -133,9 +133,10 @@ def _without_elapsed(ck: dict) -> dict:
 def test_replica_groups_train_as_the_hsdp_run(hsdp_job_run, tmp_path):
     """No failure: both groups (the first step waits for both: --torchft-wait) log the losses of
     the --hsdp 2 run over the same 4 ranks (conftest.py's ``hsdp_job_run``, shared with
-    test_pretrain.py; its saves every 2 steps change nothing a step computes), and end with its
-    weights, optimizer state and data position, bit for bit."""
-    args = ["--steps", "4", "--save-every", "0"]
+    test_pretrain.py; its saves every 2 steps change nothing a step computes; 2 micro-batches a step:
+    the groups' all-reduce follows the step's last backward), and end with its weights, optimizer
+    state and data position, bit for bit."""
+    args = ["--steps", "4", "--save-every", "0", "--grad-accum", "2"]
     with lighthouse() as address:
         groups = [(_launch(tmp_path / f"g{g}", address, g, args), tmp_path / f"g{g}") for g in (0, 1)]
         hsdp = hsdp_job_run["out"]

@@ -7,6 +7,7 @@ vocabulary's slices). The flags TP does not run with are refused with one line."
 import contextlib
 import io
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -19,12 +20,14 @@ def test_tp_job_trains_saves_and_resumes(tmp_path):
     assert "TP 2 x 2 data-parallel ranks (sequence parallel)" in a.stdout, a.stdout[-2000:]
     assert "2 seq x 2 ranks x 1 accum = 4 seq" in a.stdout, a.stdout[-2000:]  # the data-parallel ranks read
     ckpt = os.path.join(full, "checkpoints", "step_00000002")
-    b = run_job(["--tp", "2", "--steps", "4", "--resume", ckpt, "--out", same], nproc=4)
+    hf_dir = str(tmp_path / "hf")
+    with ThreadPoolExecutor(2) as pool:  # both resume the step-2 checkpoint: side by side
+        b = pool.submit(run_job, ["--tp", "2", "--steps", "4", "--resume", ckpt, "--out", same], nproc=4)
+        c = pool.submit(run_job, ["--tp", "2", "--loss-parallel", "--batch-size", "4", "--steps", "4", "--resume",
+                                  ckpt, "--out", narrow, "--export-hf", hf_dir], nproc=2)
+        b, c = b.result(), c.result()
     assert "resumed from" in b.stdout
     assert losses(same) == losses(full)[2:], (losses(same), losses(full))
-    hf_dir = str(tmp_path / "hf")
-    c = run_job(["--tp", "2", "--loss-parallel", "--batch-size", "4", "--steps", "4", "--resume", ckpt, "--out",
-                 narrow, "--export-hf", hf_dir], nproc=2)
     assert "written by 4 rank(s), loaded by 2" in c.stdout and "loss parallel" in c.stdout, c.stdout[-2000:]
     assert [r["step"] for r in metrics(narrow)] == [3, 4]
     assert close(losses(narrow), losses(full)[2:], rel=1e-5), (losses(narrow), losses(full))

@@ -399,23 +399,26 @@ def test_plan_cli_hsdp(capsys):
     assert "--hsdp 3 does not divide --world-size 16" in capsys.readouterr().err
 
 
-def test_job_hsdp_matches_full_sharding(tmp_path):
-    """`pretrain_llama.py --hsdp 2` at world 4 (2 replicas x 2 shard ranks) trains like full sharding
-    over the same 4 ranks (same global batch) and checkpoints from replica 0; an --hsdp that does not
-    divide the world is a one-line error (exit 2) before anything is written."""
+def test_job_hsdp_matches_full_sharding(hsdp_job_run, tmp_path):
+    """`pretrain_llama.py --hsdp 2` at world 4 (2 replicas x 2 shard ranks, 2 micro-batches a step; the run
+    is conftest.py's ``hsdp_job_run``, shared with test_pretrain.py and test_torchft_job.py) trains like
+    full sharding over the same 4 ranks (same global batch, same flags otherwise) and checkpoints from
+    replica 0; an --hsdp that does not divide the world is a one-line error (exit 2) before anything is
+    written."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from job_utils import close, losses, run_job
+    from job_utils import HSDP_JOB_ARGS, close, losses, run_job
 
-    hs, flat = str(tmp_path / "hsdp"), str(tmp_path / "flat")
-    args = ["--steps", "2", "--save-every", "2", "--grad-accum", "2"]
-    with ThreadPoolExecutor(3) as pool:  # the refused run (below) starts alongside: it stops before any rank
-        a = pool.submit(run_job, args + ["--out", hs, "--hsdp", "2"], 4)
-        b = pool.submit(run_job, args + ["--out", flat], 4)
+    hs, flat = hsdp_job_run["out"], str(tmp_path / "flat")
+    i = HSDP_JOB_ARGS.index("--hsdp")
+    flat_args = HSDP_JOB_ARGS[:i] + HSDP_JOB_ARGS[i + 2:]
+    assert "--grad-accum" in flat_args  # HSDP's deferred all-reduce under accumulation, as the job runs it
+    with ThreadPoolExecutor(2) as pool:  # the refused run (below) starts alongside: it stops before any rank
+        b = pool.submit(run_job, flat_args + ["--out", flat], 4)
         c = pool.submit(run_job, ["--steps", "1", "--out", str(tmp_path / "bad"), "--hsdp", "2"], 0, check=False)
-        p, _, bad = a.result(), b.result(), c.result()
-    assert "HSDP 2 replicas x 2 shard ranks" in p.stdout
-    assert close(losses(hs), losses(flat), rel=1e-4), (losses(hs), losses(flat))
+        _, bad = b.result(), c.result()
+    assert "HSDP 2 replicas x 2 shard ranks" in hsdp_job_run["stdout"]
+    assert len(losses(hs)) == 4 and close(losses(hs), losses(flat), rel=1e-4), (losses(hs), losses(flat))
     # replica 0 wrote the checkpoints (2 DCP files: its shard group); the manifest records the world
     # (resuming one on other meshes and flat worlds: test_hsdp_checkpoints_across_meshes)
     step2 = os.path.join(hs, "checkpoints", "step_00000002")
