@@ -59,6 +59,32 @@ class Stack(nn.Module):
         return ((out - target) ** 2).mean() if target is not None else out
 
 
+class _Branch(nn.Module):
+    """A block whose second linear is used only when asked (a conditional branch, an MoE expert)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(9, 9), nn.Linear(9, 9)  # uneven: padded at world 1
+
+    def forward(self, x, use_b: bool):
+        x = self.a(x)
+        return self.b(x) if use_b else x
+
+
+class Branchy(nn.Module):
+    """Three blocks whose second linears get a gradient only in the steps that use them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.layers = nn.ModuleList([_Branch() for _ in range(3)])
+
+    def forward(self, x, use_b: bool):
+        for layer in self.layers:
+            x = layer(x, use_b)
+        return x.square().mean()
+
+
 def batch(kind: str, step: int, micro: int, rank: int, n: int = 2, seq: int = 9, vocab: int = VOCAB):
     """Deterministic per-(step, micro, rank) inputs (llama: ids drawn from the whole ``vocab``)."""
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)

@@ -5,36 +5,11 @@ matches the compute copy kept between steps (``sizing.CAST_WORLD1 = False``) bit
 allocations, and the step's peak falls by the compute copy less the buffers.
 """
 import torch
-from torch import nn
 
 import yafsdp
 from dist_utils import run_ranks
-from models import all_grads, batch, loss_of, tiny_llama
+from models import Branchy, all_grads, batch, loss_of, tiny_llama
 from yafsdp.plan import memory_plan
-
-
-class _Branch(nn.Module):
-    """A block whose second linear is used only in some steps (a conditional branch, an MoE expert)."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(9, 9), nn.Linear(9, 9)  # uneven: padded at world 1
-
-    def forward(self, x, use_b: bool):
-        x = self.a(x)
-        return self.b(x) if use_b else x
-
-
-class _Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(5)
-        self.layers = nn.ModuleList([_Branch() for _ in range(3)])
-
-    def forward(self, x, use_b: bool):
-        for layer in self.layers:
-            x = layer(x, use_b)
-        return x.square().mean()
 
 
 # name -> (model kwargs, engine options, optimizer, extras)
@@ -57,7 +32,7 @@ CASES = {
 
 
 def _build(kw, freeze=()):
-    model = _Branchy() if kw == "branchy" else tiny_llama(seed=3, **kw)
+    model = Branchy() if kw == "branchy" else tiny_llama(seed=3, **kw)
     for name, p in model.named_parameters():
         if any(f in name for f in freeze):
             p.requires_grad_(False)

@@ -8,41 +8,16 @@ counts them in the step's peak, not between steps.
 import weakref
 
 import torch
-from torch import nn
 
 import yafsdp
 from dist_utils import run_ranks
-from models import all_grads, batch, loss_of, tiny_llama
+from models import Branchy, all_grads, batch, loss_of, tiny_llama
 from yafsdp.engine.shard_grad import plain
 from yafsdp.plan import memory_plan
 
 
-class _Branch(nn.Module):
-    """A block whose second linear is used only in some steps (a conditional branch, an MoE expert)."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(9, 9), nn.Linear(9, 9)  # uneven: padded at world 1
-
-    def forward(self, x, use_b: bool):
-        x = self.a(x)
-        return self.b(x) if use_b else x
-
-
-class _Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(5)
-        self.layers = nn.ModuleList([_Branch() for _ in range(3)])
-
-    def forward(self, x, use_b: bool):
-        for layer in self.layers:
-            x = layer(x, use_b)
-        return x.square().mean()
-
-
 def _build(kind):
-    return _Branchy() if kind == "branchy" else tiny_llama(seed=3, tie=kind == "tied")
+    return Branchy() if kind == "branchy" else tiny_llama(seed=3, tie=kind == "tied")
 
 
 def _loss(model, kind, step, micro, dtype):
