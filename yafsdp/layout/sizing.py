@@ -326,6 +326,7 @@ def plan_buffers(
     ZeRO-3's regular units take turns in ``prefetch + 1`` weight buffers ([Note: prefetch depth] in
     engine/runtime.py)."""
     staged = accumulate_fp32 or not reduce_in_place
+    world1 = alias_world1 and ALIAS_WORLD1  # one rank holds every unit whole, nothing offloaded: the world-1 Notes
     sizes = [lay.weight_numel for lay in layouts]
     outsized = [False] * len(layouts)
     repeated = repeated_blocks(names)
@@ -418,7 +419,7 @@ def plan_buffers(
     # unit's gradients (``MemoryPlan.step_bytes``). Everywhere else (world > 1, where
     # the store is 1/N of the model; replicas, whose all-reduce runs over runs of the store; offload,
     # a narrow reduce or fp32 accumulation, whose grad buffers stay) the store is kept as it was.
-    if alias_world1 and ALIAS_WORLD1 and direct_grads:
+    if world1 and direct_grads:
         grad, grad_of, grad_chunk, chunk_slots = [], [-1] * n_all, [0] * n_all, []
     if quant is not None and quant.replicas > 1 and grad:  # segments of the largest shard a slot reduces
         segment = max(s.capacity // layouts_world(layouts, small) for s in grad)
@@ -449,10 +450,10 @@ def plan_buffers(
     # unit would hold as much as the compute copy: it keeps the alias. A unit with a frozen or NF4
     # group (LoRA, QLoRA: a base weight to gather beside small adapters) keeps the alias too: a
     # buffer would copy the base into a second tensor to save a compute copy of the adapters.
-    cast = [alias_world1 and ALIAS_WORLD1 and CAST_WORLD1 and zero_stage == 3 and compute_dtype != torch.float32
+    cast = [world1 and CAST_WORLD1 and zero_stage == 3 and compute_dtype != torch.float32
             and lay(i).trainable is not None and lay(i).frozen is None and lay(i).nf4 is None
             and not lay(i).gather_record for i in range(n_all)]
-    aliased = [alias_world1 and ALIAS_WORLD1 and not cast[i] and not lay(i).staging_bytes and not lay(i).gather_record
+    aliased = [world1 and not cast[i] and not lay(i).staging_bytes and not lay(i).gather_record
                and not lay(i).nf4_record for i in range(n_all)]
     regular = [i for i in regular if not aliased[i]]
     big = [i for i in big if not aliased[i]]
@@ -463,11 +464,9 @@ def plan_buffers(
     # the expand reads the record where it lies (engine/buffers.py; the "gather" is then a copy of the
     # record onto itself, which moves nothing). Offload keeps it (the record comes from the host through
     # the landing; alias_world1 is off there).
-    in_place = alias_world1 and ALIAS_WORLD1
-
     def weight_slot(name: str, members: list[int], role: str) -> int:
         landing = max(landing_layout(lay(i), compute_dtype)[1] for i in members) if offload_frozen else 0
-        staging = 0 if in_place else max(lay(i).staging_bytes for i in members)
+        staging = 0 if world1 else max(lay(i).staging_bytes for i in members)
         weight.append(BufferSpec(name, "weight", max(lay(i).weight_numel for i in members), 0, compute_dtype, role,
                                  staging_bytes=staging, landing_bytes=landing))
         return len(weight) - 1
@@ -487,7 +486,7 @@ def plan_buffers(
                 weight_of[i] = weight_slot(f"weight_{name}", [i], "buffers")
     if small is not None and not aliased[len(layouts)]:
         weight_of[len(layouts)] = weight_slot("weight_small", [len(layouts)], "small")
-    step_grads = alias_world1 and ALIAS_WORLD1 and direct_grads and GRAD_LIFETIME_WORLD1
+    step_grads = world1 and direct_grads and GRAD_LIFETIME_WORLD1
     return BufferPlan(weight, grad, weight_of, grad_of, outsized, grad_chunk, chunk_slots, step_grads, cast)
 
 

@@ -241,8 +241,8 @@ class MemoryPlan:
             ("weight buffers" + (" (none: world 1 aliases the shards)" if self.world_size == 1
                                                    and not self.weight_buffers else " (per unit, ZeRO-2)" if self.zero_stage == 2 else
                                                    f" (x{sum(s.kind == 'weight' and s.role == 'buffers' for s in self.slots)})")
-             # world 1 without offload: the records expand where they lie ([Note: world-1 records in place])
-             + (" + NF4 staging" if self.quantize_frozen and not (self.world_size == 1 and self._place.aliases_world1)
+             # none at world 1 without offload, where the records expand where they lie ([Note: world-1 records in place])
+             + (" + NF4 staging" if self.quantize_frozen and any(s.kind == "weight" and s.staging_bytes for s in self.slots)
                 else "")
              + (" + frozen landing" if self._place.host_frozen else ""), self.weight_buffers),
             *([(f"secondary shards (1/{self.secondary_shard} of each unit re-gathered in backward)",
