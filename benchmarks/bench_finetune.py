@@ -59,6 +59,23 @@ def torchao_nf4():
     return (to_nf4, linear_nf4), None
 
 
+def nf4_linear(linear, world: int = 1) -> bool:
+    """``linear``'s weight as a torchao NF4Tensor (64-value blocks; the block scales double-quantized in
+    the largest group size that divides, and whose groups split evenly over ``world`` ranks, as FSDP2
+    splits every inner tensor), used through torchao's ``linear_nf4`` (no bias: Llama's linears have
+    none). False, the weight left dense, where no group size fits (yafsdp keeps such weights bf16 too)."""
+    (to_nf4, linear_nf4), why = torchao_nf4()
+    w = linear.weight
+    blocks = w.numel() // 64
+    sbs = next((s for s in (256, 128, 64, 32, 16, 8) if w.numel() % 64 == 0
+                and blocks % s == 0 and (blocks // s) % world == 0), None)
+    if sbs is None:
+        return False
+    linear.weight = torch.nn.Parameter(to_nf4(w.detach(), 64, sbs), requires_grad=False)
+    linear.forward = (lambda m: lambda x: linear_nf4(x, m.weight))(linear)
+    return True
+
+
 def lora_model(a, seed: int = 0, meta: bool = False):
     """The PEFT model. ``meta``: parameters on the meta device (rotary buffers real), for memory runs in
     which only what each engine allocates counts (the engines then hold zeros)."""
@@ -108,22 +125,11 @@ def build(name: str, a, meta: bool = False):
     from torch.distributed.fsdp import fully_shard
 
     if name == "fsdp2-qlora-torchao":
-        (to_nf4, linear_nf4), why = torchao_nf4()
         import peft
 
         for mod in model.modules():
             if isinstance(mod, peft.tuners.lora.Linear):
-                base = mod.base_layer
-                blocks = base.weight.numel() // 64
-                # torchao double-quantizes the block scales in groups: the largest group size that divides
-                # (every inner tensor is split over the ranks by FSDP2: the scale groups too)
-                world = dist.get_world_size()
-                sbs = next((s for s in (256, 128, 64, 32, 16, 8) if base.weight.numel() % 64 == 0
-                            and blocks % s == 0 and (blocks // s) % world == 0), None)
-                if sbs is None:
-                    continue  # stays a dense frozen weight (as yafsdp keeps such weights bf16)
-                base.weight = torch.nn.Parameter(to_nf4(base.weight.detach(), 64, sbs), requires_grad=False)
-                base.forward = (lambda m: lambda x: linear_nf4(x, m.weight))(base)
+                nf4_linear(mod.base_layer, dist.get_world_size())
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in decoder_layers(model.base_model.model):
         fully_shard(layer, mesh=mesh)

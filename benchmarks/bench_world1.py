@@ -92,28 +92,16 @@ def _model(a, meta: bool, lora: bool, base_dtype=None):
 
 def _nf4_base(model) -> int:
     """QLoRA for the competitors: every frozen ``nn.Linear`` weight of the PEFT model (the adapted
-    layers' bases, the MLP, ``lm_head``) becomes a torchao NF4Tensor (64-value blocks, double-quantized
-    scales) used through torchao's ``linear_nf4`` -- the weights yafsdp's ``quantize_frozen="nf4"``
-    stores as NF4. Returns how many; raises when torchao does not import."""
-    from bench_finetune import torchao_nf4
+    layers' bases, the MLP, ``lm_head``; bf16 already) becomes a torchao NF4Tensor
+    (bench_finetune.nf4_linear) -- the weights yafsdp's ``quantize_frozen="nf4"`` stores as NF4. Returns
+    how many; raises when torchao does not import."""
+    from bench_finetune import nf4_linear, torchao_nf4
 
-    fns, why = torchao_nf4()
-    if fns is None:
-        raise RuntimeError(f"torchao's NF4 is not available: {why}")
-    to_nf4, linear_nf4 = fns
-    n = 0
-    for mod in model.modules():
-        w = getattr(mod, "weight", None)
-        if type(mod) is not torch.nn.Linear or w is None or w.requires_grad or mod.bias is not None:
-            continue
-        blocks = w.numel() // 64
-        sbs = next((b for b in (256, 128, 64, 32, 16, 8) if w.numel() % 64 == 0 and blocks % b == 0), None)
-        if sbs is None:
-            continue
-        mod.weight = torch.nn.Parameter(to_nf4(w.detach().to(torch.bfloat16), 64, sbs), requires_grad=False)
-        mod.forward = (lambda m: lambda x: linear_nf4(x, m.weight))(mod)
-        n += 1
-    return n
+    if torchao_nf4()[0] is None:
+        raise RuntimeError(f"torchao's NF4 is not available: {torchao_nf4()[1]}")
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad
+               and m.bias is None]
+    return sum(nf4_linear(m) for m in linears)
 
 
 def build(a, engine: str, bf16: bool, lora: bool, qlora: bool = False):
