@@ -226,6 +226,8 @@ def _drop_edge(edge: str):
         comm.StreamSchedule.copies_written = once
     elif edge == "released":
         comm.StreamSchedule.released = lambda self, sync: None
+    elif edge == "taken":  # a world-1 buffer's memory taken, the gather's writes not ordered after it
+        comm.StreamSchedule.taken = lambda self, sync: None
     elif edge == "wait_gathered":
         comm.StreamSchedule.wait_gathered = lambda self, sync: None
     elif edge == "wait_reduced":
@@ -320,14 +322,18 @@ def _every_fault(rank, world):
     # [Note: world-1 records in place]: the expand reads the fp8 records FusedAdamW writes, where they lie
     runs.append(("inplace_fp8_copies_written_once", "copies_written_once",
                  dict(zero=3, bf16=True, opt="fused_adamw", fp8=True)))
+    # [Note: world-1 buffers in use only]: a buffer's memory taken from the allocator on the compute stream
+    runs.append(("inuse_taken", "taken", dict(zero=3, bf16=True, opt="fused_adamw", tie=True)))
     for name, edge, case in runs:
-        sizing.ALIAS_WORLD1 = name.startswith(("cast_", "inplace_"))
+        sizing.ALIAS_WORLD1 = name.startswith(("cast_", "inplace_", "inuse_"))
+        # the copies-ready faults with buffers held for the run: a taken point would order them as well
+        sizing.IN_USE_WORLD1 = name.startswith("inuse_")
         try:
             out[name] = _faulty(edge, case)
         except Exception as e:  # reported by the test of that fault
             out[name] = f"{type(e).__name__}: {e}"
         finally:
-            sizing.ALIAS_WORLD1 = False
+            sizing.ALIAS_WORLD1, sizing.IN_USE_WORLD1 = False, True
     out["clean"] = _run_case(0, CASES["z3_bf16_fusedadamw_tied_eval"])[1]
     return out
 
@@ -365,6 +371,16 @@ def test_checker_reports_an_unordered_world1_expand_in_place(fault_races):
     FusedAdamW writes; without the copies-ready point the expand reads them while they are written."""
     races = fault_races("inplace_fp8_copies_written_once")
     assert any(r.startswith("race on 'fp8") and "yafsdp.adamw_step_fp8_" in r and "yafsdp.fp8_expand_" in r
+               for r in races), races
+
+
+def test_checker_reports_a_world1_buffer_taken_unordered(fault_races):
+    """[Note: world-1 buffers in use only]: at world 1 a weight buffer's memory is taken from the allocator
+    on the compute stream at its gather; without the taken point the gather writes it on the comm stream
+    while the compute stream's earlier work may still use the block ([Note: a storage's memory coming and
+    going] in streamcheck.py)."""
+    races = fault_races("inuse_taken")
+    assert any(r.startswith("race on 'weight") and "allocator.resize_" in r and "stream 'comm'" in r
                for r in races), races
 
 

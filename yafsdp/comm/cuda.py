@@ -143,6 +143,9 @@ class StreamSchedule(Schedule):
     def released(self, sync):
         sync.released.record(self.streams.current_stream())
 
+    def taken(self, sync):  # the gather waits on `released`: recorded here, it orders it after the allocation too
+        sync.released.record(self.streams.current_stream())
+
     def reduce(self, sync, out, full, unit, then, pieces=False, collective=None):
         with span("reduce", unit):
             sync.grads_ready.record(self.streams.current_stream())

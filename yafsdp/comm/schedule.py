@@ -220,6 +220,10 @@ class Schedule:
     def released(self, sync: _WeightSync) -> None:
         """The compute side's use of this weight buffer ended (the next gather may overwrite it)."""
 
+    def taken(self, sync: _WeightSync) -> None:
+        """The weight buffer's memory was just taken from the allocator on the compute side: the next
+        gather's writes wait for this point ([Note: world-1 buffers in use only] in layout/sizing.py)."""
+
     def reduce(self, sync: _GradSync, out: torch.Tensor, full: torch.Tensor, unit: str,
                then: Callable[[], None], pieces: bool = False, collective=None) -> None:
         """Issue the reduce-scatter of ``full`` (a grad buffer) into ``out``; ``then()`` runs on the

@@ -200,7 +200,8 @@ def allocate(self, outsized_ratio: float) -> "Storage":
     ]
     grad_quant.connect(self, st.grad_buffers, quant)
     st.weight_buffers: list[WeightBuffer] = [
-        WeightBuffer(s.name, s.capacity, s.dtype, dev, self.schedule, s.staging_bytes, s.landing_bytes)
+        WeightBuffer(s.name, s.capacity, s.dtype, dev, self.schedule, s.staging_bytes, s.landing_bytes,
+                     in_use=s.in_use)
         for s in plan.weight
     ]
     st.alias_buffers = []
@@ -238,6 +239,9 @@ def allocate(self, outsized_ratio: float) -> "Storage":
             u.aliases = [alias(u.group_of[id(p)].compute, p.offset, p.shape) for p in u.params]
         else:
             u.aliases = [alias(u.buffer.data, u.group_of[id(p)].buffer_offset + p.offset, p.shape) for p in u.params]
+    for s in st.weight_buffers:  # after the aliases (set_ grows a storage to fit): [Note: world-1 buffers in use only]
+        if s.in_use:
+            s.give_back()
     return st
 
 def _part(store: torch.Tensor | None, offset: int, numel: int) -> torch.Tensor | None:

@@ -214,7 +214,7 @@ def _attach_pre_backward(rt: Runtime, unit: Unit, use: BackwardUse, prevs: list[
     if not idx:
         return output
     tensors = [leaves[i] for i in idx]
-    seen = {_storage(s.data) for s in rt.weight_buffers}
+    seen = {_storage(s.data) for s in rt.weight_buffers if s.allocated}  # world 1: some are given back
     seen.update(_storage(t) for s in rt.alias_buffers for t in s.stores)  # world 1: [Note: the world-1 alias]
     seen.update(_storage(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
     outs = _PreBackward.apply(rt, unit, use, prevs, _shared(tensors, seen), *tensors)

@@ -35,11 +35,13 @@ class WeightBuffer:
     """One weight buffer (1-D, ``param_dtype``, ``capacity`` elements) and its owner."""
 
     def __init__(self, name: str, capacity: int, dtype: torch.dtype, device: torch.device, schedule,
-                 staging_bytes: int = 0, landing_bytes: int = 0):
+                 staging_bytes: int = 0, landing_bytes: int = 0, in_use: bool = False):
         self.name = name
-        # Gathered weights of the owner unit; allocated once, never resized. The units'
-        # parameters during forward/backward alias this storage.
-        self.data = torch.zeros(capacity, dtype=dtype, device=device)
+        # Gathered weights of the owner unit; allocated once, never resized (``in_use``: the storage
+        # holds memory only from a gather to the release, [Note: world-1 buffers in use only] in
+        # layout/sizing.py). The units' parameters during forward/backward alias this storage.
+        self.data = (torch.empty if in_use else torch.zeros)(capacity, dtype=dtype, device=device)
+        self.in_use = in_use  # the allocator gives the memory back once the units' aliases are made
         # Compact (NF4) gathers land here, then expand into data: see [Note: the compact staging
         # area] in layout/sizing.py. Empty when no unit of this buffer has a compact group.
         self.staging = torch.zeros(staging_bytes, dtype=torch.uint8, device=device)
@@ -70,6 +72,9 @@ class WeightBuffer:
             )
         if self.deferred is not None and self.deferred is not unit:
             self.deferred = None
+        if self.in_use and not self.allocated:  # the memory, taken on the compute side first
+            self.data.untyped_storage().resize_(self.data.numel() * self.data.element_size())
+            self.schedule.taken(self.sync)  # the gather's writes wait for this point (CUDA)
         self.owner, self.owner_version = unit, unit.version
         sec = unit.secondary  # See [Note: the secondary shard] in secondary.py
         within = sec is not None and sec.holds(unit)
@@ -130,6 +135,18 @@ class WeightBuffer:
         nxt, self.deferred = self.deferred, None
         if nxt is not None and not self.holds(nxt):
             self.gather(nxt)
+        elif self.in_use and nxt is None:  # nothing to hold until the next gather
+            self.give_back()
+
+    def give_back(self) -> None:
+        """``in_use``: the memory goes back to the allocator; the buffer holds no unit."""
+        self.data.untyped_storage().resize_(0)
+        self.owner, self.owner_version = None, ()
+
+    @property
+    def allocated(self) -> bool:
+        """The storage holds its memory (always, unless ``in_use`` between uses)."""
+        return self.data.untyped_storage().nbytes() > 0
 
     def abandon(self) -> None:
         """After an exception inside forward or backward: no use is running any more (the

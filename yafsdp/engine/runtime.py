@@ -251,7 +251,7 @@ class Runtime:
         if self.secondary.numel():  # See [Note: the secondary shard] in secondary.py
             out["secondary"] = self.secondary
         for s in self.weight_buffers:
-            out[s.name] = s.data
+            out[s.name] = s.data if s.allocated else s.data[:0]  # [Note: world-1 buffers in use only] in sizing.py
             if s.staging.numel():
                 out[s.name + "_staging"] = s.staging
             if s.landing.numel():

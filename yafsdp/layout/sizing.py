@@ -49,6 +49,9 @@ class BufferSpec:
     # records; the "replica" slot: HSDP's quantized all-reduce). See [Note: quantized gradient
     # reduction] in comm/quant_reduce.py. Else 0.
     quant_bytes: int = 0
+    # weight slots at world 1 under ZeRO-3: the buffer's memory exists only while a unit is gathered into it
+    # (from its gather to its release), not between steps. See [Note: world-1 buffers in use only].
+    in_use: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -290,6 +293,9 @@ GRAD_LIFETIME_WORLD1 = True
 # [Note: the world-1 cast gather]'s switch, for the tests that compare it with the compute copy kept
 # between steps: False lets those units alias their compute copies as before.
 CAST_WORLD1 = True
+# [Note: world-1 buffers in use only]'s switch, for the tests that compare it with buffers held for the
+# whole run: False keeps every weight buffer allocated from the build on.
+IN_USE_WORLD1 = True
 
 
 def plan_buffers(
@@ -464,11 +470,29 @@ def plan_buffers(
     # the expand reads the record where it lies (engine/buffers.py; the "gather" is then a copy of the
     # record onto itself, which moves nothing). Offload keeps it (the record comes from the host through
     # the landing; alias_world1 is off there).
+    #
+    # [Note: world-1 buffers in use only] Under ZeRO-3 a unit's gathered weights are needed from its
+    # gather to its release, and again from its backward's re-gather; between those the buffer holds
+    # nothing anyone reads (a saved tensor that views it is read only after the re-gather). At world > 1
+    # the buffers are preallocated and alternate, so the collectives write into fixed memory. At world 1
+    # a gather is a local copy, cast or expand, so there a weight slot's memory is taken at its gather
+    # and given back at its release (``WeightBuffer``: the storage resized to its capacity and to 0; the
+    # tensor, its views in the units' aliases and the saved tensors that view it stay the same
+    # objects). Between steps, and at the loss, where the activations peak, no dequantized or cast
+    # weight is held: what plain PyTorch with torchao's NF4 (which dequantizes each weight for its
+    # matmul) and FSDP2 (which frees each unit's gathered weights after use) hold there. A deferred
+    # prefetch into the same slot keeps the memory (the release hands it over). On CUDA the memory is
+    # taken on the compute stream and the comm stream's writes are ordered after that point (the
+    # buffer's release event is recorded there), so whatever the caching allocator's block was used for
+    # before is finished; it is given back on the compute stream after the last use there, which
+    # itself waited for the gather. ZeRO-2 keeps a unit's weights from forward to backward: its slots
+    # stay allocated.
     def weight_slot(name: str, members: list[int], role: str) -> int:
         landing = max(landing_layout(lay(i), compute_dtype)[1] for i in members) if offload_frozen else 0
         staging = 0 if world1 else max(lay(i).staging_bytes for i in members)
         weight.append(BufferSpec(name, "weight", max(lay(i).weight_numel for i in members), 0, compute_dtype, role,
-                                 staging_bytes=staging, landing_bytes=landing))
+                                 staging_bytes=staging, landing_bytes=landing,
+                                 in_use=world1 and IN_USE_WORLD1 and zero_stage == 3 and role != "small"))
         return len(weight) - 1
 
     if zero_stage == 3:

@@ -159,6 +159,7 @@ def memory_plan(
         module = eng.module
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
         secondary_shard = eng.engine_config.secondary_shard
+        prefetch = eng.engine_config.prefetch
     else:
         if world_size is None:
             raise ValueError("yafsdp.plan.memory_plan: world_size= is required for a model that is not wrapped")
@@ -202,6 +203,7 @@ def memory_plan(
         module = model
         num_params = sum(lay.numel for lay in layouts) + (small.numel if small else 0)
         secondary_shard = cfg.secondary_shard
+        prefetch = cfg.prefetch
 
     # See [Note: the secondary shard] in yafsdp/engine/secondary.py: the allocator's rule and sizes
     try:
@@ -249,7 +251,7 @@ def memory_plan(
                          for lay in all_layouts), default=0),
         gather_host=record_bytes if place.optimizer_on_host else 0,
         secondary_shard=secondary_size, secondary=secondary_at[-1], grad_in_step=slots.step_grads,
-        cast_units=sum(slots.cast_of),
+        cast_units=sum(slots.cast_of), prefetch=prefetch,
     )
     if async_save:
         plan.checkpoint_staging = staging_bytes(

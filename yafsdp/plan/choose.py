@@ -103,7 +103,7 @@ class CheckpointChoice:
 
         act = self.plan.activations
         est = estimate_from_trace(act.trace, range(k), act.unit_grad_bytes)
-        peak = self.fixed + self.plan.step_bytes(est.total)
+        peak = self.fixed + self.plan.step_bytes(est.total, est.saved)
         plan = _copy.copy(self.plan)
         plan.activations = est
         return CheckpointChoice(budget=self.budget, blocks=self.all_blocks[:k], indices=list(range(k)),
@@ -159,7 +159,8 @@ def choose_checkpointing(model: nn.Module, *, budget=None, batch: int, seq: int,
     fixed = plan.device_total - plan.step_bytes(plan.activations.total)  # the state between steps
     # See [Note: choosing the checkpointed blocks]: the first k blocks, the smallest k that fits (world 1: with
     # the grad shards made in backward, plan.step_bytes).
-    peaks = [fixed + plan.step_bytes(trace.peak(frozenset(range(k)), grads)) for k in range(n + 1)]
+    peaks = [fixed + plan.step_bytes(trace.peak(frozenset(range(k)), grads), trace.saved(frozenset(range(k))))
+             for k in range(n + 1)]
     k = next((k for k, p in enumerate(peaks) if p <= budget), n)
     plan.activations = estimate_from_trace(trace, range(k), grads)
     return CheckpointChoice(budget=budget, blocks=trace.blocks[:k], indices=list(range(k)), all_blocks=trace.blocks,

@@ -89,6 +89,9 @@ class MemoryPlan:
     # world 1: units gathered by casting their fp32 master into a buffer, without a compute copy
     # ([Note: the world-1 cast gather] in layout/sizing.py)
     cast_units: int = 0
+    # the units gathered ahead of the one computing (ZeRO-3): with buffers in use only (world 1), how many
+    # regular buffers are held beside the outsized one at the start of backward
+    prefetch: int = 1
 
     # Bytes by role -----------------------------------------------------------------------
     def _slot_bytes(self, role: str, kind: str | None = None) -> int:
@@ -131,15 +134,39 @@ class MemoryPlan:
         act = self.activations.total if self.activations is not None else 0
         return self.engine_total + self.optimizer_state + self.step_bytes(act) + self.checkpoint_staging
 
-    def step_bytes(self, activations: int) -> int:
+    def step_bytes(self, activations: int, saved: int | None = None) -> int:
         """What a step adds at its peak on top of the state between steps, for an activation peak of
-        ``activations`` bytes: those, or at world 1, where the grad shards are made during backward, the larger
+        ``activations`` bytes: those; at world 1, where the grad shards are made during backward, the larger
         of those (the start of backward, before any grad shard) and every grad shard with the last unit's
-        gradients (the end of backward). See [Note: the grad shard's lifetime at world 1] in layout/sizing.py."""
-        if not self.grad_in_step:
-            return activations
-        last = self.activations.unit_grad_bytes if self.activations is not None else 0
-        return max(activations, self.grad + last)
+        gradients (the end of backward: [Note: the grad shard's lifetime at world 1] in layout/sizing.py);
+        and where the weight buffers are held in use only (world 1, ZeRO-3: [Note: world-1 buffers in
+        use only]), the larger of that and everything saved for backward (``saved``; default: the
+        plan's estimate's) beside the buffers of the start of backward (``in_use_peak``). The activation
+        peak is at the start of backward, where the head's re-gathered weights meet its gradient's
+        transients, which by then have freed the head's saved log-softmax: the estimate's transient (two
+        tensors of that size) covers the head's buffer at the sizes measured (benchmarks/bench_world1.py)."""
+        peak = activations
+        in_use = self.in_use_peak
+        if in_use:
+            if saved is None:
+                saved = self.activations.saved if self.activations is not None else 0
+            peak = max(peak, saved + in_use)
+        if self.grad_in_step:
+            last = self.activations.unit_grad_bytes if self.activations is not None else 0
+            regular = max((s.nbytes for s in self.slots if s.in_use and s.role == "buffers"), default=0)
+            peak = max(peak, self.grad + last + regular)
+        return peak
+
+    @property
+    def in_use_peak(self) -> int:
+        """Bytes of the weight buffers held in use only (world 1, ZeRO-3) at their most: the outsized
+        unit's with the ``prefetch`` regular buffers gathered ahead of it in backward, or every regular
+        buffer (a block's backward with its prefetches); 0 when every buffer is held for the run."""
+        regular = [s.nbytes for s in self.slots if s.in_use and s.role == "buffers"]
+        big = sum(s.nbytes for s in self.slots if s.in_use and s.role == "outsized")
+        if not regular and not big:
+            return 0
+        return max(big + min(self.prefetch, len(regular)) * max(regular, default=0), sum(regular))
 
     @property
     def step_grads(self) -> int:
@@ -205,8 +232,8 @@ class MemoryPlan:
         if self.secondary:
             out["secondary"] = self.secondary
         for s in self.slots:
-            if s.kind == "weight":
-                out[s.name] = s.capacity * itemsize(s.dtype)
+            if s.kind == "weight":  # in use only: no memory between steps ([Note: world-1 buffers in use only])
+                out[s.name] = 0 if s.in_use else s.capacity * itemsize(s.dtype)
                 if s.staging_bytes:
                     out[s.name + "_staging"] = s.staging_bytes
                 if s.landing_bytes:
@@ -244,12 +271,15 @@ class MemoryPlan:
              # none at world 1 without offload, where the records expand where they lie ([Note: world-1 records in place])
              + (" + NF4 staging" if self.quantize_frozen and any(s.kind == "weight" and s.staging_bytes for s in self.slots)
                 else "")
-             + (" + frozen landing" if self._place.host_frozen else ""), self.weight_buffers),
+             + (" + frozen landing" if self._place.host_frozen else "")
+             + (self._in_use_label if any(s.in_use and s.role == "buffers" for s in self.slots) else ""),
+             self.weight_buffers),
             *([(f"secondary shards (1/{self.secondary_shard} of each unit re-gathered in backward)",
                 self.secondary)] if self.secondary_shard else []),
             ("grad buffers (x2, + staging)", self.grad_buffers),
             ("small group (weight + grad)", self.small_group),
-            ("outsized-unit buffers", self.outsized_buffers),
+            ("outsized-unit buffers" + (self._in_use_label if any(s.in_use and s.role == "outsized" for s in self.slots)
+                                        else ""), self.outsized_buffers),
         ]
         if self.activations is not None:
             a = self.activations
@@ -263,6 +293,7 @@ class MemoryPlan:
         return rows
 
     _staging_row = "async-save staging copy (host, kept between saves)"
+    _in_use_label = " (world 1: held in use only, in the step's peak)"
 
     def _host_rows(self) -> list[str]:
         if not self._place.optimizer_on_host:

@@ -40,6 +40,16 @@ ordered after it. A device stream that reads a host tensor (an upload, a landing
 be ordered after the host's last write by the issue order, and the host's next write after that
 read by a ``synchronize`` -- which is what the offload cases check.
 
+[Note: a storage's memory coming and going]
+A watched storage may hold memory only part of the time (a world-1 weight buffer: [Note: world-1
+buffers in use only] in layout/sizing.py). On the device the caching allocator hands a block to the
+stream current at the allocation, with every earlier use of it ordered before that point on that
+stream only, and takes it back at the free for that stream's next allocations. So a ``resize_`` of a
+watched storage while recording counts as a write of all of it on the current stream: another
+stream's access after an allocation must be ordered after it (an event recorded there), and one
+before a free must be ordered before it (the stream that frees has waited for it). The storage is
+watched by its identity, not its address, which changes with each allocation.
+
 What it cannot see: kernels issued from another thread than the one that runs the step, and
 tensors it does not watch (activations and optimizer state live on the compute stream only).
 Kernels are ordered on the host exactly as issued; the checker proves the schedule's edges are
@@ -176,7 +186,7 @@ class StreamChecker(comm.StreamAPI):
         self.compute = self.new_stream(name="compute")  # the default stream
         self._host_vc: dict[int, int] = {}
         self._local = threading.local()
-        self._watched: dict[int, _Watched] = {}  # storage data_ptr -> watched tensor
+        self._watched: dict[int, _Watched] = {}  # storage (its StorageImpl) -> watched tensor
         self.log: list[tuple] = []  # ("kernel", stream, op, label, reads, writes) | ("record"|"wait_event", ...)
         self.races: list[Race] = []
         self.max_races = max_races
@@ -224,8 +234,8 @@ class StreamChecker(comm.StreamAPI):
         tensors = engine_or_tensors.owned_tensors() if hasattr(engine_or_tensors, "owned_tensors") else engine_or_tensors
         where = engine_or_tensors.placement() if hasattr(engine_or_tensors, "placement") else {}
         for name, t in tensors.items():
-            st = t.untyped_storage()
-            self._watched.setdefault(st.data_ptr(), _Watched(name, st.nbytes(), host=where.get(name) == "host"))
+            st = t.untyped_storage()  # by the storage itself: a world-1 buffer's memory comes and goes
+            self._watched.setdefault(st._cdata, _Watched(name, st.nbytes(), host=where.get(name) == "host"))
         if any(w.host for w in self._watched.values()) and self._host_stream is None:
             self._host_stream = SimStream(self, len(self.streams), "host")
             self.streams.append(self._host_stream)
@@ -233,8 +243,31 @@ class StreamChecker(comm.StreamAPI):
     @contextlib.contextmanager
     def recording(self):
         """Log and check every kernel issued inside (the step loop)."""
-        with _Mode(self):
+        with _Mode(self), self._allocations():
             yield self
+
+    @contextlib.contextmanager
+    def _allocations(self):
+        """A watched storage given memory or giving it back (``UntypedStorage.resize_``): a write of all
+        of it on the current stream. See [Note: a storage's memory coming and going]."""
+        cls, checker = torch.UntypedStorage, self
+        before = vars(cls).get("resize_")
+        orig = cls.resize_
+
+        def resize_(st, nbytes):
+            w = checker._watched.get(st._cdata)
+            if w is not None:
+                checker._access("allocator.resize_", [(w, True, 0, max(st.nbytes(), int(nbytes)))])
+            return orig(st, nbytes)
+
+        cls.resize_ = resize_
+        try:
+            yield
+        finally:
+            if before is None:
+                del cls.resize_
+            else:
+                cls.resize_ = before
 
     # ------------------------------------------------------------ results
     def report(self) -> str:
@@ -264,14 +297,18 @@ class StreamChecker(comm.StreamAPI):
             for t in tensors:
                 if t.numel() == 0 or t.device.type == "meta":
                     continue
-                w = self._watched.get(t.untyped_storage().data_ptr())
+                w = self._watched.get(t.untyped_storage()._cdata)
                 if w is None:
                     continue
                 lo = t.storage_offset() * t.element_size()
                 span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
                 hits.append((w, write, lo, lo + span * t.element_size()))
-        if not hits:
-            return
+        if hits:
+            self._access(op, hits)
+
+    def _access(self, op: str, hits: list) -> None:
+        """One kernel on the current stream touching ``hits`` ((watched, write, lo, hi)): logged, and
+        checked against every earlier access of the same bytes from another stream."""
         s = self.current_stream()
         host_op = s is self.compute and self._host_stream is not None and all(w.host for w, *_ in hits)
         if host_op:  # a CPU op: on the host's timeline (see the module note)
