@@ -33,8 +33,10 @@ ENGINES = ("yafsdp-z3", "yafsdp-z2", "yafsdp-z3+FusedAdamW", "yafsdp-z3+fp8", "y
 # (the layout before the sharded lookup, docs/reduce.md "The sharded lookup of an embedding").
 # "+prefetch2": prefetch=2, each gather issued two units ahead through a third weight buffer
 # (docs/benchmarks.md "Prefetching two units ahead").
+# "+held": at world 1 the weight buffers held for the run, the layout before [Note: world-1 buffers in use only]
+# (yafsdp/layout/sizing.py; at world > 1 nothing changes).
 REDUCE_ENGINES = ("yafsdp-z3+bf16reduce", "yafsdp-z3+bf16reduce+fp32acc", "yafsdp-z3+owngrad",
-                  "yafsdp-z3+gradchunks2", "yafsdp-z3+gathered", "yafsdp-z3+prefetch2")
+                  "yafsdp-z3+gradchunks2", "yafsdp-z3+gathered", "yafsdp-z3+prefetch2", "yafsdp-z3+held")
 
 
 # ---------------------------------------------------------------------------- launching
@@ -206,8 +208,14 @@ def build_engine(name: str, preset: str, device: torch.device, mixed: bool, *, l
     model = make_model(preset, device, seed, layers, meta_init=meta_init, vocab=vocab, hf_checkpointing=hf_checkpointing)
     if name.startswith("yafsdp"):
         zero = 2 if name.startswith("yafsdp-z2") else 3
-        wrapped = yafsdp.YaFSDP(model, param_dtype=bf16, zero_stage=zero, device=device,
-                                gather_dtype="fp8" if name.endswith("+fp8") else None, **reduce_options(name))
+        from yafsdp.layout import sizing
+
+        sizing.IN_USE_WORLD1 = "+held" not in name  # read at the build only
+        try:
+            wrapped = yafsdp.YaFSDP(model, param_dtype=bf16, zero_stage=zero, device=device,
+                                    gather_dtype="fp8" if name.endswith("+fp8") else None, **reduce_options(name))
+        finally:
+            sizing.IN_USE_WORLD1 = True
         if meta_init:  # zero shards, like the other engines' meta-built models: timing and memory only
             wrapped.mark_loaded()
         if "+FusedAdamW" in name:

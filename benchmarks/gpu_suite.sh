@@ -149,11 +149,12 @@ run_part2() {
   step fake-world-memory 30 "$PY" benchmarks/bench_step.py --fake-world 8,64 --device cuda --preset llama3-1b \
     --layers 2 --batch 1 --seq 256 --md "$RES/bench_step_fakeworld_${GPU}_${DATE}.md" \
     --json "$RES/bench_step_fakeworld_${GPU}_${DATE}.json"
-  # World 1 peak memory (allocated and reserved) against plain PyTorch and FSDP2, fp32 and bf16 full fine-tunes at
-  # Llama-3.2-1B shapes (2 layers), with the grad shards allocated in backward and freed by zero_grad
-  # (docs/benchmarks.md section 8): the fake process group of one rank, as on the CPU.
-  step world1-memory 25 "$PY" benchmarks/bench_world1.py --device cuda --preset llama3-1b --layers 2 --batch 2 \
-    --seq 1024 --configs fp32-full,bf16-full --md "$RES/world1_${GPU}_${DATE}.md"
+  # World 1 peak memory (allocated and reserved) against plain PyTorch and FSDP2, fp32 and bf16 full fine-tunes,
+  # bf16 LoRA and QLoRA at Llama-3.2-1B shapes (2 layers), with the grad shards allocated in backward and freed by
+  # zero_grad and the weight buffers held in use only (docs/benchmarks.md section 8): the fake process group of one
+  # rank, as on the CPU. QLoRA's plain row needs torchao (here or in ./.torchao); without it the row says so.
+  step world1-memory 30 "$PY" benchmarks/bench_world1.py --device cuda --preset llama3-1b --layers 2 --batch 2 \
+    --seq 1024 --configs fp32-full,bf16-full,bf16-lora,bf16-qlora --md "$RES/world1_${GPU}_${DATE}.md"
   # World 1 under NCCL, a ~1B Llama in bf16: step time and peak (allocated, reserved) against FSDP2 and DDP,
   # and the reduce precisions (docs/reduce.md): fp32, bf16 summed in bf16, bf16 summed in fp32 (the all-to-all
   # and the fp32 fold run; nothing crosses a link at world 1: the bytes column is each reduce's input).
@@ -175,8 +176,8 @@ run_part2() {
     --preset llama3-1b --layers 8 --batch 2 --seq 2048 --steps 3 --trace-dir '' \
     --png "$RES/overlap_${GPU}_${DATE}.png" --md "$RES/overlap_${GPU}_${DATE}.md" --json "$RES/overlap_${GPU}_${DATE}.json"
   # Activation checkpointing chosen by the plan at world 1 with the GPU's budgets: predicted vs measured
-  # peak, step time of each choice against every block and no block checkpointed (27 s on 2026-11-27).
-  step ckpt-auto 40 "$PY" benchmarks/bench_ckpt_auto.py --device cuda --preset llama3-1b --vocab 0 --batch 2 \
+  # peak, step time of each choice against every block and no block checkpointed (20-27 s on 2026-11-26/27).
+  step ckpt-auto 35 "$PY" benchmarks/bench_ckpt_auto.py --device cuda --preset llama3-1b --vocab 0 --batch 2 \
     --seq 2048 --bf16 --points 3 --steps 3 --rounds 2 --md "$RES/ckpt_auto_${GPU}_${DATE}.md" \
     --png "$RES/ckpt_auto_${GPU}_${DATE}.png"
   # The cast and AdamW kernels alone (no torch) in ten launch shapes and as FusedAdamW calls them: what the
