@@ -76,24 +76,34 @@ def _train(kw, opts, optimizer, extras):
     return dict(losses=losses, grads=grads, norms=norms, state=model.full_state_dict(), held=held)
 
 
-def _cast_vs_copy(rank, world, names):
+def on_and_off(switch: str, case) -> list[dict]:
+    """``_train(*case)`` with ``yafsdp.layout.sizing.<switch>`` True, then False (True again after)."""
     from yafsdp.layout import sizing
 
+    runs = []
+    for on in (True, False):
+        setattr(sizing, switch, on)
+        try:
+            runs.append(_train(*case))
+        finally:
+            setattr(sizing, switch, True)
+    return runs
+
+
+def same_steps(a: dict, b: dict) -> dict:
+    """Two ``_train`` results compared bit for bit: ``same`` (losses, norms, grad shards) and ``differ`` (the
+    names of the final weights that differ)."""
+    return dict(same=a["losses"] == b["losses"] and a["norms"] == b["norms"]
+                and all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"])),
+                differ=[k for k in a["state"] if not torch.equal(a["state"][k], b["state"][k])])
+
+
+def _cast_vs_copy(rank, world, names):
     out = {}
     for name in names:
-        runs = []
-        for on in (True, False):
-            sizing.CAST_WORLD1 = on
-            try:
-                runs.append(_train(*CASES[name]))
-            finally:
-                sizing.CAST_WORLD1 = True
-        a, b = runs
+        a, b = on_and_off("CAST_WORLD1", CASES[name])
         out[name] = dict(
-            held=(a["held"], b["held"]),
-            losses=a["losses"] == b["losses"], norms=a["norms"] == b["norms"],
-            grads=[torch.equal(x, y) for x, y in zip(a["grads"], b["grads"])],
-            differ=[k for k in a["state"] if not torch.equal(a["state"][k], b["state"][k])],
+            held=(a["held"], b["held"]), **same_steps(a, b),
             moved=any(not torch.equal(a["state"][k].float(), v.float())
                       for k, v in _build(CASES[name][0], CASES[name][3].get("freeze", ())).state_dict().items()
                       if k in a["state"]))
@@ -113,8 +123,16 @@ def test_world1_cast_gather_trains_bit_for_bit_like_the_compute_copy():
             assert on["aliases"] == 3 and on["compute"] > 0, on
         else:
             assert on["aliases"] == 0 and on["compute"] == 0, (name, on)
-        assert r["losses"] and r["norms"] and all(r["grads"]) and not r["differ"], (name, r)
+        assert r["same"] and not r["differ"], (name, r)
         assert r["moved"], name  # the steps changed the weights: the comparison compares something
+
+
+def measured_step(engine, i):
+    """One step of ``(model, optimizer)`` on the llama batch ``i``: what the peak measurements time."""
+    model, opt = engine
+    loss_of(model, "llama", batch("llama", i, 0, 0)).backward()
+    opt.step()
+    opt.zero_grad()
 
 
 def _peaks(rank, world):
@@ -127,12 +145,6 @@ def _peaks(rank, world):
         model = yafsdp.YaFSDP(tiny_llama(seed=3, layers=6, vocab=1031), param_dtype=torch.bfloat16)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    def step(engine, i):
-        model, opt = engine
-        loss_of(model, "llama", batch("llama", i, 0, 0)).backward()
-        opt.step()
-        opt.zero_grad()
-
     out = {}
     sizing.IN_USE_WORLD1 = False  # the buffers held for the run: the cast gather's difference alone
     for on in (True, False):
@@ -141,7 +153,7 @@ def _peaks(rank, world):
             model, _ = build()
             held = sum(model.allocated_bytes().values())
             del model
-            peak = measure_memory(build, step, 3, torch.device("cpu"), method="torch")["peak_steady"]
+            peak = measure_memory(build, measured_step, 3, torch.device("cpu"), method="torch")["peak_steady"]
             with torch.device("meta"):
                 meta = tiny_llama(seed=3, layers=6, vocab=1031)
             plan = memory_plan(meta, world_size=1, param_dtype=torch.bfloat16, backend="gloo")
@@ -180,23 +192,12 @@ RECORDS = {
 def _in_place_vs_staged(rank, world):
     """Each RECORDS case at world 1 with the records expanded in place and with every unit gathered through a
     buffer and its staging area, as at any world (the alias switch off)."""
-    from yafsdp.layout import sizing
-
     out = {}
     for name, case in RECORDS.items():
-        runs = []
-        for on in (True, False):
-            sizing.ALIAS_WORLD1 = on
-            try:
-                runs.append(_train(*case))
-            finally:
-                sizing.ALIAS_WORLD1 = True
-        a, b = runs
+        runs = on_and_off("ALIAS_WORLD1", case)
         out[name] = dict(
             staging=[sum(v for k, v in r["held"]["allocated"].items() if k.endswith("_staging")) for r in runs],
-            same=a["losses"] == b["losses"] and a["norms"] == b["norms"]
-            and all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"])),
-            differ=[k for k in a["state"] if not torch.equal(a["state"][k], b["state"][k])])
+            **same_steps(*runs))
     return out
 
 

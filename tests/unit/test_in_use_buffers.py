@@ -9,7 +9,7 @@ import torch
 import yafsdp
 from dist_utils import run_ranks
 from models import batch, loss_of, tiny_llama
-from test_cast_gather import CASES, RECORDS, _train
+from test_cast_gather import CASES, RECORDS, measured_step, on_and_off, same_steps
 from yafsdp.plan import memory_plan
 
 # the cases where a buffer's memory comes and goes in a way of its own: an activation-checkpoint recompute
@@ -24,25 +24,13 @@ def _weight_slots(allocated: dict, names) -> int:
 
 
 def _in_use_vs_held(rank, world):
-    from yafsdp.layout import sizing
-
     out = {}
     for name, table in NAMES.items():
-        runs = []
-        for on in (True, False):
-            sizing.IN_USE_WORLD1 = on
-            try:
-                runs.append(_train(*table[name]))
-            finally:
-                sizing.IN_USE_WORLD1 = True
-        a, b = runs
+        a, b = on_and_off("IN_USE_WORLD1", table[name])
         slots = [k for k in b["held"]["allocated"]  # the small group's slot is gathered once per forward: held
                  if k.startswith("weight") and k != "weight_small" and not k.endswith(("_staging", "_landing"))]
-        out[name] = dict(
-            slots=slots, between=[_weight_slots(r["held"]["allocated"], slots) for r in runs],
-            same=a["losses"] == b["losses"] and a["norms"] == b["norms"]
-            and all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"])),
-            differ=[k for k in a["state"] if not torch.equal(a["state"][k], b["state"][k])])
+        out[name] = dict(slots=slots, between=[_weight_slots(r["held"]["allocated"], slots) for r in (a, b)],
+                         **same_steps(a, b))
     return out
 
 
@@ -119,20 +107,14 @@ def _peaks(rank, world):
         model = yafsdp.YaFSDP(_qlora_like(), param_dtype=torch.bfloat16, quantize_frozen="nf4")
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    def step(engine, i):
-        model, opt = engine
-        loss_of(model, "llama", batch("llama", i, 0, 0)).backward()
-        opt.step()
-        opt.zero_grad()
-
     engine = build()  # first-use allocations of the process (a one-time 64 KiB) before either measurement
-    step(engine, 0)
+    measured_step(engine, 0)
     del engine
     out = {}
     for on in (True, False):
         sizing.IN_USE_WORLD1 = on
         try:
-            m = measure_memory(build, step, 3, torch.device("cpu"), method="torch")
+            m = measure_memory(build, measured_step, 3, torch.device("cpu"), method="torch")
             with torch.device("meta"):
                 meta = _qlora_like()
             ids = batch("llama", 0, 0, 0)["input_ids"]
