@@ -479,14 +479,17 @@ def plan_buffers(
     # and given back at its release (``WeightBuffer``: the storage resized to its capacity and to 0; the
     # tensor, its views in the units' aliases and the saved tensors that view it stay the same
     # objects). Between steps, and at the loss, where the activations peak, no dequantized or cast
-    # weight is held: what plain PyTorch with torchao's NF4 (which dequantizes each weight for its
-    # matmul) and FSDP2 (which frees each unit's gathered weights after use) hold there. A deferred
-    # prefetch into the same slot keeps the memory (the release hands it over). On CUDA the memory is
-    # taken on the compute stream and the comm stream's writes are ordered after that point (the
-    # buffer's release event is recorded there), so whatever the caching allocator's block was used for
-    # before is finished; it is given back on the compute stream after the last use there, which
-    # itself waited for the gather. ZeRO-2 keeps a unit's weights from forward to backward: its slots
-    # stay allocated.
+    # weight is held, as with plain PyTorch and torchao's NF4 (which dequantizes each weight for its
+    # matmul) or FSDP2 (which frees each unit's gathered weights after use). A deferred prefetch into
+    # the same slot keeps the memory (the release hands it over); the small group's slot, gathered once
+    # per forward and used throughout, is held as before. On CUDA the memory is
+    # taken on the compute stream and the comm stream's writes are ordered after that point
+    # (``Schedule.taken`` records the buffer's release event there), so whatever the caching allocator's
+    # block was used for before is finished; it is given back on the compute stream after the last use
+    # there, which itself waited for the gather (yafsdp/tools/streamcheck.py checks both: [Note: a
+    # storage's memory coming and going]). The price is a re-gather where a held buffer would still
+    # hold its unit (the last layer and the head at the start of backward: one more cast or expand of
+    # each a step). ZeRO-2 keeps a unit's weights from forward to backward: its slots stay allocated.
     def weight_slot(name: str, members: list[int], role: str) -> int:
         landing = max(landing_layout(lay(i), compute_dtype)[1] for i in members) if offload_frozen else 0
         staging = 0 if world1 else max(lay(i).staging_bytes for i in members)
