@@ -64,24 +64,43 @@ def _widen_windows():
     comm.StreamSchedule.gather, comm.StreamSchedule.reduce = slow_gather, slow_reduce
 
 
-def _buffer_mismatch(model):
-    """Device count of elements where a weight buffer holding unit u differs from u's compute
-    copy (world 1: the gathered unit is the shard). No host sync."""
-    n = torch.zeros((), dtype=torch.int64, device="cuda")
-    for u in model.flat_units:
-        slot = u.buffer
-        if slot.holds(u):
-            model.schedule.wait_gathered(slot.sync)
-            for g in u.groups:
-                got = slot.data[g.buffer_offset:g.buffer_offset + g.layout.padded_numel]
-                shard = g.compute.to(got.device)  # offload="all": a host shard (a synchronous copy)
-                if not g.kind.format.compact:
-                    n += (got != shard).sum()
-                else:  # an NF4 or FP8 group: the expand of its record (world 1: the gathered records are the shard)
-                    want = torch.empty_like(got)
-                    g.expand(want, shard)
-                    n += (got != want).sum()
+def unit_mismatch(slot, u) -> torch.Tensor:
+    """Elements (a device count, no host sync) where weight buffer ``slot``, holding unit ``u``, differs
+    from what a gather of ``u`` writes at world 1, where the gathered unit is its shard: the compute
+    copy; the fp32 master cast to param_dtype where there is none ([Note: the world-1 cast gather]); the
+    expand of an NF4, FP8 or INT8 group's record."""
+    n = torch.zeros((), dtype=torch.int64, device=slot.data.device)
+    for g in u.groups:
+        got = slot.data[g.buffer_offset:g.buffer_offset + g.layout.padded_numel]
+        shard = g.compute.to(got.device)  # offload="all": a host shard (a synchronous copy)
+        if g.kind.format.compact:
+            want = torch.empty_like(got)
+            g.expand(want, shard)
+        else:
+            want = shard.to(got.dtype)
+        n += (got != want).sum()
     return n
+
+
+def check_buffers_at_release(counter: list):
+    """Compare every weight buffer with its unit as each of the unit's uses ends (``WeightBuffer.release``
+    with one use left: forward, eval forward, backward), adding the mismatches to ``counter[0]``, on the
+    compute stream before the release is recorded -- before a world-1 buffer's memory is given back
+    ([Note: world-1 buffers in use only]). Returns the function that restores ``release``."""
+    from yafsdp.engine.buffers import WeightBuffer
+
+    orig = WeightBuffer.release
+
+    def release(self):
+        if self.busy == 1 and self.owner is not None and self.holds(self.owner):
+            counter[0] = counter[0] + unit_mismatch(self, self.owner)
+        orig(self)
+
+    WeightBuffer.release = release
+
+    def restore():
+        WeightBuffer.release = orig
+    return restore
 
 
 def _optimizer(name, params):
@@ -91,27 +110,28 @@ def _optimizer(name, params):
 
 
 def _loop(model, opt, kind, inputs, *, sync_after_step, check_buffers, eval_inputs=None):
-    losses, mismatch = [], torch.zeros((), dtype=torch.int64, device="cuda")
+    """``check_buffers``: every weight buffer compared with its unit at the end of each use (world 1)."""
+    losses, mismatch = [], [torch.zeros((), dtype=torch.int64, device="cuda")]
+    restore = check_buffers_at_release(mismatch) if check_buffers else (lambda: None)
     accum = len(inputs[0])
-    for step, micros in enumerate(inputs):
-        for x in micros:
-            loss = loss_of(model, kind, x)
-            if check_buffers:
-                mismatch += _buffer_mismatch(model)
-            (loss / accum).backward()
-            losses.append(loss.detach())
-        model.clip_grad_norm_(1.0)
-        torch.cuda._sleep(SLEEP)  # the optimizer runs late: the next gathers must wait for its copy-out
-        opt.step()
-        opt.zero_grad(set_to_none=step % 2 == 0)
-        if sync_after_step:
-            torch.cuda.synchronize()
-        if eval_inputs is not None:  # a no-grad forward between steps gathers the new weights too
-            with torch.no_grad():
-                losses.append(loss_of(model, kind, eval_inputs).detach())
-            if check_buffers:
-                mismatch += _buffer_mismatch(model)
-    return torch.stack(losses), mismatch
+    try:
+        for step, micros in enumerate(inputs):
+            for x in micros:
+                loss = loss_of(model, kind, x)
+                (loss / accum).backward()
+                losses.append(loss.detach())
+            model.clip_grad_norm_(1.0)
+            torch.cuda._sleep(SLEEP)  # the optimizer runs late: the next gathers must wait for its copy-out
+            opt.step()
+            opt.zero_grad(set_to_none=step % 2 == 0)
+            if sync_after_step:
+                torch.cuda.synchronize()
+            if eval_inputs is not None:  # a no-grad forward between steps gathers the new weights too
+                with torch.no_grad():
+                    losses.append(loss_of(model, kind, eval_inputs).detach())
+    finally:
+        restore()
+    return torch.stack(losses), mismatch[0]
 
 
 CASES = {
