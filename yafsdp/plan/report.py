@@ -371,6 +371,10 @@ class MemoryPlan:
             lines.append("  world 1: the grad shards are made unit by unit during backward (as the activations are "
                          "freed) and freed by zero_grad(set_to_none=True); the total counts the larger of the "
                          "activations and every grad shard with the last unit's gradients")
+        if self.in_use_peak:
+            lines.append("  world 1: the weight buffers hold memory only from a unit's gather to its release (none between "
+                         "steps); the total counts the larger of the activation peak and what is saved for backward "
+                         f"with {self.in_use_peak / GiB:.3f} GiB of them (the head's and the prefetched layer's)")
         if self.export_unit:
             lines.append("  " + self.export_line())
         for n in self.notes:
