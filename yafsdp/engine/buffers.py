@@ -37,9 +37,9 @@ class WeightBuffer:
     def __init__(self, name: str, capacity: int, dtype: torch.dtype, device: torch.device, schedule,
                  staging_bytes: int = 0, landing_bytes: int = 0, in_use: bool = False):
         self.name = name
-        # Gathered weights of the owner unit; allocated once, never resized (``in_use``: the storage
-        # holds memory only from a gather to the release, [Note: world-1 buffers in use only] in
-        # layout/sizing.py). The units' parameters during forward/backward alias this storage.
+        # Gathered weights of the owner unit: one tensor for the run, its storage allocated once
+        # (``in_use``: it holds memory only from a gather to the release, [Note: world-1 buffers in
+        # use only] in layout/sizing.py). The units' parameters during forward/backward alias it.
         self.data = (torch.empty if in_use else torch.zeros)(capacity, dtype=dtype, device=device)
         self.in_use = in_use  # the allocator gives the memory back once the units' aliases are made
         # Compact (NF4) gathers land here, then expand into data: see [Note: the compact staging
