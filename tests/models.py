@@ -112,3 +112,15 @@ def all_grads(model) -> torch.Tensor:
         if p is not None:
             parts.append(plain(p.grad).detach().clone() if p.grad is not None else torch.zeros_like(p.detach()))
     return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def random_tokens_step(vocab: int, b: int, s: int):
+    """``step(engine, i)`` for ``measure_memory``: an HF causal LM's loss on ``b`` x ``s`` random tokens (seeded
+    by ``i``), backward, the optimizer's step, its gradients set to None. ``engine``: (model, optimizer)."""
+    def step(engine, i):
+        model, opt = engine
+        ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(i))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step

@@ -13,7 +13,7 @@ import torch
 
 import yafsdp
 from dist_utils import run_ranks
-from models import Stack, batch, loss_of, tiny_llama
+from models import Stack, batch, loss_of, random_tokens_step, tiny_llama
 from yafsdp.plan import apply_checkpointing, checkpointed_blocks, choose_checkpointing, configure_checkpointing
 from yafsdp.plan import memory_plan, parse_bytes
 from yafsdp.presets import build_llama
@@ -296,14 +296,7 @@ def _peft_auto(rank, world):
             chosen.update(ends=(ends.peak_none, ends.peak_all), budget=budget, active=checkpointed_blocks(model))
             return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
-        def step(engine, i):
-            model, opt = engine
-            ids = torch.randint(0, 2048, (b, s), generator=torch.Generator().manual_seed(i))
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        m = measure_memory(build, step, 3, torch.device("cpu"), method="torch")
+        m = measure_memory(build, random_tokens_step(2048, b, s), 3, torch.device("cpu"), method="torch")
         c = chosen.pop("choice")
         out[name] = dict(indices=c.indices, peak=c.peak, fits=c.fits, measured=m["peak_steady"], **chosen)
     args = types.SimpleNamespace(activation_checkpointing=False, checkpointing=None, memory_budget=None,
@@ -360,14 +353,7 @@ def _qlora_world1(rank, world):
             chosen["in_use"] = model.memory_plan().in_use_peak
             return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
-        def step(engine, i):
-            model, opt = engine
-            ids = torch.randint(0, 2048, (b, s), generator=torch.Generator().manual_seed(i))
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        m = measure_memory(build, step, 3, torch.device("cpu"), method="torch")
+        m = measure_memory(build, random_tokens_step(2048, b, s), 3, torch.device("cpu"), method="torch")
         c = chosen["choice"]
         out[frac] = dict(blocks=len(c.indices), peak=c.peak, measured=m["peak_steady"], in_use=chosen["in_use"])
     dist.destroy_process_group()

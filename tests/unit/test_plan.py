@@ -10,7 +10,7 @@ import torch
 
 import yafsdp
 from dist_utils import run_ranks
-from models import Stack, all_grads, batch, loss_of, tiny_llama
+from models import Stack, all_grads, batch, loss_of, random_tokens_step, tiny_llama
 from yafsdp.measure import measure_memory
 from yafsdp.plan import memory_plan, plan_buffers, unit_align
 from yafsdp.presets import build_llama
@@ -687,16 +687,9 @@ def _qlora_8b_fake(rank, world):
         model.module.gradient_checkpointing_enable()
         return model, yafsdp.FusedAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
-    def step(engine, i):
-        model, opt = engine
-        ids = torch.randint(0, 128256, (b, s), generator=torch.Generator().manual_seed(i))
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
     plan = memory_plan(_qlora_model("llama3-8b", num_hidden_layers=2), world_size=w, batch=b, seq=s,
                        checkpointing=True, **QLORA_OPTS)
-    m = measure_memory(build, step, 3, torch.device("cpu"), method="torch")
+    m = measure_memory(build, random_tokens_step(128256, b, s), 3, torch.device("cpu"), method="torch")
     dist.destroy_process_group()
     dist.init_process_group("gloo", rank=0, world_size=1)
     return plan.total, plan.engine_total + plan.optimizer_state, plan.host_total, m
