@@ -41,6 +41,49 @@ def run_job(args: list[str], nproc: int = 2, launcher=None, timeout: int = 240, 
     return p
 
 
+class Lanes:
+    """Independent launch chains of one test module, run side by side in the background while the module's
+    tests go on; each test takes its chain's result (or its exception) with :meth:`result`. Two at a time
+    by default: a job alone leaves a core idle through torchrun's start and the interpreters' imports (a
+    world-2 job of the tiny preset keeps ~70 % of 2 cores busy), two fill it. A module fixture makes
+    them and :meth:`close` s them."""
+
+    def __init__(self, width: int = 2):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(width)
+        self.futures: dict = {}
+
+    def start(self, name: str, fn, *args, **kwargs) -> None:
+        self.futures[name] = self.pool.submit(fn, *args, **kwargs)
+
+    def result(self, name: str):
+        return self.futures[name].result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def lanes_fixture(bodies: dict, width: int = 2):
+    """A module fixture (assign it to ``lanes`` in the module): the bodies of the module's launch-bound tests
+    (test name -> ``fn(tmp_path)``, the longest first), those of the selected tests only, started side by side
+    at the first test that asks for it; each test then calls ``lanes.result(its name)``, which re-raises its
+    body's failure. For bodies that need nothing of pytest but a folder of their own."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def lanes(request, tmp_path_factory):
+        selected = {item.originalname for item in request.session.items}
+        ln = Lanes(width)
+        for name, fn in bodies.items():
+            if name in selected:
+                ln.start(name, fn, tmp_path_factory.mktemp(name.removeprefix("test_")[:30]))
+        yield ln
+        ln.close()
+
+    return lanes
+
+
 def metrics(out: str) -> list[dict]:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -207,14 +207,14 @@ def plot_loss(metrics_path: str, png_path: str, title: str = "", final_val: tupl
     rows = read_jsonl(metrics_path)
     if not rows:
         return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure (no pyplot: no backend chosen, no figure manager, ~0.2 s less at every job's end); savefig
+    # renders with Agg for a .png
+    from matplotlib.figure import Figure
 
     steps = [r["step"] for r in rows]
     loss = [r["loss"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    fig = Figure(figsize=(7, 4), dpi=110)
+    ax = fig.add_subplot()
     ax.plot(steps, loss, color="tab:blue", lw=0.8, alpha=0.45, label="train loss")
     k = max(1, len(loss) // 30)
     if k > 1:  # a moving average
@@ -237,7 +237,6 @@ def plot_loss(metrics_path: str, png_path: str, title: str = "", final_val: tupl
     fig.tight_layout()
     tmp = png_path + ".part.png"
     fig.savefig(tmp)
-    plt.close(fig)
     os.replace(tmp, png_path)
     return labels
 

@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+from job_utils import Lanes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--preset", "tiny", "--batch", "2", "--seq", "16"]
 
@@ -22,10 +24,83 @@ def _run(script, *args, timeout=300, env=None):
     return out.stdout
 
 
-def test_bench_step_cpu(tmp_path):
-    j, md = tmp_path / "step.json", tmp_path / "step.md"
-    text = _run("bench_step.py", *TINY, "--warmup", "0", "--steps", "3", "--mem-steps", "2", "--phases", "--json", str(j),
-                "--md", str(md))
+# The benchmark runs of this module's CPU tests: name -> (the test that reads it, script, its arguments given
+# the run's own folder, timeout), the longest first. The ``runs`` fixture starts those of the selected tests
+# at the first of them, two at a time (job_utils.Lanes), and each test reads its runs' output.
+RUNS = {
+    "grad_quant": ("test_bench_grad_quant_small", "bench_grad_quant.py", lambda d: [
+        "--preset", "tiny", "--steps", "2", "--tail", "1", "--margin", "10", "--train", "int8, node 2",
+        "--out", str(d / "runs"), "--md", str(d / "gq.md")], 600),
+    "hsdp": ("test_bench_hsdp_and_the_byte_model", "bench_hsdp.py", lambda d: [
+        *TINY, "--accum", "2", "--warmup", "1", "--steps", "1", "--json", str(d / "h.json")], 300),
+    "hsdp_bytes": ("test_bench_hsdp_and_the_byte_model", "model_scaling.py", lambda d: [
+        "--preset", "tiny", "--param-dtype", "fp32", "--grad-accum", "2", "--bytes", "2x2,1x4"], 300),
+    "data": ("test_bench_data_small", "bench_data.py", lambda d: [
+        "--sizes", "0.0002", "--kinds", "parquet", "--loader-seconds", "0.3", "--dir", str(d), "--out",
+        str(d / "r.md")], 300),
+    "step": ("test_bench_step_cpu", "bench_step.py", lambda d: [
+        *TINY, "--warmup", "0", "--steps", "3", "--mem-steps", "2", "--phases", "--json", str(d / "step.json"),
+        "--md", str(d / "step.md")], 300),
+    "finetune": ("test_bench_finetune_cpu", "bench_finetune.py", lambda d: [
+        "--preset", "tiny", "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "0", "--mem-steps", "2",
+        "--engines", "yafsdp-lora,yafsdp-lora+offload,fsdp2-lora", "--json", str(d / "ft.json")], 300),
+    "io": ("test_bench_io_small", "bench_io.py", lambda d: [
+        "--small", "--rows", "export,old_export", "--dir", str(d / "io"), "--json", str(d / "io.json")], 300),
+    "scaling": ("test_model_scaling", "model_scaling.py", lambda d: [
+        "--json", str(d / "s.json"), "--png", str(d / "s.png"), "--worlds", "8,16,64"], 300),
+    "scaling_measured": ("test_model_scaling", "model_scaling.py", lambda d: [
+        "--compute", "measure", *TINY, "--worlds", "8", "--json", str(d / "m.json"), "--png", ""], 300),
+    "world1": ("test_bench_world1_cpu", "bench_world1.py", lambda d: [
+        *TINY, "--layers", "2", "--configs", "fp32-full,bf16-lora", "--md", str(d / "w1.md")], 300),
+    "rounds": ("test_bench_step_rounds_paired_and_prefetch2", "bench_step.py", lambda d: [
+        *TINY, "--layers", "4", "--engines", "yafsdp-z3,yafsdp-z3+prefetch2,ddp", "--interleave", "round",
+        "--rounds", "2", "--warmup", "1", "--steps", "2", "--mem-steps", "0", "--json", str(d / "rounds.json")], 300),
+    "overlap": ("test_bench_overlap_cpu", "bench_overlap.py", lambda d: [
+        *TINY, "--warmup", "1", "--steps", "1", "--png", str(d / "o.png"), "--json", str(d / "o.json"),
+        "--trace-dir", str(d / "traces")], 300),
+    "ckpt": ("test_bench_ckpt_cpu", "bench_ckpt.py", lambda d: [
+        *TINY, "--hidden", "0", "--intermediate", "0", "--layers", "0", "--rounds", "1", "--steps", "1",
+        "--root", str(d / "ck"), "--md", str(d / "r.md")], 300),
+    "fake_worlds": ("test_bench_step_fake_worlds", "bench_step.py", lambda d: [
+        *TINY, "--fake-world", "8,64", "--engines", "yafsdp-z3,fsdp2", "--json", str(d / "fake.json")], 300),
+    "cpu_gap": ("test_cpu_gap", "cpu_gap.py", lambda d: [
+        *TINY, "--warmup", "1", "--steps", "2", "--engines", "yafsdp-z3,ddp", "--json", str(d / "gap.json")], 300),
+    "host_overhead": ("test_host_overhead", "host_overhead.py", lambda d: [
+        "--layers", "2", "--steps", "2", "--rounds", "1"], 300),
+}
+
+
+class Runs:
+    """The started runs: ``text(name)`` waits for one and gives its stdout (or raises its failure);
+    ``dir(name)`` is its folder."""
+
+    def __init__(self, lanes: Lanes, dirs: dict):
+        self.lanes, self.dirs = lanes, dirs
+
+    def text(self, name: str) -> str:
+        return self.lanes.result(name)
+
+    def dir(self, name: str):
+        return self.dirs[name]
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    selected = {item.originalname for item in request.session.items}
+    base = tmp_path_factory.mktemp("bench")
+    lanes, dirs = Lanes(), {}
+    for name, (test, script, args, timeout) in RUNS.items():
+        if test in selected:
+            dirs[name] = d = base / name
+            d.mkdir()
+            lanes.start(name, _run, script, *args(d), timeout=timeout)
+    yield Runs(lanes, dirs)
+    lanes.close()
+
+
+def test_bench_step_cpu(runs):
+    text, d = runs.text("step"), runs.dir("step")
+    j, md = d / "step.json", d / "step.md"
     assert "x FSDP2" in text and md.read_text().count("|") > 20
     assert "paired by step (3 steps" in text, text  # each engine's step ratio taken within each rotation
     r = json.loads(j.read_text())
@@ -60,11 +135,10 @@ def test_bench_step_cpu(tmp_path):
         assert all(sum(s) >= 1e-3 * t - 1e-9 for s, t in zip(ph, row["times_ms"]))
 
 
-def test_bench_ckpt_cpu(tmp_path):
-    text = _run("bench_ckpt.py", *TINY, "--hidden", "0", "--intermediate", "0", "--layers", "0", "--rounds", "1",
-                "--steps", "1", "--root", str(tmp_path / "ck"), "--md", str(tmp_path / "r.md"))
+def test_bench_ckpt_cpu(runs):
+    text = runs.text("ckpt")
     assert "async blocked / sync blocked =" in text and "staging copy" in text
-    assert not os.path.exists(tmp_path / "ck")  # the checkpoints are removed
+    assert not os.path.exists(runs.dir("ckpt") / "ck")  # the checkpoints are removed
 
 
 def test_bench_step_noise_report():
@@ -86,9 +160,8 @@ def test_bench_step_noise_report():
     assert info["busy"] and "load average was 3.10 on 2 cores" in lines[-1]
 
 
-def test_bench_step_fake_worlds(tmp_path):
-    j = tmp_path / "fake.json"
-    text = _run("bench_step.py", *TINY, "--fake-world", "8,64", "--engines", "yafsdp-z3,fsdp2", "--json", str(j))
+def test_bench_step_fake_worlds(runs):
+    text, j = runs.text("fake_worlds"), runs.dir("fake_worlds") / "fake.json"
     r = json.loads(j.read_text())
     assert r["flat"] is True, text
     peak = {(row["world"], row["engine"]): row["peak_mib"] for row in r["rows"]}
@@ -101,10 +174,10 @@ def test_bench_step_fake_worlds(tmp_path):
             assert abs(row["step_end"][-1] / 2**20 - row["plan_engine_mib"]) < 0.01
 
 
-def test_bench_overlap_cpu(tmp_path):
-    png, j, traces = tmp_path / "o.png", tmp_path / "o.json", tmp_path / "traces"
-    _run("bench_overlap.py", *TINY, "--warmup", "1", "--steps", "1", "--png", str(png), "--json", str(j),
-         "--trace-dir", str(traces))
+def test_bench_overlap_cpu(runs):
+    runs.text("overlap")
+    d = runs.dir("overlap")
+    png, j, traces = d / "o.png", d / "o.json", d / "traces"
     assert 0 < png.stat().st_size < 300_000
     r = json.loads(j.read_text())
     for name in ("yafsdp-z3", "fsdp2"):
@@ -122,9 +195,9 @@ def test_bench_overlap_cpu(tmp_path):
     assert any(n.startswith("yafsdp.gather ") for n in names) and any(n.startswith("gloo:") for n in names)
 
 
-def test_model_scaling(tmp_path):
-    j, png = tmp_path / "s.json", tmp_path / "s.png"
-    text = _run("model_scaling.py", "--json", str(j), "--png", str(png), "--worlds", "8,16,64")
+def test_model_scaling(runs):
+    text, d = runs.text("scaling"), runs.dir("scaling")
+    j, png = d / "s.json", d / "s.png"
     r = json.loads(j.read_text())
     assert r["table"] in text
     rows = {row["world"]: row for row in r["rows"]}
@@ -147,9 +220,8 @@ def test_model_scaling(tmp_path):
     # The default compute is the committed H200 measurement of llama3-8b at 1 x 8192 (not FLOPs)
     assert r["compute"]["source"].startswith("measured on NVIDIA"), r["compute"]["source"]
     assert r["compute"]["source"].endswith(", llama3-8b, batch 1 x seq 8192")
-    j2 = tmp_path / "m.json"
-    _run("model_scaling.py", "--compute", "measure", *TINY, "--worlds", "8", "--json", str(j2), "--png", "")
-    r = json.loads(j2.read_text())
+    runs.text("scaling_measured")
+    r = json.loads((runs.dir("scaling_measured") / "m.json").read_text())
     assert r["compute"]["layer"][0] > 0 and r["rows"][0]["yafsdp"]["step"] > 0
 
 
@@ -169,16 +241,15 @@ def test_benchmarks_gpu(tmp_path):
     assert r["engine_view"]["yafsdp-z3"][-1]["intervals"]
 
 
-def test_host_overhead():
-    text = _run("host_overhead.py", "--layers", "2", "--steps", "2", "--rounds", "1")
+def test_host_overhead(runs):
+    text = runs.text("host_overhead")
     assert "ms/step (best of 1 rounds of 2; 5 flat units)" in text and os.path.join(ROOT, "yafsdp") in text
 
 
-def test_cpu_gap(tmp_path):
+def test_cpu_gap(runs):
     """benchmarks/cpu_gap.py: every engine with its collectives and with local stand-ins; the waits it
     times are the engine's (nonzero with a peer, nothing to wait for without one)."""
-    j = tmp_path / "gap.json"
-    text = _run("cpu_gap.py", *TINY, "--warmup", "1", "--steps", "2", "--engines", "yafsdp-z3,ddp", "--json", str(j))
+    text, j = runs.text("cpu_gap"), runs.dir("cpu_gap") / "gap.json"
     assert "yafsdp-z3 against ddp: wall" in text and "communication (comm - local wall)" in text
     rows = json.loads(j.read_text())["rows"]
     y, d = rows["yafsdp-z3"], rows["ddp"]
@@ -191,19 +262,12 @@ def test_cpu_gap(tmp_path):
     assert d["comm"]["waited_gather"] == 0 and d["comm"]["waited_reduce"] == 0  # DDP waits on none of them
 
 
-def test_bench_hsdp_and_the_byte_model(tmp_path):
+def test_bench_hsdp_and_the_byte_model(runs):
     """benchmarks/bench_hsdp.py at world 4 (full sharding 1 x 4, HSDP 2 x 2): the all-reduce across replicas
     once per step of 2 backward passes, overlapped (one per unit) and deferred (one), the same elements;
     none for full sharding. And benchmarks/model_scaling.py's per-step bytes (gathers, reduce-scatters, the all-reduce across
     replicas) equal what the engine put into its collectives in that run, on every rank."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    j = tmp_path / "h.json"
-    with ThreadPoolExecutor(1) as pool:  # the prediction (one process) runs beside the measured run
-        scaling = pool.submit(_run, "model_scaling.py", "--preset", "tiny", "--param-dtype", "fp32", "--grad-accum", "2",
-                              "--bytes", "2x2,1x4")
-        text = _run("bench_hsdp.py", *TINY, "--accum", "2", "--warmup", "1", "--steps", "1", "--json", str(j))
-        scaling = scaling.result()
+    text, j, scaling = runs.text("hsdp"), runs.dir("hsdp") / "h.json", runs.text("hsdp_bytes")
     r = json.loads(j.read_text())
     assert r["table"] in text
     full, over, deferred = (r["per_step"][k][0] for k in ("full", "hsdp", "hsdp-deferred"))
@@ -217,12 +281,10 @@ def test_bench_hsdp_and_the_byte_model(tmp_path):
     assert predicted["2x2"]["overlapped"]["all_reduce"] > 0 == predicted["1x4"]["overlapped"]["all_reduce"]
 
 
-def test_bench_grad_quant_small(tmp_path):
+def test_bench_grad_quant_small(runs):
     """benchmarks/bench_grad_quant.py with the tiny preset: the bytes per link from the engine's counters (the
     quantized reduce sends less across node groups than the plain one) and one short run of the job."""
-    md = tmp_path / "gq.md"
-    text = _run("bench_grad_quant.py", "--preset", "tiny", "--steps", "2", "--tail", "1", "--margin", "10",
-                "--train", "int8, node 2", "--out", str(tmp_path / "runs"), "--md", str(md), timeout=600)
+    text, md = runs.text("grad_quant"), runs.dir("grad_quant") / "gq.md"
     rows = {}
     for r in text.splitlines():  # the bytes table first (the convergence table repeats a name)
         if r.startswith("| "):
@@ -232,13 +294,11 @@ def test_bench_grad_quant_small(tmp_path):
     assert "| int8, node 2" in md.read_text() and "within margin" in md.read_text()
 
 
-def test_bench_finetune_cpu(tmp_path):
+def test_bench_finetune_cpu(runs):
     """bench_finetune.py at world 2 on the tiny preset: LoRA under yafsdp with and without offload and under
     FSDP2, interleaved; every engine trains the same PEFT model to the same loss; the frozen base's NF4
     gather is <= 0.30x the bf16 one."""
-    j = tmp_path / "ft.json"
-    text = _run("bench_finetune.py", "--preset", "tiny", "--batch", "2", "--seq", "16", "--steps", "2", "--warmup",
-                "0", "--mem-steps", "2", "--engines", "yafsdp-lora,yafsdp-lora+offload,fsdp2-lora", "--json", str(j))
+    text, j = runs.text("finetune"), runs.dir("finetune") / "ft.json"
     r = json.loads(j.read_text())
     assert set(r["times_ms"]) == {"yafsdp-lora", "yafsdp-lora+offload", "fsdp2-lora"}, text
     last = {n: v[-1] for n, v in r["losses"].items()}
@@ -249,18 +309,17 @@ def test_bench_finetune_cpu(tmp_path):
     assert plan["host_total"] > 0 and plan["placement"]["master"] == "host"
 
 
-def test_bench_io_small(tmp_path):
+def test_bench_io_small(runs):
     """bench_io.py at the tiny size, one row (load + streamed export + the old export): the table,
     the goals with their verdicts, and nothing left in the folder but the made checkpoint."""
-    j = tmp_path / "io.json"
-    text = _run("bench_io.py", "--small", "--rows", "export,old_export", "--dir", str(tmp_path / "io"),
-                "--json", str(j))
+    text, d = runs.text("io"), runs.dir("io")
+    j = d / "io.json"
     assert "load_hf_weights" in text and "export_hf (streaming)" in text and "goals (a rank holds its slices" in text
     assert "export writer: growth" in text and "load throughput" in text
     r = json.loads(j.read_text())
     assert r["checkpoint"]["files"] >= 3 and len(r["results"]["export"]) == 2
     assert all(m["seconds"] > 0 for m in r["results"]["load"])
-    assert sorted(os.listdir(tmp_path / "io")) == ["ckpt_tiny", "result_load.json"]
+    assert sorted(os.listdir(d / "io")) == ["ckpt_tiny", "result_load.json"]
 
 
 def test_model_scaling_finds_only_a_matching_measurement(monkeypatch):
@@ -290,15 +349,15 @@ def test_model_scaling_finds_only_a_matching_measurement(monkeypatch):
         in out.stderr, out.stderr[-2000:]
 
 
-def test_bench_world1_cpu(tmp_path):
+def test_bench_world1_cpu(runs):
     """benchmarks/bench_world1.py at a tiny shape: every engine runs (a full model in fp32, LoRA in
     bf16), yafsdp holds its plan's state between steps with no weight buffer (the world-1 alias), and
     the report and its JSON are written."""
     import json
 
-    md = tmp_path / "w1.md"
-    _run("bench_world1.py", *TINY, "--layers", "2", "--configs", "fp32-full,bf16-lora", "--md", str(md))
-    raw = json.loads((tmp_path / "w1.json").read_text())
+    runs.text("world1")
+    md = runs.dir("world1") / "w1.md"
+    raw = json.loads((runs.dir("world1") / "w1.json").read_text())
     assert set(raw) == {"fp32-full", "bf16-lora"}
     for cfg, d in raw.items():
         m = d["measured"]
@@ -309,13 +368,12 @@ def test_bench_world1_cpu(tmp_path):
     assert md.read_text().count("| yafsdp |") == 2
 
 
-def test_bench_data_small(tmp_path):
+def test_bench_data_small(runs):
     """bench_data.py on a 0.2 MB parquet folder: one job launch at world 2 and the loader's rate, one table row."""
-    text = _run("bench_data.py", "--sizes", "0.0002", "--kinds", "parquet", "--loader-seconds", "0.3", "--dir",
-                str(tmp_path), "--out", str(tmp_path / "r.md"))
+    text, d = runs.text("data"), runs.dir("data")
     row = [line for line in text.splitlines() if line.startswith("| parquet | 0.0002 |")]
     assert len(row) == 1 and "nan" not in row[0], text
-    assert row[0] in open(tmp_path / "r.md").read()
+    assert row[0] in open(d / "r.md").read()
 
 
 def _scaling_modules(monkeypatch):
@@ -429,13 +487,10 @@ def test_scaling_studies(monkeypatch, tmp_path):
         ms.main(["--study", "tp", "--preset", "llama3-8b", "--worlds", "12,16", "--png", "", "--json", os.devnull])
 
 
-def test_bench_step_rounds_paired_and_prefetch2(tmp_path):
+def test_bench_step_rounds_paired_and_prefetch2(runs):
     """Round mode prints each engine's ratios paired within each round; the prefetch=2 engine trains exactly
     as yafsdp-z3 and gathers fewer bytes per step (a third buffer still holds a layer when backward reaches it)."""
-    j = tmp_path / "rounds.json"
-    text = _run("bench_step.py", *TINY, "--layers", "4", "--engines", "yafsdp-z3,yafsdp-z3+prefetch2,ddp",
-                "--interleave", "round", "--rounds", "2", "--warmup", "1", "--steps", "2", "--mem-steps", "0",
-                "--json", str(j))
+    text, j = runs.text("rounds"), runs.dir("rounds") / "rounds.json"
     assert "paired by round (2 rounds" in text, text
     r = json.loads(j.read_text())
     rows = {row["engine"]: row for row in r["rows"]}

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from job_utils import ROOT, close, env, losses
+from job_utils import ROOT, Lanes, close, env, losses
 from dist_utils import free_port
 
 peft = pytest.importorskip("peft")
@@ -39,7 +39,27 @@ def run(tmp_path_factory):
     return dict(out=out, stdout=p.stdout)
 
 
-def test_default_lowers_the_heldout_response_loss(run):
+@pytest.fixture(scope="module")
+def lanes(run, tmp_path_factory):
+    """The module's other launches, once the default run has written the base they fine-tune: each chain
+    side by side with the others (job_utils.Lanes), the longest first, while the in-process tests run."""
+    base = tmp_path_factory.mktemp("lanes")
+    base_dir = os.path.join(run["out"], "base", "hf")
+    lora, qlora = _one_layer_budget(base_dir), _one_layer_budget(base_dir, quantize_frozen="nf4")
+    ln = Lanes()
+    ln.start("offload", _offload_lane, base_dir, str(base / "offload"))
+    ln.start("resume", _resume_lane, base_dir, str(base / "resumed"), lora)
+    ln.start("slept", _fault_run, base_dir, base, "sleep:1:3:data", ["--hang-timeout", "8"])
+    ln.start("raised", _fault_run, base_dir, base, "raise:1:3:backward", [])
+    ln.start("qlora", run_ft, ["--out", str(base / "qlora"), "--init-from-hf", base_dir, "--qlora", "--steps", "15",
+                               "--merge-export", str(base / "qlora" / "merged"), "--memory-budget", str(qlora)])
+    ln.start("bad", run_ft, ["--out", str(base / "bad"), "--init-from-hf", base_dir, "--lora-targets",
+                             "q_proj,attn_qkv"], check=False)
+    yield dict(lanes=ln, base=base, base_dir=base_dir)
+    ln.close()
+
+
+def test_default_lowers_the_heldout_response_loss(run, lanes):  # lanes: the other launches start now
     m = re.search(r"held-out response-token loss ([\d.]+) \(before fine-tuning\) -> ([\d.]+) \(step 30\)", run["stdout"])
     assert m, run["stdout"][-3000:]
     before, after = float(m.group(1)), float(m.group(2))
@@ -53,7 +73,7 @@ def test_default_lowers_the_heldout_response_loss(run):
     assert os.path.isdir(os.path.join(run["out"], "checkpoints", "step_00000030"))
 
 
-def test_adapter_loads_in_peft_with_the_jobs_logits(run):
+def test_adapter_loads_in_peft_with_the_jobs_logits(run, lanes):
     from transformers import LlamaForCausalLM
 
     out = run["out"]
@@ -73,15 +93,15 @@ def test_adapter_loads_in_peft_with_the_jobs_logits(run):
     assert sorted(cfg["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"] and cfg["r"] == 8
 
 
-def test_resume_repeats_the_uninterrupted_losses(run, tmp_path):
+def _resume_lane(base_dir, out, budget):
+    base = ["--out", out, "--init-from-hf", base_dir, "--save-every", "15", "--memory-budget", str(budget)]
+    return out, run_ft(base + ["--steps", "15"]), run_ft(base + ["--resume"])
+
+
+def test_resume_repeats_the_uninterrupted_losses(run, lanes):
     """Both halves with --memory-budget (LoRA, auto: the plan traced through PEFT checkpoints the
     first of the base's 2 layers), so this also shows that the chosen checkpointing trains like none."""
-    out = str(tmp_path / "resumed")
-    base_dir = os.path.join(run["out"], "base", "hf")
-    base = ["--out", out, "--init-from-hf", base_dir, "--save-every", "15",
-            "--memory-budget", str(_one_layer_budget(base_dir))]
-    first = run_ft(base + ["--steps", "15"])
-    p = run_ft(base + ["--resume"])
+    out, first, p = lanes["lanes"].result("resume")
     for q in (first, p):
         assert "1 of 2 blocks checkpointed" in q.stdout and "checkpointed: base_model.model.model.layers.0" in q.stdout, \
             q.stdout[:3000]
@@ -93,9 +113,8 @@ def test_resume_repeats_the_uninterrupted_losses(run, tmp_path):
     assert re.search(r"held-out response-token loss [\d.]+ \(before fine-tuning\)", p.stdout)
 
 
-def test_bad_lora_targets_is_a_one_line_error(run, tmp_path):
-    p = run_ft(["--out", str(tmp_path / "bad"), "--init-from-hf", os.path.join(run["out"], "base", "hf"),
-                "--lora-targets", "q_proj,attn_qkv"], check=False)
+def test_bad_lora_targets_is_a_one_line_error(lanes):
+    p = lanes["lanes"].result("bad")
     assert p.returncode != 0
     ours = [line for line in p.stderr.splitlines() if line.startswith("finetune_lora.py: error:")]
     assert ours == ["finetune_lora.py: error: --lora-targets 'q_proj,attn_qkv': 'attn_qkv' matches no linear module "
@@ -155,18 +174,15 @@ def _one_layer_budget(base_dir: str, **opts) -> int:
     return one + (ends.peak_none - one) // 4
 
 
-def test_qlora_job(run, tmp_path):
+def test_qlora_job(lanes):
     """--qlora at world 2: the base's linear weights in NF4; the held-out loss falls; probe.pt's logits are
     PEFT's with the adapter on the NF4-dequantized base (the merged export has them too)."""
     from transformers import LlamaForCausalLM
 
     from yafsdp.formats import nf4_codec as nf4
 
-    out = str(tmp_path / "qlora")
-    base_dir = os.path.join(run["out"], "base", "hf")
-    budget = _one_layer_budget(base_dir, quantize_frozen="nf4")
-    p = run_ft(["--out", out, "--init-from-hf", base_dir, "--qlora", "--steps", "15",
-                "--merge-export", os.path.join(out, "merged"), "--memory-budget", str(budget)])
+    out, base_dir = str(lanes["base"] / "qlora"), lanes["base_dir"]
+    p = lanes["lanes"].result("qlora")
     assert "linear weights stored in NF4 (--qlora)" in p.stdout and "NF4-dequantized base" in p.stdout
     # --memory-budget (auto): the plan traced through PEFT chose 1 of the base's 2 layers (docs/activation_checkpointing.md)
     assert "1 of 2 blocks checkpointed" in p.stdout and "checkpointed: base_model.model.model.layers.0" in p.stdout, \
@@ -188,38 +204,36 @@ def test_qlora_job(run, tmp_path):
     assert (merged - probe["logits"]).abs().max().item() < 1e-4
 
 
-def test_offload_job_repeats_the_losses_and_resumes(run, tmp_path):
+def _offload_lane(base_dir, out):
+    base = ["--out", out, "--init-from-hf", base_dir, "--save-every", "15"]
+    return out, run_ft(base + ["--steps", "15", "--offload"]), run_ft(base + ["--resume", "--offload", "all"])
+
+
+def test_offload_job_repeats_the_losses_and_resumes(run, lanes):
     """--offload at world 2 (adapters' fp32 state on the host, the step on the CPU): the first half with
     --offload, a checkpoint, a resumed second half with --offload all (the frozen base on the host too)
     repeat the default run's 30 losses bit for bit."""
-    out = str(tmp_path / "offload")
-    base = ["--out", out, "--init-from-hf", os.path.join(run["out"], "base", "hf"), "--save-every", "15"]
-    p = run_ft(base + ["--steps", "15", "--offload"])
+    out, p, q = lanes["lanes"].result("offload")
     assert "stepped on the CPU (--offload)" in p.stdout, p.stdout[-3000:]
-    p = run_ft(base + ["--resume", "--offload", "all"])
-    assert "resumed from" in p.stdout and "--offload all" in p.stdout
+    assert "resumed from" in q.stdout and "--offload all" in q.stdout
     want, got = losses(run["out"]), losses(out)
     assert len(got) == 30 and got == want, (got, want)
 
 
-def test_one_ranks_error_and_a_stuck_rank_stop_the_finetuning_job(run, tmp_path):
+def _fault_run(base_dir, base, fault, extra):
+    e = env()
+    e["YAFSDP_JOB_FAULT"] = fault
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           JOB, *FAST, "--init-from-hf", base_dir, "--steps", "6", "--save-every", "0", *extra,
+           "--out", str(base / fault.split(":")[0])]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=e)
+
+
+def test_one_ranks_error_and_a_stuck_rank_stop_the_finetuning_job(lanes):
     """The fine-tuning job shares the pretraining job's fault handling: an exception on rank 1 alone is
     printed once naming rank, step and phase, every rank exits 1; rank 1 asleep in its data is named by
     both ranks within --hang-timeout and the job exits 4 (tests/jobs/test_faults.py has the catalogue)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    base = ["--init-from-hf", os.path.join(run["out"], "base", "hf"), "--steps", "6", "--save-every", "0"]
-
-    def one(case):
-        fault, extra = case
-        e = env()
-        e["YAFSDP_JOB_FAULT"] = fault
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), JOB, *FAST, *base, *extra, "--out", str(tmp_path / fault.split(":")[0])]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=e)
-
-    with ThreadPoolExecutor(2) as pool:
-        raised, slept = pool.map(one, [("raise:1:3:backward", []), ("sleep:1:3:data", ["--hang-timeout", "8"])])
+    raised, slept = lanes["lanes"].result("raised"), lanes["lanes"].result("slept")
     lines = [x for x in raised.stderr.splitlines() if x.startswith("finetune_lora.py: error:")]
     assert len(lines) == 1 and lines[0].startswith("finetune_lora.py: error: rank 1 (step 3, backward): "
                                                    "RuntimeError: injected fault"), raised.stderr[-3000:]

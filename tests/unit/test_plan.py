@@ -600,7 +600,7 @@ def _qlora_model(preset: str, rank_r: int = 64, **overrides):
     model.model.rotary_emb = LlamaRotaryEmbedding(model.config)  # real buffers: the engine broadcasts them
     model.requires_grad_(False)
     return peft.get_peft_model(model, peft.LoraConfig(r=rank_r, lora_alpha=2 * rank_r, target_modules="all-linear",
-                                                      lora_dropout=0.0))
+                                                      lora_dropout=0.0), low_cpu_mem_usage=True)  # as the CLI
 
 
 QLORA_OPTS = dict(param_dtype="bf16", quantize_frozen="nf4", offload="optimizer")
