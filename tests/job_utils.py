@@ -46,7 +46,7 @@ class Lanes:
     tests go on; each test takes its chain's result (or its exception) with :meth:`result`. Two at a time
     by default: a job alone leaves a core idle through torchrun's start and the interpreters' imports (a
     world-2 job of the tiny preset keeps ~70 % of 2 cores busy), two fill it. A module fixture makes
-    them and :meth:`close` s them."""
+    them and closes them (:meth:`close`) at the module's end."""
 
     def __init__(self, width: int = 2):
         from concurrent.futures import ThreadPoolExecutor

@@ -40,21 +40,29 @@ def run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lanes(run, tmp_path_factory):
+def lanes(run, request, tmp_path_factory):
     """The module's other launches, once the default run has written the base they fine-tune: each chain
-    side by side with the others (job_utils.Lanes), the longest first, while the in-process tests run."""
+    side by side with the others (job_utils.Lanes), the longest first, while the in-process tests run;
+    those of the selected tests only."""
+    selected = {item.originalname for item in request.session.items}
     base = tmp_path_factory.mktemp("lanes")
     base_dir = os.path.join(run["out"], "base", "hf")
-    lora, qlora = _one_layer_budget(base_dir), _one_layer_budget(base_dir, quantize_frozen="nf4")
     ln = Lanes()
-    ln.start("offload", _offload_lane, base_dir, str(base / "offload"))
-    ln.start("resume", _resume_lane, base_dir, str(base / "resumed"), lora)
-    ln.start("slept", _fault_run, base_dir, base, "sleep:1:3:data", ["--hang-timeout", "8"])
-    ln.start("raised", _fault_run, base_dir, base, "raise:1:3:backward", [])
-    ln.start("qlora", run_ft, ["--out", str(base / "qlora"), "--init-from-hf", base_dir, "--qlora", "--steps", "15",
-                               "--merge-export", str(base / "qlora" / "merged"), "--memory-budget", str(qlora)])
-    ln.start("bad", run_ft, ["--out", str(base / "bad"), "--init-from-hf", base_dir, "--lora-targets",
-                             "q_proj,attn_qkv"], check=False)
+    if "test_offload_job_repeats_the_losses_and_resumes" in selected:
+        ln.start("offload", _offload_lane, base_dir, str(base / "offload"))
+    if "test_resume_repeats_the_uninterrupted_losses" in selected:
+        ln.start("resume", _resume_lane, base_dir, str(base / "resumed"), _one_layer_budget(base_dir))
+    if "test_one_ranks_error_and_a_stuck_rank_stop_the_finetuning_job" in selected:
+        ln.start("slept", _fault_run, base_dir, base, "sleep:1:3:data", ["--hang-timeout", "8"])
+        ln.start("raised", _fault_run, base_dir, base, "raise:1:3:backward", [])
+    if "test_qlora_job" in selected:
+        budget = _one_layer_budget(base_dir, quantize_frozen="nf4")
+        ln.start("qlora", run_ft, ["--out", str(base / "qlora"), "--init-from-hf", base_dir, "--qlora", "--steps",
+                                   "15", "--merge-export", str(base / "qlora" / "merged"), "--memory-budget",
+                                   str(budget)])
+    if "test_bad_lora_targets_is_a_one_line_error" in selected:
+        ln.start("bad", run_ft, ["--out", str(base / "bad"), "--init-from-hf", base_dir, "--lora-targets",
+                                 "q_proj,attn_qkv"], check=False)
     yield dict(lanes=ln, base=base, base_dir=base_dir)
     ln.close()
 
