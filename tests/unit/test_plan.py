@@ -381,21 +381,19 @@ def test_llama3_8b_plan_and_zero_formula():
     assert 0 < ckpt.activations.saved < full.activations.saved / 3
 
 
-def test_plan_cli_json():
-    out = subprocess.run(
-        [sys.executable, "-m", "yafsdp.plan", "--preset", "llama3-8b", "--world-size", "64", "--batch", "1",
-         "--seq", "1024", "--checkpointing", "--json"],
-        capture_output=True, text=True, check=True, timeout=120,
-    )
-    d = json.loads(out.stdout)
+def test_plan_cli_json(capsys):
+    """The CLI's --json, in this process (test_plan_cli_takes_every_preset_helps_every_flag_and_does_not_warn
+    runs both module entry points with --json as new interpreters)."""
+    from yafsdp.plan import main
+
+    main(["--preset", "llama3-8b", "--world-size", "64", "--batch", "1", "--seq", "1024", "--checkpointing", "--json"])
+    d = json.loads(capsys.readouterr().out)
     assert d["world_size"] == 64 and d["preset"] == "llama3-8b"
     roles = d["roles"]
     assert roles["master shard (fp32)"] == roles["grad shard (fp32)"] == 4 * d["shard_numel"]
     assert roles["optimizer state (adamw)"] == 8 * d["shard_numel"]
     assert roles["compute copy (bf16)"] == 2 * d["shard_numel"]
     assert roles["total"] == sum(v for k, v in roles.items() if k != "total")
-    from yafsdp.plan import main
-
     plan = main(["--preset", "llama3-1b", "--world-size", "8"])
     assert plan.units[0].outsized and plan.zero_formula()["ratio"] > 1
     assert "outsized units" in plan.format() and "ZeRO paper" in plan.format()
