@@ -44,3 +44,18 @@ def hsdp_job_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("hsdp_job") / "run")
     p = run_job(HSDP_JOB_ARGS + ["--out", out], 4)
     return dict(out=out, stdout=p.stdout)
+
+
+@pytest.fixture(scope="module")
+def lane_runs(request, tmp_path_factory):
+    """The bodies of this module's selected ``job_utils.in_lane`` tests, in the module's order, two at a time
+    (``job_utils.Lanes``), each with a folder of its own; closed at the module's end."""
+    from job_utils import Lanes
+
+    selected = {item.originalname for item in request.session.items}
+    lanes = Lanes()
+    for name, test in vars(request.module).items():
+        if name in selected and hasattr(test, "lane_body"):
+            lanes.start(name, test.lane_body, tmp_path_factory.mktemp(name.removeprefix("test_")[:30]))
+    yield lanes
+    lanes.close()

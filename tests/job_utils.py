@@ -64,24 +64,18 @@ class Lanes:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def lanes_fixture(bodies: dict, width: int = 2):
-    """A module fixture (assign it to ``lanes`` in the module): the bodies of the module's launch-bound tests
-    (test name -> ``fn(tmp_path)``, the longest first), those of the selected tests only, started side by side
-    at the first test that asks for it; each test then calls ``lanes.result(its name)``, which re-raises its
-    body's failure. For bodies that need nothing of pytest but a folder of their own."""
-    import pytest
+def in_lane(body):
+    """Test decorator: the test's body (``body(tmp_path)``, needing nothing else of pytest) runs in its module's
+    lanes -- started with the bodies of the module's other selected ``in_lane`` tests, side by side, at the first
+    of them (the ``lane_runs`` fixture of tests/conftest.py) -- and the test takes its result or failure."""
+    def test(lane_runs):
+        lane_runs.result(body.__name__)
 
-    @pytest.fixture(scope="module")
-    def lanes(request, tmp_path_factory):
-        selected = {item.originalname for item in request.session.items}
-        ln = Lanes(width)
-        for name, fn in bodies.items():
-            if name in selected:
-                ln.start(name, fn, tmp_path_factory.mktemp(name.removeprefix("test_")[:30]))
-        yield ln
-        ln.close()
-
-    return lanes
+    # not functools.wraps: pytest would read the body's signature (tmp_path) through __wrapped__
+    test.__name__, test.__qualname__, test.__doc__, test.__module__ = (body.__name__, body.__qualname__, body.__doc__,
+                                                                      body.__module__)
+    test.lane_body = body
+    return test
 
 
 def metrics(out: str) -> list[dict]:

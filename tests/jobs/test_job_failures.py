@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from job_utils import FAST, JOB, env, lanes_fixture, metrics, run_job, torchrun_cmd, tree_digest
+from job_utils import FAST, JOB, env, in_lane, metrics, run_job, torchrun_cmd, tree_digest
 
 WORKER_TRACEBACK = 'pretrain_llama.py", line'  # a frame of the job in a traceback
 
@@ -40,7 +40,8 @@ def _finite_checkpoint(path: str, tmp) -> bool:
 
 
 # ------------------------------------------------------------------------- 8: NaN / inf loss
-def _nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
+@in_lane
+def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
     """--lr 1000 makes the grad norm NaN from step 7 on: those steps are skipped on both ranks
     (no update), the third in a row stops the run with exit 3, every checkpoint written is finite
     and --keep never rotated the last finite one out."""
@@ -64,7 +65,8 @@ def _nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
 
 
 # ------------------------------------------------------- 9: a step_* directory without manifest
-def _a_directory_without_manifest_is_reported_and_never_deleted(tmp_path):
+@in_lane
+def test_a_directory_without_manifest_is_reported_and_never_deleted(tmp_path):
     out = tmp_path / "run"
     ck = out / "checkpoints"
     foreign = ck / "step_00000099"  # e.g. a checkpoint being copied in: data files, no manifest yet
@@ -115,7 +117,8 @@ if _match:
 """
 
 
-def _storage_errors_are_one_line_exit_2_and_keep_the_last_checkpoint(tmp_path):
+@in_lane
+def test_storage_errors_are_one_line_exit_2_and_keep_the_last_checkpoint(tmp_path):
     """(a) a DCP save that hits ENOSPC (injected, see ENOSPC_HOOK: DCP wraps the OSError in a
     CheckpointException, a BaseException) under torchrun; real kernel errors: (b) checkpoints/ is a
     file; (c) --out lies below a file. One line naming the path and the errno, exit 2, the last
@@ -164,7 +167,8 @@ def _storage_errors_are_one_line_exit_2_and_keep_the_last_checkpoint(tmp_path):
 
 
 # ------------------------------------------------------------------ 11: two jobs on one --out
-def _second_job_on_the_same_out_is_refused(tmp_path):
+@in_lane
+def test_second_job_on_the_same_out_is_refused(tmp_path):
     out = str(tmp_path / "run")
     a = _popen(["--steps", "100000", "--save-every", "0", "--out", out])
     t0 = time.monotonic()
@@ -196,7 +200,8 @@ def _second_job_on_the_same_out_is_refused(tmp_path):
 
 
 # -------------------------------------------------------------------- 12: errors under torchrun
-def _errors_under_torchrun_are_printed_once(tmp_path):
+@in_lane
+def test_errors_under_torchrun_are_printed_once(tmp_path):
     cases = {
         "abbrev": ["--step", "3", "--out", str(tmp_path / "a")],  # not --steps: abbreviations are refused
         "value": ["--lr", "-1", "--out", str(tmp_path / "b")],
@@ -230,7 +235,9 @@ exit_fast(code)  # the scripts' own exit
 """
 
 
-def _the_job_ends_its_gloo_threads_before_exit(tmp_path):
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
+@in_lane
+def test_the_job_ends_its_gloo_threads_before_exit(tmp_path):
     """[Note: teardown before exit]: when main() returns, on a normal and on an error exit, the gloo
     backend's worker threads are gone (only the main thread is left), so none can free a tensor
     during interpreter finalization (the rare SIGABRT at exit); the scripts' exit_fast ([Note: a fast
@@ -252,40 +259,3 @@ def _the_job_ends_its_gloo_threads_before_exit(tmp_path):
         assert p.stderr.count("collector frozen at exit: True") == 2, p.stderr[-3000:]
         if code:
             assert f"exitcode  : {code}" in p.stderr, p.stderr[-3000:]
-
-
-# ------------------------------------------------------------------------------------- the tests
-# Each test's launches run in its body above; the bodies run side by side, two at a time (job_utils.lanes_fixture).
-lanes = lanes_fixture({n: globals()["_" + n.removeprefix("test_")] for n in (
-    "test_storage_errors_are_one_line_exit_2_and_keep_the_last_checkpoint",
-    "test_second_job_on_the_same_out_is_refused",
-    "test_the_job_ends_its_gloo_threads_before_exit",
-    "test_errors_under_torchrun_are_printed_once",
-    "test_a_directory_without_manifest_is_reported_and_never_deleted",
-    "test_nonfinite_steps_are_skipped_then_the_run_stops",
-)})
-
-
-def test_nonfinite_steps_are_skipped_then_the_run_stops(lanes):
-    lanes.result("test_nonfinite_steps_are_skipped_then_the_run_stops")
-
-
-def test_a_directory_without_manifest_is_reported_and_never_deleted(lanes):
-    lanes.result("test_a_directory_without_manifest_is_reported_and_never_deleted")
-
-
-def test_storage_errors_are_one_line_exit_2_and_keep_the_last_checkpoint(lanes):
-    lanes.result("test_storage_errors_are_one_line_exit_2_and_keep_the_last_checkpoint")
-
-
-def test_second_job_on_the_same_out_is_refused(lanes):
-    lanes.result("test_second_job_on_the_same_out_is_refused")
-
-
-def test_errors_under_torchrun_are_printed_once(lanes):
-    lanes.result("test_errors_under_torchrun_are_printed_once")
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
-def test_the_job_ends_its_gloo_threads_before_exit(lanes):
-    lanes.result("test_the_job_ends_its_gloo_threads_before_exit")

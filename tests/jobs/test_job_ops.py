@@ -8,7 +8,7 @@ import signal
 import subprocess
 import time
 
-from job_utils import FAST, env, events, lanes_fixture, metrics, torchrun_cmd, workers
+from job_utils import FAST, env, events, in_lane, metrics, torchrun_cmd, workers
 
 
 def _wait_for(cond, proc, timeout=180.0, what=""):
@@ -32,7 +32,8 @@ def _lines(path: str) -> int:
         return 0
 
 
-def _sigterm_saves_and_exits_cleanly(tmp_path):
+@in_lane
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
     out = str(tmp_path / "run")
     cmd = torchrun_cmd(2) + FAST + ["--steps", "400", "--save-every", "1000", "--out", out]
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -57,7 +58,8 @@ def _sigterm_saves_and_exits_cleanly(tmp_path):
     assert "pretrain_llama.py\", line" not in stderr, stderr[-4000:]
 
 
-def _killed_rank_restarts_and_resumes(tmp_path):
+@in_lane
+def test_killed_rank_restarts_and_resumes(tmp_path):
     out = str(tmp_path / "run")
     steps = 80  # the kill comes after 8 steps: the restart still has most of the run to train
     cmd = torchrun_cmd(2, ["--master-port", str(_port()), "--max-restarts", "1"])
@@ -98,19 +100,3 @@ def _port() -> int:
     from dist_utils import free_port
 
     return free_port()
-
-
-# ------------------------------------------------------------------------------------- the tests
-# These tests' launches run in their bodies above, side by side, two at a time (job_utils.lanes_fixture).
-lanes = lanes_fixture({n: globals()["_" + n.removeprefix("test_")] for n in (
-    "test_killed_rank_restarts_and_resumes",
-    "test_sigterm_saves_and_exits_cleanly",
-)})
-
-
-def test_killed_rank_restarts_and_resumes(lanes):
-    lanes.result("test_killed_rank_restarts_and_resumes")
-
-
-def test_sigterm_saves_and_exits_cleanly(lanes):
-    lanes.result("test_sigterm_saves_and_exits_cleanly")

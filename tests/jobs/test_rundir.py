@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from job_utils import FAST, JOB, ROOT, env, events, lanes_fixture, metrics, run_job, tree_digest
+from job_utils import FAST, JOB, ROOT, env, events, in_lane, metrics, run_job, tree_digest
 from pretrain import progress as P
 from pretrain import rundir as R
 from yafsdp import checkpoint as ckpt
@@ -96,7 +96,8 @@ def _replace_and_rotate(rank, world, root):
     return out
 
 
-def _replacing_a_step_and_rotation_keep_a_complete_checkpoint(tmp_path):
+@in_lane
+def test_replacing_a_step_and_rotation_keep_a_complete_checkpoint(tmp_path):
     """yafsdp.checkpoint's finishing block: a save of step 5 among 4, 6, 8 with keep=2 keeps what it
     wrote (rotation went by step number and deleted it); a replacement of step 6 killed between its
     renames leaves a complete step 6 that discovery finds and that loads (the old code deleted it
@@ -260,7 +261,8 @@ def _in_use(stderr, out, pid):
     return f"pretrain_llama.py: error: --out {out!r} is in use by another job (pid {pid} on host" in stderr
 
 
-def _two_jobs_on_a_new_out(tmp_path):
+@in_lane
+def test_two_jobs_on_a_new_out(tmp_path):
     """(a) Forced interleaving: job B makes its plan for a new --out and stalls; job A runs a whole
     run meanwhile; B goes on. Before the fix B had planned a fresh start without the lock and then
     trained into A's run (both exit 0, metrics steps 1-6 twice). Now the plan is made under the
@@ -309,7 +311,8 @@ def _two_at_once(out2: str) -> None:
     assert steps == list(range(1, len(steps) + 1))
 
 
-def _a_restart_before_the_first_checkpoint_starts_the_run_again(tmp_path):
+@in_lane
+def test_a_restart_before_the_first_checkpoint_starts_the_run_again(tmp_path):
     """A torchrun restart (or ``--resume auto``) in an --out that holds metrics but no complete
     checkpoint -- the first attempt died before its first save -- starts the run again, saying what
     it discards. The plan used to leave the wipe's description out, and the job then stopped with a
@@ -373,7 +376,8 @@ def test_a_refused_job_names_a_holder_that_has_not_written_its_name_yet(tmp_path
 
 
 # ----------------------------------------------------------------------- job: rewind and settings
-def _rewind_sets_the_continuation_aside_and_settings_are_checked(tmp_path):
+@in_lane
+def test_rewind_sets_the_continuation_aside_and_settings_are_checked(tmp_path):
     """A run with checkpoints 4, 6, 8. `--resume step_4` alone is refused (it would abandon
     steps 5-8) and so is `--resume` with another --seq-len, --seed and --batch-size (each named,
     old and new value); nothing changes. `--resume step_4 --rewind --lr 1e-3 --save-every 1`
@@ -440,29 +444,3 @@ def _rewind_sets_the_continuation_aside_and_settings_are_checked(tmp_path):
     assert len(changed) == 1 and changed[0]["changes"] == {"seq_len": [32, 16]} and changed[0]["step"] == 6
     assert [r["step"] for r in metrics(out)] == list(range(1, 8))
     assert ckpt.read_manifest(os.path.join(ck, "step_00000007"))["meta"]["settings"]["seq_len"] == 16
-
-
-# ------------------------------------------------------------------------------------- the tests
-# These tests' launches run in their bodies above, side by side, two at a time (job_utils.lanes_fixture).
-lanes = lanes_fixture({n: globals()["_" + n.removeprefix("test_")] for n in (
-    "test_rewind_sets_the_continuation_aside_and_settings_are_checked",
-    "test_two_jobs_on_a_new_out",
-    "test_a_restart_before_the_first_checkpoint_starts_the_run_again",
-    "test_replacing_a_step_and_rotation_keep_a_complete_checkpoint",
-)})
-
-
-def test_rewind_sets_the_continuation_aside_and_settings_are_checked(lanes):
-    lanes.result("test_rewind_sets_the_continuation_aside_and_settings_are_checked")
-
-
-def test_two_jobs_on_a_new_out(lanes):
-    lanes.result("test_two_jobs_on_a_new_out")
-
-
-def test_a_restart_before_the_first_checkpoint_starts_the_run_again(lanes):
-    lanes.result("test_a_restart_before_the_first_checkpoint_starts_the_run_again")
-
-
-def test_replacing_a_step_and_rotation_keep_a_complete_checkpoint(lanes):
-    lanes.result("test_replacing_a_step_and_rotation_keep_a_complete_checkpoint")
