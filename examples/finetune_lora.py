@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from yafsdp.layout.config import OPTIONS
 
 from pretrain import data as D  # examples/pretrain, beside this script (its directory is on sys.path)
+from pretrain import instructions as I
 from pretrain import job as J
 from pretrain import progress as P
 from pretrain import stream as S
@@ -54,7 +55,7 @@ DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj"
 # here they do not depend on --preset, which only shapes the base the job makes when it has none).
 DEFAULTS = dict(steps=200, decay_steps=200, lr=3e-3, warmup=10, seq_len=96, batch_size=8, weight_decay=0.0,
                 val_fraction=0.1, save_every=100, out="runs/finetune", sample_tokens=24,
-                prompt=D.PROMPT_TEMPLATE.format(prompt="Spell backwards: garden"))
+                prompt=I.PROMPT_TEMPLATE.format(prompt="Spell backwards: garden"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -113,10 +114,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def response_loss(model, batch: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of the next token where the label is not ignored. ``batch`` is (B, 2, seq_len + 1):
-    input ids and labels (see [Note: instruction template] in examples/pretrain/data.py)."""
+    input ids and labels (see [Note: instruction template] in examples/pretrain/instructions.py)."""
     ids, labels = batch[:, 0], batch[:, 1]
     logits = model(input_ids=ids[:, :-1], use_cache=False).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=D.IGNORE,
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=I.IGNORE,
                            reduction=reduction)
 
 
@@ -172,19 +173,19 @@ class FinetuneJob(J.Job):
 
     def load_data(self):
         a = self.args
-        path = a.data if a.data is not None else D.EMBEDDED_INSTRUCTIONS
-        self.instructions = D.is_instruction_jsonl(path)
+        path = a.data if a.data is not None else I.EMBEDDED_INSTRUCTIONS
+        self.instructions = I.is_instruction_jsonl(path)
         if path.endswith(".jsonl") and os.path.isfile(path):  # a chat or Alpaca-style JSONL
-            first = D.first_jsonl_record(path)
+            first = I.first_jsonl_record(path)
             dataset = isinstance(first, dict) and ("messages" in first or {"instruction", "output"} <= set(first)
                                                    or {a.prompt_column, a.response_column} <= set(first))
         else:  # parquet/arrow/csv or a dataset name: instruction or chat rows
             dataset = S.stream_kind(path) == "text"
         if dataset and not self.instructions:
             try:
-                rows = D.read_instruction_dataset(path, a.data_split, a.prompt_column, a.response_column)
+                rows = I.read_instruction_dataset(path, a.data_split, a.prompt_column, a.response_column)
                 self.instructions = True
-            except D.NotInstructions:  # text rows: the pretraining job's streamed data
+            except I.NotInstructions:  # text rows: the pretraining job's streamed data
                 dataset = False
         else:
             dataset = False
@@ -192,9 +193,9 @@ class FinetuneJob(J.Job):
             return super().load_data()
         source = f"--data {path!r}" if a.data else f"the embedded instructions {path!r}"
         if dataset:
-            examples, self.truncated = D.encode_examples(rows, self.tokenizer, a.seq_len, source)
+            examples, self.truncated = I.encode_examples(rows, self.tokenizer, a.seq_len, source)
         else:
-            examples, self.truncated = D.encode_instructions(D.read_instructions(path), self.tokenizer, a.seq_len,
+            examples, self.truncated = I.encode_instructions(I.read_instructions(path), self.tokenizer, a.seq_len,
                                                              source)
         if int(examples[:, 0].max()) >= self.shape["vocab_size"]:
             raise JobError(f"{source} encodes to token id {int(examples[:, 0].max())}, but the model has "
@@ -207,8 +208,8 @@ class FinetuneJob(J.Job):
                            "and train on the rest; add examples or pass --val-fraction 0")
         train = examples[: len(examples) - n_val]
         self.corpus = D.Corpus(examples[:, 0].reshape(-1), source, len(examples))
-        self.batches = D.ExampleBatches(train, a.seed)
-        self.val = D.ExampleBatches(examples[len(examples) - n_val:], a.seed + 1) if n_val else None
+        self.batches = I.ExampleBatches(train, a.seed)
+        self.val = I.ExampleBatches(examples[len(examples) - n_val:], a.seed + 1) if n_val else None
 
     def describe_data(self) -> str:
         if not self.instructions:
@@ -318,9 +319,9 @@ class FinetuneJob(J.Job):
         for first in range(0, self.val.windows, per):
             rows, weight = self.val.in_order(first + self.rank * a.batch_size, a.batch_size)
             rows = rows.to(self.device)
-            rows[:, 1][weight.to(self.device) == 0] = D.IGNORE  # padding rows add nothing
+            rows[:, 1][weight.to(self.device) == 0] = I.IGNORE  # padding rows add nothing
             total[0] += response_loss(self.model, rows, reduction="sum").double()
-            total[1] += (rows[:, 1, 1:] != D.IGNORE).sum()
+            total[1] += (rows[:, 1, 1:] != I.IGNORE).sum()
         dist.all_reduce(total)
         return (total[0] / total[1]).item()
 

@@ -85,6 +85,7 @@ def main(argv=None):
 
     sys.path.insert(0, HERE)
     from pretrain import data as D
+    from pretrain import instructions as I
 
     transformers.logging.set_verbosity_error()
     rank = dist.get_rank()
@@ -98,8 +99,8 @@ def main(argv=None):
         dist.barrier()
         tok = AutoTokenizer.from_pretrained(tok_dir)
         base = build_llama("tiny", seed=a.seed, vocab_size=D.ByteTokenizer.vocab_size)
-    pairs = D.read_instructions(a.data or D.EMBEDDED_INSTRUCTIONS)
-    rows = [{"prompt": D.PROMPT_TEMPLATE.format(prompt=q), "completion": r} for q, r in pairs]
+    pairs = I.read_instructions(a.data or I.EMBEDDED_INSTRUCTIONS)
+    rows = [{"prompt": I.PROMPT_TEMPLATE.format(prompt=q), "completion": r} for q, r in pairs]
     n_eval = max(1, len(rows) // 10)
     train, held_out = Dataset.from_list(rows[:-n_eval]), Dataset.from_list(rows[-n_eval:])
 

@@ -2,7 +2,8 @@
 ``Job.train_step`` (one optimizer step). ``examples/finetune_lora.py`` builds on the same code (its own
 flags, data and model set-up; the same checkpoints, resume, metrics, plots and errors). Beside it:
 ``args.py`` (the flags), ``outputs.py`` (what the job writes and prints), ``saving.py`` (its
-checkpoints), ``rundir.py`` (the run directory), ``data.py``, ``progress.py``, ``ops.py``."""
+checkpoints), ``rundir.py`` (the run directory), ``data.py`` and ``stream.py`` (the data), ``instructions.py`` (the
+fine-tuning jobs' examples), ``progress.py``, ``ops.py``."""
 from __future__ import annotations
 
 import argparse

@@ -134,19 +134,20 @@ def test_bad_lora_targets_is_a_one_line_error(lanes):
 def test_response_only_masking():
     from finetune_lora import response_loss
     from pretrain import data as D
+    from pretrain import instructions as I
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = D.ByteTokenizer()
     seq = 64
-    row = D.encode_instruction("Spell backwards: cat", "tac", tok, seq)
-    head = len(D.PROMPT_TEMPLATE.format(prompt="Spell backwards: cat").encode())
+    row = I.encode_instruction("Spell backwards: cat", "tac", tok, seq)
+    head = len(I.PROMPT_TEMPLATE.format(prompt="Spell backwards: cat").encode())
     ids, labels = row[0], row[1]
     assert row.shape == (2, seq + 1) and row.dtype == np.int64
-    assert ids[:head + 4].tolist() == list((D.PROMPT_TEMPLATE.format(prompt="Spell backwards: cat") + "tac").encode()) \
+    assert ids[:head + 4].tolist() == list((I.PROMPT_TEMPLATE.format(prompt="Spell backwards: cat") + "tac").encode()) \
         + [tok.eos_id]
-    assert (labels[:head] == D.IGNORE).all()
+    assert (labels[:head] == I.IGNORE).all()
     assert labels[head:head + 4].tolist() == [ord("t"), ord("a"), ord("c"), tok.eos_id]
-    assert (labels[head + 4:] == D.IGNORE).all() and (ids[head + 4:] == tok.pad_id).all()
+    assert (labels[head + 4:] == I.IGNORE).all() and (ids[head + 4:] == tok.pad_id).all()
     # The loss is the mean cross-entropy over the 4 response targets only, whatever the prompt's labels.
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -157,10 +158,10 @@ def test_response_only_masking():
         want = -torch.stack([logp[t - 1, int(ids[t])] for t in range(head, head + 4)]).mean()
         assert torch.allclose(response_loss(model, x), want, atol=1e-6)
     # A response cut by --seq-len keeps the tokens that fit; one with no room left is refused.
-    cut = D.encode_instruction("p", "x" * 100, tok, seq)
-    assert (cut[1, 1:] != D.IGNORE).sum() == seq + 1 - len(D.PROMPT_TEMPLATE.format(prompt="p"))
+    cut = I.encode_instruction("p", "x" * 100, tok, seq)
+    assert (cut[1, 1:] != I.IGNORE).sum() == seq + 1 - len(I.PROMPT_TEMPLATE.format(prompt="p"))
     with pytest.raises(D.DataError, match=r"example 2 leaves no response token within --seq-len 64 .*raise --seq-len"):
-        D.encode_instructions([("a", "b"), ("y" * 80, "z")], tok, seq, "--data 'x.jsonl'")
+        I.encode_instructions([("a", "b"), ("y" * 80, "z")], tok, seq, "--data 'x.jsonl'")
 
 
 def _one_layer_budget(base_dir: str, **opts) -> int:

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pretrain import data as D
+from pretrain import instructions as I
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -31,38 +32,38 @@ def chat_tok(tmp_path_factory):
 
 def test_instruction_columns_and_chats(tmp_path, chat_tok):
     pq.write_table(pa.table({"prompt": ["say hi", "count"], "response": ["hi", "1 2 3"]}), str(tmp_path / "a.parquet"))
-    rows = D.read_instruction_dataset(str(tmp_path / "a.parquet"), "train")
+    rows = I.read_instruction_dataset(str(tmp_path / "a.parquet"), "train")
     assert rows == [("pair", "say hi", "hi"), ("pair", "count", "1 2 3")]
-    arr, _ = D.encode_examples(rows, D.ByteTokenizer(), 64, "a")
-    assert np.array_equal(arr[0], D.encode_instruction("say hi", "hi", D.ByteTokenizer(), 64))
+    arr, _ = I.encode_examples(rows, D.ByteTokenizer(), 64, "a")
+    assert np.array_equal(arr[0], I.encode_instruction("say hi", "hi", D.ByteTokenizer(), 64))
     alpaca = tmp_path / "alpaca.jsonl"
     alpaca.write_text(json.dumps({"instruction": "add", "input": "1+1", "output": "2"}) + "\n")
-    assert D.read_instruction_dataset(str(alpaca), "train") == [("pair", "add\n\n1+1", "2")]
+    assert I.read_instruction_dataset(str(alpaca), "train") == [("pair", "add\n\n1+1", "2")]
     chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hey"}]
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
-    rows = D.read_instruction_dataset(str(tmp_path / "chat.jsonl"), "train")
-    arr, _ = D.encode_examples(rows, chat_tok, 64, "chat")
+    rows = I.read_instruction_dataset(str(tmp_path / "chat.jsonl"), "train")
+    arr, _ = I.encode_examples(rows, chat_tok, 64, "chat")
     ids, labels = arr[0]
     text = chat_tok.tok.decode(ids[ids != chat_tok.pad_id].tolist())
     assert text.startswith("<|user|>hello<eos><|assistant|>hey<eos>"), text
-    kept = labels[labels != D.IGNORE]
+    kept = labels[labels != I.IGNORE]
     assert chat_tok.tok.decode(kept.tolist()) == "hey<eos>"  # only the response (and its EOS) is a target
     # without a chat template (bytes): the turns in PROMPT_TEMPLATE, the response the target
-    arr, _ = D.encode_examples(rows, D.ByteTokenizer(), 64, "chat")
-    assert np.array_equal(arr[0], D.encode_instruction("user: hello", "hey", D.ByteTokenizer(), 64))
+    arr, _ = I.encode_examples(rows, D.ByteTokenizer(), 64, "chat")
+    assert np.array_equal(arr[0], I.encode_instruction("user: hello", "hey", D.ByteTokenizer(), 64))
 
 
 def test_bad_instruction_rows(tmp_path):
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["x", "y"]}), str(tmp_path / "b.parquet"))
     with pytest.raises(D.DataError, match=r"b.parquet' row 0: no string columns 'prompt' and 'response'.*answer"):
-        D.read_instruction_dataset(str(tmp_path / "b.parquet"), "train")
+        I.read_instruction_dataset(str(tmp_path / "b.parquet"), "train")
     bad = tmp_path / "c.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
     with pytest.raises(D.DataError, match=r"c.jsonl' row 0: 'messages' must be"):
-        D.read_instruction_dataset(str(bad), "train")
+        I.read_instruction_dataset(str(bad), "train")
     pq.write_table(pa.table({"text": ["plain"]}), str(tmp_path / "t.parquet"))
-    with pytest.raises(D.NotInstructions):
-        D.read_instruction_dataset(str(tmp_path / "t.parquet"), "train")
+    with pytest.raises(I.NotInstructions):
+        I.read_instruction_dataset(str(tmp_path / "t.parquet"), "train")
 
 
 def test_lora_job_on_a_parquet_instruction_set(tmp_path):

@@ -282,6 +282,7 @@ def _sft_cases(rank, world, tmp):
     import yafsdp
     from models import tiny_llama
     from pretrain import data as D
+    from pretrain import instructions as I
     from yafsdp.formats import nf4_codec as nf4
     from yafsdp.trainer import YaFSDPSFTTrainer
 
@@ -291,8 +292,8 @@ def _sft_cases(rank, world, tmp):
         D.ByteTokenizer().save_pretrained(f"{tmp}/tok")
     torch.distributed.barrier()
     tok = AutoTokenizer.from_pretrained(f"{tmp}/tok")
-    pairs = D.read_instructions(D.EMBEDDED_INSTRUCTIONS)[:24]
-    ds = Dataset.from_list([{"prompt": D.PROMPT_TEMPLATE.format(prompt=p), "completion": r} for p, r in pairs])
+    pairs = I.read_instructions(I.EMBEDDED_INSTRUCTIONS)[:24]
+    ds = Dataset.from_list([{"prompt": I.PROMPT_TEMPLATE.format(prompt=p), "completion": r} for p, r in pairs])
 
     def lora(qlora=False):
         base = tiny_llama(layers=2, vocab=D.ByteTokenizer.vocab_size)
