@@ -670,23 +670,26 @@ def test_llama2_70b_qlora_offload_plan_on_2_gpus():
 def _qlora_8b_fake(rank, world):
     """Fake process group, one process: a QLoRA Llama-3-8B (its shapes: hidden 4096, intermediate
     14336, vocab 128256; 2 of its 32 layers and 16 tokens, to keep the CPU step short) with offload, planned and
-    measured (exact torch CPU allocations: host and device are both the CPU here)."""
+    measured (exact torch CPU allocations: host and device are both the CPU here). The compute is fp32: on a CPU
+    without AVX-512 (an AMD EPYC with AVX2 here) torch's bf16 matmul of a gradient by a row-major weight runs at
+    ~0.3 GFLOP/s, so the bf16 step took ~10 minutes there (13 s on an AVX-512 machine); the bf16 placement with
+    offload (its host compute copy included) is the plan's to the byte in tests/multirank/test_offload.py."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.destroy_process_group()
     w, b, s = 8, 1, 16
+    opts = dict(QLORA_OPTS, param_dtype=None)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=w)
 
     def build():
-        model = yafsdp.YaFSDP(_qlora_model("llama3-8b", num_hidden_layers=2), param_dtype=torch.bfloat16,
-                              quantize_frozen="nf4", offload="optimizer", device="cpu")
+        model = yafsdp.YaFSDP(_qlora_model("llama3-8b", num_hidden_layers=2), **opts, device="cpu")
         model.mark_loaded()
         model.module.gradient_checkpointing_enable()
         return model, yafsdp.FusedAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
     plan = memory_plan(_qlora_model("llama3-8b", num_hidden_layers=2), world_size=w, batch=b, seq=s,
-                       checkpointing=True, **QLORA_OPTS)
+                       checkpointing=True, **opts)
     m = measure_memory(build, random_tokens_step(128256, b, s), 3, torch.device("cpu"), method="torch")
     dist.destroy_process_group()
     dist.init_process_group("gloo", rank=0, world_size=1)
