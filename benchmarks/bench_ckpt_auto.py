@@ -6,6 +6,9 @@ CPU (one process, a fake process group of --world ranks: the plan and the memory
 --world-rank job, collectives skipped; the torch CPU allocator's live bytes measured exactly):
     python benchmarks/bench_ckpt_auto.py --md benchmarks/results/ckpt_auto_cpu_<date>.md \\
         --png benchmarks/results/ckpt_auto_cpu_<date>.png
+Tensor parallel (CPU; --world ranks as dp x TP, yafsdp's Llama plan with sequence parallel; the plan traced on
+the wrapped model's TP mesh):
+    python benchmarks/bench_ckpt_auto.py --world 4 --tp 2 [--loss-parallel] --layers 4 --seq 128
 GPU (world 1, bf16; CUDA's allocator counters):
     python benchmarks/bench_ckpt_auto.py --device cuda --preset llama3-1b --batch 2 --seq 2048 --bf16
 
@@ -48,6 +51,8 @@ def parse():
                     help="override the preset's vocabulary (0: keep it); a small one lets the blocks' activations, "
                     "not the logits, decide the peak")
     ap.add_argument("--world", type=int, default=2, help="CPU: ranks of the fake process group")
+    ap.add_argument("--tp", type=int, default=1, help="CPU: tensor parallel degree (--world = dp x TP)")
+    ap.add_argument("--loss-parallel", action="store_true", help="with --tp: the logits split over the vocabulary")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--bf16", action="store_true", help="param_dtype bf16 (GPU)")
@@ -77,14 +82,35 @@ def main():
         init_fake(a.world, dev)
         world = a.world
     pdt = torch.bfloat16 if a.bf16 else None
+    mesh = None
+    if a.tp > 1:
+        if a.device != "cpu" or world % a.tp:
+            raise SystemExit(f"--tp {a.tp}: the CPU only, with --world a multiple of it")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world // a.tp, a.tp), mesh_dim_names=("dp", "tp"))
     meta = build_llama(a.preset, device="meta", **over)
     vocab = meta.config.vocab_size
-    opts = dict(world_size=world, batch=a.batch, seq=a.seq, param_dtype=pdt)
-    ends = choose_checkpointing(meta, budget=1 << 60, **opts)  # peak_none / peak_all
+
+    def wrap(model):
+        if mesh is None:
+            return yafsdp.YaFSDP(model, param_dtype=pdt, device=dev)
+        from yafsdp.integrations.tp_plans import parallelize_llama
+
+        parallelize_llama(model, mesh["tp"], sequence_parallel=True, loss_parallel=a.loss_parallel)
+        return yafsdp.YaFSDP(model, param_dtype=pdt, device=dev, mesh=mesh["dp"])
+
+    if mesh is None:  # the plan of the model before wrapping
+        planned, opts = meta, dict(world_size=world, batch=a.batch, seq=a.seq, param_dtype=pdt)
+    else:  # under TP: the wrapped model's plan, traced on its TP mesh (the world's process group is up)
+        planned, opts = _meta_engine(a, over, dev, wrap), dict(batch=a.batch, seq=a.seq)
+    ends = choose_checkpointing(planned, budget=1 << 60, **opts)  # peak_none / peak_all
     budgets = [ends.peak_all + (ends.peak_none - ends.peak_all) * i // (a.points - 1) for i in range(a.points)]
-    choices = [choose_checkpointing(meta, budget=b, **opts) for b in budgets]
+    choices = [choose_checkpointing(planned, budget=b, **opts) for b in budgets]
+    del planned
     ks = sorted({len(c.indices) for c in choices} | {0, len(ends.all_blocks)})
-    print(f"{a.preset} {over} b={a.batch} s={a.seq} world={world}: blocks checkpointed per budget "
+    tp = f" = dp {world // a.tp} x TP {a.tp}{' (loss parallel)' if a.loss_parallel else ''}" if mesh is not None else ""
+    print(f"{a.preset} {over} b={a.batch} s={a.seq} world={world}{tp}: blocks checkpointed per budget "
           f"{[len(c.indices) for c in choices]}", flush=True)
 
     def build(k, meta_init=True):
@@ -96,7 +122,7 @@ def main():
                 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
                 model.model.rotary_emb = LlamaRotaryEmbedding(model.config).to(dev)
-            eng = yafsdp.YaFSDP(model, param_dtype=pdt, device=dev)
+            eng = wrap(model)
             if meta_init:
                 eng.mark_loaded()
             apply_checkpointing(eng, range(k))
@@ -105,7 +131,8 @@ def main():
 
     def step(engine, i):
         model, opt = engine
-        model(**make_batch(i, 0, a.batch, a.seq, vocab, dev)).loss.backward()
+        with _loss_context(a.loss_parallel):
+            model(**make_batch(i, 0, a.batch, a.seq, vocab, dev)).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -158,7 +185,7 @@ def main():
         "",
         f"Model: {a.preset} with {over or 'its own shape'} ({n} blocks), batch {a.batch} x seq {a.seq}, "
         f"{'bf16' if a.bf16 else 'fp32'}, ZeRO-3, AdamW; " + (
-            f"plan and memory of one rank of world {world} (fake process group: collectives skipped)."
+            f"plan and memory of one rank of world {world}{tp} (fake process group: collectives skipped)."
             if a.device == "cpu" else "world 1."),
         f"Memory: {m['how']}; steady peak of steps 2-3, one fresh engine per choice. Time: medians of "
         f"{a.rounds} interleaved rounds x {a.steps} steps per choice, one engine switched between choices; "
@@ -191,6 +218,27 @@ def main():
         plot(a.png, budgets, choices, predicted, measured, med, low, n,
              f"{a.preset} b={a.batch} s={a.seq} ({a.device})")
     finish_distributed()
+
+
+def _meta_engine(a, over, dev, wrap):
+    """A wrapped model whose engine allocated only its shards (meta init), for the plan's choices under TP."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    model = build_llama(a.preset, device="meta", **over)
+    model.model.rotary_emb = LlamaRotaryEmbedding(model.config).to(dev)
+    eng = wrap(model)
+    eng.mark_loaded()
+    return eng
+
+
+def _loss_context(loss_parallel: bool):
+    import contextlib
+
+    if not loss_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel as ctx
+
+    return ctx()
 
 
 def plot(path, budgets, choices, predicted, measured, med, low, n, title):

@@ -300,8 +300,6 @@ TP_REFUSED_FLAGS = {
     "init_from_hf": (None, "the job starts from HF weights at --tp 1 only; start there, save, and resume at --tp N "
                            "(checkpoints reshard across TP degrees)"),
     "torchft": (False, "replica groups under torchft are not combined with TP"),
-    "memory_budget": (None, "the activation estimate of --checkpointing auto does not know TP's layouts; use "
-                            "--activation-checkpointing"),
 }
 
 
@@ -321,9 +319,6 @@ def check_tp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if value != off:
             flag = f"--{name.replace('_', '-')}"
             p.error(f"--tp {tp} with {flag}{'' if value is True else ' ' + str(value)}: {why}; drop {flag} or --tp")
-    if args.checkpointing in ("all", "auto"):
-        p.error(f"--tp {tp} with --checkpointing {args.checkpointing}: recomputing a whole unit is not supported with "
-                "TP parameters; use --activation-checkpointing (each layer recomputed inside its forward)")
     if args.sample_tokens:
         p.error(f"--tp {tp} with --sample-tokens {args.sample_tokens}: sampling runs prompts whose length is not a "
                 "multiple of the TP degree (sequence parallelism splits the sequence); use --sample-tokens 0 and sample "

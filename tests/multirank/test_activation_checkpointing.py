@@ -431,3 +431,117 @@ def test_module_around_an_hf_model_is_traced():
     fn = choose_checkpointing(Tokens(), budget=1 << 50, world_size=2, batch=b, seq=s,
                               inputs_fn=lambda b, s, dev: {"tokens": torch.zeros(b, s, dtype=torch.long, device=dev)})
     assert fn.peak_none == ends.peak_none, (fn.peak_none, ends.peak_none)
+
+
+def _tp_model(loss_parallel: bool, mesh, record: bool = True):
+    """The preset Llama (4 layers, 2,048 words) on meta, parallelized over ``mesh`` (yafsdp's Llama plan, sequence
+    parallel; ``record=False``: the same plan through torch's ``parallelize_module``, which yafsdp cannot see)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from yafsdp.integrations.tp_plans import llama_tp_plan, parallelize_llama
+
+    model = build_llama("cpu-6x256", device="meta", num_hidden_layers=4, vocab_size=2048)
+    model.model.rotary_emb = LlamaRotaryEmbedding(model.config)  # real buffers: the engine broadcasts them
+    if record:
+        return parallelize_llama(model, mesh, sequence_parallel=True, loss_parallel=loss_parallel)
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, mesh, llama_tp_plan(model))
+    return model
+
+
+TRACE_FIELDS = ("before", "after", "per_block", "inputs", "largest_saved", "block_largest")
+
+
+def _tp_auto(rank, world):
+    """One process. First the plan of the preset before TP (``memory_plan(tp=2, batch, seq)``, no process group:
+    the trace sets up its own TP mesh over the fake process group); then the fake process group of 4 ranks as
+    dp 2 x TP 2, where the wrapped TP model's auto checkpointing is chosen at a budget and its steady peak
+    measured over three AdamW steps (the torch CPU allocator's live bytes, as ``_peft_auto``), without and with
+    the loss parallel."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from yafsdp.measure import measure_memory
+
+    dist.destroy_process_group()
+    b, s, vocab = 2, 128, 2048
+
+    def meta():
+        return build_llama("cpu-6x256", device="meta", num_hidden_layers=4, vocab_size=vocab)
+
+    def fields(tr):
+        return [getattr(tr, f) for f in TRACE_FIELDS]
+
+    out = {"plain": fields(memory_plan(meta(), world_size=2, batch=b, seq=s).activations.trace)}
+    for lp in (False, True):
+        out[("planned", lp)] = fields(memory_plan(meta(), world_size=2, tp=2, batch=b, seq=s,
+                                                  loss_parallel=lp).activations.trace)
+    out["pg_after_plan"] = dist.is_initialized()
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for lp, frac in ((False, 0.5), (True, 0.0)):
+        chosen = {}
+
+        def build():
+            model = yafsdp.YaFSDP(_tp_model(lp, mesh["tp"]), mesh=mesh["dp"], device="cpu")
+            model.mark_loaded()
+            ends = choose_checkpointing(model, budget=1 << 50, batch=b, seq=s)
+            budget = int(ends.peak_all + frac * (ends.peak_none - ends.peak_all))
+            chosen["choice"] = configure_checkpointing(model, "auto", budget=budget, batch=b, seq=s)
+            chosen.update(ends=(ends.peak_none, ends.peak_all), budget=budget, active=checkpointed_blocks(model),
+                          trace=fields(ends.plan.activations.trace))
+            return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(engine, i):
+            model, opt = engine
+            ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(i))
+            with loss_parallel() if lp else contextlib.nullcontext():
+                model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        m = measure_memory(build, step, 3, torch.device("cpu"), method="torch")
+        c = chosen.pop("choice")
+        out[("wrapped", lp)] = dict(indices=c.indices, peak=c.peak, fits=c.fits, measured=m["peak_steady"], **chosen)
+    hand = yafsdp.YaFSDP(_tp_model(False, mesh["tp"], record=False), mesh=mesh["dp"], device="cpu")
+    try:
+        hand.memory_plan(batch=b, seq=s)
+    except ValueError as e:
+        out["by_hand"] = str(e)
+    try:
+        memory_plan(meta(), world_size=2, tp=2, batch=b, seq=s)
+    except ValueError as e:
+        out["with_pg"] = str(e)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    return out
+
+
+def test_tp_auto_checkpointing_traces_the_tp_layouts():
+    """Under tensor parallelism the activations are traced on a meta copy parallelized as the model is ([Note:
+    the activation trace under tensor parallelism]): the plan of the model before TP (what ``python -m yafsdp
+    plan --tp 2 --batch`` computes) and of the wrapped dp 2 x TP 2 model trace the same bytes, less than the
+    unsplit model's per block (a colwise linear's input stays whole: not half), and the loss parallel's logits
+    less after the last block; the chooser takes some blocks and all of them at two budgets, and the predicted
+    peak is within 5% of the measured one (the unsplit trace predicts ~25% too much here). A model parallelized
+    by hand is refused by name, and so is ``tp=`` with batch/seq in a process that has a process group."""
+    got = run_ranks(_tp_auto, 1)[0]
+    plain = dict(zip(TRACE_FIELDS, got["plain"]))
+    assert not got["pg_after_plan"]
+    for lp in (False, True):
+        planned, w = dict(zip(TRACE_FIELDS, got[("planned", lp)])), got[("wrapped", lp)]
+        assert w["trace"] == got[("planned", lp)], (lp, w["trace"], planned)
+        assert all(plain["per_block"][i] / 2 < t < plain["per_block"][i] for i, t in enumerate(planned["per_block"]))
+        assert planned["inputs"] == [i // 2 for i in plain["inputs"]], (planned["inputs"], plain["inputs"])
+        none, every = w["ends"]
+        assert none > every and w["fits"] and w["peak"] <= w["budget"], (lp, w)
+        assert w["active"] == [f"model.layers.{i}" for i in w["indices"]], (lp, w)
+        assert abs(w["peak"] - w["measured"]) / w["measured"] <= 0.05, (lp, w["peak"], w["measured"])
+    assert 0 < len(got[("wrapped", False)]["indices"]) < 4 and got[("wrapped", True)]["indices"] == [0, 1, 2, 3]
+    assert dict(zip(TRACE_FIELDS, got[("planned", True)]))["after"] < dict(zip(TRACE_FIELDS, got[("planned", False)]))["after"]
+    assert "not applied by yafsdp.integrations.tp_plans.parallelize_llama" in got["by_hand"], got["by_hand"]
+    assert "in a process with a process group" in got["with_pg"] and "model.memory_plan(batch" in got["with_pg"]

@@ -721,7 +721,8 @@ def test_qlora_offload_8b_fake_pg_confirms_the_plan():
     (["--world-size", "8", "--tp", "3"], "--tp 3 does not divide --world-size 8"),
     (["--world-size", "8", "--tp", "4"], "--tp 4: TP degree 4 does not divide the model's num_key_value_heads (2)"),
     (["--tp", "2", "--tp-rank", "2"], "--tp-rank 2 is not a coordinate of --tp 2"),
-    (["--tp", "2", "--batch", "1"], "--tp 2 with --batch: the activation estimate traces the model without"),
+    (["--tp", "2", "--batch", "1", "--seq", "7"], "--seq 7 with --tp 2: sequence parallelism splits the sequence"),
+    (["--loss-parallel"], "--loss-parallel splits the logits over the TP ranks; it needs --tp T with T > 1"),
     (["--tp", "2", "--gather-dtype", "fp8"], "--tp 2: gather_dtype='fp8' (compact fp8/int8 gathers) together with "
                                              "tensor-parallel"),
 ])
@@ -814,7 +815,8 @@ def test_plan_with_a_tp_degree():
     """``memory_plan(..., tp=N)`` of a plain Llama: each parameter at its local shape under llama_tp_plan
     (colwise dim 0, rowwise dim 1, the embedding's and the head's vocabulary rows as torch.chunk splits them,
     norms whole); equal to a real dp x TP engine's allocations: tests/multirank/test_tp.py. Refused: a TP degree
-    that does not split a dimension, a model that is not Llama's, the activation estimate, a TP option."""
+    that does not split a dimension, a model that is not Llama's, a sequence that sequence parallelism cannot
+    split, a TP option."""
     from yafsdp.integrations.tp_plans import llama_tp_local_shapes
     from yafsdp.plan.cli import main
 
@@ -846,11 +848,22 @@ def test_plan_with_a_tp_degree():
     assert "does not divide the model's intermediate_size (42)" in refused(m=wide, tp=4)
     assert "tp_rank=2" in refused(tp=2, tp_rank=2)
     assert "which is Llama's" in refused(m=Stack(), tp=2) and "model.layers[*].self_attn" in refused(m=Stack(), tp=2)
-    assert "the activation estimate traces the model without tensor parallelism" in refused(tp=2, batch=1, seq=8)
+    assert "sequence parallelism splits the sequence over the TP ranks; give a multiple of 2" in refused(
+        tp=2, batch=1, seq=7)
     assert "quantize_frozen='nf4'" in refused(tp=2, quantize_frozen="nf4")
     # the CLI: --world-size counts every rank, the plan is sharded over world-size / tp of them
     cli = main(["--preset", "cpu-4x128", "--world-size", "4", "--tp", "2", "--json"])
     assert cli.world_size == 2 and cli.num_params < 869_504 // 2 + 4 * 128 * 2
+    # --batch with --tp: the activations traced on a TP mesh over the fake process group, set up and taken down
+    # by the plan ([Note: the activation trace under tensor parallelism]; checked against a measured dp 2 x TP 2
+    # peak in tests/multirank/test_activation_checkpointing.py)
+    act = {(tp, lp): main(["--preset", "cpu-4x128", "--world-size", "4", "--tp", str(tp), "--batch", "2", "--seq",
+                           "64", "--json", *lp]).activations.trace
+           for tp, lp in ((1, ()), (2, ()), (2, ("--loss-parallel",)))}
+    assert not torch.distributed.is_initialized()
+    one, two, lp = act[1, ()], act[2, ()], act[2, ("--loss-parallel",)]
+    assert all(a / 2 < b < a for a, b in zip(one.per_block, two.per_block)), (one, two)
+    assert lp.per_block == two.per_block and lp.after < two.after < one.after, (one, two, lp)
 
 
 def test_plan_report_counts_the_prefetch_buffers():

@@ -79,6 +79,9 @@ def parallelize_llama(model, tp_mesh, sequence_parallel: bool = True, loss_paral
                 f"parallelize_module as {head.weight.placements} and {emb.weight.placements}; they cannot share one "
                 "weight")
         head.weight = emb.weight
+    # what the memory plan's activation trace applies again to a meta copy ([Note: the activation trace under
+    # tensor parallelism] in yafsdp/plan/activations.py)
+    model._yafsdp_llama_tp = {"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel}
     return model
 
 

@@ -32,7 +32,9 @@ exact for the model's own code, with one substitution: on the meta device SDPA w
 "math" path and save the (seq x seq) attention probabilities, which the fused kernels used on GPU
 (flash / memory-efficient) and on CPU (flash-for-CPU) do not; so SDPA is replaced during the trace
 by a stand-in that saves what a fused kernel saves (q, k, v, output, fp32 logsumexp).
-``attention="math"`` keeps the quadratic path. With activation checkpointing (HF's per-layer
+``attention="math"`` keeps the quadratic path. Under tensor parallelism the copy is parallelized as the
+model is and each saved DTensor counted by its local slice ([Note: the activation trace under tensor
+parallelism] in activations.py). With activation checkpointing (HF's per-layer
 checkpoint), a block keeps only its inputs, and one block's activations live again during its
 recompute (a chosen subset: [Note: the peak of a checkpointed set] in activations.py; the choice
 of the subset for a memory budget: [Note: choosing the checkpointed blocks] in choose.py). The backward adds a transient the trace cannot see. Its peak is the larger of: two

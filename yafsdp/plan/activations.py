@@ -2,6 +2,7 @@
 in ``yafsdp/plan/__init__.py``."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -172,6 +173,31 @@ def _meta_peft(module: nn.Module, configs: dict) -> nn.Module | None:
     return copy
 
 
+@dataclass(frozen=True)
+class TPTrace:
+    """The trace under tensor parallelism: ``parallelize_llama(copy, mesh, sequence_parallel, loss_parallel)`` on
+    the meta copy. See [Note: the activation trace under tensor parallelism]."""
+
+    mesh: object  # a 1-D DeviceMesh of the TP degree (a real one, or over the fake process group)
+    sequence_parallel: bool = True
+    loss_parallel: bool = False
+
+
+# [Note: the activation trace under tensor parallelism]
+# Under torch's TP a rank saves the slices of the activations that its TP layout gives it: a colwise linear's
+# output and the attention over its heads (1/T of them), the sequence-parallel norms' and residuals' inputs
+# over 1/T of the sequence, but a colwise linear's input gathered over the whole sequence (its weight
+# gradient reads it), and the logits over the whole vocabulary unless the loss is parallel. Rather than model
+# each of these, the trace runs the meta copy parallelized as the real model is (yafsdp's Llama plan,
+# ``parallelize_llama``, with the same sequence-parallel and loss-parallel choices) on a TP mesh: DTensor's
+# sharding and redistributions run on meta tensors (torch's functional collectives have meta kernels and its
+# scatter of a meta tensor sends nothing), so nothing is communicated, and each saved DTensor is counted by
+# its local tensor (``_local_tensor``), which is what this rank's allocator holds. The mesh is the wrapped
+# engine's own TP mesh, or, for a model planned before it is parallelized (``memory_plan(tp=N)``, the plan
+# CLI's ``--tp``), a TP mesh over torch's fake process group of N ranks set up for the trace and taken down
+# after it; this needs a process without a process group of its own (the trace cannot set up a second
+# default group), so a distributed script plans the wrapped TP model instead. Another TP plan than
+# Llama's is refused: the trace knows only the plan it can apply again.
 def _hf_inputs(batch: int, seq: int, device) -> dict:
     ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
     return {"input_ids": ids, "labels": ids}
@@ -240,13 +266,29 @@ def activation_trace(
     dtype: torch.dtype = torch.float32,
     attention: str = "fused",
     inputs_fn=None,
+    tp: TPTrace | None = None,
 ) -> ActivationTrace | None:
-    """Trace one forward of a meta copy of ``module``; see [Note: activation estimate]."""
+    """Trace one forward of a meta copy of ``module``; see [Note: activation estimate]. ``tp``: the copy
+    parallelized first, see [Note: the activation trace under tensor parallelism]."""
     if attention not in ("fused", "math"):
         raise ValueError(f"attention={attention!r}: use 'fused' or 'math'")
     model = _meta_copy(module, dtype)
     if model is None:
         return None
+    loss_ctx = contextlib.nullcontext()
+    if tp is not None:
+        from ..integrations.tp_plans import parallelize_llama
+
+        if not _is_hf(model):
+            raise ValueError(
+                f"the activation trace under tensor parallelism parallelizes a meta copy with yafsdp's Llama plan; "
+                f"{type(module).__name__} is not an HF causal LM with Llama's module names; plan the bytes without "
+                "batch and seq")
+        parallelize_llama(model, tp.mesh, sequence_parallel=tp.sequence_parallel, loss_parallel=tp.loss_parallel)
+        if tp.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            loss_ctx = loss_parallel()
     wrapper = None  # a module around HF models, run on the HF inputs: its forward may refuse them
     if inputs_fn is None:
         if getattr(model, "config", None) is None:
@@ -258,23 +300,24 @@ def activation_trace(
     blocks = find_blocks(model)
     names = {id(m): n for n, m in model.named_modules()}
     block_ids = {id(b): i for i, b in enumerate(blocks)}
-    skip = {p.untyped_storage()._cdata for p in model.parameters()}
-    skip |= {b.untyped_storage()._cdata for b in model.buffers()}
+    skip = {_local(p).untyped_storage()._cdata for p in model.parameters()}
+    skip |= {_local(b).untyped_storage()._cdata for b in model.buffers()}
     saved: dict[int, tuple[int, object]] = {}  # storage -> (bytes, "before" | block index | "after")
     where: list[object] = ["before"]
     block_inputs = [0] * len(blocks)
 
     def pack(t: torch.Tensor):
-        key = t.untyped_storage()._cdata
+        local = _local(t)
+        key = local.untyped_storage()._cdata
         if key not in skip and key not in saved:
-            saved[key] = (t.untyped_storage().nbytes(), where[0])
+            saved[key] = (local.untyped_storage().nbytes(), where[0])
         return t
 
     def pre(mod, args, kwargs):
         i = block_ids[id(mod)]
         where[0] = i
         h = args[0] if args else kwargs.get("hidden_states")
-        block_inputs[i] = h.untyped_storage().nbytes() if isinstance(h, torch.Tensor) else 0
+        block_inputs[i] = _local(h).untyped_storage().nbytes() if isinstance(h, torch.Tensor) else 0
 
     def post(mod, args, kwargs, out):
         where[0] = "after"
@@ -283,7 +326,7 @@ def activation_trace(
     handles += [b.register_forward_hook(post, with_kwargs=True) for b in blocks]
     try:
         mode = _FusedSDPA() if attention == "fused" else None
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), loss_ctx:
             if mode is not None:
                 with mode:
                     model(**inputs_fn(batch, seq, "meta"))
@@ -319,6 +362,11 @@ def activation_trace(
     )
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (what this rank holds), else ``t``."""
+    return getattr(t, "_local_tensor", t)
+
+
 def checkpointed_set(checkpointing, n_blocks: int) -> frozenset[int]:
     """``checkpointing`` (False / True: none / every block; or block indices) as a set of indices."""
     if checkpointing is True:
@@ -342,10 +390,13 @@ def activation_estimate(
     attention: str = "fused",
     inputs_fn=None,
     unit_grad_bytes: int = 0,
+    tp: TPTrace | None = None,
 ) -> ActivationEstimate | None:
     """Trace one forward of a meta copy of ``module``; see [Note: activation estimate].
-    ``checkpointing``: False, True (every block) or the indices of the checkpointed blocks."""
-    tr = activation_trace(module, batch=batch, seq=seq, dtype=dtype, attention=attention, inputs_fn=inputs_fn)
+    ``checkpointing``: False, True (every block) or the indices of the checkpointed blocks; ``tp``: see
+    ``activation_trace``."""
+    tr = activation_trace(module, batch=batch, seq=seq, dtype=dtype, attention=attention, inputs_fn=inputs_fn,
+                          tp=tp)
     if tr is None:
         return None
     return estimate_from_trace(tr, checkpointing, unit_grad_bytes)

@@ -3,6 +3,8 @@ buffer sizing the allocator uses (sizing.py), placement, staging and the activat
 :class:`~yafsdp.plan.report.MemoryPlan` (report.py holds the plan and how it is shown)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -13,7 +15,7 @@ from ..layout.config import OPTIONS, EngineConfig, build_config
 from ..engine.placement import placement_class
 from ..layout.dtensor import has_dtensor_params
 from ..layout.units import discover, weight_free_backward
-from .activations import activation_estimate
+from .activations import TPTrace, activation_estimate
 from .staging import persistent_buffer_bytes, staging_bytes
 from ..layout.sizing import (OPTIMIZER_BYTES, as_dtype, check_secondary, dtype_name, itemsize, plan_buffers,
                              plan_secondary, quant_plan, round16, secondary_pieces, unit_align, unit_shape)
@@ -53,22 +55,55 @@ def _is_dtype(name: str) -> bool:
 # take them before the flat layouts are cut. Everything downstream is the engine's own sizing, so the
 # plan equals a real dp x TP engine's allocations (tests/multirank/test_tp.py checks it at dp 2 x TP 2,
 # uneven vocabulary included). Only Llama's plan is known here: another model is refused by name. The
-# activation estimate traces the unsplit model and is refused with a TP degree, and for a wrapped TP engine.
-def _refuse_activations(tp: int) -> None:
-    raise ValueError(
-        f"yafsdp.plan.memory_plan: batch/seq with tensor parallel degree {tp}: the activation estimate traces the "
-        "model without tensor parallelism (TP splits the activations of attention and MLP, and sequence parallelism "
-        "the norms'); plan the bytes of the model without batch and seq")
+# activation estimate of a TP model (``batch`` and ``seq``) traces the meta copy parallelized the same way:
+# [Note: the activation trace under tensor parallelism] in activations.py.
+@contextlib.contextmanager
+def _tp_trace(model, tp: int, tp_rank: int, seq: int, sequence_parallel: bool, loss_parallel: bool):
+    """The ``TPTrace`` of the activation estimate: a wrapped TP engine's own mesh and the settings
+    ``parallelize_llama`` recorded; a plain model's ``tp`` > 1 on a TP mesh over the fake process group
+    of ``tp`` ranks, set up here and taken down after; None without TP."""
+    eng = model if isinstance(getattr(model, "engine_config", None), EngineConfig) else None
+    if eng is not None:
+        if eng.tp_size == 1:
+            yield None
+            return
+        recorded = next((m._yafsdp_llama_tp for m in eng.module.modules() if hasattr(m, "_yafsdp_llama_tp")), None)
+        if recorded is None:
+            raise ValueError(
+                "yafsdp.plan.memory_plan: batch/seq for a model whose tensor parallelism was not applied by "
+                "yafsdp.integrations.tp_plans.parallelize_llama: the activation estimate parallelizes a meta copy "
+                "the same way and knows only that plan; plan the bytes without batch and seq")
+        tp, sequence_parallel, loss_parallel = eng.tp_size, recorded["sequence_parallel"], recorded["loss_parallel"]
+    elif tp == 1:
+        yield None
+        return
+    if sequence_parallel and seq % tp:
+        raise ValueError(f"yafsdp.plan.memory_plan: seq={seq} with tensor parallel degree {tp}: sequence parallelism "
+                         f"splits the sequence over the TP ranks; give a multiple of {tp}")
+    if eng is not None:
+        yield TPTrace(eng._tp.mesh, sequence_parallel, loss_parallel)
+        return
+    if dist.is_available() and dist.is_initialized():
+        raise ValueError(
+            f"yafsdp.plan.memory_plan: tp={tp} with batch/seq in a process with a process group: the activation "
+            "trace sets up a TP mesh of its own over the fake process group, which needs a process without one "
+            f"(python -m yafsdp plan --tp {tp} ...); in a distributed script, parallelize and wrap the model and call "
+            "model.memory_plan(batch=..., seq=...)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("fake", store=dist.HashStore(), rank=tp_rank, world_size=tp)
+    try:
+        yield TPTrace(init_device_mesh("cpu", (tp,)), sequence_parallel, loss_parallel)
+    finally:
+        dist.destroy_process_group()
 
 
-def _tp_shapes(model, cfg, tp: int, tp_rank: int, specs, small_params, activations: bool) -> None:
+def _tp_shapes(model, cfg, tp: int, tp_rank: int, specs, small_params) -> None:
     """Give the ParamInfos of ``model`` their local shapes under Llama's TP plan (see [Note: the plan of a
     TP model]); refuses what a TP engine refuses."""
     from ..integrations.tp_plans import llama_tp_local_shapes
     from ..layout.dtensor import refuse_options
 
-    if activations:
-        _refuse_activations(tp)
     try:
         refuse_options(cfg)
         shapes = llama_tp_local_shapes(model, tp, tp_rank)
@@ -108,6 +143,8 @@ def memory_plan(
     replicas: int = 1,
     tp: int = 1,
     tp_rank: int = 0,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
     **engine_options,
 ) -> MemoryPlan:
     """Bytes per rank by role for ``model``: a wrapped ``YaFSDP`` (its own layouts and options)
@@ -129,8 +166,11 @@ def memory_plan(
     all-reduce runs behind the fold). ``tp`` (a plain module, no DTensor parameters): the TP degree of
     ``yafsdp.integrations.tp_plans.llama_tp_plan`` applied before the wrap, ``world_size`` then the
     data-parallel ranks; every parameter is planned at its local shape on TP coordinate ``tp_rank``
-    (``llama_tp_local_shapes``; Llama's plan only, the options TP refuses refused here too). See
-    [Note: the plan of a TP model] in this module."""
+    (``llama_tp_local_shapes``; Llama's plan only, the options TP refuses refused here too), and with
+    ``batch`` and ``seq`` its activations traced under ``parallelize_llama(..., sequence_parallel,
+    loss_parallel)`` (a wrapped TP model: traced on its own TP mesh, with the settings its
+    ``parallelize_llama`` recorded; these two arguments are not read). See [Note: the plan of a TP model]
+    in this module."""
     unknown = sorted(set(engine_options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"yafsdp.plan.memory_plan: unexpected keyword arguments {unknown}; the engine options are "
@@ -141,8 +181,6 @@ def memory_plan(
             raise ValueError(
                 f"yafsdp.plan.memory_plan: tp={tp} for a wrapped model whose TP degree is {eng.tp_size}; a wrapped "
                 "model plans the layouts it holds: leave tp out")
-        if eng.tp_size > 1 and (batch is not None or seq is not None):  # a wrapped TP engine: the same refusal
-            _refuse_activations(eng.tp_size)
         names = [u.name for u in eng.units]
         layouts = [u.shape for u in eng.units]
         small = eng.small.shape if eng.small is not None else None
@@ -181,7 +219,7 @@ def memory_plan(
         align = unit_align(compute_dtype, reduce_dtype, align_bytes)
         specs, small_params = discover(model, units)
         if tp != 1:
-            _tp_shapes(model, cfg, tp, tp_rank, specs, small_params, batch is not None or seq is not None)
+            _tp_shapes(model, cfg, tp, tp_rank, specs, small_params)
         names = [s.name for s in specs]
         weight_free = [weight_free_backward(s) for s in specs]
         layouts = [unit_shape(s.params, world_size, rank, align, quantize, gather_dtype, exclude) for s in specs]
@@ -262,14 +300,18 @@ def memory_plan(
     plan.load_host = load_host_bytes(all_layouts, cbytes)
     if tp != 1 and not hasattr(model, "engine_config"):
         plan.notes.append(f"tensor parallel: llama_tp_plan at TP degree {tp}, the local shapes of TP rank {tp_rank}; "
-                          f"world size {world_size}: the data-parallel ranks of one TP coordinate")
+                          f"world size {world_size}: the data-parallel ranks of one TP coordinate"
+                          + (f"; activations traced with sequence parallel {'on' if sequence_parallel else 'off'}, "
+                             f"loss parallel {'on' if loss_parallel else 'off'}" if batch is not None and seq is not None
+                             else ""))
     if batch is not None and seq is not None:
         largest_unit_grads = max((lay.trainable.numel for lay in layouts if lay.trainable is not None),
                                  default=0) * cbytes
-        plan.activations = activation_estimate(
-            module, batch=batch, seq=seq, checkpointing=checkpointing, dtype=compute_dtype,
-            attention=attention, inputs_fn=inputs_fn, unit_grad_bytes=largest_unit_grads,
-        )
+        with _tp_trace(model, tp, tp_rank, seq, sequence_parallel, loss_parallel) as tp_trace:
+            plan.activations = activation_estimate(
+                module, batch=batch, seq=seq, checkpointing=checkpointing, dtype=compute_dtype,
+                attention=attention, inputs_fn=inputs_fn, unit_grad_bytes=largest_unit_grads, tp=tp_trace,
+            )
         if plan.activations is None:
             plan.notes.append("activations not estimated: not an HF model, a PEFT model around one, a module "
                               "holding either or a meta model, or no inputs_fn given for a model that is not an HF "

@@ -27,6 +27,9 @@ def parser(prog: str = "python -m yafsdp plan") -> argparse.ArgumentParser:
                     "local shape), then sharded over the world-size / (R x T) data-parallel ranks")
     ap.add_argument("--tp-rank", type=int, default=0,
                     help="with --tp: the TP coordinate whose slices are planned (an uneven vocabulary's differ)")
+    ap.add_argument("--loss-parallel", action="store_true",
+                    help="with --tp and --batch: the logits split over the vocabulary (torch's loss_parallel), as the "
+                    "pretraining job's --loss-parallel")
     ap.add_argument("--rank", type=int, default=0, help="the rank whose shard is planned (padding differs by rank)")
     ap.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BYTES),
                     help="optimizer whose state is counted (bytes per shard element: adamw 8, sgd-momentum 4)")
@@ -137,7 +140,8 @@ def main(argv=None, prog="python -m yafsdp plan") -> MemoryPlan:
         model, world_size=shard, rank=a.rank, optimizer=a.optimizer,
         batch=a.batch, seq=a.seq, checkpointing=a.checkpointing, attention=a.attention, async_save=a.async_save,
         backend=a.backend, **_engine_options(a), **({"budget": a.budget} if a.budget else {}),
-        **({"tp": a.tp, "tp_rank": a.tp_rank, "replicas": a.hsdp} if a.tp > 1 else {}),
+        **({"tp": a.tp, "tp_rank": a.tp_rank, "replicas": a.hsdp, "loss_parallel": a.loss_parallel}
+           if a.tp > 1 else {}),
     )
     choice = getattr(plan, "choice", None)
     if a.json:
@@ -189,10 +193,13 @@ def _check(a, ap: argparse.ArgumentParser) -> None:
                  "world-size / (R x T): pick T among the divisors")
     if not 0 <= a.tp_rank < a.tp:
         ap.error(f"--tp-rank {a.tp_rank} is not a coordinate of --tp {a.tp} (0 to {a.tp - 1})")
-    if a.tp > 1 and (a.batch is not None or a.lora_rank):
-        ap.error(f"--tp {a.tp} with " + ("--lora-rank: adapters are refused with tensor parallelism" if a.lora_rank
-                                         else "--batch: the activation estimate traces the model without tensor "
-                                         "parallelism") + "; leave one out")
+    if a.tp > 1 and a.lora_rank:
+        ap.error(f"--tp {a.tp} with --lora-rank: adapters are refused with tensor parallelism; leave one out")
+    if a.loss_parallel and a.tp == 1:
+        ap.error("--loss-parallel splits the logits over the TP ranks; it needs --tp T with T > 1")
+    if a.tp > 1 and a.seq is not None and a.seq % a.tp:
+        ap.error(f"--seq {a.seq} with --tp {a.tp}: sequence parallelism splits the sequence over the TP ranks; give a "
+                 f"multiple of {a.tp}")
     shard = a.world_size // (a.hsdp * a.tp)
     if not 0 <= a.rank < shard:
         ap.error(f"--rank {a.rank} is not a rank of the {shard} ranks the model is sharded over")
