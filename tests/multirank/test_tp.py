@@ -236,7 +236,9 @@ def _refusals(mesh, tmp):
     out["memory_plan"] = _refused(lambda: memory_plan(tp_model(), world_size=2))
     wrapped = yafsdp.YaFSDP(model, mesh=mesh["dp"])
     out["compile_units"] = _refused(wrapped.compile_units)
-    out["plan activations"] = _refused(lambda: wrapped.memory_plan(batch=2, seq=SEQ))  # it traced the unsplit model
+    # the activations traced on the TP mesh (gloo; meta tensors: nothing communicated), against the unsplit model's
+    whole = memory_plan(tiny_llama(vocab=VOCAB), world_size=2, batch=2, seq=SEQ).activations.trace.per_block
+    out["plan activations"] = (wrapped.memory_plan(batch=2, seq=SEQ).activations.trace.per_block, whole)
     out["save_adapter"] = _refused(lambda: wrapped.check_idle("save_adapter"))  # still refused with TP
     # GradScaler: an overflow on one TP rank only (rank 3: dp 1, tp 1) is seen by every rank, which all skip the step
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
@@ -295,8 +297,8 @@ def test_tp_dp_parity(tmp_path):
     assert "no parameters" in refused["bad units"] or "in no unit" in refused["bad units"], refused["bad units"]
     assert "compile_units" in refused["compile_units"] and "tensor-parallel" in refused["compile_units"]
     assert "model.memory_plan()" in refused["memory_plan"] and "tensor-parallel" in refused["memory_plan"]
-    assert "batch/seq" in refused["plan activations"] and "tensor parallel" in refused["plan activations"], \
-        refused["plan activations"]
+    split, whole = refused["plan activations"]
+    assert len(split) == len(whole) and all(w / 2 < s < w for s, w in zip(split, whole)), (split, whole)
     assert "model.clip_grad_norm_" in refused["torch clip"] and "tensor-parallel" in refused["torch clip"]
     assert [r["refused"]["found_inf"] for r in res] == [1.0] * 4, "an overflow on one TP rank skips every rank's step"
     assert "ties 'lm_head.weight' to 'model.embed_tokens.weight'" in refused["untied"] \
