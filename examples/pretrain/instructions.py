@@ -9,7 +9,7 @@ import os
 import numpy as np
 import torch
 
-from pretrain.data import DEFAULT_ORDER, EMBEDDED_DIR, Batches, DataError, jsonl_objects, read_text
+from pretrain.data import DEFAULT_ORDER, EMBEDDED_DIR, Batches, DataError, jsonl_objects
 
 
 class NotInstructions(DataError):
@@ -33,14 +33,8 @@ def is_instruction_jsonl(path: str | None) -> bool:
     """A ``.jsonl`` whose first record has string ``prompt`` and ``response`` fields."""
     if path is None or not path.endswith(".jsonl") or not os.path.isfile(path):
         return False
-    for line in read_text(path).splitlines():
-        if line.strip():
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                return False
-            return isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str)
-    return False
+    obj = first_jsonl_record(path)
+    return isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str)
 
 
 def first_jsonl_record(path: str):
