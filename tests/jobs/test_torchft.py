@@ -152,15 +152,21 @@ def test_killed_replica_group_recovers_from_the_survivor(tmp_path, lighthouse):
 
 
 def test_stopped_replica_group_is_dropped_after_the_deadline(tmp_path, lighthouse):
-    p0 = _launch(tmp_path, lighthouse, 0, ["--steps", "14", "--together", "0"], restarts=0)
-    p1 = _launch(tmp_path, lighthouse, 1, ["--steps", "14", "--together", "0", "--stop-at", "3"], restarts=0)
+    # --wait: the groups start together (without it, on a slow machine group 0 could run its 14 steps alone
+    # while group 1 starts up; group 1 then joins at step 14, never reaches its fault and ends cleanly)
+    common = ["--steps", "14", "--together", "0", "--wait", "60"]
+    p0 = _launch(tmp_path, lighthouse, 0, common, restarts=0)
+    p1 = _launch(tmp_path, lighthouse, 1, common + ["--stop-at", "3"], restarts=0)
     try:
         rc0 = _wait(p0, time.monotonic() + 90, tmp_path, 0)
         assert rc0 == 0, _tail(tmp_path, 0)
-        assert p1.poll() is None  # stopped, not dead
+        assert p1.poll() is None, _tail(tmp_path, 1)  # stopped, not dead
     finally:
         stopped = workers(p1.pid, script=None)  # torchrun starts its workers in sessions of their own: killpg misses them
-        os.killpg(p1.pid, signal.SIGKILL)  # the launcher
+        try:
+            os.killpg(p1.pid, signal.SIGKILL)  # the launcher
+        except ProcessLookupError:  # it ended (the assertion above says why)
+            pass
         for pid in stopped:  # the stopped workers (left behind, stopped, after the test otherwise)
             try:
                 os.kill(pid, signal.SIGKILL)
