@@ -501,6 +501,7 @@ def main(argv=None, job_cls=Job) -> int:
             job.ft.shutdown()  # torchft's manager server and checkpoint transport
         wd.on_hang = wd.on_error = None  # they hold the job (its model, the process group): [Note: teardown before exit] in ops.py
         if job is not None:
+            job.close_data()
             job.run_dir.release()
         job = None
         shutdown_distributed()

@@ -232,6 +232,13 @@ class Setup:
         S.check_shards(train)
         train.peek()  # the first window: errors in the first rows now, not after --out is written
 
+    def close_data(self) -> None:
+        """Stop the streamed data's background readers (and wait for them) before the process ends;
+        see ``TextStream.close``. Nothing to do for a corpus in memory or a memory-mapped file."""
+        for b in (getattr(self, "batches", None), getattr(self, "val", None)):
+            if isinstance(b, S.StreamBatches):
+                b.close()
+
     def describe_data(self) -> str:
         """The header's data line."""
         tok = "bytes" if isinstance(self.tokenizer, D.ByteTokenizer) else self.tokenizer.name

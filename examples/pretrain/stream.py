@@ -365,7 +365,12 @@ class TextStream:
                 if self._stop.is_set():
                     return
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            self._q.put(e)
+            while not self._stop.is_set():  # (a full queue and a closed stream: nobody reads it)
+                try:
+                    self._q.put(e, timeout=0.1)
+                    return
+                except queue.Full:
+                    continue
 
     def next_window(self) -> np.ndarray:
         if self._thread is None:
@@ -379,8 +384,14 @@ class TextStream:
         w, self.pos = item
         return w
 
-    def close(self):
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the background thread and wait for it (up to ``timeout`` s): it stops between two
+        documents. A thread left reading a parquet file (pyarrow's C++ readers) at interpreter exit
+        can end the process with ``terminate called without an active exception`` (exit -6)."""
         self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
 
 
 def check_shards(stream: TextStream) -> None:
@@ -441,3 +452,6 @@ class StreamBatches:
 
     def state(self) -> dict:
         return self.stream.state()
+
+    def close(self) -> None:
+        self.stream.close()

@@ -179,6 +179,22 @@ def test_bad_input(tmp_path):
         S.bin_shards(str(bins), "uint16")
 
 
+def test_close_waits_for_the_reader_thread(tmp_path):
+    """close() stops the background reader and returns once it has ended (bench_data.py exited with
+    -6, "terminate called without an active exception", when a thread it had closed was still inside
+    pyarrow's reader at interpreter exit); the job closes its streams in its teardown."""
+    data = write_parquet_shards(str(tmp_path / "pq"), docs(400), 2)
+    shards, _ = S.text_shards(data, "text", "train")
+    st = stream_of(shards, 0, 1)
+    st.next_window()  # starts the thread, which fills its queue (4) and waits to put the next window
+    st.close()
+    assert not st._thread.is_alive()
+    sb = S.StreamBatches(stream_of(shards, 0, 1), "pq", {})
+    sb.micro_batch(0, 0, 0, 1, 2)
+    sb.close()
+    assert not sb.stream._thread.is_alive()
+
+
 def test_job_streamed_parquet(tmp_path):
     """World 2 over a parquet folder: 4 steps straight == 2 steps, then --resume to 4 (bit for bit),
     validation from --val-split; the step-2 checkpoint resumed on 1 rank (2 -> 1); a corrupt shard:

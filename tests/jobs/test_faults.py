@@ -103,7 +103,7 @@ def test_a_stopped_or_sleeping_rank_is_named_within_the_deadline_and_the_restart
         # a straggler, also the uninterrupted run the restarted one repeats: a slow data phase changes no loss
         # (the learning rate decays over the preset's steps, not --steps: its first 6 steps are those of a 6-step run)
         "straggler": (["--steps", "9", "--save-every", "0", "--out", str(tmp_path / "straggler")],
-                      "slow:1:2:data:0.15", 0),
+                      "slow:1:2:data:0.5", 0),
     }
     with ThreadPoolExecutor(len(cases)) as pool:
         futs = {k: pool.submit(_launch, a, f, r) for k, (a, f, r) in cases.items()}
@@ -125,13 +125,15 @@ def test_a_stopped_or_sleeping_rank_is_named_within_the_deadline_and_the_restart
     assert len(hangs) == 1 and hangs[0]["stuck"] == [1] and hangs[0]["step"] == 3 and hangs[0]["exit_code"] == 4
     assert [e["checkpoint"].rsplit("_", 1)[-1] for e in ev if e["event"] == "resume"] == ["00000002"]
 
-    # a straggler: rank 1 0.15 s slower in its data from step 2 on, named once after 5 steps in a row
+    # a straggler: rank 1 0.5 s slower in its data from step 2 on, named once after 5 steps in a row. (At world 2
+    # the median is the mean: rank 1 is named while rank 0's busy time stays under 0.75 s a step; with the 0.15 s
+    # of before, under 0.225 s, which rank 0 passed now and then beside this test's five other jobs on 2 cores.)
     rc, out, err, _, _ = res["straggler"]
     assert rc == 0, err[-3000:]
     named = [x for x in out.splitlines() if x.startswith("straggler")]
     assert len(named) == 1 and named[0].startswith("straggler rank 1: data + compute"), out[-3000:]
     rows = metrics(str(tmp_path / "straggler"))
-    assert all(r["rank_data_s"][1] >= 0.15 > r["rank_data_s"][0] for r in rows[1:]), rows
+    assert all(r["rank_data_s"][1] >= 0.5 > r["rank_data_s"][0] for r in rows[1:]), rows
     assert all(len(r["rank_compute_s"]) == len(r["rank_comm_wait_s"]) == 2 for r in rows)
     assert [e["rank"] for e in events(str(tmp_path / "straggler")) if e["event"] == "straggler"] == [1]
 
