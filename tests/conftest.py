@@ -59,3 +59,45 @@ def lane_runs(request, tmp_path_factory):
             lanes.start(name, test.lane_body, tmp_path_factory.mktemp(name.removeprefix("test_")[:30]))
     yield lanes
     lanes.close()
+
+
+# ------------------------------------------------------------------ where the suite's time goes
+# YAFSDP_TEST_CPU=1: at the end, each test module's wall time beside the CPU time spent in it (this
+# process and the children it waited for: job launches, spawned ranks), busiest first. A module far
+# below 2 CPU-s per wall-s on a 2-core machine leaves a core idle (start-up, deadlines, sleeps); one
+# near it can only get faster by doing less. See docs/testing.md ("The suite's time").
+_CPU: dict = {}
+
+
+def _cpu_now() -> float:
+    import resource
+
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import os
+    import time
+
+    if not os.environ.get("YAFSDP_TEST_CPU"):
+        return (yield)
+    w0, c0 = time.monotonic(), _cpu_now()
+    try:
+        return (yield)
+    finally:
+        row = _CPU.setdefault(item.nodeid.split("::")[0], [0.0, 0.0])
+        row[0] += time.monotonic() - w0
+        row[1] += _cpu_now() - c0
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _CPU:
+        return
+    tr = terminalreporter
+    tr.section("wall and CPU seconds by module (YAFSDP_TEST_CPU)")
+    wall, cpu = sum(w for w, _ in _CPU.values()), sum(c for _, c in _CPU.values())
+    for mod, (w, c) in sorted(_CPU.items(), key=lambda kv: -kv[1][0])[:40]:
+        tr.write_line(f"{w:8.1f} s wall {c:8.1f} s CPU  {c / max(w, 1e-9):4.2f} CPU/wall  {mod}")
+    tr.write_line(f"{wall:8.1f} s wall {cpu:8.1f} s CPU  {cpu / max(wall, 1e-9):4.2f} CPU/wall  all {len(_CPU)} modules")
