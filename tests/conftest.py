@@ -65,7 +65,9 @@ def lane_runs(request, tmp_path_factory):
 # YAFSDP_TEST_CPU=1: at the end, each test module's wall time beside the CPU time spent in it (this
 # process and the children it waited for: job launches, spawned ranks), busiest first. A module far
 # below 2 CPU-s per wall-s on a 2-core machine leaves a core idle (start-up, deadlines, sleeps); one
-# near it can only get faster by doing less. See docs/testing.md ("The suite's time").
+# near it can only get faster by doing less. Ranks started through the forkserver (tests/multirank's
+# run_ranks) are the server's children, not this process's: their CPU is not counted there (~0).
+# See docs/testing.md.
 _CPU: dict = {}
 
 
