@@ -7,6 +7,10 @@ uneven sizes, deterministic batches), ``parity`` (the training-parity harness), 
 ``pythonpath`` (pyproject.toml); nothing edits ``sys.path``. The fixtures below hand the same
 helpers to tests that run in the pytest process.
 """
+import os
+import resource
+import time
+
 import pytest
 import torch
 
@@ -63,7 +67,7 @@ def lane_runs(request, tmp_path_factory):
 
 # ------------------------------------------------------------------ where the suite's time goes
 # YAFSDP_TEST_CPU=1: at the end, each test module's wall time beside the CPU time spent in it (this
-# process and the children it waited for: job launches, spawned ranks), busiest first. A module far
+# process and the children it waited for: job launches, benchmark runs), busiest first. A module far
 # below 2 CPU-s per wall-s on a 2-core machine leaves a core idle (start-up, deadlines, sleeps); one
 # near it can only get faster by doing less. Ranks started through the forkserver (tests/multirank's
 # run_ranks) are the server's children, not this process's: their CPU is not counted there (~0).
@@ -72,17 +76,12 @@ _CPU: dict = {}
 
 
 def _cpu_now() -> float:
-    import resource
-
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    import os
-    import time
-
     if not os.environ.get("YAFSDP_TEST_CPU"):
         return (yield)
     w0, c0 = time.monotonic(), _cpu_now()
