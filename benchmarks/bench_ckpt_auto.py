@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import finish_distributed, init_fake, make_batch, md_table, versions  # noqa: E402
 
 import yafsdp  # noqa: E402
+from yafsdp.integrations.tp_plans import loss_context  # noqa: E402
 from yafsdp.measure import measure_memory  # noqa: E402
 from yafsdp.plan import apply_checkpointing, choose_checkpointing  # noqa: E402
 from yafsdp.presets import build_llama  # noqa: E402
@@ -131,7 +132,7 @@ def main():
 
     def step(engine, i):
         model, opt = engine
-        with _loss_context(a.loss_parallel):
+        with loss_context(a.loss_parallel):
             model(**make_batch(i, 0, a.batch, a.seq, vocab, dev)).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -229,16 +230,6 @@ def _meta_engine(a, over, dev, wrap):
     eng = wrap(model)
     eng.mark_loaded()
     return eng
-
-
-def _loss_context(loss_parallel: bool):
-    import contextlib
-
-    if not loss_parallel:
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel as ctx
-
-    return ctx()
 
 
 def plot(path, budgets, choices, predicted, measured, med, low, n, title):

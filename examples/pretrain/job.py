@@ -7,7 +7,6 @@ fine-tuning jobs' examples), ``progress.py``, ``ops.py``."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
@@ -334,11 +333,9 @@ class Job(Setup):
     def loss_context(self):
         """Where the loss and its backward run: torch's ``loss_parallel()`` with --loss-parallel (the logits are
         DTensors split over the vocabulary), else nothing."""
-        if getattr(self.args, "loss_parallel", False):
-            from torch.distributed.tensor.parallel import loss_parallel
+        from yafsdp.integrations.tp_plans import loss_context
 
-            return loss_parallel()
-        return contextlib.nullcontext()
+        return loss_context(getattr(self.args, "loss_parallel", False))
 
     @torch.no_grad()
     def sample(self, n_tokens: int) -> str:

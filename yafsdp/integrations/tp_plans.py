@@ -27,7 +27,7 @@ the head can take the embedding's DTensor back: :func:`parallelize_llama` does, 
 """
 from __future__ import annotations
 
-__all__ = ["llama_tp_local_shapes", "llama_tp_plan", "parallelize_llama", "untied_by_tp"]
+__all__ = ["llama_tp_local_shapes", "llama_tp_plan", "loss_context", "parallelize_llama", "untied_by_tp"]
 
 
 def llama_tp_plan(model, sequence_parallel: bool = True, loss_parallel: bool = False) -> dict:
@@ -83,6 +83,18 @@ def parallelize_llama(model, tp_mesh, sequence_parallel: bool = True, loss_paral
     # tensor parallelism] in yafsdp/plan/activations.py)
     model._yafsdp_llama_tp = {"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel}
     return model
+
+
+def loss_context(loss_parallel: bool):
+    """Where a loss over the head's logits and its backward run: torch's ``loss_parallel()`` when the head was
+    parallelized with ``loss_parallel=True`` (logits split over the vocabulary), else a null context."""
+    if not loss_parallel:
+        import contextlib
+
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel as split_loss
+
+    return split_loss()
 
 
 def _ties(model) -> bool:

@@ -277,7 +277,7 @@ def activation_trace(
         return None
     loss_ctx = contextlib.nullcontext()
     if tp is not None:
-        from ..integrations.tp_plans import parallelize_llama
+        from ..integrations.tp_plans import loss_context, parallelize_llama
 
         if not _is_hf(model):
             raise ValueError(
@@ -285,10 +285,7 @@ def activation_trace(
                 f"{type(module).__name__} is not an HF causal LM with Llama's module names; plan the bytes without "
                 "batch and seq")
         parallelize_llama(model, tp.mesh, sequence_parallel=tp.sequence_parallel, loss_parallel=tp.loss_parallel)
-        if tp.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            loss_ctx = loss_parallel()
+        loss_ctx = loss_context(tp.loss_parallel)
     wrapper = None  # a module around HF models, run on the HF inputs: its forward may refuse them
     if inputs_fn is None:
         if getattr(model, "config", None) is None:
