@@ -37,6 +37,7 @@ import glob
 import os
 import queue
 import re
+import sys
 import threading
 import zlib
 
@@ -270,6 +271,7 @@ class TextStream:
         self._thread = None
         self._q: queue.Queue | None = None
         self._stop = threading.Event()
+        self.reading: str | None = None  # the shard the background thread reads (named by close)
 
     # -- state
     def state(self) -> dict:
@@ -306,6 +308,7 @@ class TextStream:
                     continue
                 first = row0 if (epoch, s) == (self.start[0], s0) else 0
                 shard = self.shards[s]
+                self.reading = shard.name  # named by close() if the thread does not stop
                 for row, text in shard.rows(first):
                     if self.mode == "row" and (s + row) % self.world != self.rank:
                         continue
@@ -392,6 +395,10 @@ class TextStream:
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout)
+            if t.is_alive():  # a read that does not return (a remote file system, a stalled download)
+                print(f"data: rank {self.rank}'s reader did not stop within {timeout:g} s (still reading "
+                      f"{self.reading!r}); the process goes on without waiting for it",
+                      file=sys.stderr, flush=True)
 
 
 def check_shards(stream: TextStream) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -193,6 +195,36 @@ def test_close_waits_for_the_reader_thread(tmp_path):
     sb.micro_batch(0, 0, 0, 1, 2)
     sb.close()
     assert not sb.stream._thread.is_alive()
+
+
+def test_close_names_a_reader_that_does_not_stop(tmp_path, capsys):
+    """A read that does not return (a stalled remote file): close() waits its bound, then says which rank's
+    reader and which shard it left behind, and returns -- the job's teardown never hangs on it."""
+    data = write_parquet_shards(str(tmp_path / "pq"), docs(40), 2)
+    shards, _ = S.text_shards(data, "text", "train")
+    release = threading.Event()
+
+    class Stalled(S.Shard):
+        def rows(self, start=0):
+            for i, row in enumerate(super().rows(start)):
+                if i == 3:
+                    release.wait(60)  # stuck in the read until the test lets it go
+                yield row
+
+    stalled = [Stalled(sh.name, sh.column, sh.path, sh.dataset) for sh in shards]
+    st = stream_of(stalled, 0, 1)
+    st.next_window()
+    t0 = time.monotonic()
+    st.close(timeout=0.5)
+    waited = time.monotonic() - t0
+    try:
+        assert st._thread.is_alive() and 0.5 <= waited < 5, waited
+        err = capsys.readouterr().err
+        assert f"data: rank 0's reader did not stop within 0.5 s (still reading {stalled[0].name!r})" in err, err
+    finally:
+        release.set()
+        st._thread.join(10)
+    assert not st._thread.is_alive()
 
 
 def test_job_streamed_parquet(tmp_path):
