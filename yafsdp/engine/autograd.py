@@ -80,7 +80,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import orig_params, tp
+from . import orig_params, tp, tree_guard
 from .lookup import install_lookup, lookup_now, lookup_unit
 from .runtime import BackwardUse, Runtime, in_backward
 from .unit import Unit, refuse_captured
@@ -348,6 +348,8 @@ def _hand(owner: nn.Module, attr: str, t: torch.Tensor) -> None:
     forward that is a view of the same place (see [Note: recomputed weights])."""
     if not torch.is_grad_enabled() and _same_place(owner.__dict__.get(attr), t):
         return
+    if owner._parameters.get(attr) is None:  # ``m.bias = None`` after wrapping (torch calls no hook for a None)
+        raise RuntimeError(tree_guard.set_to_none_message(owner, attr))
     owner.__dict__[attr] = t
 
 

@@ -274,6 +274,8 @@ def install(rt, unit, index: int, original: nn.Parameter | None) -> ShardedParam
         if original._backward_hooks is None:
             original._backward_hooks = OrderedDict()
         sp._yafsdp_hooks = original._backward_hooks
+        # an optimizer holding the original is refused: [Note: optimizers that would train the wrong thing]
+        original._yafsdp_replaced = info.fqn
     info.resting = sp
     for owner, attr in info.owners:
         owner._parameters[attr] = sp

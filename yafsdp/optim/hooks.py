@@ -22,6 +22,7 @@ import weakref
 import torch
 
 from . import state as optim_state, unused
+from .guard import check_before_step, check_group
 from ..engine import shards
 from ..engine.orig_params import adopt_param_group
 from ..engine.replicas import sync_before_step
@@ -43,7 +44,8 @@ _VERSIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimize
 def _versions_before_step(optimizer, args, kwargs):
     """See [Note: optimizers that do not bump versions]. Also: an aborted backward is completed
     before any optimizer step reads the grad shards."""
-    optim_state.before_step(optimizer)  # first: see [Note: optimizer state that knows its shard] in optim/state.py
+    check_before_step(optimizer)  # see [Note: optimizers that would train the wrong thing] in guard.py
+    optim_state.before_step(optimizer)  # see [Note: optimizer state that knows its shard] in optim/state.py
     recover_all()
     sync_before_step(optimizer, live_runtimes())  # HSDP: the all-reduce across replicas, once per step (replicas.py)
     for rt in live_runtimes():  # offload: no upload still reads what this step is about to write
@@ -74,7 +76,8 @@ def install_optimizer_hooks() -> None:
 def _adopt_original_parameters() -> None:
     """``torch.optim.Optimizer.add_param_group`` (which every optimizer's constructor calls) first hands each
     group to ``orig_params.adopt_param_group``: an optimizer built over a parent module's parameters steps the
-    flat shards, or is refused at construction. See [Note: what a parent module sees] in orig_params.py."""
+    flat shards, or is refused at construction. See [Note: what a parent module sees] in orig_params.py. Then
+    ``guard.check_group``: see [Note: optimizers that would train the wrong thing] in guard.py."""
     from torch.optim import Optimizer
 
     plain = Optimizer.add_param_group
@@ -84,6 +87,7 @@ def _adopt_original_parameters() -> None:
     def add_param_group(self, param_group):
         if isinstance(param_group, dict):
             adopt_param_group(param_group, {id(p) for g in self.param_groups for p in g["params"]})
+            check_group(self, param_group)
         return plain(self, param_group)
 
     add_param_group._yafsdp_adopts = True

@@ -31,6 +31,7 @@ from .ema import refuse_deepcopy
 from ..optim.hooks import install_optimizer_hooks
 from ..engine import shards
 from ..engine.runtime import Runtime, in_backward
+from ..engine.tree_guard import watch as watch_tree
 from ..engine.shard_grad import plain
 from .state_dict import StateDictKeys, gather_full, load_full, materialize
 from ..layout.units import discover, mark_wrapped
@@ -191,6 +192,7 @@ class YaFSDP(nn.Module):
         if replicate is not None:  # every replica starts from replica 0's values, as DDP does
             broadcast_from_replica0(self._rt, module, replicate)
         install_hooks(self._rt)
+        watch_tree(self, module)  # See [Note: the module tree's structure is fixed at wrapping] in tree_guard.py
         install_optimizer_hooks()  # See [Note: optimizers that do not bump versions] in optim/hooks.py
         # See [Note: the root entry] and [Note: the device anchor] in anchor.py.
         self._anchored = anchored_modules(module)

@@ -1,0 +1,124 @@
+"""PyTorch habits that ran without an error on a wrapped model and trained something else than the
+unsharded model: each is refused now, at the call, naming what to do instead, and the refused call
+changes nothing (the next step is the unsharded model's step).
+
+- an optimizer over the parameters as they were before wrapping (built before it, or over a list
+  kept from before): it never got a gradient, so the model did not train at all;
+- an optimizer that is not element-wise (Adafactor, LBFGS, Muon) over the flat shards: its
+  per-matrix statistics saw 1-D slices spanning many parameters;
+- a weight-decay split by name over the wrapper's ``named_parameters()`` (names ``flat.<unit>``):
+  the no-decay group came out empty and every norm was decayed;
+- ``m.weight = nn.Parameter(...)`` on a module of the wrapped tree: ignored (the old values kept
+  being gathered); ``m.head = nn.Linear(...)`` / ``ModuleList.append``: the new parameters were in
+  no shard, never reduced nor trained.
+
+yafsdp/optim/guard.py and yafsdp/engine/tree_guard.py. One spawn of 2 ranks (gloo, fp32, ZeRO-3).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import yafsdp
+from dist_utils import run_ranks
+from models import Stack, batch, tiny_llama
+
+WORLD = 2
+
+
+def _err(fn) -> str:
+    try:
+        fn()
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+    return ""
+
+
+def _step_matches_unsharded(model, ref, rank, world, step) -> float:
+    """One SGD step of ``model`` (wrapped) and of ``ref`` (unsharded, the whole global batch) on the same data:
+    the largest difference of their weights after it."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    b = batch("llama", step, 0, rank)
+    model(**b).loss.backward()
+    opt.step()
+    for r in range(world):  # DDP's gradient: the mean over ranks of each rank's loss
+        (ref(**batch("llama", step, 0, r)).loss / world).backward()
+    ropt.step()
+    full = model.full_state_dict()  # rank 0's; {} elsewhere
+    return max((float((full[k] - v).abs().max()) for k, v in ref.state_dict().items() if k in full), default=0.0)
+
+
+def _cases(rank, world):
+    out = {}
+    # -- optimizers
+    base = tiny_llama()
+    before = torch.optim.AdamW(base.parameters(), lr=1e-2)  # built before wrapping: the old habit
+    kept = list(base.parameters())
+    model = yafsdp.YaFSDP(base)
+    model(**batch("llama", 0, 0, rank)).loss.backward()
+    out["before_wrap_step"] = _err(before.step)
+    out["kept_list"] = _err(lambda: torch.optim.AdamW(kept, lr=1e-2))
+    for cls in (torch.optim.Adafactor, torch.optim.LBFGS, torch.optim.Muon):
+        out[cls.__name__] = _err(lambda cls=cls: cls(model.parameters()))
+    out["elementwise"] = [_err(lambda cls=cls: cls(model.parameters(), lr=1e-3))
+                          for cls in (torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, yafsdp.FusedAdamW)]
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if not ("norm" in n or "bias" in n)]
+    no_decay = [p for n, p in named if "norm" in n or "bias" in n]
+    out["empty_after"] = _err(lambda: torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0}]))
+    out["empty_first"] = _err(lambda: torch.optim.AdamW([{"params": no_decay, "weight_decay": 0}, {"params": decay}]))
+    orig = list(model.module.named_parameters())  # the original names: the split the habit meant
+    split = torch.optim.AdamW([{"params": [p for n, p in orig if "norm" not in n]},
+                               {"params": [p for n, p in orig if "norm" in n], "weight_decay": 0.0}])
+    out["split_sizes"] = [len(g["params"]) for g in split.param_groups]
+    model.zero_grad()
+    # -- the module tree
+    m = yafsdp.YaFSDP(tiny_llama(seed=1))
+    ref = tiny_llama(seed=1)
+    lm = m.module
+    out["param"] = _err(lambda: setattr(lm.lm_head, "weight", nn.Parameter(torch.zeros(lm.lm_head.weight.shape))))
+    out["new_param"] = _err(lambda: setattr(lm.model.layers[0].mlp, "scale", nn.Parameter(torch.ones(1))))
+    out["same_param"] = _err(lambda: setattr(lm.lm_head, "weight", lm.lm_head.weight))
+    out["module"] = _err(lambda: setattr(lm, "lm_head", nn.Linear(32, lm.lm_head.out_features, bias=False)))
+    out["dropped"] = _err(lambda: setattr(lm, "lm_head", nn.Identity()))
+    out["append"] = _err(lambda: lm.model.layers.append(nn.Linear(2, 2)))
+    out["activation"] = _err(lambda: setattr(lm.model.layers[0].mlp, "act_fn", nn.SiLU()))
+    with m.summon_full_params(writeback=True):  # a new parameter of the same shape is written back there
+        out["in_summon"] = _err(lambda: setattr(lm.model.norm, "weight", nn.Parameter(torch.full((32,), 2.0))))
+    with torch.no_grad():
+        ref.model.norm.weight.fill_(2.0)
+    out["written_back"] = float(m.full_parameter("model.norm.weight").sub(2.0).abs().max())
+    out["step_diff"] = _step_matches_unsharded(m, ref, rank, world, 1)  # the refused calls changed nothing
+    s = yafsdp.YaFSDP(Stack())
+    s.module.inp.bias = None  # torch calls no hook for a None: refused at the unit's next use
+    g = torch.Generator().manual_seed(rank)
+    out["bias_none"] = _err(lambda: s(torch.randn(2, 7, generator=g)))
+    return out
+
+
+def test_habits_refused_at_the_call():
+    for r in run_ranks(_cases, WORLD):
+        msg = r["before_wrap_step"]
+        assert "AdamW holds parameter 'model.embed_tokens.weight' as it was before yafsdp.YaFSDP wrapped" in msg, msg
+        assert "Build the optimizer after wrapping" in msg
+        assert "as it was before yafsdp.YaFSDP wrapped" in r["kept_list"], r["kept_list"]
+        assert "it computes a second moment factored" in r["Adafactor"], r["Adafactor"]
+        assert "LBFGS cannot step a yafsdp.YaFSDP model's flat shards" in r["LBFGS"], r["LBFGS"]
+        assert "Muon cannot step" in r["Muon"], r["Muon"]
+        assert r["elementwise"] == ["", "", "", ""], r["elementwise"]
+        for k, i in (("empty_after", 1), ("empty_first", 0)):
+            assert f"param group {i} of AdamW holds no parameters" in r[k] and "model.param_groups(weight_decay)" \
+                in r[k], (k, r[k])
+        assert r["split_sizes"][1] >= 1 and sum(r["split_sizes"]) >= 2, r["split_sizes"]
+        assert "'lm_head.weight' set to a new Parameter of shape (67, 32) after yafsdp.YaFSDP wrapped" in r["param"]
+        assert "summon_full_params(writeback=True)" in r["param"], r["param"]
+        assert "'model.layers.0.mlp.scale' set to a new Parameter" in r["new_param"], r["new_param"]
+        assert "'lm_head' set to a new Linear" in r["module"] and "never reduced across ranks nor trained" \
+            in r["module"], r["module"]
+        assert "'lm_head' set to a new Identity" in r["dropped"] and "stay in their unit" in r["dropped"], r["dropped"]
+        assert "'model.layers.3' set to a new Linear" in r["append"], r["append"]
+        assert r["same_param"] == r["activation"] == r["in_summon"] == "", r
+        assert r["written_back"] == 0.0
+        assert r["step_diff"] < 1e-6, r["step_diff"]  # (rank 0 compares; the others return 0)
+        assert "'inp.bias' was set to None after yafsdp.YaFSDP wrapped" in r["bias_none"], r["bias_none"]

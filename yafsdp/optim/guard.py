@@ -1,0 +1,126 @@
+"""What an optimizer over a wrapped model may not hold: refused at its construction or first step.
+
+[Note: optimizers that would train the wrong thing]
+Three PyTorch habits build an optimizer that runs without an error over a wrapped model and trains
+something else than the unsharded model would; each is refused, naming what to do instead:
+
+- **the parameters as they were before wrapping** (``opt = AdamW(model.parameters()); model =
+  YaFSDP(model)``, or a list of them kept from before): wrapping moves the values into flat shards
+  and the module's attributes to ShardedParameters ([Note: the module tree after wrapping] in
+  engine/orig_params.py), so the old tensors never get a gradient and ``step()`` skips them: the
+  model would not train at all. ``orig_params.install`` marks each of them (``_yafsdp_replaced``);
+  an optimizer holding one is refused when a group is added (after wrapping) or at its first step
+  (built before).
+- **an optimizer that is not element-wise** (Adafactor's factored second moment, LBFGS's dot
+  products and line search, Muon's orthogonalized matrices, LAMB/LARS trust ratios, Shampoo/SOAP
+  preconditioners): it reads a parameter's shape or norm, and each rank holds a 1-D slice of a flat
+  shard spanning many parameters, so it computes other updates than on the unsharded model. Known
+  classes (and their subclasses) are refused when a group holding flat shards is added.
+- **an empty param group beside the flat shards**: a weight-decay split by name over
+  ``model.named_parameters()`` (``"bias" in name or "norm" in name``) matches nothing, since the
+  wrapper's names are its shards' (``flat.<unit>``), so every norm would be decayed. A group with no
+  parameters in an optimizer whose other groups hold flat shards is refused, pointing to the original
+  names (``model.module.named_parameters()``) and ``model.param_groups(weight_decay)``.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..engine import shards
+
+__all__ = ["check_group", "check_before_step"]
+
+# lower-case class names (any class in the optimizer's MRO) -> what it computes over a whole parameter
+_NOT_ELEMENTWISE = {
+    "adafactor": "a second moment factored over each matrix's rows and columns",
+    "lbfgs": "dot products and a line search over all the parameters",
+    "muon": "an orthogonalized update of each matrix",
+    "sparseadam": "sparse gradients of whole embeddings",
+    "shampoo": "preconditioners from each matrix's row and column statistics",
+    "distributedshampoo": "preconditioners from each matrix's row and column statistics",
+    "soap": "preconditioners from each matrix's row and column statistics",
+    "came": "a factored second moment over each matrix's rows and columns",
+}
+_PREFIXES = {"lamb": "a trust ratio from each parameter's norm", "fusedlamb": "a trust ratio from each parameter's norm",
+             "lars": "a trust ratio from each parameter's norm", "fusedlars": "a trust ratio from each parameter's norm",
+             "galore": "low-rank projections of each matrix's gradient"}
+
+
+def _not_elementwise(optimizer) -> str | None:
+    """What ``optimizer``'s class computes over whole parameters, or None for an element-wise one."""
+    for cls in type(optimizer).__mro__:
+        name = cls.__name__.lower()
+        if name in _NOT_ELEMENTWISE:
+            return _NOT_ELEMENTWISE[name]
+        for prefix, why in _PREFIXES.items():
+            if name.startswith(prefix):
+                return why
+    return None
+
+
+def _tensors(group: dict) -> list:
+    params = group.get("params")
+    if params is None or isinstance(params, (set, frozenset)):
+        return []
+    if isinstance(params, torch.Tensor):
+        return [params]
+    return [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+
+
+def _replaced_message(optimizer, p) -> str:
+    return (f"yafsdp: {type(optimizer).__name__} holds parameter {p._yafsdp_replaced!r} as it was before "
+            "yafsdp.YaFSDP wrapped its model: wrapping moved the values into flat shards, so this tensor gets no "
+            "gradient and the optimizer would train nothing. Build the optimizer after wrapping, over "
+            "model.parameters() (model: the yafsdp.YaFSDP wrapper), model.param_groups(weight_decay), or the "
+            "wrapped module's parameters()")
+
+
+def check_group(optimizer, group: dict) -> None:
+    """Before ``Optimizer.add_param_group`` adds ``group`` (the original parameters already adopted:
+    orig_params.adopt_param_group): see [Note: optimizers that would train the wrong thing]."""
+    tensors = _tensors(group)
+    for p in tensors:
+        if getattr(p, "_yafsdp_replaced", None) is not None:
+            raise ValueError(_replaced_message(optimizer, p))
+    earlier = [(i, _tensors(g)) for i, g in enumerate(getattr(optimizer, "param_groups", []))]
+    holds_shards = any(shards.info_of(p) is not None for p in tensors)
+    if holds_shards:
+        why = _not_elementwise(optimizer)
+        if why is not None:
+            raise ValueError(
+                f"yafsdp: {type(optimizer).__name__} cannot step a yafsdp.YaFSDP model's flat shards: it computes "
+                f"{why}, and each rank holds a 1-D slice of a flat shard spanning many parameters, so its updates "
+                "would differ from the unsharded model's. Use an element-wise optimizer (AdamW, Adam, SGD, RMSprop, "
+                "Adagrad, NAdam, RAdam, Adamax, yafsdp.FusedAdamW)")
+        empty = next((i for i, ts in earlier if not ts), None)
+        if empty is not None:
+            raise ValueError(_empty_message(optimizer, empty, group))
+    elif not tensors and any(shards.info_of(p) is not None for _, ts in earlier for p in ts):
+        raise ValueError(_empty_message(optimizer, len(earlier), group))
+
+
+def _empty_message(optimizer, index: int, group: dict) -> str:
+    return (f"yafsdp: param group {index} of {type(optimizer).__name__} holds no parameters, beside groups holding "
+            "the flat shards of a yafsdp.YaFSDP model. A split by name over the wrapper's named_parameters() "
+            "(no weight decay for biases and norms) matches nothing: the wrapper's names are its shards' "
+            "('flat.<unit>'), so every parameter would land in the other group. Select by the original names from "
+            "model.module.named_parameters() (a unit's matrices and the 1-D parameters are separate shards), or use "
+            "model.param_groups(weight_decay) (matrices decayed, norms and biases not); leave out a group meant to "
+            "be empty")
+
+
+_CHECKED: "weakref.WeakSet" = weakref.WeakSet()  # optimizers whose groups were checked at a step
+
+
+def check_before_step(optimizer) -> None:
+    """The first habit for an optimizer built before wrapping: refused at its first step (a group added
+    later goes through ``check_group``)."""
+    if optimizer in _CHECKED:
+        return
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if getattr(p, "_yafsdp_replaced", None) is not None:
+                raise ValueError(_replaced_message(optimizer, p))
+    _CHECKED.add(optimizer)
