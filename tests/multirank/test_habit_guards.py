@@ -10,7 +10,10 @@ changes nothing (the next step is the unsharded model's step).
   the no-decay group came out empty and every norm was decayed;
 - ``m.weight = nn.Parameter(...)`` on a module of the wrapped tree: ignored (the old values kept
   being gathered); ``m.head = nn.Linear(...)`` / ``ModuleList.append``: the new parameters were in
-  no shard, never reduced nor trained.
+  no shard, never reduced nor trained;
+- HF ``generate()`` where one rank reaches its EOS first: that rank stopped forwarding and left the
+  others in a gather (a gloo abort); HF now keeps every rank forwarding until all are done
+  (``synced_gpus``), as it does for FSDP models, and each rank's tokens are the unsharded model's.
 
 yafsdp/optim/guard.py and yafsdp/engine/tree_guard.py. One spawn of 2 ranks (gloo, fp32, ZeRO-3).
 """
@@ -90,6 +93,15 @@ def _cases(rank, world):
         ref.model.norm.weight.fill_(2.0)
     out["written_back"] = float(m.full_parameter("model.norm.weight").sub(2.0).abs().max())
     out["step_diff"] = _step_matches_unsharded(m, ref, rank, world, 1)  # the refused calls changed nothing
+    # -- HF generate() where one rank ends first (its EOS): HF keeps it forwarding (synced_gpus) as for FSDP
+    gen, gref = yafsdp.YaFSDP(tiny_llama(seed=2)), tiny_llama(seed=2)
+    prompts = [batch("llama", 9, 0, r)["input_ids"][:1, :4] for r in range(world)]
+    with torch.no_grad():
+        eos = int(gref.generate(input_ids=prompts[0], max_new_tokens=1, do_sample=False, pad_token_id=0)[0, -1])
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        out["generated"] = [gen.generate(input_ids=prompts[rank], **kw)[0].tolist(),
+                            gref.generate(input_ids=prompts[rank], **kw)[0].tolist()]
+    out["gen_step_diff"] = _step_matches_unsharded(gen, gref, rank, world, 2)  # and training goes on
     s = yafsdp.YaFSDP(Stack())
     s.module.inp.bias = None  # torch calls no hook for a None: refused at the unit's next use
     g = torch.Generator().manual_seed(rank)
@@ -98,7 +110,10 @@ def _cases(rank, world):
 
 
 def test_habits_refused_at_the_call():
-    for r in run_ranks(_cases, WORLD):
+    results = run_ranks(_cases, WORLD)
+    lengths = [len(r["generated"][1]) for r in results]
+    assert lengths[0] == 5 and lengths[1] > 5, lengths  # rank 0 ends at its first token, rank 1 goes on
+    for r in results:
         msg = r["before_wrap_step"]
         assert "AdamW holds parameter 'model.embed_tokens.weight' as it was before yafsdp.YaFSDP wrapped" in msg, msg
         assert "Build the optimizer after wrapping" in msg
@@ -121,4 +136,7 @@ def test_habits_refused_at_the_call():
         assert r["same_param"] == r["activation"] == r["in_summon"] == "", r
         assert r["written_back"] == 0.0
         assert r["step_diff"] < 1e-6, r["step_diff"]  # (rank 0 compares; the others return 0)
+        got, want = r["generated"]
+        assert got == want, r["generated"]
+        assert r["gen_step_diff"] < 1e-6, r["gen_step_diff"]
         assert "'inp.bias' was set to None after yafsdp.YaFSDP wrapped" in r["bias_none"], r["bias_none"]

@@ -204,6 +204,10 @@ class YaFSDP(nn.Module):
         for m in entries:
             m.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True, prepend=True)
             m.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True)
+            # HF's generate() keeps every rank forwarding until all are done (synced_gpus) for the models it
+            # knows to be sharded: so for these too, or a rank that ends first leaves the others in a gather
+            if self.world_size > 1:
+                m.__dict__["_is_fsdp_managed_module"] = True
         module.register_state_dict_pre_hook(_refuse_module_state_dict)
 
     # ------------------------------------------------------------------ forward
