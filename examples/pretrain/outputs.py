@@ -161,7 +161,7 @@ def header(job):
     job.say(f"batch    {b.per_rank} seq x {b.ranks} ranks x {b.accum} accum = {gb} seq = {b.tokens:,} tokens/step; "
             f"{steps}")
     job.say(f"optim    {job.opt_name}: lr {a.lr:g} (warmup {a.warmup}, cosine to {a.lr * a.min_lr_ratio:g} at "
-             f"step {a.decay_steps}), weight decay {a.weight_decay:g}, clip {a.grad_clip:g}")
+             f"step {a.decay_steps}), weight decay {job.opt.param_groups[0]['weight_decay']:g}, clip {a.grad_clip:g}")
     mem = sum(m.allocated_bytes().values())
     job.say(f"memory   engine allocations per rank: {mem / 2**20:.1f} MiB "
              f"(model {4 * job.n_params / 2**20:.1f} MiB in fp32, unsharded)")

@@ -313,10 +313,15 @@ class Setup:
         self.step, self.cursor, self.tokens_seen, self.elapsed_before = 0, 0, 0, 0.0
         self.resumed_from = self.data_resume = None
         if self.plan.resume_path:
+            # the flags decide the optimizer's options (weight decay, betas, eps: free to change on a resume), the
+            # checkpoint its state: load_checkpoint restores the saved groups' options, as torch's load_state_dict
+            flags = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
             try:
                 loaded = C.load_checkpoint(self.plan.resume_path, m, self.opt, verify=False)
             except C.CheckpointError as e:
                 raise JobError(str(e)) from None
+            for group, options in zip(self.opt.param_groups, flags):
+                group.update(options)
             st = loaded.state
             if "settings" not in loaded.meta:  # written before settings were recorded: what its state holds
                 self.check_resumable({}, {k: st[k] for k in ("seq_len", "seed") if k in st})

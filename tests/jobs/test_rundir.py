@@ -436,8 +436,10 @@ def test_rewind_sets_the_continuation_aside_and_settings_are_checked(tmp_path):
     assert rewind[0]["checkpoints"] == ["step_00000006", "step_00000008"] and rewind[0]["metrics_steps"] == [5, 8]
 
     p = run_job(["--resume", "--seq-len", "16", "--allow-change", "seq_len", "--lr", "1e-3", "--steps", "7",
-                 "--out", out], nproc=0)
+                 "--weight-decay", "0", "--out", out], nproc=0)
     assert f"init     resumed from {ck}/step_00000006 (step 6" in p.stdout
+    # the flags decide the optimizer's options on a resume (the checkpoint's 0.1 was restored with its state)
+    assert "weight decay 0, clip" in p.stdout, p.stdout
     assert "note     settings changed from the checkpoint's: seq_len 32 -> 16; recorded in events.jsonl" in p.stdout
     ev = events(out)
     changed = [e for e in ev if e["event"] == "settings_changed"]
