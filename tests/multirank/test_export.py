@@ -72,6 +72,15 @@ def _cases(rank, world, root):
     out["failed_left"] = sorted(n for n in os.listdir(root) if n.startswith("failed"))
     out["seen_target"] = any(seen)
     export_hf(model, target, max_shard_size=SHARD)  # the next export succeeds in its place
+    # into a folder that is not empty (that export): refused on every rank before anything is gathered, the
+    # files kept (it was raised on rank 0 only, at the final rename, after the whole model had been streamed)
+    kept = {n: os.path.getsize(os.path.join(target, n)) for n in os.listdir(target)}
+    try:
+        export_hf(model, target, max_shard_size=SHARD)
+        out["nonempty"] = ""
+    except ExportError as e:
+        out["nonempty"] = str(e)
+    out["nonempty_kept"] = kept == {n: os.path.getsize(os.path.join(target, n)) for n in os.listdir(target)}
 
     # the run's dtype is the default: a bf16 run exports bf16
     bf = yafsdp.YaFSDP(tiny_llama(seed=2), param_dtype=torch.bfloat16)
@@ -86,13 +95,15 @@ def _cases(rank, world, root):
     out["peak_merged"] = LEDGER.peak - before
     out["lora_unit_bytes"] = _unit_bytes(lora)
     lora.save_adapter(os.path.join(root, "adapter"))
-    return out if rank == 0 else None
+    return out if rank == 0 else {"nonempty": out["nonempty"]}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("export"))
-    return run_ranks(_cases, 2, root)[0], root
+    r0, r1 = run_ranks(_cases, 2, root)
+    r0["nonempty_rank1"] = r1["nonempty"]
+    return r0, root
 
 
 def _files(path):
@@ -148,6 +159,14 @@ def test_failed_write_leaves_no_export(results):
     assert r["failed_left"] == [] and r["seen_target"] is False
     hf = LlamaForCausalLM.from_pretrained(os.path.join(root, "failed"))
     assert torch.equal(hf.state_dict()["model.norm.weight"], r["sd"]["model.norm.weight"])
+
+
+def test_export_into_a_folder_with_files_is_refused_on_every_rank(results):
+    r, root = results
+    target = os.path.join(root, "failed")
+    for msg in (r["nonempty"], r["nonempty_rank1"]):
+        assert f"yafsdp.hf.export_hf: {target!r} exists and is not empty" in msg, msg
+    assert r["nonempty_kept"]
 
 
 def test_merged_export_and_adapter(results):

@@ -68,12 +68,14 @@ def export_folder(model, out_dir: str, inner, *, rename, dtype: torch.dtype, tok
             plan.append((new, shape, dtype if src.is_floating_point else src))
             via_of[key] = src
     if model.coordinator:
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)  # a killed export's leftovers
-            os.makedirs(tmp)
-            writer = ShardWriter(tmp, plan, max_shard_size)
-        except (OSError, ExportError) as e:
-            problem = f"{where}: cannot start writing {out_dir!r}: {e}"
+        problem = _target_problem(out_dir, where)  # before anything is gathered: every rank raises it
+        if problem is None:
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)  # a killed export's leftovers
+                os.makedirs(tmp)
+                writer = ShardWriter(tmp, plan, max_shard_size)
+            except (OSError, ExportError) as e:
+                problem = f"{where}: cannot start writing {out_dir!r}: {e}"
     raise_over(problem, group, then, ExportError)
 
     def transform(values):
@@ -93,13 +95,29 @@ def export_folder(model, out_dir: str, inner, *, rename, dtype: torch.dtype, tok
         stream_to_writer(units, transform, writer, group, where, then)
         if writer is not None:
             writer.close()
-            _finish(tmp, out_dir, inner, dtype, tokenizer)
+            try:
+                _finish(tmp, out_dir, inner, dtype, tokenizer)
+            except OSError as e:  # the folder changed under the export: raised on every rank below
+                problem = f"{where}: the export was written but could not be moved to {out_dir!r}: {e}"
+                shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         if writer is not None:
             writer.abort()
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    raise_over(problem, group, then, ExportError)
     return out_dir if model.coordinator else None
+
+
+def _target_problem(out_dir: str, where: str) -> str | None:
+    """Why ``out_dir`` cannot take an export (it is a file, or a folder with files in it), or None."""
+    if os.path.isdir(out_dir):
+        if os.listdir(out_dir):
+            return (f"{where}: {out_dir!r} exists and is not empty; export into a new or empty folder (or remove "
+                    "that one first): nothing was written")
+    elif os.path.exists(out_dir):
+        return f"{where}: {out_dir!r} is a file, not a folder; export into a new or empty folder: nothing was written"
+    return None
 
 
 def _full_over_tp(units, tp, keys, rank: int):
