@@ -146,6 +146,14 @@ def _refusals(rank, world, good, scratch):
         out["shape"] = None
     except ckpt.CheckpointError as e:
         out["shape"] = str(e)
+    # Another optimizer class: its state and options would not fit (SGD then failed at its first step, KeyError
+    # 'momentum'; Adam silently became AdamW through the saved groups' options)
+    model, _ = _setup()
+    try:
+        ckpt.load_checkpoint(good, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        out["other_optimizer"] = None
+    except ckpt.CheckpointError as e:
+        out["other_optimizer"] = str(e)
     out["init"] = _meta_init(rank, world)
     return out
 
@@ -229,6 +237,13 @@ def test_damaged_checkpoint_refused_untouched(runs, case, needle):
 def test_other_model_shape_refused(runs):
     msg = runs["d"][0]["shape"]
     assert msg and "different model" in msg and "model.layers.2" in msg
+
+
+def test_other_optimizer_class_refused(runs):
+    for r in runs["d"]:
+        msg = r["other_optimizer"]
+        assert msg and "its optimizer state was written by AdamW, and this optimizer is SGD" in msg, msg
+        assert "exp_avg" in msg and "optimizer=None" in msg, msg
 
 
 # --------------------------------------------------------------------------- yafsdp.init helpers

@@ -223,6 +223,9 @@ def check_compatible(manifest: dict, model, path: str = "") -> None:
         )
 
 
+_ADAMW_FAMILY = {"AdamW", "FusedAdamW"}  # yafsdp.FusedAdamW keeps torch's AdamW state and options: either loads the other
+
+
 def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True, strict_buffers: bool = True) -> Loaded:
     """Collective. Load checkpoint ``path`` into ``model``'s shards, buffers (and ``optimizer``'s
     state), whatever world size, mesh, zero_stage or offload wrote it. Everything is checked
@@ -256,6 +259,14 @@ def load_checkpoint(path: str, model, optimizer=None, *, verify: bool = True, st
     if optimizer is not None:
         if not opt_desc:
             raise CheckpointError(f"checkpoint {path!r} holds no optimizer state, but an optimizer was given")
+        saved_cls, cls = opt_desc.get("cls"), type(optimizer).__name__
+        mro = {c.__name__ for c in type(optimizer).__mro__}  # a subclass of the saving class loads its state
+        if saved_cls is not None and saved_cls not in mro and {saved_cls, cls} != _ADAMW_FAMILY:
+            raise CheckpointError(
+                f"checkpoint {path!r}: its optimizer state was written by {saved_cls}, and this optimizer is {cls}: "
+                f"{saved_cls}'s state ({', '.join(sorted({k for st in opt_desc['state'].values() for k in st})) or 'none'}) "
+                f"and options do not fit {cls}. Build a {saved_cls} as the run that saved did, or load the model "
+                "alone (optimizer=None) and start the optimizer's state afresh")
         groups_now = [len(g["params"]) for g in optimizer.param_groups]
         if opt_desc.get("groups") != groups_now:
             raise CheckpointError(
