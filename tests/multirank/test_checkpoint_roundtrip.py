@@ -154,6 +154,12 @@ def _refusals(rank, world, good, scratch):
         out["other_optimizer"] = None
     except ckpt.CheckpointError as e:
         out["other_optimizer"] = str(e)
+    # The folder holding the checkpoints (a job's --resume of its run folder): named as such, not "incomplete"
+    try:
+        ckpt.load_checkpoint(os.path.dirname(good), model)
+        out["folder"] = None
+    except ckpt.CheckpointError as e:
+        out["folder"] = str(e)
     out["init"] = _meta_init(rank, world)
     return out
 
@@ -237,6 +243,13 @@ def test_damaged_checkpoint_refused_untouched(runs, case, needle):
 def test_other_model_shape_refused(runs):
     msg = runs["d"][0]["shape"]
     assert msg and "different model" in msg and "model.layers.2" in msg
+
+
+def test_a_folder_of_checkpoints_is_named_as_such(runs, tmp_path):
+    msg = runs["d"][0]["folder"]
+    assert msg and "is not a checkpoint but a folder holding" in msg and "the newest complete one" in msg, msg
+    with pytest.raises(ckpt.CheckpointError, match="checkpoint.json is missing"):  # an empty folder: as before
+        ckpt.read_manifest(str(tmp_path))
 
 
 def test_other_optimizer_class_refused(runs):

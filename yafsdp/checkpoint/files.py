@@ -108,6 +108,12 @@ def read_manifest(path: str) -> dict:
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist")
     if not os.path.isfile(file):
+        for root in (path, os.path.join(path, "checkpoints")):  # a folder of checkpoints, or a job's run folder
+            found = list_checkpoints(root)
+            if found:
+                raise CheckpointError(
+                    f"{path!r} is not a checkpoint but a folder holding {len(found)} (in {root!r}); pass one of them, "
+                    f"e.g. the newest complete one: {found[-1][1]!r}")
         raise CheckpointError(f"checkpoint {path!r} is incomplete: {MANIFEST} is missing (a save was interrupted)")
     try:
         with open(file) as f:
