@@ -121,6 +121,28 @@ def response_loss(model, batch: torch.Tensor, reduction: str = "mean") -> torch.
                            reduction=reduction)
 
 
+def base_id(path: str) -> str:
+    """The identity of an HF base folder: its weight files' count and bytes and a CRC-32 of the first and last MiB
+    of each (header and data), so another trained model of the same shapes differs; a name that is not a local
+    folder is its own identity."""
+    import zlib
+
+    if not os.path.isdir(path):
+        return path
+    files = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".bin")))
+    crc, total, mib = 0, 0, 1 << 20
+    for name in files:
+        file = os.path.join(path, name)
+        size = os.path.getsize(file)
+        total += size
+        with open(file, "rb") as f:
+            crc = zlib.crc32(f.read(mib), crc)
+            if size > mib:
+                f.seek(max(mib, size - mib))
+                crc = zlib.crc32(f.read(), crc)
+    return f"{len(files)} weight file(s), {total:,} bytes, crc32 {crc:08x}"
+
+
 class FinetuneJob(J.Job):
     """The pretraining job with a PEFT LoRA model, instruction data and adapter outputs."""
 
@@ -271,9 +293,31 @@ class FinetuneJob(J.Job):
 
     def model_settings(self) -> dict:
         """The adapters' shape and scaling: a resume with another --lora-alpha would silently scale
-        them differently (another rank or targets would not load); see [Note: settings a resume keeps]."""
+        them differently (another rank or targets would not load); see [Note: settings a resume keeps].
+        And the base's identity (``base_id``): see ``check_resumable``."""
         a = self.args
-        return dict(lora_r=a.lora_r, lora_alpha=a.lora_alpha, lora_targets=sorted(a.targets))
+        return dict(lora_r=a.lora_r, lora_alpha=a.lora_alpha, lora_targets=sorted(a.targets),
+                    base=base_id(a.init_from_hf))
+
+    def check_resumable(self, meta: dict, saved_settings: dict | None = None) -> None:
+        """A checkpoint holds its frozen base with the adapters, so a resume trains on the checkpoint's base
+        whatever --init-from-hf says: another base is refused (not even --allow-change could make it the one
+        trained on, and the adapter line would name the wrong one). A checkpoint from before the base was
+        recorded is taken as written on this one."""
+        saved = dict(saved_settings if saved_settings is not None else meta.get("settings") or {})
+        model = dict(saved.get("model") or {})
+        step = self.manifest.get("step", 0) if self.manifest else 0
+        now = self.settings["model"]["base"]
+        if "model" in saved and "base" not in model:
+            model["base"] = now
+            saved["model"] = model
+        elif "model" in saved and model["base"] != now and not self.args.export_only and step < self.args.steps:
+            raise JobError(
+                f"checkpoint {self.plan.resume_path!r} was trained on another base than --init-from-hf "
+                f"{self.args.init_from_hf!r}: {model['base']} (checkpoint) vs {now} "
+                "(now). The checkpoint holds its frozen base, so a resume would go on training on that one while "
+                "this run names the other; resume with the run's base, or start a new --out for a new base")
+        super().check_resumable(meta, saved if saved else None)
 
     def wrap_options(self) -> dict:
         out = dict(quantize_frozen="nf4") if self.args.qlora else {}

@@ -5,6 +5,7 @@ covers response tokens only, and a --lora-targets that matches nothing is a one-
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -103,13 +104,27 @@ def test_adapter_loads_in_peft_with_the_jobs_logits(run, lanes):
 
 def _resume_lane(base_dir, out, budget):
     base = ["--out", out, "--init-from-hf", base_dir, "--save-every", "15", "--memory-budget", str(budget)]
-    return out, run_ft(base + ["--steps", "15"]), run_ft(base + ["--resume"])
+    first = run_ft(base + ["--steps", "15"])
+    # another base of the same shapes (one byte of a weight changed): refused, the checkpoint holds its own
+    other = out + "_other_base"
+    shutil.copytree(base_dir, other)
+    weights = os.path.join(other, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.seek(os.path.getsize(weights) - 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    refused = run_ft(["--out", out, "--init-from-hf", other, "--resume"], nproc=1, check=False)
+    return out, first, run_ft(base + ["--resume"]), refused
 
 
 def test_resume_repeats_the_uninterrupted_losses(run, lanes):
     """Both halves with --memory-budget (LoRA, auto: the plan traced through PEFT checkpoints the
     first of the base's 2 layers), so this also shows that the chosen checkpointing trains like none."""
-    out, first, p = lanes["lanes"].result("resume")
+    out, first, p, refused = lanes["lanes"].result("resume")
+    errs = [x for x in refused.stderr.splitlines() if x.startswith("finetune_lora.py: error:")]
+    assert refused.returncode != 0 and len(errs) == 1 and "was trained on another base than --init-from-hf" in errs[0] \
+        and "holds its frozen base" in errs[0], refused.stderr[-3000:]
     for q in (first, p):
         assert "1 of 2 blocks checkpointed" in q.stdout and "checkpointed: base_model.model.model.layers.0" in q.stdout, \
             q.stdout[:3000]
