@@ -76,6 +76,8 @@ def _cases(rank, world):
                                {"params": [p for n, p in orig if "norm" in n], "weight_decay": 0.0}])
     out["split_sizes"] = [len(g["params"]) for g in split.param_groups]
     model.zero_grad()
+    out["wrapper_frozen"] = _err(lambda: model.requires_grad_(False))  # a teacher frozen after wrapping
+    out["wrapper_same"] = _err(lambda: model.requires_grad_(True))
     # -- the module tree
     m = yafsdp.YaFSDP(tiny_llama(seed=1))
     ref = tiny_llama(seed=1)
@@ -133,7 +135,8 @@ def test_habits_refused_at_the_call():
             in r["module"], r["module"]
         assert "'lm_head' set to a new Identity" in r["dropped"] and "stay in their unit" in r["dropped"], r["dropped"]
         assert "'model.layers.3' set to a new Linear" in r["append"], r["append"]
-        assert r["same_param"] == r["activation"] == r["in_summon"] == "", r
+        assert r["same_param"] == r["activation"] == r["in_summon"] == r["wrapper_same"] == "", r
+        assert "YaFSDP.requires_grad_(False): which parameters train is fixed at wrap time" in r["wrapper_frozen"]
         assert r["written_back"] == 0.0
         assert r["step_diff"] < 1e-6, r["step_diff"]  # (rank 0 compares; the others return 0)
         got, want = r["generated"]

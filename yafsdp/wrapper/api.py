@@ -402,6 +402,18 @@ class YaFSDP(nn.Module):
         return self.replicas, self.world_size
 
     # ------------------------------------------------------------------ training
+    def requires_grad_(self, requires_grad: bool = True) -> "YaFSDP":
+        """Passes when nothing would change; otherwise refused: the split into trainable and frozen flat
+        groups is made at wrap time (it flipped the flat shards only, leaving the module's parameters as
+        they were, and the next forward refused the shards)."""
+        if all(p.requires_grad == requires_grad for p in self.parameters()):
+            return self
+        raise RuntimeError(
+            f"yafsdp: YaFSDP.requires_grad_({requires_grad}): which parameters train is fixed at wrap time (the "
+            "trainable and frozen flat groups). Freeze before wrapping: module.requires_grad_(False), then "
+            "yafsdp.YaFSDP(module); a model that never trains (a teacher, a reference model) is wrapped so and "
+            "run under torch.no_grad()")
+
     def param_groups(self, weight_decay: float, small_weight_decay: float = 0.0, **options) -> list[dict]:
         """Two optimizer param groups: every unit's shard with ``weight_decay``, and the small group
         (all 1-D parameters: norm weights and biases) with ``small_weight_decay``."""
