@@ -121,6 +121,18 @@ def response_loss(model, batch: torch.Tensor, reduction: str = "mean") -> torch.
                            reduction=reduction)
 
 
+def _base_recipe(base_out: str) -> dict | None:
+    """The flags the pretraining run in ``base_out`` was made with (its run.json), or None if unreadable."""
+    import json
+
+    try:
+        with open(os.path.join(base_out, "run.json")) as f:
+            args = json.load(f)["args"]
+        return dict(preset=args["preset"], steps=args["steps"], seed=args["seed"], tokenizer=args["tokenizer"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def base_id(path: str) -> str:
     """The identity of an HF base folder: its weight files' count and bytes and a CRC-32 of the first and last MiB
     of each (header and data), so another trained model of the same shapes differs; a name that is not a local
@@ -171,8 +183,22 @@ class FinetuneJob(J.Job):
         base_out = os.path.join(a.out, "base")
         hf = os.path.join(base_out, "hf")
         if os.path.isfile(os.path.join(hf, "config.json")):
-            self.base_made = f"{hf} (made by an earlier run)"
-            return hf
+            made, want = _base_recipe(base_out), dict(preset=a.preset, steps=a.base_steps, seed=a.seed,
+                                                      tokenizer=a.tokenizer)
+            if made is None or made == want:
+                self.base_made = f"{hf} (made by an earlier run)"
+                return hf
+            told = ", ".join(f"{k} {made.get(k)!r} -> {v!r}" for k, v in want.items() if made.get(k) != v)
+            if not a.overwrite:
+                raise JobError(
+                    f"{hf!r} holds the base an earlier run made with other flags ({told}); this run would fine-tune "
+                    "that one. Pass --overwrite to discard the run in --out and make the base again, --init-from-hf "
+                    "to choose a base, or the earlier flags")
+            if self.rank == 0:
+                shutil.rmtree(hf)
+            if dist.is_initialized():
+                dist.barrier()
+            self.say(f"base     --overwrite: the base in {hf} was made with other flags ({told}); making it again")
         argv = ["--preset", a.preset, "--steps", str(a.base_steps), "--decay-steps", str(a.base_steps),
                 "--out", base_out, "--export-hf", hf, "--save-every", "0", "--keep", "1", "--seed", str(a.seed),
                 "--device", a.device, "--sample-tokens", "0", "--no-progress"]

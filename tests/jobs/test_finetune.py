@@ -61,6 +61,8 @@ def lanes(run, request, tmp_path_factory):
         ln.start("qlora", run_ft, ["--out", str(base / "qlora"), "--init-from-hf", base_dir, "--qlora", "--steps",
                                    "15", "--merge-export", str(base / "qlora" / "merged"), "--memory-budget",
                                    str(budget)])
+    if "test_a_base_made_with_other_flags_is_refused" in selected:  # the default run's --out, another recipe
+        ln.start("recipe", run_ft, ["--out", run["out"], "--base-steps", "41", "--steps", "31"], nproc=1, check=False)
     if "test_bad_lora_targets_is_a_one_line_error" in selected:
         ln.start("bad", run_ft, ["--out", str(base / "bad"), "--init-from-hf", base_dir, "--lora-targets",
                                  "q_proj,attn_qkv"], check=False)
@@ -144,6 +146,17 @@ def test_bad_lora_targets_is_a_one_line_error(lanes):
                     "of the model; its linear modules are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, "
                     "up_proj, v_proj"], p.stderr[-3000:]
     assert 'finetune_lora.py", line' not in p.stderr  # no traceback
+
+
+def test_a_base_made_with_other_flags_is_refused(run, lanes):
+    """--out/base/hf was made by the default run with --base-steps 40; a run asking for 41 would have fine-tuned
+    that base without a word (with --overwrite too): refused, naming the flag, before anything is touched."""
+    p = lanes["lanes"].result("recipe")
+    errs = [x for x in p.stderr.splitlines() if x.startswith("finetune_lora.py: error:")]
+    assert p.returncode != 0 and len(errs) == 1, p.stderr[-3000:]
+    assert "holds the base an earlier run made with other flags (steps 40 -> 41)" in errs[0] and "--overwrite" \
+        in errs[0], errs
+    assert len(losses(run["out"])) == 30  # the run in --out untouched
 
 
 def test_response_only_masking():
