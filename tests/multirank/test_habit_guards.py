@@ -76,6 +76,10 @@ def _cases(rank, world):
                                {"params": [p for n, p in orig if "norm" in n], "weight_decay": 0.0}])
     out["split_sizes"] = [len(g["params"]) for g in split.param_groups]
     model.zero_grad()
+    # torch's vector_to_parameters assigns p.data: the engine kept reading the old storage
+    vec = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
+    torch.nn.utils.vector_to_parameters(vec, model.parameters())
+    out["data_assigned"] = _err(lambda: model(**batch("llama", 0, 0, rank)))
     out["wrapper_frozen"] = _err(lambda: model.requires_grad_(False))  # a teacher frozen after wrapping
     out["wrapper_same"] = _err(lambda: model.requires_grad_(True))
     # -- the module tree
@@ -137,6 +141,8 @@ def test_habits_refused_at_the_call():
         assert "'model.layers.3' set to a new Linear" in r["append"], r["append"]
         assert r["same_param"] == r["activation"] == r["in_summon"] == r["wrapper_same"] == "", r
         assert "YaFSDP.requires_grad_(False): which parameters train is fixed at wrap time" in r["wrapper_frozen"]
+        assert "was given new storage (p.data = ...; torch.nn.utils.vector_to_parameters" in r["data_assigned"], \
+            r["data_assigned"]
         assert r["written_back"] == 0.0
         assert r["step_diff"] < 1e-6, r["step_diff"]  # (rank 0 compares; the others return 0)
         got, want = r["generated"]

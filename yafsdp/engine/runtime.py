@@ -182,6 +182,8 @@ class Runtime:
         self.secondary_group = (consecutive_subgroups(group, self.secondary_size, what="secondary_shard")
                                 if self.secondary_size else None)
         self.storage = allocate(self, outsized_ratio)  # every tensor the engine owns (alloc.Storage)
+        # where each trainable shard's values live: ``p.data = new`` elsewhere is refused (check_frozen)
+        self.shard_places = [(u, u.flat_param.data_ptr()) for u in self.all if u.flat_param is not None]
         # HSDP: the grad shards' all-reduce across replicas (see [Note: the cross-replica all-reduce]);
         # a flat engine's does nothing (NoReplicas).
         self.replica_sync = make_replicas(self, replicate_group, schedule)
@@ -305,6 +307,13 @@ class Runtime:
                     "frozen parameters is made at wrap time. Set requires_grad on the module's parameters before "
                     "wrapping (or keep the shard out of the optimizer)"
                 )
+        for u, place in self.shard_places:
+            if u.flat_param.data_ptr() != place:
+                raise RuntimeError(
+                    f"yafsdp: the shard of unit {u.name!r} was given new storage (p.data = ...; "
+                    "torch.nn.utils.vector_to_parameters does this): the engine reads each shard where it allocated "
+                    "it, so the new values would not be used. Write into the shard in place under torch.no_grad() "
+                    "(p.copy_(new)), or use model.load_full_state_dict(...)")
         for ref, was, name in self.originals:
             p = ref()
             if p is not None and p.requires_grad != was:
