@@ -71,6 +71,12 @@ def _cases(rank, world):
     no_decay = [p for n, p in named if "norm" in n or "bias" in n]
     out["empty_after"] = _err(lambda: torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0}]))
     out["empty_first"] = _err(lambda: torch.optim.AdamW([{"params": no_decay, "weight_decay": 0}, {"params": decay}]))
+    frozen_vectors = tiny_llama()  # norms frozen (as under LoRA): the no-decay group is empty unsharded too
+    for p in frozen_vectors.parameters():
+        p.requires_grad_(p.dim() > 1)
+    fv = yafsdp.YaFSDP(frozen_vectors)
+    out["empty_beside_matrices"] = _err(lambda: torch.optim.AdamW([{"params": list(fv.parameters())},
+                                                                   {"params": [], "weight_decay": 0.0}]))
     orig = list(model.module.named_parameters())  # the original names: the split the habit meant
     split = torch.optim.AdamW([{"params": [p for n, p in orig if "norm" not in n]},
                                {"params": [p for n, p in orig if "norm" in n], "weight_decay": 0.0}])
@@ -80,6 +86,8 @@ def _cases(rank, world):
     vec = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
     torch.nn.utils.vector_to_parameters(vec, model.parameters())
     out["data_assigned"] = _err(lambda: model(**batch("llama", 0, 0, rank)))
+    sd = tiny_llama().state_dict()
+    out["module_load"] = _err(lambda: model.module.load_state_dict(sd))
     out["wrapper_frozen"] = _err(lambda: model.requires_grad_(False))  # a teacher frozen after wrapping
     out["wrapper_same"] = _err(lambda: model.requires_grad_(True))
     # -- the module tree
@@ -131,6 +139,7 @@ def test_habits_refused_at_the_call():
         for k, i in (("empty_after", 1), ("empty_first", 0)):
             assert f"param group {i} of AdamW holds no parameters" in r[k] and "model.param_groups(weight_decay)" \
                 in r[k], (k, r[k])
+        assert r["empty_beside_matrices"] == "", r["empty_beside_matrices"]
         assert r["split_sizes"][1] >= 1 and sum(r["split_sizes"]) >= 2, r["split_sizes"]
         assert "'lm_head.weight' set to a new Parameter of shape (67, 32) after yafsdp.YaFSDP wrapped" in r["param"]
         assert "summon_full_params(writeback=True)" in r["param"], r["param"]
@@ -141,6 +150,8 @@ def test_habits_refused_at_the_call():
         assert "'model.layers.3' set to a new Linear" in r["append"], r["append"]
         assert r["same_param"] == r["activation"] == r["in_summon"] == r["wrapper_same"] == "", r
         assert "YaFSDP.requires_grad_(False): which parameters train is fixed at wrap time" in r["wrapper_frozen"]
+        assert r["module_load"].startswith("yafsdp: load_state_dict() on the module wrapped by yafsdp.YaFSDP") and \
+            r["module_load"].count("yafsdp:") == 1 and "load_full_state_dict" in r["module_load"], r["module_load"]
         assert "was given new storage (p.data = ...; torch.nn.utils.vector_to_parameters" in r["data_assigned"], \
             r["data_assigned"]
         assert r["written_back"] == 0.0

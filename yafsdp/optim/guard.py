@@ -19,8 +19,10 @@ something else than the unsharded model would; each is refused, naming what to d
 - **an empty param group beside the flat shards**: a weight-decay split by name over
   ``model.named_parameters()`` (``"bias" in name or "norm" in name``) matches nothing, since the
   wrapper's names are its shards' (``flat.<unit>``), so every norm would be decayed. A group with no
-  parameters in an optimizer whose other groups hold flat shards is refused, pointing to the original
-  names (``model.module.named_parameters()``) and ``model.param_groups(weight_decay)``.
+  parameters in an optimizer whose other groups decay a flat shard of 1-D parameters (the small group:
+  norm weights, biases) is refused, pointing to the original names (``model.module.named_parameters()``)
+  and ``model.param_groups(weight_decay)``. Beside shards of matrices only (LoRA adapters: their
+  no-decay group is empty on the unsharded model too) an empty group passes.
 """
 from __future__ import annotations
 
@@ -95,10 +97,23 @@ def check_group(optimizer, group: dict) -> None:
                 "would differ from the unsharded model's. Use an element-wise optimizer (AdamW, Adam, SGD, RMSprop, "
                 "Adagrad, NAdam, RAdam, Adamax, yafsdp.FusedAdamW)")
         empty = next((i for i, ts in earlier if not ts), None)
-        if empty is not None:
+        if empty is not None and _decays_vectors(optimizer, group, tensors):
             raise ValueError(_empty_message(optimizer, empty, group))
-    elif not tensors and any(shards.info_of(p) is not None for _, ts in earlier for p in ts):
+    elif not tensors and any(_decays_vectors(optimizer, g, ts) for g, (_, ts) in zip(optimizer.param_groups, earlier)):
         raise ValueError(_empty_message(optimizer, len(earlier), group))
+
+
+def _decays_vectors(optimizer, group: dict, tensors: list) -> bool:
+    """Whether ``group`` decays a flat shard of 1-D parameters (norm weights, biases): what a no-decay split by
+    the wrapper's names leaves behind. (An empty group beside shards of matrices only -- LoRA adapters, whose
+    no-decay group is empty on the unsharded model too -- is no sign of it.)"""
+    if group.get("weight_decay", getattr(optimizer, "defaults", {}).get("weight_decay", 0)) == 0:
+        return False
+    for p in tensors:
+        info = shards.info_of(p)
+        if info is not None and any(len(s) == 1 for s in info.param_shapes):
+            return True
+    return False
 
 
 def _empty_message(optimizer, index: int, group: dict) -> str:

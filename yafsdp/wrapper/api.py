@@ -209,6 +209,7 @@ class YaFSDP(nn.Module):
             if self.world_size > 1:
                 m.__dict__["_is_fsdp_managed_module"] = True
         module.register_state_dict_pre_hook(_refuse_module_state_dict)
+        module.register_load_state_dict_pre_hook(_refuse_module_load_state_dict)  # one line, not one per parameter
 
     # ------------------------------------------------------------------ forward
     # [Note: the root entry]
@@ -686,6 +687,14 @@ def _refuse_module_state_dict(module, prefix, keep_vars):
         f"yafsdp: state_dict() of the module wrapped by yafsdp.YaFSDP ({type(module).__name__}) would hold none of "
         "its parameters (they are sharded); use model.full_state_dict() on the YaFSDP wrapper, or "
         "yafsdp.checkpoint / yafsdp.hf.export_hf"
+    )
+
+
+def _refuse_module_load_state_dict(module, state_dict, prefix, *args):
+    raise RuntimeError(
+        f"yafsdp: load_state_dict() on the module wrapped by yafsdp.YaFSDP ({type(module).__name__}) cannot write "
+        "its parameters (they are sharded); use model.load_full_state_dict(state_dict) on the YaFSDP wrapper (the "
+        "original keys), or yafsdp.checkpoint.load_checkpoint / yafsdp.hf.load_hf_weights"
     )
 
 
