@@ -402,3 +402,19 @@ def test_fallback_warns_once_when_the_kernels_were_expected(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         FusedAdamW([p], lr=1e-3).step()  # the kernels serve the device: silent
+
+
+def test_optimizers_that_are_not_elementwise_are_known_by_name():
+    """yafsdp/optim/guard.py: the classes refused over flat shards (by name in the MRO, the families' variants
+    included), and names that only look alike left alone."""
+    from yafsdp.optim.guard import _not_elementwise
+
+    def named(name, base=object):
+        return type(name, (base,), {})()
+
+    for name in ("Adafactor", "LBFGS", "Muon", "FusedLAMB", "LAMB8bit", "PagedLARS", "GaLoreAdamW8bit", "SOAP",
+                 "DistributedShampoo"):
+        assert _not_elementwise(named(name)), name
+    assert _not_elementwise(named("MyAdafactor", type("Adafactor", (), {})))  # a subclass of one
+    for name in ("AdamW", "SGD", "Lion", "LambdaOptimizer", "Larsen", "FusedAdamW", "Adam8bit"):
+        assert _not_elementwise(named(name)) is None, name

@@ -26,6 +26,7 @@ something else than the unsharded model would; each is refused, naming what to d
 """
 from __future__ import annotations
 
+import re
 import weakref
 
 import torch
@@ -45,9 +46,10 @@ _NOT_ELEMENTWISE = {
     "soap": "preconditioners from each matrix's row and column statistics",
     "came": "a factored second moment over each matrix's rows and columns",
 }
-_PREFIXES = {"lamb": "a trust ratio from each parameter's norm", "fusedlamb": "a trust ratio from each parameter's norm",
-             "lars": "a trust ratio from each parameter's norm", "fusedlars": "a trust ratio from each parameter's norm",
-             "galore": "low-rank projections of each matrix's gradient"}
+_PATTERNS = [  # the families' variants (apex's Fused*, bitsandbytes' *8bit / Paged*, GaLore's wrappers)
+    (re.compile(r"(fused|paged)?(lamb|lars)(8bit|32bit)?"), "a trust ratio from each parameter's norm"),
+    (re.compile(r"galore\w*"), "low-rank projections of each matrix's gradient"),
+]
 
 
 def _not_elementwise(optimizer) -> str | None:
@@ -56,8 +58,8 @@ def _not_elementwise(optimizer) -> str | None:
         name = cls.__name__.lower()
         if name in _NOT_ELEMENTWISE:
             return _NOT_ELEMENTWISE[name]
-        for prefix, why in _PREFIXES.items():
-            if name.startswith(prefix):
+        for pattern, why in _PATTERNS:
+            if pattern.fullmatch(name):
                 return why
     return None
 
