@@ -13,7 +13,7 @@ changes nothing (the next step is the unsharded model's step).
   no shard, never reduced nor trained;
 - HF ``generate()`` where one rank reaches its EOS first: that rank stopped forwarding and left the
   others in a gather (a gloo abort); HF now keeps every rank forwarding until all are done
-  (``synced_gpus``), as it does for FSDP models, and each rank's tokens are the unsharded model's.
+  (``synced_gpus=True`` by default, as for FSDP models), and each rank's tokens are the unsharded model's.
 
 yafsdp/optim/guard.py and yafsdp/engine/tree_guard.py. One spawn of 2 ranks (gloo, fp32, ZeRO-3).
 """

@@ -12,6 +12,7 @@ allocated. The work is done elsewhere:
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 import torch
@@ -205,9 +206,10 @@ class YaFSDP(nn.Module):
             m.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True, prepend=True)
             m.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True)
             # HF's generate() keeps every rank forwarding until all are done (synced_gpus) for the models it
-            # knows to be sharded: so for these too, or a rank that ends first leaves the others in a gather
-            if self.world_size > 1:
-                m.__dict__["_is_fsdp_managed_module"] = True
+            # knows to be sharded (FSDP's, DeepSpeed's): for these too, or a rank that ends first leaves the others
+            # in a gather. Asked per call (not by marking the module as FSDP's, which torch.compile reads too).
+            if self.world_size > 1 and callable(getattr(m, "generate", None)):
+                m.__dict__["generate"] = _synced_generate(m.generate)
         module.register_state_dict_pre_hook(_refuse_module_state_dict)
         module.register_load_state_dict_pre_hook(_refuse_module_load_state_dict)  # one line, not one per parameter
 
@@ -688,6 +690,16 @@ def _refuse_module_state_dict(module, prefix, keep_vars):
         "its parameters (they are sharded); use model.full_state_dict() on the YaFSDP wrapper, or "
         "yafsdp.checkpoint / yafsdp.hf.export_hf"
     )
+
+
+def _synced_generate(generate):
+    """HF ``generate`` with ``synced_gpus=True`` unless the call says otherwise (see YaFSDP.__init__)."""
+    @functools.wraps(generate)
+    def synced(*args, **kwargs):
+        kwargs.setdefault("synced_gpus", True)
+        return generate(*args, **kwargs)
+
+    return synced
 
 
 def _refuse_module_load_state_dict(module, state_dict, prefix, *args):
