@@ -88,6 +88,7 @@ def _cases(rank, world):
     out["data_assigned"] = _err(lambda: model(**batch("llama", 0, 0, rank)))
     sd = tiny_llama().state_dict()
     out["module_load"] = _err(lambda: model.module.load_state_dict(sd))
+    out["resize"] = _err(lambda: model.resize_token_embeddings(100))
     out["wrapper_frozen"] = _err(lambda: model.requires_grad_(False))  # a teacher frozen after wrapping
     out["wrapper_same"] = _err(lambda: model.requires_grad_(True))
     # -- the module tree
@@ -152,6 +153,7 @@ def test_habits_refused_at_the_call():
         assert "YaFSDP.requires_grad_(False): which parameters train is fixed at wrap time" in r["wrapper_frozen"]
         assert r["module_load"].startswith("yafsdp: load_state_dict() on the module wrapped by yafsdp.YaFSDP") and \
             r["module_load"].count("yafsdp:") == 1 and "load_full_state_dict" in r["module_load"], r["module_load"]
+        assert "resize_token_embeddings() after wrapping" in r["resize"] and "before wrapping" in r["resize"], r["resize"]
         assert "was given new storage (p.data = ...; torch.nn.utils.vector_to_parameters" in r["data_assigned"], \
             r["data_assigned"]
         assert r["written_back"] == 0.0

@@ -313,6 +313,13 @@ class YaFSDP(nn.Module):
             "use yafsdp.hf.export_hf(model, out_dir) (collective) to write an HF checkpoint"
         )
 
+    def resize_token_embeddings(self, *args, **kwargs):
+        raise RuntimeError(
+            "yafsdp.YaFSDP: resize_token_embeddings() after wrapping would change the shapes of the embedding and the "
+            "head, which were laid into flat shards at wrap time; resize the module before wrapping "
+            "(module.resize_token_embeddings(len(tokenizer)), then yafsdp.YaFSDP(module))"
+        )
+
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
