@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import shutil
 import warnings
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -123,8 +125,6 @@ def response_loss(model, batch: torch.Tensor, reduction: str = "mean") -> torch.
 
 def _base_recipe(base_out: str) -> dict | None:
     """The flags the pretraining run in ``base_out`` was made with (its run.json), or None if unreadable."""
-    import json
-
     try:
         with open(os.path.join(base_out, "run.json")) as f:
             args = json.load(f)["args"]
@@ -137,8 +137,6 @@ def base_id(path: str) -> str:
     """The identity of an HF base folder: its weight files' count and bytes and a CRC-32 of the first and last MiB
     of each (header and data), so another trained model of the same shapes differs; a name that is not a local
     folder is its own identity."""
-    import zlib
-
     if not os.path.isdir(path):
         return path
     files = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".bin")))

@@ -299,7 +299,8 @@ class Runtime:
         self.copies_changed = True
 
     def check_frozen(self) -> None:
-        """requires_grad cannot change after wrapping: the trainable/frozen split is fixed then."""
+        """requires_grad cannot change after wrapping: the trainable/frozen split is fixed then; nor can a
+        trainable shard's storage (``p.data = new``)."""
         for u in self.all:
             if u.flat_param is not None and not u.flat_param.requires_grad:
                 raise RuntimeError(

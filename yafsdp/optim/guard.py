@@ -85,12 +85,9 @@ def check_group(optimizer, group: dict) -> None:
     """Before ``Optimizer.add_param_group`` adds ``group`` (the original parameters already adopted:
     orig_params.adopt_param_group): see [Note: optimizers that would train the wrong thing]."""
     tensors = _tensors(group)
-    for p in tensors:
-        if getattr(p, "_yafsdp_replaced", None) is not None:
-            raise ValueError(_replaced_message(optimizer, p))
-    earlier = [(i, _tensors(g)) for i, g in enumerate(getattr(optimizer, "param_groups", []))]
-    holds_shards = any(shards.info_of(p) is not None for p in tensors)
-    if holds_shards:
+    _refuse_replaced(optimizer, tensors)
+    earlier = [_tensors(g) for g in optimizer.param_groups]  # the groups added before this one
+    if any(shards.info_of(p) is not None for p in tensors):
         why = _not_elementwise(optimizer)
         if why is not None:
             raise ValueError(
@@ -98,11 +95,18 @@ def check_group(optimizer, group: dict) -> None:
                 f"{why}, and each rank holds a 1-D slice of a flat shard spanning many parameters, so its updates "
                 "would differ from the unsharded model's. Use an element-wise optimizer (AdamW, Adam, SGD, RMSprop, "
                 "Adagrad, NAdam, RAdam, Adamax, yafsdp.FusedAdamW)")
-        empty = next((i for i, ts in earlier if not ts), None)
+        empty = next((i for i, ts in enumerate(earlier) if not ts), None)
         if empty is not None and _decays_vectors(optimizer, group, tensors):
-            raise ValueError(_empty_message(optimizer, empty, group))
-    elif not tensors and any(_decays_vectors(optimizer, g, ts) for g, (_, ts) in zip(optimizer.param_groups, earlier)):
-        raise ValueError(_empty_message(optimizer, len(earlier), group))
+            raise ValueError(_empty_message(optimizer, empty))
+    elif not tensors and any(_decays_vectors(optimizer, g, ts) for g, ts in zip(optimizer.param_groups, earlier)):
+        raise ValueError(_empty_message(optimizer, len(earlier)))
+
+
+def _refuse_replaced(optimizer, tensors) -> None:
+    """The first habit: a parameter as it was before wrapping (marked by ``orig_params.install``)."""
+    for p in tensors:
+        if getattr(p, "_yafsdp_replaced", None) is not None:
+            raise ValueError(_replaced_message(optimizer, p))
 
 
 def _decays_vectors(optimizer, group: dict, tensors: list) -> bool:
@@ -118,7 +122,7 @@ def _decays_vectors(optimizer, group: dict, tensors: list) -> bool:
     return False
 
 
-def _empty_message(optimizer, index: int, group: dict) -> str:
+def _empty_message(optimizer, index: int) -> str:
     return (f"yafsdp: param group {index} of {type(optimizer).__name__} holds no parameters, beside groups holding "
             "the flat shards of a yafsdp.YaFSDP model. A split by name over the wrapper's named_parameters() "
             "(no weight decay for biases and norms) matches nothing: the wrapper's names are its shards' "
@@ -137,7 +141,5 @@ def check_before_step(optimizer) -> None:
     if optimizer in _CHECKED:
         return
     for g in optimizer.param_groups:
-        for p in g["params"]:
-            if getattr(p, "_yafsdp_replaced", None) is not None:
-                raise ValueError(_replaced_message(optimizer, p))
+        _refuse_replaced(optimizer, g["params"])
     _CHECKED.add(optimizer)
