@@ -12,7 +12,6 @@ allocated. The work is done elsewhere:
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 
 import torch
@@ -29,6 +28,7 @@ from ..engine.autograd import gate_small_group, install_hooks, rest_small_group
 from ..layout.config import OPTIONS, EngineConfig, build_config, options_doc
 from ..engine.ddp_guard import WrappedTwiceError, wrapped_twice_message
 from .ema import refuse_deepcopy
+from .module_methods import INIT_METHODS, adapt_module_methods
 from ..optim.hooks import install_optimizer_hooks
 from ..engine import shards
 from ..engine.runtime import Runtime, in_backward
@@ -205,13 +205,7 @@ class YaFSDP(nn.Module):
         for m in entries:
             m.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True, prepend=True)
             m.register_forward_hook(self._root_post_forward, with_kwargs=True, always_call=True)
-            # HF's generate() keeps every rank forwarding until all are done (synced_gpus) for the models it
-            # knows to be sharded (FSDP's, DeepSpeed's): for these too, or a rank that ends first leaves the others
-            # in a gather. Asked per call (not by marking the module as FSDP's, which torch.compile reads too).
-            if self.world_size > 1 and callable(getattr(m, "generate", None)):
-                m.__dict__["generate"] = _synced_generate(m.generate)
-        module.register_state_dict_pre_hook(_refuse_module_state_dict)
-        module.register_load_state_dict_pre_hook(_refuse_module_load_state_dict)  # one line, not one per parameter
+        adapt_module_methods(module, entries, self.world_size)  # state_dict refused, generate synced: module_methods.py
 
     # ------------------------------------------------------------------ forward
     # [Note: the root entry]
@@ -328,7 +322,7 @@ class YaFSDP(nn.Module):
             if inner is None or name == "module":
                 raise
             attr = getattr(inner, name)
-            if name in _INIT_METHODS and callable(attr):
+            if name in INIT_METHODS and callable(attr):
                 def run_written_back(*args, **kwargs):
                     with self.summon_full_params(writeback=True):
                         return attr(*args, **kwargs)
@@ -682,38 +676,6 @@ def _conversion_error(out: torch.Tensor, device) -> RuntimeError:
         f"supported: its parameters are fp32 master shards on {device} that the engine owns. For "
         "bf16/fp16 compute pass param_dtype= (and reduce_dtype=) to YaFSDP(...); to use another device, "
         "move the module before wrapping or pass device= to YaFSDP(...)"
-    )
-
-
-# Methods of the wrapped module (reached through YaFSDP.__getattr__) that (re-)initialise parameters:
-# they run inside summon_full_params(writeback=True). See [Note: the module tree after wrapping].
-_INIT_METHODS = frozenset({"init_weights", "post_init", "_init_weights", "initialize_weights", "reset_parameters",
-                           "_initialize_weights"})
-
-
-def _refuse_module_state_dict(module, prefix, keep_vars):
-    raise RuntimeError(
-        f"yafsdp: state_dict() of the module wrapped by yafsdp.YaFSDP ({type(module).__name__}) would hold none of "
-        "its parameters (they are sharded); use model.full_state_dict() on the YaFSDP wrapper, or "
-        "yafsdp.checkpoint / yafsdp.hf.export_hf"
-    )
-
-
-def _synced_generate(generate):
-    """HF ``generate`` with ``synced_gpus=True`` unless the call says otherwise (see YaFSDP.__init__)."""
-    @functools.wraps(generate)
-    def synced(*args, **kwargs):
-        kwargs.setdefault("synced_gpus", True)
-        return generate(*args, **kwargs)
-
-    return synced
-
-
-def _refuse_module_load_state_dict(module, state_dict, prefix, *args):
-    raise RuntimeError(
-        f"yafsdp: load_state_dict() on the module wrapped by yafsdp.YaFSDP ({type(module).__name__}) cannot write "
-        "its parameters (they are sharded); use model.load_full_state_dict(state_dict) on the YaFSDP wrapper (the "
-        "original keys), or yafsdp.checkpoint.load_checkpoint / yafsdp.hf.load_hf_weights"
     )
 
 
