@@ -139,10 +139,13 @@ def _peft_model(case: str):
         "modules_to_save": peft.LoraConfig(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], **lora),
         "dora": peft.LoraConfig(target_modules=["q_proj", "v_proj"], use_dora=True, **lora),
         "tokens": peft.LoraConfig(target_modules=["q_proj"], trainable_token_indices=[1, 5], **lora),
+        # tied embeddings: the head's token layer reads the embedding's delta through the tied base weight (one unit
+        # with the embedding: layout/units.py, a unit all of whose parameters belong to another)
+        "tied_tokens": peft.LoraConfig(target_modules=["q_proj"], trainable_token_indices=[1, 5, 7], **lora),
         "named": peft.LoraConfig(target_modules=["q_proj"], **lora),
         "causal_lm": peft.LoraConfig(target_modules=["q_proj"], task_type="CAUSAL_LM", **lora),
     }
-    model = peft.get_peft_model(tiny_llama(), configs[case])
+    model = peft.get_peft_model(tiny_llama(tie=case.startswith("tied")), configs[case])
     if case == "named":  # a second named adapter with its own modules_to_save
         model.add_adapter("second", peft.LoraConfig(target_modules=["v_proj"], modules_to_save=["lm_head"], **lora))
     g = torch.Generator().manual_seed(1)
@@ -153,7 +156,7 @@ def _peft_model(case: str):
     return model
 
 
-TRAINED = ("modules_to_save", "dora")  # trained 3 steps like the unsharded PEFT model, then saved
+TRAINED = ("modules_to_save", "dora", "tied_tokens")  # trained 3 steps like the unsharded PEFT model, then saved
 UNTRAINED = ("tokens", "named")  # saved as wrapped: the same weights as a fresh PEFT model
 ADAPTERS = {"named": ("default", "second")}
 _IDS = torch.tensor([[3, 14, 15, 9, 2, 6]])
@@ -211,9 +214,8 @@ def _reference_adapters():
 
 def test_save_adapter_equals_peft_state_dict(peft_results):
     """The adapter file holds, key for key, what PEFT's get_peft_model_state_dict gives on the unwrapped
-    PEFT model trained the same way (LoRA + modules_to_save, DoRA: fp32 parity; trainable tokens and
-    two named adapters untrained: bit for bit). Training parity of trainable_token_indices is not
-    claimed here (it depends on the fix of the embedding weight read outside its unit)."""
+    PEFT model trained the same way (LoRA + modules_to_save, DoRA, trainable tokens of a tied embedding:
+    fp32 parity; trainable tokens and two named adapters untrained: bit for bit)."""
     from parity import rel_l2
 
     got = peft_results[0]

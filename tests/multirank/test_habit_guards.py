@@ -11,11 +11,23 @@ changes nothing (the next step is the unsharded model's step).
 - ``m.weight = nn.Parameter(...)`` on a module of the wrapped tree: ignored (the old values kept
   being gathered); ``m.head = nn.Linear(...)`` / ``ModuleList.append``: the new parameters were in
   no shard, never reduced nor trained;
+- ``torch.func.functional_call`` over the wrapper or its module: the given tensors were ignored and the
+  forward ran the model's own weights;
+- a loss term computed from the flat shards (an L2 penalty over ``model.parameters()``): its gradient
+  reached them through autograd's accumulation, which the engine's fold overwrote on some units;
 - HF ``generate()`` where one rank reaches its EOS first: that rank stopped forwarding and left the
   others in a gather (a gloo abort); HF now keeps every rank forwarding until all are done
   (``synced_gpus=True`` by default, as for FSDP models), and each rank's tokens are the unsharded model's.
 
 yafsdp/optim/guard.py and yafsdp/engine/tree_guard.py. One spawn of 2 ranks (gloo, fp32, ZeRO-3).
+
+And habits that must simply work: a unit's own module's pre-hooks that read its weights --
+``torch.nn.utils.prune`` and the old ``weight_norm`` applied before wrapping, a pre-hook registered
+before wrapping -- see the weights the unsharded module's hooks see and train the same
+([Note: the engine's hooks around the user's] in yafsdp/engine/autograd.py; they were refused as
+reads outside the unit's forward), beside forward hooks that use the weights (registered before
+wrapping) or replace the output (after). A forward hook registered after wrapping that reads a
+weight is refused with where to read it. A second spawn, ZeRO-3 and ZeRO-2.
 """
 from __future__ import annotations
 
@@ -107,6 +119,12 @@ def _cases(rank, world):
     with torch.no_grad():
         ref.model.norm.weight.fill_(2.0)
     out["written_back"] = float(m.full_parameter("model.norm.weight").sub(2.0).abs().max())
+    # torch.func.functional_call swaps parameters without a hook: the engine ran its own weights instead
+    x0 = batch("llama", 0, 0, rank)
+    out["fcall_flat"] = _err(lambda: torch.func.functional_call(
+        m, {k: v.detach() * 0.9 for k, v in m.named_parameters()}, (), x0))
+    out["fcall_orig"] = _err(lambda: torch.func.functional_call(
+        lm, {"lm_head.weight": torch.zeros(lm.lm_head.weight.shape)}, (), x0))
     out["step_diff"] = _step_matches_unsharded(m, ref, rank, world, 1)  # the refused calls changed nothing
     # -- HF generate() where one rank ends first (its EOS): HF keeps it forwarding (synced_gpus) as for FSDP
     gen, gref = yafsdp.YaFSDP(tiny_llama(seed=2)), tiny_llama(seed=2)
@@ -121,6 +139,26 @@ def _cases(rank, world):
     s.module.inp.bias = None  # torch calls no hook for a None: refused at the unit's next use
     g = torch.Generator().manual_seed(rank)
     out["bias_none"] = _err(lambda: s(torch.randn(2, 7, generator=g)))
+    # -- a loss term over the flat shards (an L2 penalty over model.parameters()): its gradient was overwritten by
+    # the engine's fold on some units and kept on others; refused, and added after backward instead it is DDP's
+    pen, pref = yafsdp.YaFSDP(tiny_llama(seed=4)), tiny_llama(seed=4)
+    lam = 0.01
+    out["penalty"] = _err(lambda: (pen(**batch("llama", 3, 0, rank)).loss
+                                   + lam * sum(p.pow(2).sum() for p in pen.parameters())).backward())
+    pen.zero_grad()
+    opt, ropt = torch.optim.SGD(pen.parameters(), lr=0.5), torch.optim.SGD(pref.parameters(), lr=0.5)
+    pen(**batch("llama", 3, 0, rank)).loss.backward()
+    with torch.no_grad():
+        for p in pen.parameters():
+            p.grad.add_(p, alpha=2 * lam)
+    opt.step()
+    for r in range(world):
+        (pref(**batch("llama", 3, 0, r)).loss / world).backward()
+    (lam * sum(p.pow(2).sum() for p in pref.parameters())).backward()
+    ropt.step()
+    full = pen.full_state_dict()
+    out["penalty_step"] = max((float((full[k] - v).abs().max()) for k, v in pref.state_dict().items() if k in full),
+                              default=0.0)
     return out
 
 
@@ -156,9 +194,79 @@ def test_habits_refused_at_the_call():
         assert "resize_token_embeddings() after wrapping" in r["resize"] and "before wrapping" in r["resize"], r["resize"]
         assert "was given new storage (p.data = ...; torch.nn.utils.vector_to_parameters" in r["data_assigned"], \
             r["data_assigned"]
+        for k, name in (("fcall_flat", "flat.model_embed_tokens"), ("fcall_orig", "lm_head.weight")):
+            assert f"'{name}' holds a Tensor that yafsdp did not put there (torch.func.functional_call" in r[k], r[k]
         assert r["written_back"] == 0.0
         assert r["step_diff"] < 1e-6, r["step_diff"]  # (rank 0 compares; the others return 0)
         got, want = r["generated"]
         assert got == want, r["generated"]
         assert r["gen_step_diff"] < 1e-6, r["gen_step_diff"]
         assert "'inp.bias' was set to None after yafsdp.YaFSDP wrapped" in r["bias_none"], r["bias_none"]
+        assert "a gradient reached the flat shard of unit" in r["penalty"] and "p.grad.add_(p, alpha=2 * lam)" \
+            in r["penalty"], r["penalty"]
+        assert r["penalty_step"] < 1e-6, r["penalty_step"]
+
+
+def _hooked(seed: int):
+    """tiny_llama with hooks registered before wrapping that read a unit's own module's weights (the hooked
+    modules are units: lm_head, the embedding, a decoder layer), and the values the head's hooks saw."""
+    import torch.nn.utils.prune as prune
+
+    m = tiny_llama(seed=seed)
+    head, seen = m.lm_head, []
+    prune.l1_unstructured(head, "weight", amount=0.3)  # weight = weight_orig * weight_mask, in a pre-hook
+    m.model.embed_tokens = torch.nn.utils.weight_norm(m.model.embed_tokens, dim=0)  # weight from g and v
+    head.register_forward_pre_hook(lambda mod, a: seen.append(float(mod.weight_orig.detach().double().sum())))
+    # a forward hook that uses the weights in what it returns (before wrapping it runs while they are there)
+    layer = m.model.layers[1]
+    layer.register_forward_hook(lambda mod, a, o: (o[0] + 0.1 * torch.tanh(o[0] @ mod.mlp.down_proj.weight[:, :32]),)
+                                + tuple(o[1:]) if isinstance(o, tuple) else o + 0.1 * torch.tanh(o @ mod.mlp.down_proj.weight[:, :32]))
+    return m, seen
+
+
+def _after(m: nn.Module) -> None:
+    """A forward hook registered after wrapping that replaces a unit's output (layer 0's)."""
+    m.model.layers[0].register_forward_hook(lambda mod, a, o: (o[0] * 0.5,) + tuple(o[1:]) if isinstance(o, tuple)
+                                            else o * 0.5)
+
+
+def _hook_cases(rank, world):
+    import warnings
+
+    warnings.simplefilter("ignore", FutureWarning)  # the old weight_norm's deprecation
+    out = {}
+    for zero in (3, 2):
+        base, seen = _hooked(3)
+        ref, rseen = _hooked(3)
+        model = yafsdp.YaFSDP(base, zero_stage=zero)
+        _after(model.module)
+        _after(ref)
+        diffs = [_step_matches_unsharded(model, ref, rank, world, step) for step in range(2)]
+        # the reference runs every rank's batch (world forwards per step): what it saw, once per step
+        out[zero] = (diffs, list(seen), rseen[::world])
+    # a forward hook registered after wrapping runs after the engine took the weights back: refused, with where
+    # to read them instead
+    head = model.module.lm_head
+    handle = head.register_forward_hook(lambda mod, a, o: mod.weight_orig.sum())
+    out["after"] = _err(lambda: model(**batch("llama", 5, 0, rank)))
+    handle.remove()
+    # a global pre-hook runs before every module's own hooks, the engine's included: its read is refused
+    handle = nn.modules.module.register_module_forward_pre_hook(
+        lambda mod, a: mod.weight_orig.sum() if mod is head else None)
+    try:
+        out["global"] = _err(lambda: model(**batch("llama", 5, 0, rank)))
+    finally:
+        handle.remove()
+    return out
+
+
+def test_hooks_on_a_units_module_see_its_weights():
+    for r in run_ranks(_hook_cases, WORLD):
+        after, glob = r.pop("after"), r.pop("global")
+        assert "parameter 'lm_head.weight_orig' (unit 'lm_head') was used by 'sum' outside its unit's forward" \
+            in after and "right after unit 'lm_head''s forward ended" in after and "forward pre-hook" in after, after
+        assert "parameter 'lm_head.weight_orig' (unit 'lm_head') was used by 'sum' outside its unit's forward" \
+            in glob and "right after" not in glob, glob
+        for zero, (diffs, seen, want) in r.items():
+            assert max(diffs) < 1e-6, (zero, diffs)  # (rank 0 compares; the others return 0)
+            assert len(seen) == 2 and seen == want, (zero, seen, want)  # the head's pre-hook, once per step

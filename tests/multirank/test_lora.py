@@ -68,10 +68,67 @@ def _sharded(rank, world, out_dir):
                 trainable=sum(i.numel for i in wrapped.shard_info() if i.kind == "trainable"))
 
 
+def _two_adapters():
+    model = _lora_model()
+    model.add_adapter("second", peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                lora_dropout=0.0, init_lora_weights=False))  # B not zero
+    return model
+
+
+def _err(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 (the message is what is checked)
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _switches(rank, world, root):
+    """PEFT's adapter switches on a wrapped model, against the same calls on the unwrapped one: the base model's
+    logits inside ``disable_adapter()`` (TRL's DPO reference with ref_model=None), then a training step as
+    before; ``set_adapter`` to another adapter refused before anything changed; the exports that would not be
+    what the user meant, refused naming the right ones."""
+    model, ref = yafsdp.YaFSDP(_two_adapters()), _two_adapters()
+    x = batch("llama", 5, 0, rank)
+    out = {}
+    with torch.no_grad():
+        with model.module.disable_adapter():
+            got = model(**x).logits
+        with ref.disable_adapter():
+            want = ref(**x).logits
+        out["disabled"] = (got - want).abs().max().item()
+        out["disabled_vs_adapted"] = (got - ref(**x).logits).abs().max().item()  # the adapter did change them
+    model.module.base_model.disable_adapter_layers()  # the same, by hand
+    with torch.no_grad():
+        out["by_hand"] = (model(**x).logits - want).abs().max().item()
+    model.module.base_model.enable_adapter_layers()
+    out["trainable"] = [n for n, p in model.module.named_parameters() if p.requires_grad] == \
+        [n for n, p in ref.named_parameters() if p.requires_grad]
+    out["set_same"] = _err(lambda: model.module.set_adapter("default"))
+    out["set_other"] = _err(lambda: model.module.set_adapter("second"))
+    out["set_other_tuner"] = _err(lambda: model.module.base_model.set_adapter("second"))
+    out["active"] = model.module.active_adapter
+    opt, ropt = (torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in (model, ref))
+    loss_of(model, "llama", batch("llama", 6, 0, rank)).backward()
+    for r in range(world):
+        (loss_of(ref, "llama", batch("llama", 6, 0, r)) / world).backward()
+    opt.step()
+    ropt.step()
+    full = model.full_state_dict()
+    out["step"] = max(((full[k] - v).abs().max().item() for k, v in ref.state_dict().items() if k in full),
+                      default=0.0)
+    out["export_hf"] = _err(lambda: yafsdp.hf.export_hf(model, os.path.join(root, "hf")))
+    out["exported"] = os.path.exists(os.path.join(root, "hf"))
+    out["save_pretrained"] = _err(lambda: model.save_pretrained(os.path.join(root, "sp")))
+    out["module_save_pretrained"] = _err(lambda: model.module.save_pretrained(os.path.join(root, "msp")))
+    return out
+
+
 def _world2(rank, world, root):
     """The world-2 runs of this file in one spawn."""
     return dict(sharded=_sharded(rank, world, os.path.join(root, "adapter")),
-                not_peft=_not_peft(rank, world, os.path.join(root, "x")), mixed=_mixed_sharded(rank, world))
+                not_peft=_not_peft(rank, world, os.path.join(root, "x")), mixed=_mixed_sharded(rank, world),
+                switches=_switches(rank, world, os.path.join(root, "switches")))
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +178,20 @@ def _not_peft(rank, world, out_dir):
     except yafsdp.adapters.AdapterError as e:
         return str(e)
     return None
+
+
+def test_adapter_switches_and_exports(world2):
+    """[Note: PEFT's adapter switches] in yafsdp/engine/orig_params.py; export_hf and save_pretrained of a PEFT model."""
+    for r in (per_rank["switches"] for per_rank in world2[1]):
+        assert r["disabled"] < 1e-6 and r["by_hand"] < 1e-6 and r["disabled_vs_adapted"] > 1e-3, r
+        assert r["trainable"] and r["set_same"] == "" and r["active"] == "default", r
+        for k in ("set_other", "set_other_tuner"):
+            assert "set_adapter('second') on a wrapped PEFT model" in r[k] and "before yafsdp.YaFSDP(model)" in r[k], r[k]
+        assert r["step"] < 1e-6, r["step"]  # (rank 0 compares; the others return 0)
+        assert "holds PEFT adapters" in r["export_hf"] and "model.save_adapter(out_dir)" in r["export_hf"] and \
+            "export_merged" in r["export_hf"] and not r["exported"], r["export_hf"]
+        for k in ("save_pretrained", "module_save_pretrained"):
+            assert "model.save_adapter(out_dir)" in r[k] and "export_merged" in r[k], r[k]
 
 
 def test_save_adapter_refuses_a_model_without_adapters(world2):

@@ -70,6 +70,22 @@ keep that true whatever forwards ran in between (a validation loss, a frozen ref
   over the buffer, trainable ones requiring grad, and the same for the small group's weights inside
   them. A reentrant checkpoint backpropagates through the recompute; a gradient reaching such a
   leaf means exactly that, and is refused by a hook on it.
+
+[Note: the engine's hooks around the user's]
+A member module holds its unit's weights from the engine's forward pre-hook to its forward hook.
+The pre-hook goes first among the module's pre-hooks (``prepend=True``), so the user's pre-hooks
+run with the weights handed out, whenever they were registered: ``torch.nn.utils.prune``'s and the
+old ``torch.nn.utils.weight_norm``'s (they compute ``weight`` from other parameters), or one that
+reads a weight. What they compute from the weights is upstream of the unit's output or held by
+the gate's outputs, so its backward runs while the unit is held (the gate waits for every gradient
+of its weights). The forward hook keeps its place in registration order: a user forward hook
+registered before wrapping runs with the weights still there, and the backward gate goes on the
+output it returns, so what it computes from them is inside the unit's backward; one registered
+after wrapping gets the gated output (differentiable when kept for a loss) and the weights taken
+back, so its read is refused, with a hint to read in a pre-hook or register before wrapping
+(``Runtime.closed_last``). A hook that runs before the engine's pre-hook (a global
+``register_module_forward_pre_hook``, or one registered after wrapping with ``prepend=True``)
+sees the weights at rest: its read is refused too.
 """
 from __future__ import annotations
 
@@ -348,8 +364,11 @@ def _hand(owner: nn.Module, attr: str, t: torch.Tensor) -> None:
     forward that is a view of the same place (see [Note: recomputed weights])."""
     if not torch.is_grad_enabled() and _same_place(owner.__dict__.get(attr), t):
         return
-    if owner._parameters.get(attr) is None:  # ``m.bias = None`` after wrapping (torch calls no hook for a None)
-        raise RuntimeError(tree_guard.set_to_none_message(owner, attr))
+    held = owner._parameters.get(attr)
+    if type(held) is not orig_params.ShardedParameter:
+        if held is None:  # ``m.bias = None`` after wrapping (torch calls no hook for a None)
+            raise RuntimeError(tree_guard.set_to_none_message(owner, attr))
+        raise RuntimeError(tree_guard.swapped_message(owner, attr, held))  # functional_call
     owner.__dict__[attr] = t
 
 
@@ -380,6 +399,7 @@ def _pre_hook(rt: Runtime, unit: Unit, index: _MemberIndex, uses: list, small_sl
             unit.lookup_armed = True  # the module's forward (lookup.LookupForward) takes it
             uses.append((_LOOKUP, []))
             return None
+        rt.closed_last = None
         rt.unit_forward(unit)
         if rt.root_depth == 0 and rt.small is not None:  # a unit run on its own: its norms and biases too
             gate_small_group(rt, rt.small.aliases)
@@ -426,6 +446,7 @@ def _post_hook(rt: Runtime, unit: Unit, index: "_MemberIndex", uses: list):
             _rebase_modified(passed)  # See [Note: boundary nodes and in-place ops]
             output = _attach_pre_backward(rt, unit, use, rt.previous_in_forward(), output, args, kwargs)
         unit.buffer.release()
+        rt.closed_last = unit  # See [Note: the engine's hooks around the user's]
         return output
 
     return post_hook
@@ -434,17 +455,56 @@ def _post_hook(rt: Runtime, unit: Unit, index: "_MemberIndex", uses: list):
 _LOOKUP = object()  # a member call's entry in ``uses`` when it is a sharded lookup (lookup.py)
 
 
+# [Note: gradients that reach a shard past the engine]
+# A flat shard's gradient is the engine's to write: the gate returns none for it, and this rank's reduced
+# slice is folded into ``.grad`` when the reduce completes -- at a fresh step by overwriting the grad
+# shard's memory (no zeroing pass). A loss term computed from the shards themselves (an L2 or proximal
+# penalty over ``model.parameters()``, EWC) reaches them through autograd's accumulation instead, at a
+# time autograd chooses: after the fold it was added, before it the fold overwrote it -- the penalty's
+# gradient silently lost on some units and kept on others. So a pre-hook on each trainable shard's
+# accumulation node refuses any gradient that arrives there (the gate's is always None): the term is
+# to be added to ``.grad`` after backward, where the values are this rank's slice as DDP's would be.
+# The node is kept alive by the unit (a node's hooks live as long as it does); the hook holds only names.
+def _refuse_direct(where: str):
+    def hook(grad_outputs):
+        if any(g is not None for g in grad_outputs):
+            raise RuntimeError(
+                f"yafsdp: a gradient reached {where} through autograd, not through its unit's forward: a loss "
+                "term computed from model.parameters() (the flat shards; an L2 or proximal penalty, EWC). The engine "
+                "writes this rank's reduced gradient into the shard's .grad and would overwrite it. Add the term's "
+                "gradient after backward instead, e.g. `with torch.no_grad(): p.grad.add_(p, alpha=2 * lam)` for p "
+                "in model.parameters() (each rank's slice, as DDP's), or use the optimizer's weight_decay")
+        return None
+
+    return hook
+
+
+def _guard_shards(rt: Runtime) -> None:
+    """See [Note: gradients that reach a shard past the engine]."""
+    for u in (*rt.units, rt.small):
+        shard = u.flat_param if u is not None else None
+        if shard is None or not shard.requires_grad:
+            continue
+        with torch.enable_grad():
+            node = shard.view_as(shard).grad_fn.next_functions[0][0]
+        node.register_prehook(_refuse_direct(f"the flat shard of unit {u.name!r} (flat.{u.name.replace('.', '_')})"))
+        u.__dict__["_accumulator"] = node
+
+
 def install_hooks(rt: Runtime) -> None:
     """A forward pre-hook and post-hook on every member module of every unit; the forward of an
-    embedding looked up from its shards ([Note: the sharded lookup of an embedding] in lookup.py)."""
+    embedding looked up from its shards ([Note: the sharded lookup of an embedding] in lookup.py);
+    the guard of the shards' gradients ([Note: gradients that reach a shard past the engine])."""
+    _guard_shards(rt)
     for u in rt.units:
         for m in u.members:
             # per call of the member running now (calls nest): its BackwardUse (None without grad) and
             # its inputs passed through _InputsDone
             uses: list = []
             index = _MemberIndex.of(m, u.params)
+            # the pre-hook first among the module's: [Note: the engine's hooks around the user's]
             m.module.register_forward_pre_hook(_pre_hook(rt, u, index, uses, _small_slots(rt, m.module)),
-                                               with_kwargs=True)
+                                               with_kwargs=True, prepend=True)
             m.module.register_forward_hook(_post_hook(rt, u, index, uses), with_kwargs=True)
         if lookup_unit(rt, u):
             install_lookup(rt, u)

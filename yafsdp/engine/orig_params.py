@@ -84,6 +84,7 @@ goes through an explicit collective (views.py) or is refused.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from collections import OrderedDict
@@ -164,7 +165,7 @@ class ShardedParameter(torch.Tensor):
             return me.__repr__()
         if me is not None and name in ("requires_grad_", "requires_grad") and kind != "get":
             want = bool(args[1]) if len(args) > 1 else bool(kwargs.get("requires_grad", True))
-            if want == me.requires_grad:
+            if want == me.requires_grad or (not want and _DISABLING_ADAPTERS[0]):  # See [Note: PEFT's adapter switches]
                 return me if kind == "call" else None
             raise RuntimeError(
                 f"yafsdp: requires_grad of {me._where()} cannot change after wrapping (it is {me.requires_grad}): "
@@ -206,7 +207,7 @@ class ShardedParameter(torch.Tensor):
         raise RuntimeError(
             f"yafsdp: {where} was used by {name!r} outside its unit's forward. After wrapping a parameter holds no "
             "values between its unit's uses (each rank keeps only its slice of the flat shard), so this would see "
-            f"no weights or another unit's; {_REMEDY}")
+            f"no weights or another unit's; {_after_forward_hint(me)}{_REMEDY}")
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -225,6 +226,42 @@ class ShardedParameter(torch.Tensor):
         handle = RemovableHandle(self._yafsdp_hooks)
         self._yafsdp_hooks[handle.id] = hook
         return handle
+
+
+# [Note: PEFT's adapter switches]
+# PEFT disables its adapters (``PeftModel.disable_adapter()``, the reference logits of TRL's DPO with
+# ``ref_model=None``; ``disable_adapter_layers()``; transformers' ``disable_adapters()``) through each
+# tuner layer's ``enable_adapters(False)``, which also turns ``requires_grad`` off on the adapter
+# weights, and ``enable_adapters(True)`` turns it back on for the active adapter. Which parameters train
+# is fixed at wrap time (they are in the trainable flat group), so while a layer disables its adapters
+# (``disabling_adapters``, entered by the wrapped layers' ``enable_adapters(False)``:
+# wrapper/module_methods.py) turning ``requires_grad`` off is a no-op: the disabled adapters take no
+# part in the forward, so they get no gradient either way, and enabling them again finds them as
+# they were -- the state PEFT restores. Anything else that would change a parameter's
+# ``requires_grad`` is refused, switching to another adapter included (module_methods.py refuses it
+# before PEFT changes anything).
+_DISABLING_ADAPTERS = [0]
+
+
+@contextlib.contextmanager
+def disabling_adapters():
+    """See [Note: PEFT's adapter switches]."""
+    _DISABLING_ADAPTERS[0] += 1
+    try:
+        yield
+    finally:
+        _DISABLING_ADAPTERS[0] -= 1
+
+
+def _after_forward_hint(me) -> str:
+    """For a read right after its unit's forward ended (a forward hook on the unit's module registered after
+    wrapping): where the weights can be read. See [Note: the engine's hooks around the user's] in autograd.py."""
+    unit, rt = (me._yafsdp_unit(), me._yafsdp_rt()) if me is not None else (None, None)
+    if unit is None or rt is None or rt.closed_last is not unit or in_backward():
+        return ""
+    return (f"it was read right after unit {unit.name!r}'s forward ended, as by a forward hook on its module "
+            "registered after wrapping, which runs after the engine took the weights back: read them in a forward "
+            "pre-hook (those run with the weights), or register the forward hook before wrapping; ")
 
 
 def _resolve_in_backward(args, kwargs):

@@ -169,6 +169,10 @@ class Runtime:
         # the next step entry records the schedule's copies-ready point. See ensure_step_ready.
         self.copies_changed = True
         self.root_depth = 0  # nesting of root forwards (the wrapped module's own forward)
+        # the unit whose member's forward hook ran last in this forward, until the next unit's forward or the end
+        # of the root forward: a read refused meanwhile gets a hint ([Note: the engine's hooks around the
+        # user's] in autograd.py)
+        self.closed_last: Unit | None = None
         # autograd graph task id -> the (unit, BackwardUse) holds taken in it, for each backward or
         # autograd.grad call that touched the engine and has not ended (see [Note: releasing by what
         # autograd runs] in autograd.py)
@@ -380,6 +384,7 @@ class Runtime:
         return small.aliases
 
     def end_forward(self, ok: bool) -> None:
+        self.closed_last = None
         if ok and self.trace:
             self.order = self.trace
         if not ok and not in_backward():  # an exception inside forward: drop every hold

@@ -93,6 +93,20 @@ def set_to_none_message(module, name: str) -> str:
             "Make the change before wrapping")
 
 
+def swapped_message(module, name: str, value) -> str:
+    """A parameter of the wrapped tree replaced without a hook (``torch.func.functional_call`` and torch's
+    stateless reparametrization write ``module._parameters[name]`` directly): refused at the unit's next use,
+    which would hand the module the unit's own weights in place of the given tensor. ``module`` None: ``name``
+    is the wrapper's (``flat.<unit>``)."""
+    qual = "" if module is None else _TREE[module][1] if module in _TREE else type(module).__name__
+    return (f"yafsdp: {_where(qual, name)!r} holds a {type(value).__name__} that yafsdp did not put there "
+            "(torch.func.functional_call, torch.nn.utils.stateless): the engine hands each unit's gathered weights "
+            "to its modules, so the tensor given in their place would be ignored and the forward would run the "
+            "model's own weights. functional_call over a wrapped model is not supported: run it on an unwrapped "
+            "model (model.full_state_dict() gives the weights), or change the weights inside "
+            "`with model.summon_full_params(writeback=True):`")
+
+
 def _params(m) -> set:
     return set() if m is None else {id(p) for p in m.parameters()}
 

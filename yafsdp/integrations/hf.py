@@ -78,6 +78,15 @@ def export_hf(model, out_dir: str, *, dtype: torch.dtype | None = None, tokenize
     ``out_dir`` on the coordinator, None elsewhere."""
     from .hf_export import export_dtype, export_folder, tied_keys
 
+    from ..wrapper.module_methods import has_adapters
+
+    if has_adapters(model.module):  # every rank alike: no collective yet
+        raise HFCheckpointError(
+            f"yafsdp.hf.export_hf: the wrapped module ({type(model.module).__name__}) holds PEFT adapters: its keys "
+            "(base_layer, lora_A.<adapter>, ...) are no checkpoint that from_pretrained loads (it would load none of "
+            "them and start from random weights). Write the adapter with model.save_adapter(out_dir) "
+            "(PeftModel.from_pretrained(base, out_dir) loads it), or the base model with the adapter merged in with "
+            "yafsdp.adapters.export_merged(model, out_dir)")
     tied = tied_keys(model.module)
     return export_folder(model, out_dir, model.module, rename=lambda k: None if k in tied else k,
                          dtype=export_dtype(model, dtype), tokenizer=tokenizer, max_shard_size=max_shard_size,

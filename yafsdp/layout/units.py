@@ -199,18 +199,19 @@ def discover(root: nn.Module, units: list[nn.Module] | None) -> tuple[list[UnitS
         fresh = [p for p in big if id(p) not in owner_of]
         shared = [p for p in big if id(p) in owner_of]
         if shared:
+            # a module all of whose parameters (its subtree's) belong to one other unit, or are small: a member of
+            # that unit (a tied head; PEFT's trainable tokens on a tied head, whose base layer is the tied head)
             homes = {id(owner_of[id(p)]) for p in shared}
-            own_params = [infos[id(p)] for p in module._parameters.values() if p is not None]
-            only_shared = not fresh and all(p.small or id(p) in owner_of for p in own_params)
+            subtree = [infos[id(q)] for q in module.parameters()]
+            only_shared = not fresh and all(q.small or id(q) in owner_of for q in subtree)
             if len(homes) > 1 or not only_shared or any(
-                sub is not module and any(True for _ in sub.parameters(recurse=False))
-                for sub in module.modules()
-            ):
+                    not q.small and owner_of[id(q)] is not owner_of[id(shared[0])] for q in subtree):
                 p = shared[0]
                 raise WrapError(
                     f"parameter {p.fqn!r} is shared between unit {owner_of[id(p)].name!r} and unit {name!r} in an "
-                    "unsupported way: a shared parameter is supported only when the second unit is a single module "
-                    "holding nothing but parameters of one other unit (tied embeddings)"
+                    "unsupported way: a shared parameter is supported only when every parameter of the second unit "
+                    "belongs to one other unit (tied embeddings) or is a bias or norm; pass units= so that the "
+                    "modules sharing it are in one unit"
                 )
             home = owner_of[id(shared[0])]
             home.members.append(_member(module, name, home.params, infos))

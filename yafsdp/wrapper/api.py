@@ -28,11 +28,11 @@ from ..engine.autograd import gate_small_group, install_hooks, rest_small_group
 from ..layout.config import OPTIONS, EngineConfig, build_config, options_doc
 from ..engine.ddp_guard import WrappedTwiceError, wrapped_twice_message
 from .ema import refuse_deepcopy
-from .module_methods import INIT_METHODS, adapt_module_methods
+from .module_methods import INIT_METHODS, adapt_module_methods, has_adapters
 from ..optim.hooks import install_optimizer_hooks
 from ..engine import shards
 from ..engine.runtime import Runtime, in_backward
-from ..engine.tree_guard import watch as watch_tree
+from ..engine.tree_guard import swapped_message, watch as watch_tree
 from ..engine.shard_grad import plain
 from .state_dict import StateDictKeys, gather_full, load_full, materialize
 from ..layout.units import discover, mark_wrapped
@@ -184,6 +184,7 @@ class YaFSDP(nn.Module):
         # so that a parent module sees the original parameters only. See [Note: what a parent module sees]
         # in orig_params.py.
         self.__dict__["flat"] = self._rt.flat
+        self.__dict__["_flat_shards"] = list(self._rt.flat._parameters.items())  # See _check_flat
         self.module = module
         mark_wrapped(module)
         mark_wrapped(self)
@@ -229,12 +230,23 @@ class YaFSDP(nn.Module):
             )
         rt = self._rt
         rt.recover()  # before counting this entry: recovering an aborted backward resets the depth
+        if rt.root_depth == 0:
+            self._check_flat()
         rt.root_depth += 1
         if rt.root_depth == 1:
             small = rt.begin_forward()
             if small:
                 gate_small_group(rt, small)
         return None
+
+    def _check_flat(self) -> None:
+        """The flat shards the engine reads are the wrapper's parameters: ``torch.func.functional_call(model,
+        {"flat.<unit>": t}, ...)`` swaps them in ``model.flat._parameters`` without a hook, and the engine would
+        read its own shards instead of ``t``: refused."""
+        held = self._rt.flat._parameters
+        for name, shard in self.__dict__["_flat_shards"]:
+            if held.get(name) is not shard:
+                raise RuntimeError(swapped_message(None, f"flat.{name}", held.get(name)))
 
     def _root_post_forward(self, module, args, kwargs, output):
         if in_backward():
@@ -302,9 +314,12 @@ class YaFSDP(nn.Module):
         )
 
     def save_pretrained(self, *args, **kwargs):
+        peft = has_adapters(self.module)
         raise RuntimeError(
             "yafsdp.YaFSDP: save_pretrained() of the wrapped module would write no weights (they are sharded); "
-            "use yafsdp.hf.export_hf(model, out_dir) (collective) to write an HF checkpoint"
+            + ("for its PEFT adapter use model.save_adapter(out_dir) (collective; PeftModel.from_pretrained loads "
+               "it), for the base model with the adapter merged in yafsdp.adapters.export_merged(model, out_dir)"
+               if peft else "use yafsdp.hf.export_hf(model, out_dir) (collective) to write an HF checkpoint")
         )
 
     def resize_token_embeddings(self, *args, **kwargs):
