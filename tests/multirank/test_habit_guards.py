@@ -244,6 +244,17 @@ def _hook_cases(rank, world):
         diffs = [_step_matches_unsharded(model, ref, rank, world, step) for step in range(2)]
         # the reference runs every rank's batch (world forwards per step): what it saw, once per step
         out[zero] = (diffs, list(seen), rseen[::world])
+    # a loss on a middle layer's output only (HF's output_hidden_states): the layers' outputs keep their backward
+    # gates through HF's tuple, and the layers above it get no gradient (ZeRO-3)
+    hid, href = yafsdp.YaFSDP(tiny_llama(seed=5)), tiny_llama(seed=5)
+    hid(**batch("llama", 4, 0, rank), output_hidden_states=True).hidden_states[2].pow(2).mean().backward()
+    for r in range(world):
+        (href(**batch("llama", 4, 0, r), output_hidden_states=True).hidden_states[2].pow(2).mean() / world).backward()
+    with hid.summon_full_params(with_grads=True):
+        got = {n: p.grad for n, p in hid.module.named_parameters()}
+        out["hidden_grads"] = max(float((got[n] - p.grad).abs().max()) if p.grad is not None else
+                                  (-1.0 if got[n] is not None and bool(got[n].any()) else 0.0)
+                                  for n, p in href.named_parameters())
     # a forward hook registered after wrapping runs after the engine took the weights back: refused, with where
     # to read them instead
     head = model.module.lm_head
@@ -263,6 +274,7 @@ def _hook_cases(rank, world):
 def test_hooks_on_a_units_module_see_its_weights():
     for r in run_ranks(_hook_cases, WORLD):
         after, glob = r.pop("after"), r.pop("global")
+        assert 0.0 <= r.pop("hidden_grads") < 1e-6  # (-1: a gradient where the unsharded model has none)
         assert "parameter 'lm_head.weight_orig' (unit 'lm_head') was used by 'sum' outside its unit's forward" \
             in after and "right after unit 'lm_head''s forward ended" in after and "forward pre-hook" in after, after
         assert "parameter 'lm_head.weight_orig' (unit 'lm_head') was used by 'sum' outside its unit's forward" \
