@@ -147,7 +147,7 @@ def allocate(self, outsized_ratio: float) -> "Storage":
     off = foff = qoff = coff = roff = 0
     for u in self.all:
         u.anchor = torch.empty(0, device=dev, requires_grad=True)
-        attr = u.name.replace(".", "_")
+        attr = u.flat_attr
         for g in u.groups:
             n = g.layout.shard_numel
             if g.kind.reduced:

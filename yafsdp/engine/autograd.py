@@ -487,7 +487,7 @@ def _guard_shards(rt: Runtime) -> None:
             continue
         with torch.enable_grad():
             node = shard.view_as(shard).grad_fn.next_functions[0][0]
-        node.register_prehook(_refuse_direct(f"the flat shard of unit {u.name!r} (flat.{u.name.replace('.', '_')})"))
+        node.register_prehook(_refuse_direct(f"the flat shard of unit {u.name!r} (flat.{u.flat_attr})"))
         u.__dict__["_accumulator"] = node
 
 

@@ -437,5 +437,5 @@ def adopt_param_group(group: dict, held=frozenset()) -> None:
                 "the wrapper's parameters: model.parameters() (the flat shards), or model.param_groups(weight_decay) "
                 "for weight decay on matrices only (model: the yafsdp.YaFSDP wrapper)")
         if id(unit.flat_param) not in seen:
-            add.append((f"flat.{unit.name.replace('.', '_')}", unit.flat_param) if named else unit.flat_param)
+            add.append((f"flat.{unit.flat_attr}", unit.flat_param) if named else unit.flat_param)
     group["params"] = out[:first] + add + out[first:]

@@ -218,6 +218,12 @@ class Unit:
         return self.trainable.layout if self.trainable is not None else None
 
     @property
+    def flat_attr(self) -> str:
+        """Its name as an attribute (dots as underscores): its shards are ``flat.<flat_attr>`` among the wrapper's
+        parameters, ``frozen.<flat_attr>`` / ``nf4.<flat_attr>`` among its stored tensors."""
+        return self.name.replace(".", "_")
+
+    @property
     def flat_param(self) -> nn.Parameter | None:
         return self.trainable.shard if self.trainable is not None else None
 

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..wrapper.api import YaFSDP
+from ..wrapper.module_methods import has_adapters
 from ..engine.ddp_guard import wrapped_twice_message
 from ..tools.watchdog import Watchdog
 
@@ -302,7 +303,7 @@ def export(model: YaFSDP, output_dir: str) -> None:
     (created; files of other names already there are kept, as ``save_pretrained`` does)."""
     from .hf import write_hf
 
-    is_peft = isinstance(getattr(model.module, "peft_config", None), dict)
+    is_peft = has_adapters(model.module)
     tmp = output_dir.rstrip("/") + ".yafsdp-export"
     if model.coordinator:
         shutil.rmtree(tmp, ignore_errors=True)
